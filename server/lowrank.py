@@ -1,0 +1,272 @@
+"""Low-rank factorization of the feature extractor: decompose, reconstruct, factorized layers, rank plans.
+
+A weight W is viewed as a matrix M (m×n) and factorized as M ≈ U Vᵀ with U (m×r), V (n×r):
+- Linear W (out, in): M = W.
+- Conv2d W (c_out, c_in, kh, kw): M = W.permute(0, 2, 1, 3).reshape(c_out·kh, c_in·kw), so the factors
+  run as a 1×kw conv c_in→r (width axis) followed by a kh×1 conv r→c_out (height axis, with the bias).
+  Reshaping without the permute does not give a separable pair of convs and is wrong even at full rank.
+Spectral initialisation U = U_r·√S_r, V = V_r·√S_r is the Eckart–Young optimum at rank r.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FE_PREFIX = "fe."
+FACTOR_SUFFIXES = (".u", ".v")
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(m, n) of the matrix view of a Linear (2-D) or Conv2d (4-D) weight shape."""
+    if len(shape) == 2:
+        return int(shape[0]), int(shape[1])
+    if len(shape) == 4:
+        c_out, c_in, kh, kw = shape
+        return int(c_out * kh), int(c_in * kw)
+    raise ValueError(f"only 2-D (Linear) and 4-D (Conv2d) weights can be factorized, got shape {tuple(shape)}")
+
+
+def full_rank(shape: tuple[int, ...]) -> int:
+    return min(matrix_shape(shape))
+
+
+def rank_for_ratio(ratio: float, shape: tuple[int, ...]) -> int:
+    """r = max(1, round(ratio · min(m, n))), as in the paper."""
+    _check_ratio(ratio)
+    return max(1, round(ratio * full_rank(shape)))
+
+
+def factorization_is_lighter(rank: int, shape: tuple[int, ...]) -> bool:
+    """True while r·(m+n) < m·n: only then do the factors hold fewer numbers (and cost fewer MACs)."""
+    m, n = matrix_shape(shape)
+    return rank * (m + n) < m * n
+
+
+def to_matrix(weight: torch.Tensor) -> torch.Tensor:
+    matrix_shape(tuple(weight.shape))
+    if weight.dim() == 2:
+        return weight
+    c_out, c_in, kh, kw = weight.shape
+    return weight.permute(0, 2, 1, 3).reshape(c_out * kh, c_in * kw)
+
+
+def from_matrix(matrix: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if len(shape) == 2:
+        return matrix.reshape(shape)
+    c_out, c_in, kh, kw = shape
+    return matrix.reshape(c_out, kh, c_in, kw).permute(0, 2, 1, 3).contiguous()
+
+
+def decompose(weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated-SVD factors (U, V) of ``weight`` at ``rank``, balanced as U_r√S_r, V_r√S_r."""
+    full = full_rank(tuple(weight.shape))
+    if not 1 <= rank <= full:
+        raise ValueError(f"rank {rank} is outside [1, {full}] for a weight of shape {tuple(weight.shape)}")
+    u, s, vh = torch.linalg.svd(to_matrix(weight.detach()).double(), full_matrices=False)
+    root = s[:rank].sqrt()
+    return (u[:, :rank] * root).to(weight.dtype), (vh[:rank].T * root).to(weight.dtype)
+
+
+def reconstruct(u: torch.Tensor, v: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The full-rank weight of ``shape`` from its factors: the exact inverse of the layout in decompose."""
+    m, n = matrix_shape(shape)
+    if u.dim() != 2 or v.dim() != 2 or u.shape[0] != m or v.shape[0] != n or u.shape[1] != v.shape[1]:
+        raise ValueError(f"factors U{tuple(u.shape)}, V{tuple(v.shape)} do not fit a weight of shape {tuple(shape)}")
+    return from_matrix(u @ v.T, shape)
+
+
+def gram_frobenius(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """‖U Vᵀ‖²_F = Σ (UᵀU) ⊙ (VᵀV): O((m+n)·r²) instead of forming the m×n product."""
+    return ((u.T @ u) * (v.T @ v)).sum()
+
+
+class FactorizedLinear(nn.Module):
+    """Linear in→r (weight Vᵀ, no bias) then r→out (weight U, bias)."""
+
+    def __init__(self, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.u = nn.Parameter(u.detach().clone())
+        self.v = nn.Parameter(v.detach().clone())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return self.u.shape[0], self.v.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.v.T), self.u, self.bias)
+
+
+class FactorizedConv2d(nn.Module):
+    """A 1×kw conv c_in→r (width stride/padding) then a kh×1 conv r→c_out (height stride/padding, bias)."""
+
+    def __init__(self, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, weight_shape: tuple[int, ...],
+                 stride: tuple[int, int], padding: tuple[int, int]):
+        super().__init__()
+        self.u = nn.Parameter(u.detach().clone())
+        self.v = nn.Parameter(v.detach().clone())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        self.weight_shape = tuple(int(d) for d in weight_shape)
+        self.stride = stride
+        self.padding = padding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c_out, c_in, kh, kw = self.weight_shape
+        r = self.u.shape[1]
+        width_kernel = self.v.T.reshape(r, c_in, 1, kw)
+        height_kernel = self.u.reshape(c_out, kh, r).permute(0, 2, 1).unsqueeze(3)
+        z = F.conv2d(x, width_kernel, stride=(1, self.stride[1]), padding=(0, self.padding[1]))
+        return F.conv2d(z, height_kernel, self.bias, stride=(self.stride[0], 1), padding=(self.padding[0], 0))
+
+
+FactorizedLayer = (FactorizedLinear, FactorizedConv2d)
+
+
+def factorize_layer(layer: nn.Module, rank: int) -> nn.Module:
+    """The factorized twin of a dense Linear/Conv2d, initialised by truncated SVD."""
+    u, v = decompose(layer.weight, rank)
+    if isinstance(layer, nn.Linear):
+        return FactorizedLinear(u, v, layer.bias)
+    if isinstance(layer, nn.Conv2d):
+        if layer.groups != 1 or layer.dilation != (1, 1) or not isinstance(layer.padding, tuple):
+            raise ValueError("only ungrouped, undilated Conv2d with numeric padding can be factorized")
+        return FactorizedConv2d(u, v, layer.bias, tuple(layer.weight.shape), layer.stride, layer.padding)
+    raise TypeError(f"cannot factorize a {type(layer).__name__}")
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """A client's rank ratio r_k and the FE layers Q_k it factorizes (None: the default layers).
+
+    The default Q_k is every Conv2d/Linear of the FE except the first one: the input layer holds few
+    parameters (800 of FedAvgCNN's 576k) and its rank is capped by c_in·k, so factorizing it saves nothing.
+    """
+
+    ratio: float = 1.0
+    layers: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check_ratio(self.ratio)
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A plan applied to a concrete FE: the rank of each factorized layer, and the layers kept dense
+    because their factors would hold as many numbers as the dense weight or more."""
+
+    ranks: dict[str, int]
+    kept_dense: tuple[str, ...] = field(default=())
+
+    def describe(self) -> str:
+        parts = [f"{name}@r{rank}" for name, rank in self.ranks.items()]
+        parts += [f"{name}=dense(costlier)" for name in self.kept_dense]
+        return ", ".join(parts) if parts else "dense"
+
+
+def _check_ratio(ratio: float) -> None:
+    if not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
+        raise ValueError(f"rank ratio must be in (0, 1], got {ratio!r}")
+
+
+def factorizable_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Conv2d/Linear modules of the FE, by their name in the model (``fe.conv1`` ...), in order."""
+    return {name: m for name, m in model.named_modules()
+            if name.startswith(FE_PREFIX) and isinstance(m, (nn.Conv2d, nn.Linear))}
+
+
+def _qualify(name: str) -> str:
+    return name if name.startswith(FE_PREFIX) else FE_PREFIX + name
+
+
+def resolve_plan(model: nn.Module, plan: RankPlan) -> ResolvedPlan:
+    """Per-layer ranks for ``plan`` on ``model``'s FE; unknown layers raise, costlier layers stay dense."""
+    candidates = factorizable_layers(model)
+    if plan.layers is None:
+        chosen = list(candidates)[1:]
+    else:
+        chosen = [_qualify(n) for n in plan.layers]
+        unknown = [n for n in chosen if n not in candidates]
+        if unknown:
+            raise ValueError(f"unknown FE layer(s) {unknown} in rank plan; factorizable: {list(candidates)}")
+    ranks: dict[str, int] = {}
+    kept_dense: list[str] = []
+    for name in chosen:
+        shape = tuple(candidates[name].weight.shape)
+        rank = rank_for_ratio(plan.ratio, shape)
+        if factorization_is_lighter(rank, shape):
+            ranks[name] = rank
+        else:
+            kept_dense.append(name)
+    return ResolvedPlan(ranks, tuple(kept_dense))
+
+
+def check_ranks(model: nn.Module, ranks: dict[str, int]) -> None:
+    """Raise on a rank outside [1, full rank] or a layer that is not a factorizable FE layer."""
+    candidates = factorizable_layers(model)
+    for name, rank in ranks.items():
+        if name not in candidates:
+            raise ValueError(f"unknown FE layer {name!r}; factorizable: {list(candidates)}")
+        full = full_rank(tuple(candidates[name].weight.shape))
+        if not 1 <= rank <= full:
+            raise ValueError(f"rank {rank} for {name} is outside [1, {full}]")
+
+
+def factorize_model(model: nn.Module, ranks: dict[str, int]) -> nn.Module:
+    """A deep copy of ``model`` whose named FE layers are replaced by SVD-initialised factorized layers."""
+    check_ranks(model, ranks)
+    client = copy.deepcopy(model)
+    for name, rank in ranks.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = client.get_submodule(parent_name)
+        setattr(parent, child, factorize_layer(getattr(parent, child), rank))
+    return client
+
+
+def frobenius_decay(model: nn.Module) -> torch.Tensor:
+    """Σ_q ‖U_q V_qᵀ‖²_F over the factorized layers (0 for a dense model)."""
+    terms = [gram_frobenius(m.u, m.v) for m in model.modules() if isinstance(m, FactorizedLayer)]
+    return torch.stack(terms).sum() if terms else torch.zeros(())
+
+
+def fe_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The FE's tensors by full name (``fe.conv1.weight`` or ``fe.fc1.u``/``.v``), detached copies."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(FE_PREFIX)}
+
+
+def factorize_state(global_fe: dict[str, torch.Tensor], ranks: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The client's FE tensors: each ``L.weight`` of a layer in ``ranks`` becomes ``L.u`` and ``L.v``."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in global_fe.items():
+        layer = key.rsplit(".", 1)[0]
+        if key.endswith(".weight") and layer in ranks:
+            out[layer + ".u"], out[layer + ".v"] = decompose(value, ranks[layer])
+        else:
+            out[key] = value.clone()
+    return out
+
+
+def reconstruct_state(client_fe: dict[str, torch.Tensor], dense_shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Full-rank FE tensors from a client's FE (factors multiplied back, dense tensors passed through).
+
+    ``dense_shapes`` maps every global FE tensor name to its shape; the result has exactly those keys.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for key, shape in dense_shapes.items():
+        layer = key.rsplit(".", 1)[0]
+        if key in client_fe:
+            value = client_fe[key]
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(f"{key}: shape {tuple(value.shape)} != expected {tuple(shape)}")
+            out[key] = value
+        elif key.endswith(".weight") and layer + ".u" in client_fe and layer + ".v" in client_fe:
+            out[key] = reconstruct(client_fe[layer + ".u"], client_fe[layer + ".v"], shape)
+        else:
+            raise ValueError(f"client FE lacks {key} (neither dense nor as factors)")
+    extra = set(client_fe) - set(out) - {k.rsplit(".", 1)[0] + s for k in out for s in FACTOR_SUFFIXES}
+    if extra:
+        raise ValueError(f"client FE has unexpected tensors {sorted(extra)}")
+    return out

@@ -1,0 +1,107 @@
+"""The round's decisions, transport-free (Flower-style): who trains, with what, and how results combine.
+
+Nothing here touches a network or a file: the in-process simulator and the MQTT broker loop both call
+these functions, so the two cannot drift apart.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from device_runtime.task import Task, Update
+from server.aggregate import StreamingAverage
+from server.lowrank import ResolvedPlan, factorize_state
+from server.objective import DEFAULT_LAM_WARMUP, DEFAULT_MU, lam_at_round
+
+ALGORITHMS = ("fedara", "fedavg", "fedrep", "local")
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    """Hyper-parameters of a run; defaults are the paper's (homogeneous λ = 10, lr 5e-3, batch 16, E = 5)."""
+
+    algo: str = "fedara"
+    rounds: int = 100
+    lam: float = 10.0
+    lam_warmup: int = DEFAULT_LAM_WARMUP
+    mu: float = DEFAULT_MU
+    lr: float = 5e-3
+    local_epochs: int = 5
+    batch_size: int = 16
+    join_ratio: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.algo!r}; choose one of {', '.join(ALGORITHMS)}")
+        if not 0.0 < self.join_ratio <= 1.0:
+            raise ValueError(f"join ratio must be in (0, 1], got {self.join_ratio}")
+        for name in ("rounds", "local_epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.lr <= 0 or self.lam < 0 or self.mu < 0:
+            raise ValueError("lr must be positive; lam and mu non-negative")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def sample_clients(client_ids: list[str], join_ratio: float, round_index: int, seed: int) -> list[str]:
+    """A seeded, per-round sample of max(1, round(join_ratio·K)) clients, in the original order."""
+    k = max(1, round(join_ratio * len(client_ids)))
+    if k >= len(client_ids):
+        return list(client_ids)
+    chosen = np.random.default_rng([seed, round_index]).choice(len(client_ids), size=k, replace=False)
+    return [client_ids[i] for i in sorted(chosen)]
+
+
+def batch_seed(seed: int, round_index: int, client_index: int) -> int:
+    """The seed of a client's batch order in a round: the same for every backend and transport."""
+    return int(np.random.default_rng([seed, round_index, client_index]).integers(2**31))
+
+
+def round_lam(config: FederationConfig, round_index: int) -> float:
+    """λ for this round: FedARA's warm-up schedule; 0 for the baselines, which have no anchor term."""
+    return lam_at_round(round_index, config.lam, config.lam_warmup) if config.algo == "fedara" else 0.0
+
+
+def to_numpy(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {k: np.ascontiguousarray(v.detach().cpu().numpy().astype(np.float32)) for k, v in tensors.items()}
+
+
+def to_torch(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in arrays.items()}
+
+
+def configure_fit(global_fe: dict[str, torch.Tensor], plan: ResolvedPlan, config: FederationConfig,
+                  round_index: int, client_index: int) -> Task:
+    """One client's task: the global FE factorized at its plan, and this round's hyper-parameters."""
+    return Task(
+        round=round_index,
+        fe=to_numpy(factorize_state(global_fe, plan.ranks)),
+        lam=round_lam(config, round_index),
+        mu=config.mu if plan.ranks else 0.0,
+        lr=config.lr,
+        epochs=config.local_epochs,
+        batch_size=config.batch_size,
+        seed=batch_seed(config.seed, round_index, client_index),
+    )
+
+
+def aggregate_fit(updates: list[Update], dense_shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """ω^{t+1}: the clients' FEs reconstructed to full rank, averaged by training sample count."""
+    average = StreamingAverage(dense_shapes)
+    for update in updates:
+        average.add(to_torch(update.fe), update.num_samples)
+    return average.result()
+
+
+def weighted_accuracy(correct: list[int], totals: list[int]) -> tuple[float, float]:
+    """(Σ correct / Σ total, std over clients of their own accuracies)."""
+    total = sum(totals)
+    if total == 0:
+        return 0.0, 0.0
+    per_client = [c / t for c, t in zip(correct, totals) if t]
+    return sum(correct) / total, float(np.std(per_client)) if per_client else 0.0
