@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv with everything the server, the device runtime and the tests need.
+# As root it also installs Debian's mosquitto and dataset-fashion-mnist (nothing is downloaded at run time).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  missing=()
+  command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || missing+=(mosquitto)
+  [ -d /usr/share/datasets/fashion-mnist ] || missing+=(dataset-fashion-mnist)
+  command -v openssl >/dev/null || missing+=(openssl)
+  if [ ${#missing[@]} -gt 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+# torch==2.13.0 is pinned so pip takes the CPU build; a looser pin can pull a multi-GB CUDA build.
+.venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"

@@ -1,0 +1,133 @@
+"""Client shards on disk: a pickle-free .npz that loads back validated."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device_runtime.shard import Shard, ShardError, load_shard, save_shard, shard_filename
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SERVER_ONLY = {"torch", "onnx", "scipy", "sklearn"}
+
+
+def _arrays(num_train=6, num_test=2, num_classes=3):
+    rng = np.random.default_rng(0)
+    return {
+        "x_train": rng.normal(size=(num_train, 1, 4, 4)).astype(np.float32),
+        "y_train": np.arange(num_train, dtype=np.int64) % num_classes,
+        "x_test": rng.normal(size=(num_test, 1, 4, 4)).astype(np.float32),
+        "y_test": np.arange(num_test, dtype=np.int64) % num_classes,
+        "num_classes": num_classes,
+    }
+
+
+def _write_raw(path, **overrides):
+    arrays = {**_arrays(), **overrides}
+    np.savez(path, **{k: v for k, v in arrays.items() if v is not None})
+    return path
+
+
+def test_save_then_load_returns_identical_arrays(tmp_path):
+    shard = Shard(**_arrays())
+    save_shard(tmp_path / "client_000.npz", shard)
+    loaded = load_shard(tmp_path / "client_000.npz")
+    for key in ("x_train", "y_train", "x_test", "y_test"):
+        np.testing.assert_array_equal(getattr(loaded, key), getattr(shard, key))
+        assert getattr(loaded, key).dtype == getattr(shard, key).dtype
+    assert loaded.num_classes == 3
+    assert loaded.input_shape == (1, 4, 4)
+
+
+def test_save_writes_exactly_the_given_path(tmp_path):
+    save_shard(tmp_path / "shard.bin", Shard(**_arrays()))
+    assert [p.name for p in tmp_path.iterdir()] == ["shard.bin"]
+
+
+def test_shard_filename_is_zero_padded():
+    assert shard_filename(7) == "client_007.npz"
+
+
+def test_load_rejects_missing_key(tmp_path):
+    path = _write_raw(tmp_path / "s.npz", y_test=None)
+    with pytest.raises(ShardError, match="y_test"):
+        load_shard(path)
+
+
+def test_load_rejects_float64_images(tmp_path):
+    path = _write_raw(tmp_path / "s.npz", x_train=np.zeros((6, 1, 4, 4)))
+    with pytest.raises(ShardError, match="x_train must be float32"):
+        load_shard(path)
+
+
+def test_load_rejects_int32_labels(tmp_path):
+    path = _write_raw(tmp_path / "s.npz", y_train=np.zeros(6, dtype=np.int32))
+    with pytest.raises(ShardError, match="y_train must be int64"):
+        load_shard(path)
+
+
+def test_load_rejects_images_that_are_not_4d(tmp_path):
+    path = _write_raw(tmp_path / "s.npz", x_test=np.zeros((2, 16), dtype=np.float32))
+    with pytest.raises(ShardError, match="4-D"):
+        load_shard(path)
+
+
+def test_load_rejects_mismatched_sample_and_label_counts(tmp_path):
+    path = _write_raw(tmp_path / "s.npz", y_train=np.zeros(5, dtype=np.int64))
+    with pytest.raises(ShardError, match="6 samples but y_train has 5"):
+        load_shard(path)
+
+
+def test_load_rejects_label_outside_num_classes(tmp_path):
+    path = _write_raw(tmp_path / "s.npz", y_test=np.array([0, 3], dtype=np.int64))
+    with pytest.raises(ShardError, match=r"outside \[0, 3\)"):
+        load_shard(path)
+
+
+def test_load_rejects_pickled_object_array(tmp_path):
+    path = _write_raw(tmp_path / "s.npz", x_train=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(ShardError, match="pickle"):
+        load_shard(path)
+
+
+def test_load_rejects_a_file_that_is_not_npz(tmp_path):
+    path = tmp_path / "s.npz"
+    path.write_text("not an archive")
+    with pytest.raises(ShardError, match="not a pickle-free .npz"):
+        load_shard(path)
+
+
+def test_construction_rejects_empty_training_split():
+    arrays = _arrays()
+    arrays["x_train"] = arrays["x_train"][:0]
+    arrays["y_train"] = arrays["y_train"][:0]
+    with pytest.raises(ShardError, match="no training samples"):
+        Shard(**arrays)
+
+
+def test_construction_rejects_splits_with_different_image_shapes():
+    arrays = _arrays()
+    arrays["x_test"] = np.zeros((2, 1, 5, 5), dtype=np.float32)
+    with pytest.raises(ShardError, match="share C×H×W"):
+        Shard(**arrays)
+
+
+def test_construction_rejects_non_finite_images():
+    arrays = _arrays()
+    arrays["x_train"][0, 0, 0, 0] = np.nan
+    with pytest.raises(ShardError, match="NaN"):
+        Shard(**arrays)
+
+
+def test_importing_shard_module_loads_no_server_side_library():
+    code = "import sys, device_runtime.shard; print(sorted(set(sys.modules) & {SERVER_ONLY}))"
+    result = subprocess.run(
+        [sys.executable, "-c", code.replace("{SERVER_ONLY}", repr(SERVER_ONLY))],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
