@@ -1,0 +1,383 @@
+"""MQTT endpoint shared by server and device: chunked QoS 1 messages over paho-mqtt 2.x.
+
+Every message goes out as protocol frames of at most `max_frame_bytes` (checked before paho
+sees them: paho re-sends a frame the broker rejected forever) and comes back whole through a
+per-topic Reassembler. MQTT 3.1.1, so the embedded amqtt broker and mosquitto both serve it.
+The paho network thread reconnects on its own and re-subscribes on every connect.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+
+from device_runtime.protocol import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, ProtocolError, Reassembler,
+                                     chunk)
+
+LOG = logging.getLogger("fedara.transport")
+
+DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+KEEPALIVE_S = 30
+RECONNECT_MIN_DELAY_S = 0.2
+RECONNECT_MAX_DELAY_S = 5.0
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+DEFAULT_REASSEMBLY_TIMEOUT_S = 120.0
+DEFAULT_MAX_PENDING_MESSAGES = 64
+DEFAULT_PUBLISH_TIMEOUT_S = 30.0
+STOP_STATUS_TIMEOUT_S = 2.0
+EXPIRE_INTERVAL_S = 1.0
+STATUS_ONLINE = b"online"
+STAT_KEYS = ("frames_in", "frames_rejected", "messages_in", "messages_expired",
+             "bytes_out", "bytes_in", "reconnects")
+
+
+class TransportError(RuntimeError):
+    """Base class of the errors MqttEndpoint raises."""
+
+
+class FrameTooLargeError(TransportError):
+    """A frame would exceed max_frame_bytes; nothing of the message was published."""
+
+
+class PublishError(TransportError):
+    """paho refused to queue a frame, or the broker did not acknowledge it in time."""
+
+
+class BrokerRefusedError(TransportError):
+    """The broker answered CONNECT with a refusal (bad credentials, not authorised...)."""
+
+
+class ConnectTimeoutError(TransportError):
+    """No connection to the broker within the time asked for."""
+
+
+@dataclass(frozen=True)
+class BrokerURL:
+    """Parsed broker address: mqtt://[user[:pass]@]host[:port] or mqtts://... (TLS)."""
+
+    scheme: str
+    host: str
+    port: int
+    username: str | None
+    password: str | None
+    tls: bool
+
+    @classmethod
+    def parse(cls, url: str) -> BrokerURL:
+        """Parse `url`; raises ValueError naming what is wrong with it."""
+        parts = urlsplit(url)
+        if parts.scheme not in DEFAULT_PORTS:
+            raise ValueError(f"broker URL {url!r}: scheme must be one of {sorted(DEFAULT_PORTS)}")
+        if not parts.hostname:
+            raise ValueError(f"broker URL {url!r} has no host")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(f"broker URL {url!r} must not have a path, query or fragment")
+        try:
+            port = parts.port or DEFAULT_PORTS[parts.scheme]
+        except ValueError as exc:
+            raise ValueError(f"broker URL {url!r} has an invalid port: {exc}") from exc
+        return cls(scheme=parts.scheme, host=parts.hostname, port=port,
+                   username=unquote(parts.username) if parts.username is not None else None,
+                   password=unquote(parts.password) if parts.password is not None else None,
+                   tls=parts.scheme == "mqtts")
+
+
+class MqttEndpoint:
+    """One MQTT client: chunked publish with optional PUBACK wait, reassembled inbound queue.
+
+    `will=(status_topic, payload)` sets a retained last will on the status topic and publishes a
+    retained STATUS_ONLINE there on every connect (and the will payload on a clean stop()).
+    Credentials given as arguments take precedence over those in the URL. `connected` is set
+    while the broker has accepted the connection and acknowledged the subscriptions.
+    """
+
+    def __init__(self, client_id: str, broker_url: str, *, subscriptions: list[str] | tuple[str, ...] = (),
+                 will: tuple[str, bytes] | None = None, username: str | None = None,
+                 password: str | None = None, tls_ca: str | os.PathLike[str] | None = None,
+                 tls_cert: str | os.PathLike[str] | None = None, tls_key: str | os.PathLike[str] | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
+                 max_pending_messages: int = DEFAULT_MAX_PENDING_MESSAGES,
+                 clean_session: bool = False, qos: int = 1) -> None:
+        if not client_id:
+            raise ValueError("client_id must not be empty (persistent sessions are keyed by it)")
+        if qos not in (0, 1):
+            raise ValueError(f"qos must be 0 or 1, got {qos}")
+        if max_frame_bytes <= FRAME_HEADER_BYTES:
+            raise ValueError(f"max_frame_bytes must exceed the {FRAME_HEADER_BYTES}-byte frame header, "
+                             f"got {max_frame_bytes}")
+        self.url = BrokerURL.parse(broker_url)
+        if not self.url.tls and (tls_ca or tls_cert or tls_key):
+            raise ValueError(f"TLS files given but broker URL {broker_url!r} is not mqtts://")
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        self.client_id = client_id
+        self.subscriptions = tuple(subscriptions)
+        self.max_frame_bytes = max_frame_bytes
+        self.qos = qos
+        self.connected = threading.Event()
+        self._will = will
+        self._reassembler_args = (max_message_bytes, reassembly_timeout_s, max_pending_messages)
+        self._reassemblers: dict[str, Reassembler] = {}
+        self._next_expiry = 0.0
+        self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self._stats = dict.fromkeys(STAT_KEYS, 0)
+        self._stats_lock = threading.Lock()
+        self._acks = threading.Condition()
+        self._ack_seq = 0
+        self._acked_at: dict[int, int] = {}
+        self._state = threading.Condition()
+        self._refusal: str | None = None
+        self._ever_connected = False
+        self._subscribe_mid: int | None = None
+        self._started = False
+        self._client = self._make_client(username if username is not None else self.url.username,
+                                         password if password is not None else self.url.password,
+                                         clean_session, tls_ca, tls_cert, tls_key)
+
+    def _make_client(self, username: str | None, password: str | None, clean_session: bool,
+                     tls_ca: str | os.PathLike[str] | None, tls_cert: str | os.PathLike[str] | None,
+                     tls_key: str | os.PathLike[str] | None) -> mqtt.Client:
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id,
+                             clean_session=clean_session, protocol=mqtt.MQTTv311)
+        if username is not None:
+            client.username_pw_set(username, password)
+        if self.url.tls:
+            client.tls_set(ca_certs=_path_or_none(tls_ca), certfile=_path_or_none(tls_cert),
+                           keyfile=_path_or_none(tls_key))
+        self._arm_will(client)
+        client.reconnect_delay_set(RECONNECT_MIN_DELAY_S, RECONNECT_MAX_DELAY_S)
+        client.on_socket_open = _set_tcp_nodelay
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_subscribe = self._on_subscribe
+        client.on_message = self._on_message
+        client.on_publish = self._on_publish
+        return client
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the network thread; it connects (and later reconnects) in the background."""
+        if self._started:
+            raise RuntimeError(f"endpoint {self.client_id!r} already started")
+        self._started = True
+        self._client.connect_async(self.url.host, self.url.port, keepalive=KEEPALIVE_S)
+        self._client.loop_start()
+
+    def stop(self) -> None:
+        """Publish the offline status (when a will is set), disconnect and join the network thread."""
+        if not self._started:
+            return
+        self._started = False
+        if self._will is not None and self.connected.is_set():
+            topic, payload = self._will
+            try:
+                self.publish(topic, payload, self._status_msg_id("offline"), retain=True,
+                             wait=True, timeout=STOP_STATUS_TIMEOUT_S)
+            except TransportError as exc:
+                LOG.warning("%s: offline status not acknowledged before stop: %s", self.client_id, exc)
+        self._client.disconnect()
+        self._client.loop_stop()
+        self.connected.clear()
+
+    def __enter__(self) -> MqttEndpoint:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def wait_connected(self, timeout: float) -> None:
+        """Block until connected and subscribed (SUBACK received).
+
+        Raises BrokerRefusedError when the broker refused the last attempt, else ConnectTimeoutError.
+        """
+        with self._state:
+            self._state.wait_for(lambda: self.connected.is_set() or self._refusal is not None, timeout)
+            if self.connected.is_set():
+                return
+            if self._refusal is not None:
+                raise BrokerRefusedError(f"{self.client_id}: broker {self.url.host}:{self.url.port} "
+                                         f"refused the connection: {self._refusal}")
+        raise ConnectTimeoutError(f"{self.client_id}: not connected to {self.url.host}:{self.url.port} "
+                                  f"within {timeout} s")
+
+    # -- outbound ---------------------------------------------------------------------------
+
+    def publish(self, topic: str, payload: bytes, msg_id: str, retain: bool = False, *,
+                wait: bool = False, timeout: float = DEFAULT_PUBLISH_TIMEOUT_S) -> None:
+        """Publish `payload` as frames of at most max_frame_bytes.
+
+        While disconnected, frames queue in paho and go out on reconnect. With `wait`, block until
+        the broker acknowledged every frame, raising PublishError after `timeout` seconds.
+        A retained message must fit in one frame (a broker retains only the last frame).
+        """
+        frames = chunk(payload, self.max_frame_bytes, msg_id)
+        oversize = [len(frame) for frame in frames if len(frame) > self.max_frame_bytes]
+        if oversize:
+            raise FrameTooLargeError(f"message {msg_id!r} to {topic!r}: frame of {max(oversize)} bytes "
+                                     f"exceeds max_frame_bytes={self.max_frame_bytes}; nothing published")
+        if retain and len(frames) != 1:
+            raise ValueError(f"retained message {msg_id!r} to {topic!r} needs {len(frames)} frames; "
+                             "retained messages must fit in one frame")
+        with self._acks:
+            start_seq = self._ack_seq
+        mids = [self._publish_frame(topic, frame, retain, msg_id) for frame in frames]
+        if wait:
+            self._wait_acked(mids, start_seq, timeout, topic, msg_id)
+
+    def _publish_frame(self, topic: str, frame: bytes, retain: bool, msg_id: str) -> int:
+        info = self._client.publish(topic, frame, qos=self.qos, retain=retain)
+        queued_offline = info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN and self.qos > 0
+        if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS and not queued_offline:
+            raise PublishError(f"message {msg_id!r} to {topic!r}: paho refused a frame: "
+                               f"{mqtt.error_string(info.rc)}")
+        self._bump("bytes_out", len(frame))
+        return info.mid
+
+    def _wait_acked(self, mids: list[int], start_seq: int, timeout: float, topic: str, msg_id: str) -> None:
+        def missing() -> int:
+            return sum(1 for mid in mids if self._acked_at.get(mid, -1) <= start_seq)
+
+        with self._acks:
+            if self._acks.wait_for(lambda: missing() == 0, timeout):
+                return
+            unacked = missing()
+        state = "connected" if self.connected.is_set() else "disconnected"
+        raise PublishError(f"message {msg_id!r} to {topic!r}: {unacked} of {len(mids)} frames not "
+                           f"acknowledged within {timeout} s ({state}); they stay queued for resend")
+
+    def _arm_will(self, client: mqtt.Client) -> None:
+        """Set the last will for the next CONNECT, under a fresh msg_id: receivers drop a msg_id
+        they delivered recently, so a will re-used across connections could be lost."""
+        if self._will is not None:
+            topic, payload = self._will
+            client.will_set(topic, self._single_frame(payload, "will"), qos=self.qos, retain=True)
+
+    def _single_frame(self, payload: bytes, kind: str) -> bytes:
+        frames = chunk(payload, self.max_frame_bytes, self._status_msg_id(kind))
+        if len(frames) != 1 or len(frames[0]) > self.max_frame_bytes:
+            raise ValueError(f"{kind} payload of {len(payload)} bytes does not fit in one frame "
+                             f"of max_frame_bytes={self.max_frame_bytes}")
+        return frames[0]
+
+    def _status_msg_id(self, kind: str) -> str:
+        return f"{kind}-{uuid.uuid4().hex}"
+
+    # -- inbound ----------------------------------------------------------------------------
+
+    def get(self, timeout: float | None = None) -> tuple[str, bytes] | None:
+        """Next complete (topic, payload), or None when none arrives within `timeout` seconds."""
+        try:
+            return self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Snapshot of the traffic counters (frames, messages, bytes, reconnects)."""
+        with self._stats_lock:
+            return dict(self._stats)
+
+    def _bump(self, key: str, amount: int = 1) -> None:
+        with self._stats_lock:
+            self._stats[key] += amount
+
+    # -- paho callbacks (network thread) ----------------------------------------------------
+
+    def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any,
+                    properties: Any) -> None:
+        if reason_code.is_failure:
+            LOG.warning("%s: broker refused connection: %s", self.client_id, reason_code)
+            with self._state:
+                self._refusal = str(reason_code)
+                self._state.notify_all()
+            return
+        if self._ever_connected:
+            self._bump("reconnects")
+        self._ever_connected = True
+        if self._will is not None:
+            client.publish(self._will[0], self._single_frame(STATUS_ONLINE, "online"), qos=self.qos, retain=True)
+            self._arm_will(client)
+        LOG.info("%s: connected to %s:%d", self.client_id, self.url.host, self.url.port)
+        if self.subscriptions:
+            _, self._subscribe_mid = client.subscribe([(topic, self.qos) for topic in self.subscriptions])
+        else:
+            self._mark_ready()
+
+    def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: list[Any],
+                      properties: Any) -> None:
+        if mid != self._subscribe_mid:
+            return
+        denied = [topic for topic, code in zip(self.subscriptions, reason_codes) if code.is_failure]
+        if denied:
+            LOG.warning("%s: broker refused subscriptions to %s", self.client_id, denied)
+        self._mark_ready()
+
+    def _mark_ready(self) -> None:
+        with self._state:
+            self._refusal = None
+            self.connected.set()
+            self._state.notify_all()
+
+    def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any,
+                       properties: Any) -> None:
+        self.connected.clear()
+        if self._started:
+            LOG.info("%s: disconnected (%s); reconnecting", self.client_id, reason_code)
+
+    def _on_publish(self, client: mqtt.Client, userdata: Any, mid: int, reason_code: Any,
+                    properties: Any) -> None:
+        with self._acks:
+            self._ack_seq += 1
+            self._acked_at[mid] = self._ack_seq
+            self._acks.notify_all()
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        now = time.monotonic()
+        topic, frame = message.topic, message.payload
+        self._bump("frames_in")
+        self._bump("bytes_in", len(frame))
+        reassembler = self._reassemblers.get(topic)
+        if reassembler is None:
+            reassembler = self._reassemblers[topic] = Reassembler(*self._reassembler_args)
+        try:
+            payload = reassembler.feed(frame, now)
+        except ProtocolError as exc:
+            self._bump("frames_rejected")
+            LOG.warning("%s: dropped frame on %s: %s", self.client_id, topic, exc)
+            payload = None
+        if payload is not None:
+            self._bump("messages_in")
+            self._inbox.put((topic, payload))
+        if now >= self._next_expiry:
+            self._next_expiry = now + EXPIRE_INTERVAL_S
+            self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        for topic, reassembler in self._reassemblers.items():
+            for msg_id in reassembler.expire(now):
+                self._bump("messages_expired")
+                LOG.warning("%s: incomplete message %s on %s expired", self.client_id, msg_id, topic)
+
+
+def _set_tcp_nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
+    """Disable Nagle on the broker socket: with TLS, small messages otherwise stall ~40 ms."""
+    if isinstance(sock, socket.socket):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _path_or_none(path: str | os.PathLike[str] | None) -> str | None:
+    return None if path is None else os.fspath(path)

@@ -1,0 +1,155 @@
+"""Mosquitto configuration for FedARA: password file, per-device ACL and a loopback mosquitto.conf.
+
+The text builders are pure functions; the `write_*` functions only put their text on disk.
+Password hashes use mosquitto's own "$7$" format (PBKDF2-SHA512), so no mosquitto_passwd
+binary is needed where the credentials are generated.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from device_runtime.protocol import Topics, server_subscriptions
+
+PBKDF2_ITERATIONS = 1000
+PBKDF2_SALT_BYTES = 12
+MOSQUITTO_HASH_ID = "7"
+PACKET_HEADROOM_BYTES = 64 * 1024
+MAX_QUEUED_MESSAGES = 10_000
+PASSWD_FILENAME = "passwd"
+ACL_FILENAME = "acl"
+_FORBIDDEN_USERNAME_CHARS = frozenset(":\n\r\t +#/")
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a TLS listener: the CA that signed the server certificate, and the server's pair."""
+
+    cafile: Path
+    certfile: Path
+    keyfile: Path
+
+
+def mosquitto_password_hash(password: str, salt: bytes | None = None,
+                            iterations: int = PBKDF2_ITERATIONS) -> str:
+    """Hash `password` the way mosquitto_passwd does: "$7$<iterations>$<b64 salt>$<b64 PBKDF2-SHA512>"."""
+    if not password:
+        raise ValueError("password must not be empty")
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    salt = secrets.token_bytes(PBKDF2_SALT_BYTES) if salt is None else salt
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode("utf-8"), salt, iterations)
+    b64 = base64.b64encode
+    return f"${MOSQUITTO_HASH_ID}${iterations}${b64(salt).decode()}${b64(digest).decode()}"
+
+
+def _check_username(username: str) -> None:
+    if not username or _FORBIDDEN_USERNAME_CHARS & set(username):
+        raise ValueError(f"invalid MQTT username {username!r}: must be non-empty, without ':', "
+                         "whitespace, '/', '+' or '#'")
+
+
+def password_file_text(users: Mapping[str, str]) -> str:
+    """Lines "user:$7$..." for each (username, plaintext password)."""
+    for username in users:
+        _check_username(username)
+    return "".join(f"{user}:{mosquitto_password_hash(pw)}\n" for user, pw in users.items())
+
+
+def acl_text(prefix: str, server_user: str, device_ids: Iterable[str]) -> str:
+    """ACL: the server reads every device's up and status topics and writes every down topic;
+    each device user (username == device id) writes only its own up/status and reads only its own down."""
+    _check_username(server_user)
+    device_ids = list(device_ids)
+    lines = [f"user {server_user}"]
+    lines += [f"topic read {topic_filter}" for topic_filter in server_subscriptions(prefix)]
+    lines += [f"topic write {Topics(prefix, device_id).down}" for device_id in device_ids]
+    for device_id in device_ids:
+        topics = Topics(prefix, device_id)
+        lines += ["", f"user {device_id}", f"topic write {topics.up}",
+                  f"topic write {topics.status}", f"topic read {topics.down}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_mosquitto_auth(directory: str | os.PathLike[str], server_user: str, server_password: str,
+                         devices: Mapping[str, str], prefix: str) -> tuple[Path, Path]:
+    """Write mosquitto's password file and ACL file into `directory`; returns (passwd_file, acl_file).
+
+    `devices` maps device id (also its MQTT username) to its password. Both files are mode 0600.
+    """
+    if server_user in devices:
+        raise ValueError(f"server user {server_user!r} collides with a device id")
+    users = {server_user: server_password, **devices}
+    passwd_text = password_file_text(users)
+    acl = acl_text(prefix, server_user, devices)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return (_write_private(directory / PASSWD_FILENAME, passwd_text),
+            _write_private(directory / ACL_FILENAME, acl))
+
+
+def mosquitto_conf_text(port: int, max_frame_bytes: int, *, persistence_dir: Path | None = None,
+                        password_file: Path | None = None, acl_file: Path | None = None,
+                        tls: TlsFiles | None = None, run_as_user: str | None = None) -> str:
+    """mosquitto.conf for one listener on 127.0.0.1:`port`.
+
+    Payloads above `max_frame_bytes` are dropped by the broker (QoS flow still completed, so a
+    client never loops on re-sending them); whole packets above the frame plus topic headroom
+    disconnect the sender. Anonymous access is allowed only when no password file is given.
+    Without `persistence_dir`, sessions live in memory and vanish when the broker stops.
+    """
+    if not 0 < port < 65536:
+        raise ValueError(f"port must be in 1..65535, got {port}")
+    if max_frame_bytes < 1:
+        raise ValueError(f"max_frame_bytes must be positive, got {max_frame_bytes}")
+    if acl_file is not None and password_file is None:
+        raise ValueError("an acl_file needs a password_file: ACL users are password-file users")
+    lines = ["per_listener_settings false",
+             f"allow_anonymous {'false' if password_file else 'true'}",
+             f"message_size_limit {max_frame_bytes}",
+             f"max_packet_size {max_frame_bytes + PACKET_HEADROOM_BYTES}",
+             f"max_queued_messages {MAX_QUEUED_MESSAGES}",
+             "set_tcp_nodelay true",
+             "log_dest stderr",
+             "log_type error",
+             "log_type warning"]
+    if run_as_user is not None:
+        lines.append(f"user {run_as_user}")
+    if persistence_dir is None:
+        lines.append("persistence false")
+    else:
+        lines += ["persistence true", f"persistence_location {Path(persistence_dir).resolve()}/"]
+    if password_file is not None:
+        lines.append(f"password_file {Path(password_file).resolve()}")
+    if acl_file is not None:
+        lines.append(f"acl_file {Path(acl_file).resolve()}")
+    lines.append(f"listener {port} 127.0.0.1")
+    if tls is not None:
+        lines += [f"cafile {tls.cafile.resolve()}", f"certfile {tls.certfile.resolve()}",
+                  f"keyfile {tls.keyfile.resolve()}", "require_certificate false"]
+    return "\n".join(lines) + "\n"
+
+
+def write_mosquitto_conf(path: str | os.PathLike[str], port: int, max_frame_bytes: int, *,
+                         persistence_dir: Path | None = None, password_file: Path | None = None,
+                         acl_file: Path | None = None, tls: TlsFiles | None = None,
+                         run_as_user: str | None = None) -> Path:
+    """Write `mosquitto_conf_text(...)` to `path` and return it."""
+    text = mosquitto_conf_text(port, max_frame_bytes, persistence_dir=persistence_dir,
+                               password_file=password_file, acl_file=acl_file, tls=tls,
+                               run_as_user=run_as_user)
+    return _write_private(Path(path), text)
+
+
+def _write_private(path: Path, text: str) -> Path:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.chmod(path, 0o600)
+    return path

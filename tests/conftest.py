@@ -1,0 +1,123 @@
+"""Broker fixtures: a mosquitto subprocess (restartable on its port) and the embedded amqtt broker."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from device_runtime.protocol import DEFAULT_MAX_FRAME_BYTES
+from server.embedded_broker import EmbeddedBroker
+from server.mosquitto_config import TlsFiles, write_mosquitto_conf
+
+MOSQUITTO_BIN = Path("/usr/sbin/mosquitto")
+BROKER_START_TIMEOUT_S = 10.0
+BROKER_STOP_TIMEOUT_S = 5.0
+ACCEPT_POLL_S = 0.02
+
+
+def free_loopback_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _accepts_connections(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=ACCEPT_POLL_S * 10):
+            return True
+    except OSError:
+        return False
+
+
+class MosquittoProcess:
+    """A mosquitto subprocess on a fixed loopback port; stop() and start() keep the port."""
+
+    def __init__(self, conf: Path, port: int, log: Path, scheme: str = "mqtt") -> None:
+        self.conf, self.port, self.log, self.scheme = conf, port, log, scheme
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Launch mosquitto and return once its port accepts TCP connections."""
+        with open(self.log, "ab") as log:
+            self._proc = subprocess.Popen([str(MOSQUITTO_BIN), "-c", str(self.conf)],
+                                          stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + BROKER_START_TIMEOUT_S
+        while not _accepts_connections(self.port):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mosquitto did not come up on port {self.port}:\n{self.log.read_text()}")
+            time.sleep(ACCEPT_POLL_S)
+
+    def stop(self) -> None:
+        """Terminate mosquitto (kill it if it lingers) and wait for it to exit."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(BROKER_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def start_mosquitto(tmp_path: Path) -> Iterator[Callable[..., MosquittoProcess]]:
+    """Factory: start_mosquitto(password_file=, acl_file=, tls=, persistence_dir=, max_frame_bytes=) -> broker.
+
+    Skips when mosquitto is not installed, except under CI=true where that is a failure.
+    """
+    if not MOSQUITTO_BIN.exists():
+        reason = f"mosquitto binary not found at {MOSQUITTO_BIN} (Debian package 'mosquitto')"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    brokers: list[MosquittoProcess] = []
+    run_as_user = "root" if os.geteuid() == 0 else None  # mosquitto would drop to a user who can't read tmp_path
+
+    def start(*, password_file: Path | None = None, acl_file: Path | None = None, tls: TlsFiles | None = None,
+              persistence_dir: Path | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+              ) -> MosquittoProcess:
+        port = free_loopback_port()
+        conf = write_mosquitto_conf(tmp_path / f"mosquitto-{port}.conf", port, max_frame_bytes,
+                                    password_file=password_file, acl_file=acl_file, tls=tls,
+                                    persistence_dir=persistence_dir, run_as_user=run_as_user)
+        broker = MosquittoProcess(conf, port, tmp_path / f"mosquitto-{port}.log",
+                                  scheme="mqtts" if tls else "mqtt")
+        brokers.append(broker)
+        broker.start()
+        return broker
+
+    yield start
+    for broker in brokers:
+        broker.stop()
+
+
+@pytest.fixture
+def mosquitto_broker(start_mosquitto: Callable[..., MosquittoProcess]) -> MosquittoProcess:
+    """A running anonymous mosquitto; `.url`, `.stop()`, `.start()` (same port)."""
+    return start_mosquitto()
+
+
+@pytest.fixture
+def embedded_broker() -> Iterator[EmbeddedBroker]:
+    """A running in-process amqtt broker on a free loopback port; `.url`."""
+    with EmbeddedBroker() as broker:
+        yield broker
+
+
+@pytest.fixture(params=["embedded", "mosquitto"])
+def broker_url(request: pytest.FixtureRequest) -> str:
+    """URL of each broker kind in turn, for behaviour both must share."""
+    return request.getfixturevalue(f"{request.param}_broker").url

@@ -1,0 +1,319 @@
+"""MQTT transport: chunked round trips over both brokers, last will, reconnect, ACLs and TLS."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import paho.mqtt.publish
+import pytest
+
+from device_runtime import transport
+from device_runtime.protocol import Topics, chunk, server_subscriptions
+from device_runtime.transport import (STATUS_ONLINE, BrokerRefusedError, BrokerURL, ConnectTimeoutError,
+                                      FrameTooLargeError, MqttEndpoint, PublishError)
+from scripts.mosquitto_credentials import main as credentials_cli
+from server.mosquitto_config import TlsFiles, acl_text, mosquitto_password_hash, write_mosquitto_auth
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PREFIX = "fedtest"
+WAIT_S = 10.0
+"""Upper bound for events that take milliseconds; only a failing test waits this long."""
+SMALL_FRAME = 4096
+DEV1, DEV2 = Topics(PREFIX, "dev1"), Topics(PREFIX, "dev2")
+
+DYING_DEVICE = """
+import sys
+from device_runtime.transport import MqttEndpoint
+url, status_topic = sys.argv[1:3]
+endpoint = MqttEndpoint("dying-device", url, will=(status_topic, b"offline"))
+endpoint.start()
+endpoint.wait_connected(10)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def connect() -> Iterator[Callable[..., MqttEndpoint]]:
+    """Factory: connect(client_id, url, **kwargs) -> started endpoint, connected unless wait=False."""
+    started: list[MqttEndpoint] = []
+
+    def make(client_id: str, url: str, *, wait: bool = True, **kwargs: object) -> MqttEndpoint:
+        endpoint = MqttEndpoint(client_id, url, **kwargs)
+        endpoint.start()
+        started.append(endpoint)
+        if wait:
+            endpoint.wait_connected(WAIT_S)
+        return endpoint
+
+    yield make
+    for endpoint in reversed(started):
+        endpoint.stop()
+
+
+@contextlib.contextmanager
+def socket_bound_but_not_listening() -> Iterator[int]:
+    """A loopback port where connections are refused for as long as the block runs."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+# -- broker URLs -----------------------------------------------------------------------------
+
+
+def test_broker_url_parses_credentials_host_and_port() -> None:
+    assert BrokerURL.parse("mqtt://server:p%40ss@127.0.0.1:1884") == BrokerURL(
+        "mqtt", "127.0.0.1", 1884, "server", "p@ss", tls=False)
+
+
+def test_mqtts_url_means_tls_on_port_8883_by_default() -> None:
+    url = BrokerURL.parse("mqtts://broker.local")
+    assert (url.tls, url.port, url.username) == (True, 8883, None)
+
+
+def test_broker_url_with_unknown_scheme_is_rejected() -> None:
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        BrokerURL.parse("http://127.0.0.1:1883")
+
+
+# -- publish / receive over both brokers -----------------------------------------------------
+
+
+def test_message_round_trips_between_server_and_device(broker_url: str, connect) -> None:
+    server = connect("server", broker_url, subscriptions=server_subscriptions(PREFIX))
+    device = connect("dev1", broker_url, subscriptions=[DEV1.down])
+    device.publish(DEV1.up, b"update", "up-1", wait=True)
+    assert server.get(WAIT_S) == (DEV1.up, b"update")
+    server.publish(DEV1.down, b"task", "down-1", wait=True)
+    assert device.get(WAIT_S) == (DEV1.down, b"task")
+
+
+def test_payload_five_times_the_frame_size_arrives_whole(broker_url: str, connect) -> None:
+    payload = random.Random(0).randbytes(5 * SMALL_FRAME + 123)
+    server = connect("server", broker_url, subscriptions=[DEV1.up], max_frame_bytes=SMALL_FRAME)
+    device = connect("dev1", broker_url, max_frame_bytes=SMALL_FRAME)
+    device.publish(DEV1.up, payload, "big-1", wait=True)
+    assert server.get(WAIT_S) == (DEV1.up, payload)
+    assert server.stats["frames_in"] == len(chunk(payload, SMALL_FRAME, "big-1")) > 5
+
+
+def test_last_will_reaches_status_subscriber_within_a_second_of_sigkill(broker_url: str, connect) -> None:
+    server = connect("server", broker_url, subscriptions=[DEV1.status])
+    device = subprocess.Popen([sys.executable, "-c", DYING_DEVICE, broker_url, DEV1.status], cwd=REPO_ROOT,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert server.get(WAIT_S) == (DEV1.status, STATUS_ONLINE)
+        device.kill()
+        assert server.get(timeout=1.0) == (DEV1.status, b"offline")
+    finally:
+        device.kill()
+        device.wait()
+
+
+def test_retained_online_status_reaches_a_later_subscriber(broker_url: str, connect) -> None:
+    connect("dev1", broker_url, will=(DEV1.status, b"offline"))
+    server = connect("server", broker_url, subscriptions=[DEV1.status])
+    assert server.get(WAIT_S) == (DEV1.status, STATUS_ONLINE)
+
+
+def test_clean_stop_publishes_the_offline_status(broker_url: str, connect) -> None:
+    server = connect("server", broker_url, subscriptions=[DEV1.status])
+    device = connect("dev1", broker_url, will=(DEV1.status, b"offline"))
+    assert server.get(WAIT_S) == (DEV1.status, STATUS_ONLINE)
+    device.stop()
+    assert server.get(WAIT_S) == (DEV1.status, b"offline")
+
+
+def test_persistent_session_gets_messages_sent_while_it_was_offline(broker_url: str, connect) -> None:
+    connect("dev1", broker_url, subscriptions=[DEV1.down]).stop()
+    server = connect("server", broker_url)
+    server.publish(DEV1.down, b"queued task", "down-1", wait=True)
+    device = connect("dev1", broker_url, subscriptions=[DEV1.down])
+    assert device.get(WAIT_S) == (DEV1.down, b"queued task")
+
+
+def test_broker_with_persistence_keeps_retained_status_across_restart(start_mosquitto, connect,
+                                                                     tmp_path: Path) -> None:
+    broker = start_mosquitto(persistence_dir=tmp_path)
+    connect("dev1", broker.url, will=(DEV1.status, b"offline")).stop()
+    broker.stop()
+    broker.start()
+    server = connect("server", broker.url, subscriptions=[DEV1.status])
+    assert server.get(WAIT_S) == (DEV1.status, b"offline")
+
+
+@pytest.mark.parametrize("broker_fixture", ["embedded_broker", "mosquitto_broker"])
+def test_endpoint_reconnects_and_resubscribes_after_broker_restart(broker_fixture: str, request, connect) -> None:
+    broker = request.getfixturevalue(broker_fixture)
+    server = connect("server", broker.url, subscriptions=[DEV1.up])
+    device = connect("dev1", broker.url)
+    broker.stop()
+    wait_until(lambda: not server.connected.is_set() and not device.connected.is_set())
+    broker.start()
+    server.wait_connected(WAIT_S)
+    device.wait_connected(WAIT_S)
+    device.publish(DEV1.up, b"after restart", "up-2", wait=True)
+    assert server.get(WAIT_S) == (DEV1.up, b"after restart")
+    assert server.stats["reconnects"] == device.stats["reconnects"] == 1
+
+
+def test_invalid_frame_is_dropped_logged_and_counted(mosquitto_broker, connect, caplog) -> None:
+    server = connect("server", mosquitto_broker.url, subscriptions=[DEV1.up])
+    with caplog.at_level(logging.WARNING, logger="fedara.transport"):
+        paho.mqtt.publish.single(DEV1.up, b"not a frame", qos=1, hostname="127.0.0.1",
+                                 port=mosquitto_broker.port, client_id="rogue")
+        wait_until(lambda: server.stats["frames_rejected"] == 1)
+    assert "[truncated]" in caplog.text
+    assert server.stats["messages_in"] == 0
+
+
+# -- publish guards ---------------------------------------------------------------------------
+
+
+def test_oversize_frame_is_refused_before_it_reaches_the_broker(mosquitto_broker, connect, monkeypatch) -> None:
+    server = connect("server", mosquitto_broker.url, subscriptions=[DEV1.up])
+    device = connect("dev1", mosquitto_broker.url, max_frame_bytes=SMALL_FRAME)
+    monkeypatch.setattr(transport, "chunk", lambda payload, size, msg_id: chunk(payload, size + 1, msg_id))
+    with pytest.raises(FrameTooLargeError, match=f"exceeds max_frame_bytes={SMALL_FRAME}"):
+        device.publish(DEV1.up, bytes(2 * SMALL_FRAME), "too-big")
+    assert device.stats["bytes_out"] == 0
+    monkeypatch.undo()
+    device.publish(DEV1.up, b"next", "up-3", wait=True)
+    assert server.get(WAIT_S) == (DEV1.up, b"next")
+
+
+def test_retained_message_longer_than_one_frame_is_rejected() -> None:
+    endpoint = MqttEndpoint("dev1", "mqtt://127.0.0.1:1", max_frame_bytes=SMALL_FRAME)
+    with pytest.raises(ValueError, match="must fit in one frame"):
+        endpoint.publish(DEV1.status, bytes(2 * SMALL_FRAME), "status-1", retain=True)
+
+
+def test_publish_wait_reports_unacknowledged_frames_when_no_broker_answers(connect) -> None:
+    with socket_bound_but_not_listening() as port:
+        device = connect("dev1", f"mqtt://127.0.0.1:{port}", wait=False)
+        with pytest.raises(PublishError, match=r"1 of 1 frames not acknowledged within 0.2 s \(disconnected\)"):
+            device.publish(DEV1.up, b"lost", "up-4", wait=True, timeout=0.2)
+
+
+# -- credentials and ACL (mosquitto) ------------------------------------------------------------
+
+
+def test_password_hash_matches_mosquitto_passwd_output() -> None:
+    line = ("$7$101$6E3pTp5rAMrRFM4+$nyPViXbVi0gCDgJVDnnIhLgVbmNmatlxkZBVgYKUwNhUz6pAmIyVl3EnJwZbIJq80CdK6P"
+            "EiMZvlugZEOpvIOA==")
+    assert mosquitto_password_hash("secret", salt=bytes.fromhex("e84de94e9e6b00cad114ce3e"), iterations=101) == line
+
+
+def test_acl_grants_each_device_only_its_own_topics() -> None:
+    device_block = acl_text(PREFIX, "server", ["dev1"]).split("\n\n")[1]
+    assert device_block.splitlines() == [
+        "user dev1", f"topic write {DEV1.up}", f"topic write {DEV1.status}", f"topic read {DEV1.down}"]
+
+
+def test_credentials_cli_writes_passwd_and_acl(tmp_path: Path) -> None:
+    credentials_cli(["--out", str(tmp_path), "--prefix", PREFIX, "--server-user", "server",
+                     "--server-password", "s3", "--device", "dev1:pw1", "--device", "dev2:pw2"])
+    users = [line.split(":")[0] for line in (tmp_path / "passwd").read_text().splitlines()]
+    assert users == ["server", "dev1", "dev2"]
+    assert f"topic write {DEV2.down}" in (tmp_path / "acl").read_text()
+
+
+@pytest.fixture
+def secured_broker(tmp_path: Path, start_mosquitto):
+    passwd, acl = write_mosquitto_auth(tmp_path / "auth", "server", "server-pw",
+                                       {"dev1": "pw1", "dev2": "pw2"}, PREFIX)
+    return start_mosquitto(password_file=passwd, acl_file=acl)
+
+
+def test_device_cannot_publish_to_another_devices_up_topic(secured_broker, connect) -> None:
+    server = connect("server", secured_broker.url, username="server", password="server-pw",
+                     subscriptions=server_subscriptions(PREFIX))
+    device = connect("dev1", secured_broker.url, username="dev1", password="pw1")
+    device.publish(DEV2.up, b"forged", "up-5", wait=True)
+    device.publish(DEV1.up, b"own", "up-6", wait=True)
+    assert server.get(WAIT_S) == (DEV1.up, b"own")
+
+
+def test_device_cannot_read_another_devices_down_topic(secured_broker, connect) -> None:
+    server = connect("server", secured_broker.url, username="server", password="server-pw")
+    device = connect("dev1", secured_broker.url, username="dev1", password="pw1",
+                     subscriptions=[DEV1.down, DEV2.down])
+    server.publish(DEV2.down, b"for dev2", "down-2", wait=True)
+    server.publish(DEV1.down, b"for dev1", "down-3", wait=True)
+    assert device.get(WAIT_S) == (DEV1.down, b"for dev1")
+
+
+def test_bad_password_is_refused(secured_broker, connect) -> None:
+    device = connect("dev1", secured_broker.url, username="dev1", password="wrong", wait=False)
+    with pytest.raises(BrokerRefusedError, match="refused the connection"):
+        device.wait_connected(WAIT_S)
+
+
+# -- TLS (mosquitto) ----------------------------------------------------------------------------
+
+
+def make_ca(directory: Path, name: str) -> tuple[Path, Path]:
+    key, cert = directory / f"{name}.key", directory / f"{name}.pem"
+    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", key, "-out", cert, "-days", "1", "-subj", f"/CN={name}",
+            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign")
+    return key, cert
+
+
+def openssl(*args: object) -> None:
+    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    """A test CA and a server certificate for 127.0.0.1 that it signed."""
+    if shutil.which("openssl") is None:
+        reason = "openssl CLI not found: needed to make the test certificates"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    directory = tmp_path_factory.mktemp("tls")
+    ca_key, ca_cert = make_ca(directory, "test-ca")
+    key, csr, cert, ext = (directory / name for name in ("server.key", "server.csr", "server.pem", "san.ext"))
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1")
+    openssl("x509", "-req", "-in", csr, "-CA", ca_cert, "-CAkey", ca_key, "-CAcreateserial",
+            "-out", cert, "-days", "1", "-extfile", ext)
+    return TlsFiles(cafile=ca_cert, certfile=cert, keyfile=key)
+
+
+def test_tls_round_trip_with_the_test_ca(tls_files: TlsFiles, start_mosquitto, connect) -> None:
+    broker = start_mosquitto(tls=tls_files)
+    server = connect("server", broker.url, tls_ca=str(tls_files.cafile), subscriptions=[DEV1.up])
+    device = connect("dev1", broker.url, tls_ca=str(tls_files.cafile))
+    device.publish(DEV1.up, b"over tls", "up-7", wait=True)
+    assert server.get(WAIT_S) == (DEV1.up, b"over tls")
+
+
+def test_tls_refuses_a_broker_certificate_from_another_ca(tls_files: TlsFiles, start_mosquitto, connect,
+                                                         tmp_path: Path) -> None:
+    broker = start_mosquitto(tls=tls_files)
+    _, other_ca = make_ca(tmp_path, "other-ca")
+    device = connect("dev1", broker.url, tls_ca=str(other_ca), wait=False)
+    with pytest.raises(ConnectTimeoutError):
+        device.wait_connected(1.0)
