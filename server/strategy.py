@@ -5,6 +5,7 @@ these functions, so the two cannot drift apart.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -75,14 +76,29 @@ def to_torch(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in arrays.items()}
 
 
-def configure_fit(global_fe: dict[str, torch.Tensor], plan: ResolvedPlan, config: FederationConfig,
+def plan_key(plan: ResolvedPlan) -> tuple[tuple[str, int], ...]:
+    """Clients with equal keys receive identical factors."""
+    return tuple(sorted(plan.ranks.items()))
+
+
+def factorize_per_plan(global_fe: dict[str, torch.Tensor], plans: Iterable[ResolvedPlan]) -> dict[tuple, dict[str, np.ndarray]]:
+    """The global FE factorized once per distinct plan (an SVD per layer and plan, not per client)."""
+    out: dict[tuple, dict[str, np.ndarray]] = {}
+    for plan in plans:
+        key = plan_key(plan)
+        if key not in out:
+            out[key] = to_numpy(factorize_state(global_fe, plan.ranks))
+    return out
+
+
+def configure_fit(client_fe: dict[str, np.ndarray], factorized: bool, config: FederationConfig,
                   round_index: int, client_index: int) -> Task:
-    """One client's task: the global FE factorized at its plan, and this round's hyper-parameters."""
+    """One client's task: its factorized FE and this round's hyper-parameters (μ only acts on factors)."""
     return Task(
         round=round_index,
-        fe=to_numpy(factorize_state(global_fe, plan.ranks)),
+        fe=client_fe,
         lam=round_lam(config, round_index),
-        mu=config.mu if plan.ranks else 0.0,
+        mu=config.mu if factorized else 0.0,
         lr=config.lr,
         epochs=config.local_epochs,
         batch_size=config.batch_size,

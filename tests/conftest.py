@@ -1,6 +1,9 @@
-"""Broker fixtures: a mosquitto subprocess (restartable on its port) and the embedded amqtt broker."""
+"""Shared test set-up: one compute thread per test process, and the broker fixtures (a mosquitto
+subprocess restartable on its port, and the embedded amqtt broker)."""
 
 from __future__ import annotations
+
+import torch
 
 import os
 import socket
@@ -19,6 +22,9 @@ MOSQUITTO_BIN = Path("/usr/sbin/mosquitto")
 BROKER_START_TIMEOUT_S = 10.0
 BROKER_STOP_TIMEOUT_S = 5.0
 ACCEPT_POLL_S = 0.02
+
+# Multi-threaded MKL spins under load: on 2 shared cores one thread is both faster and repeatable.
+torch.set_num_threads(1)
 
 
 def free_loopback_port() -> int:
