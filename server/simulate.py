@@ -7,6 +7,7 @@ onnxruntime trainer, so the two paths can be compared on the same seeds.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import sys
@@ -113,12 +114,15 @@ def build_clients(shards: list[Shard], model_names: list[str], input_shape: tupl
     num_classes = shards[0].num_classes
     templates = {name: build_model(name, input_shape, num_classes, seed=seed) for name in model_names}
     global_model = templates[model_names[0]]
-    clients = []
+    clients, factorized = [], {}
     for i, shard in enumerate(shards):
-        base = templates[model_names[i % len(model_names)]]
+        name = model_names[i % len(model_names)]
         ratio = tiers[i % len(tiers)] if tiers else rank_ratio
-        plan = resolve_plan(base, RankPlan(ratio)) if algo == "fedara" else ResolvedPlan({})
-        clients.append(SimClient(f"client_{i:03d}", i, shard, plan, factorize_model(base, plan.ranks)))
+        plan = resolve_plan(templates[name], RankPlan(ratio)) if algo == "fedara" else ResolvedPlan({})
+        key = (name, plan_key(plan))
+        if key not in factorized:
+            factorized[key] = factorize_model(templates[name], plan.ranks)
+        clients.append(SimClient(f"client_{i:03d}", i, shard, plan, copy.deepcopy(factorized[key])))
     return clients, global_model
 
 
@@ -132,10 +136,10 @@ def run_federation(clients: list[SimClient], global_model: SplitModel, config: F
     by_id = {c.cid: c for c in clients}
     rounds = []
     plans = [c.plan for c in clients]
+    per_plan = factorize_per_plan(global_state, plans)
     for t in range(1, config.rounds + 1):
         start = time.perf_counter()
         selected = sample_clients(ids, config.join_ratio, t, config.seed)
-        per_plan = factorize_per_plan(global_state, plans)
         updates, bytes_down, bytes_up = [], 0, 0
         for cid in selected:
             client = by_id[cid]
