@@ -61,14 +61,27 @@ def from_matrix(matrix: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return matrix.reshape(c_out, kh, c_in, kw).permute(0, 2, 1, 3).contiguous()
 
 
+def spectrum(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD (U, S, Vᴴ) of the matrix view, in float64: one per layer serves every rank."""
+    return torch.linalg.svd(to_matrix(weight.detach()).double(), full_matrices=False)
+
+
+def truncate(svd: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rank: int,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Balanced rank-``rank`` factors U_r√S_r, V_r√S_r from a thin SVD."""
+    u, s, vh = svd
+    if not 1 <= rank <= s.numel():
+        raise ValueError(f"rank {rank} is outside [1, {s.numel()}]")
+    root = s[:rank].sqrt()
+    return (u[:, :rank] * root).to(dtype), (vh[:rank].T * root).to(dtype)
+
+
 def decompose(weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Truncated-SVD factors (U, V) of ``weight`` at ``rank``, balanced as U_r√S_r, V_r√S_r."""
     full = full_rank(tuple(weight.shape))
     if not 1 <= rank <= full:
         raise ValueError(f"rank {rank} is outside [1, {full}] for a weight of shape {tuple(weight.shape)}")
-    u, s, vh = torch.linalg.svd(to_matrix(weight.detach()).double(), full_matrices=False)
-    root = s[:rank].sqrt()
-    return (u[:, :rank] * root).to(weight.dtype), (vh[:rank].T * root).to(weight.dtype)
+    return truncate(spectrum(weight), rank, weight.dtype)
 
 
 def reconstruct(u: torch.Tensor, v: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -237,13 +250,20 @@ def fe_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(FE_PREFIX)}
 
 
-def factorize_state(global_fe: dict[str, torch.Tensor], ranks: dict[str, int]) -> dict[str, torch.Tensor]:
-    """The client's FE tensors: each ``L.weight`` of a layer in ``ranks`` becomes ``L.u`` and ``L.v``."""
+def factorize_state(global_fe: dict[str, torch.Tensor], ranks: dict[str, int],
+                    spectra: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
+    """The client's FE tensors: each ``L.weight`` of a layer in ``ranks`` becomes ``L.u`` and ``L.v``.
+
+    ``spectra`` (layer → thin SVD) is filled and reused, so several plans pay one SVD per layer.
+    """
+    spectra = {} if spectra is None else spectra
     out: dict[str, torch.Tensor] = {}
     for key, value in global_fe.items():
         layer = key.rsplit(".", 1)[0]
         if key.endswith(".weight") and layer in ranks:
-            out[layer + ".u"], out[layer + ".v"] = decompose(value, ranks[layer])
+            if layer not in spectra:
+                spectra[layer] = spectrum(value)
+            out[layer + ".u"], out[layer + ".v"] = truncate(spectra[layer], ranks[layer], value.dtype)
         else:
             out[key] = value.clone()
     return out

@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,8 +42,8 @@ class SimClient:
     index: int
     shard: Shard
     plan: ResolvedPlan
-    model: SplitModel
-    history: list = field(default_factory=list)
+    model: SplitModel  # the client's personal model (factorized at its plan); its head persists here
+    template: SplitModel  # the dense architecture it was factorized from (shared, never trained)
 
 
 def load_tensors(model: torch.nn.Module, tensors: dict[str, np.ndarray]) -> None:
@@ -90,11 +90,11 @@ class TorchBackend:
         return evaluate(client.model, client.shard.x_test, client.shard.y_test)
 
 
-def make_backend(name: str, clients: list[SimClient], cache_dir: Path):
+def make_backend(name: str, clients: list[SimClient], cache_dir: Path, threads: int = 1):
     if name == "torch":
         return TorchBackend()
     from server.ort_backend import OrtBackend
-    return OrtBackend(clients, cache_dir)
+    return OrtBackend(clients, cache_dir, threads)
 
 
 def parse_tiers(text: str | None) -> list[float] | None:
@@ -122,7 +122,7 @@ def build_clients(shards: list[Shard], model_names: list[str], input_shape: tupl
         key = (name, plan_key(plan))
         if key not in factorized:
             factorized[key] = factorize_model(templates[name], plan.ranks)
-        clients.append(SimClient(f"client_{i:03d}", i, shard, plan, copy.deepcopy(factorized[key])))
+        clients.append(SimClient(f"client_{i:03d}", i, shard, plan, copy.deepcopy(factorized[key]), templates[name]))
     return clients, global_model
 
 
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    backend = make_backend(args.backend, clients, Path(args.cache_dir))
+    backend = make_backend(args.backend, clients, Path(args.cache_dir), args.threads)
     for client in clients:
         client.model.to(args.device)
     summary, _ = run_federation(clients, global_model, config, backend)

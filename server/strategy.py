@@ -82,12 +82,13 @@ def plan_key(plan: ResolvedPlan) -> tuple[tuple[str, int], ...]:
 
 
 def factorize_per_plan(global_fe: dict[str, torch.Tensor], plans: Iterable[ResolvedPlan]) -> dict[tuple, dict[str, np.ndarray]]:
-    """The global FE factorized once per distinct plan (an SVD per layer and plan, not per client)."""
+    """The global FE factorized once per distinct plan, from one SVD per layer shared by every plan."""
     out: dict[tuple, dict[str, np.ndarray]] = {}
+    spectra: dict[str, tuple] = {}
     for plan in plans:
         key = plan_key(plan)
         if key not in out:
-            out[key] = to_numpy(factorize_state(global_fe, plan.ranks))
+            out[key] = to_numpy(factorize_state(global_fe, plan.ranks, spectra))
     return out
 
 
@@ -106,7 +107,7 @@ def configure_fit(client_fe: dict[str, np.ndarray], factorized: bool, config: Fe
     )
 
 
-def aggregate_fit(updates: list[Update], dense_shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+def aggregate_fit(updates: Iterable[Update], dense_shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """ω^{t+1}: the clients' FEs reconstructed to full rank, averaged by training sample count."""
     average = StreamingAverage(dense_shapes)
     for update in updates:
