@@ -1,0 +1,84 @@
+"""scripts/bench_server.py end to end on a tiny configuration: the report's shape, not its timings."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_server.py"
+QUICK_SHAPE = "1x28x28"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_server", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    """(JSON report, stdout) of a --quick run on one input shape."""
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--input-shape", QUICK_SHAPE, "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(out.read_text()), done.stdout
+
+
+def test_quick_run_reports_every_client_count_and_phase(quick_run):
+    report, _ = quick_run
+    bench = load_script()
+    assert [(r["input_shape"], r["clients"]) for r in report["results"]] == [(QUICK_SHAPE, k) for k in bench.QUICK_CLIENTS]
+    for result in report["results"]:
+        assert set(result) >= {"decompose", "aggregate", "checkpoint", "process_peak_rss_bytes", "plans"}
+        assert len(result["plans"]) == len(bench.TIERS)
+
+
+def test_quick_run_measures_positive_seconds_and_bytes(quick_run):
+    report, _ = quick_run
+    for result in report["results"]:
+        d, a, c = result["decompose"], result["aggregate"], result["checkpoint"]
+        for value in (d["naive_seconds"], d["cached_seconds"], d["shared_svd_seconds"], a["seconds"],
+                      a["tracemalloc_peak_bytes"], a["updates_total_bytes"], c["seconds"], c["bytes"],
+                      result["process_peak_rss_bytes"]):
+            assert value > 0
+
+
+def test_quick_run_scales_naive_decompose_beyond_the_limit(quick_run):
+    report, _ = quick_run
+    bench = load_script()
+    measured = [r["decompose"]["naive_measured_clients"] for r in report["results"]]
+    assert measured == [min(k, bench.QUICK_NAIVE_LIMIT) for k in bench.QUICK_CLIENTS]
+
+
+def test_aggregation_tracemalloc_peak_does_not_grow_with_clients(quick_run):
+    report, _ = quick_run
+    assert report["flatness"][QUICK_SHAPE]["tracemalloc_peak_ratio"] < 1.1
+
+
+def test_quick_run_prints_markdown_tables(quick_run):
+    _, stdout = quick_run
+    assert "| input | K |" in stdout and "tracemalloc peak" in stdout
+
+
+def test_client_counts_must_be_positive_integers():
+    bench = load_script()
+    with pytest.raises(ValueError, match="'10,x'"):
+        bench.parse_clients("10,x")
+    with pytest.raises(ValueError, match="positive"):
+        bench.parse_clients("0,10")
+
+
+def test_input_shape_parses_c_by_h_by_w():
+    assert load_script().parse_shape("3x32x32") == (3, 32, 32)
+
+
+def test_input_shape_without_three_sizes_is_rejected():
+    bench = load_script()
+    with pytest.raises(ValueError, match="'32x32'"):
+        bench.parse_shape("32x32")
