@@ -1,0 +1,345 @@
+"""On-device local training with onnxruntime-training: numpy and the ORT C bindings, never torch or onnx.
+
+An artifact directory (built by ``export.artifacts``) holds four files and ``manifest.json``:
+- ``training_model.onnx``: inputs ``input`` (B×C×H×W float32), ``labels`` (B int64), ``anchors`` (classes×D),
+  ``anchor_mask`` (classes), ``lam``, ``mu`` (scalars); outputs ``loss`` (CE + λ·L_FAC + μ·Σ‖U Vᵀ‖²_F) and
+  ``logits``;
+- ``eval_model.onnx``: the forward graph alone, ``input`` -> ``logits``, ``features`` (anchors and accuracy);
+- ``optimizer_model.onnx``: plain SGD on every parameter (FE and head);
+- ``checkpoint``: the parameters; their values are overwritten each round (FE from the server, head from disk).
+The graphs hold no weights, so one artifact set serves every round of a rank plan.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+from device_runtime.batching import epoch_batches
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+ARTIFACT_FILES = {
+    "training_model": "training_model.onnx",
+    "eval_model": "eval_model.onnx",
+    "optimizer_model": "optimizer_model.onnx",
+    "checkpoint": "checkpoint",
+}
+INPUT, LABELS, ANCHORS, ANCHOR_MASK, LAM, MU = "input", "labels", "anchors", "anchor_mask", "lam", "mu"
+TRAINING_INPUTS = (INPUT, LABELS, ANCHORS, ANCHOR_MASK, LAM, MU)
+LOSS, LOGITS, FEATURES = "loss", "logits", "features"
+TRAINING_OUTPUTS = (LOSS, LOGITS)
+EVAL_INPUTS = (INPUT,)
+EVAL_OUTPUTS = (LOGITS, FEATURES)
+PARAM_DTYPE = np.float32
+LABEL_DTYPE = np.int64
+ANCHOR_BATCH = EVAL_BATCH = 64  # forward-only batches: peak RSS grows ~0.15 MB per sample (FedAvgCNN 28×28)
+ORT_ERROR_SEVERITY = 3
+_CAPI_MODULE = "onnxruntime.capi.onnxruntime_pybind11_state"
+
+
+class ArtifactError(ValueError):
+    """An artifact directory that is missing files, corrupt, or not the one expected."""
+
+
+class TensorMismatchError(ValueError):
+    """Tensors that do not fit the artifacts: unknown or missing names, wrong shapes or dtypes."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    num_samples: int  # local training samples (the aggregation weight)
+    loss: float  # mean of the full objective over every sample seen in all local epochs
+    accuracy: float  # training accuracy over every sample seen in all local epochs (before each step)
+    steps: int  # optimizer steps taken
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    correct: int
+    total: int
+    loss: float  # mean cross-entropy per sample
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else 0.0
+
+
+def load_ort_capi() -> ModuleType:
+    """The onnxruntime C bindings, loaded without running ``onnxruntime/__init__.py``.
+
+    That ``__init__`` probes ``onnxruntime.training.ortmodule``, which imports torch (and onnx) whenever they are
+    installed; the bindings themselves need only numpy. Reuses the bindings if onnxruntime is already loaded.
+    """
+    if _CAPI_MODULE in sys.modules:
+        return sys.modules[_CAPI_MODULE]
+    spec = importlib.util.find_spec("onnxruntime")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("onnxruntime is not installed (pip install --no-deps onnxruntime-training-cpu)")
+    capi = Path(next(iter(spec.submodule_search_locations))) / "capi"
+    candidates = [capi / f"onnxruntime_pybind11_state{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    path = next((p for p in candidates if p.exists()), None)
+    if path is None:
+        raise ImportError(f"no onnxruntime C extension in {capi}")
+    loader = importlib.machinery.ExtensionFileLoader(_CAPI_MODULE, str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(_CAPI_MODULE, path, loader=loader))
+    loader.exec_module(module)
+    sys.modules[_CAPI_MODULE] = module
+    return module
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """The parsed ``manifest.json`` of an artifact directory (ArtifactError if absent or unreadable)."""
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"{path} is missing: not an artifact directory") from None
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{path} is unreadable: {e}") from None
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version != FORMAT_VERSION:
+        raise ArtifactError(f"{path}: format version {version!r}, this runtime reads {FORMAT_VERSION}")
+    return manifest
+
+
+def verify_artifacts(directory: str | os.PathLike, expected_hash: str) -> dict:
+    """The manifest, once the directory is shown to hold artifact set ``expected_hash`` with intact files."""
+    manifest = read_manifest(directory)
+    if manifest.get("hash") != expected_hash:
+        raise ArtifactError(f"{directory} holds artifact set {manifest.get('hash')!r}, expected {expected_hash!r}")
+    for key, filename in ARTIFACT_FILES.items():
+        entry = manifest.get("files", {}).get(key)
+        path = Path(directory) / filename
+        if entry is None:
+            raise ArtifactError(f"manifest of {directory} does not list {key}")
+        if not path.is_file():
+            raise ArtifactError(f"{path} is missing")
+        actual = file_sha256(path)
+        if actual != entry["sha256"]:
+            raise ArtifactError(f"{path} is corrupt: sha256 {actual[:12]}… != manifest {entry['sha256'][:12]}…")
+    return manifest
+
+
+def class_means(sums: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(anchors float32 C×D, mask float32 C) from per-class feature sums and sample counts; absent classes: 0, 0."""
+    mask = (counts > 0).astype(np.float32)
+    anchors = sums / np.maximum(counts, 1)[:, None]
+    return anchors.astype(np.float32), mask
+
+
+def cross_entropy_sum(logits: np.ndarray, labels: np.ndarray) -> float:
+    """Σ_i −log softmax(logits_i)[y_i], computed stably in float64."""
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    log_norm = np.log(np.exp(z).sum(axis=1))
+    return float((log_norm - z[np.arange(len(labels)), labels]).sum())
+
+
+def check_tensors(kind: str, tensors: dict[str, np.ndarray], expected: dict[str, tuple[int, ...]]) -> None:
+    """Raise TensorMismatchError naming the first tensor whose name, shape or dtype does not fit ``expected``."""
+    missing = [n for n in expected if n not in tensors]
+    unknown = [n for n in tensors if n not in expected]
+    if missing or unknown:
+        raise TensorMismatchError(f"{kind} tensors do not match the artifacts: missing {missing}, unknown {unknown}")
+    for name, shape in expected.items():
+        value = tensors[name]
+        if not isinstance(value, np.ndarray) or value.dtype != PARAM_DTYPE:
+            got = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+            raise TensorMismatchError(f"{kind} tensor {name}: dtype {got}, expected {np.dtype(PARAM_DTYPE)}")
+        if value.shape != shape:
+            raise TensorMismatchError(f"{kind} tensor {name}: shape {value.shape}, expected {shape}")
+
+
+def _check_positive(**values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be positive, got {value!r}")
+
+
+def _session_options(capi: ModuleType, threads: int):
+    """Single-stream, few threads, no arena or memory-pattern pre-allocation: lower peak RSS on small boards."""
+    options = capi.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = capi.ExecutionMode.ORT_SEQUENTIAL
+    options.enable_cpu_mem_arena = False
+    options.enable_mem_pattern = False
+    options.log_severity_level = ORT_ERROR_SEVERITY
+    return options
+
+
+class DeviceTrainer:
+    """Local training and evaluation of one artifact set; the parameters live in its checkpoint state."""
+
+    def __init__(self, directory: str | os.PathLike, *, threads: int = 1):
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.directory = Path(directory)
+        self.manifest = read_manifest(self.directory)
+        self._capi = capi = load_ort_capi()
+        self._fe_shapes = {t["name"]: tuple(t["shape"]) for t in self.manifest["fe"]}
+        self._head_shapes = {t["name"]: tuple(t["shape"]) for t in self.manifest["head"]}
+        self.input_shape = tuple(self.manifest["input_shape"])
+        self.num_classes = int(self.manifest["num_classes"])
+        self.feature_dim = int(self.manifest["feature_dim"])
+        files = {key: str(self.directory / name) for key, name in ARTIFACT_FILES.items()}
+        self._device = capi.OrtDevice(capi.OrtDevice.cpu(), capi.OrtDevice.default_memory(), 0)
+        options = _session_options(capi, threads)
+        self._state = capi.load_checkpoint(files["checkpoint"])
+        self._module = capi.Module(files["training_model"], self._state, files["eval_model"], self._device, options)
+        self._optimizer = capi.Optimizer(files["optimizer_model"], self._state, self._device, options)
+        self._check_graph_io()
+
+    def _check_graph_io(self) -> None:
+        graphs = {"training": (self._module.input_names(True), self._module.output_names(True), TRAINING_INPUTS,
+                               TRAINING_OUTPUTS),
+                  "eval": (self._module.input_names(False), self._module.output_names(False), EVAL_INPUTS,
+                           EVAL_OUTPUTS)}
+        for kind, (inputs, outputs, want_in, want_out) in graphs.items():
+            if tuple(inputs) != want_in or tuple(outputs) != want_out:
+                raise ArtifactError(f"{kind} graph has inputs {inputs} and outputs {outputs}, "
+                                    f"expected {list(want_in)} and {list(want_out)}")
+        names = set(self._state.parameter_names())
+        if names != set(self._fe_shapes) | set(self._head_shapes):
+            raise ArtifactError(f"checkpoint parameters {sorted(names)} differ from the manifest's")
+
+    @property
+    def fe_names(self) -> tuple[str, ...]:
+        return tuple(self._fe_shapes)
+
+    @property
+    def head_names(self) -> tuple[str, ...]:
+        return tuple(self._head_shapes)
+
+    def _read(self, names) -> dict[str, np.ndarray]:
+        return {n: self._state.get_parameter(n).data.numpy().copy() for n in names}  # the getter is a live view
+
+    def _write(self, tensors: dict[str, np.ndarray]) -> None:
+        for name, value in tensors.items():
+            contiguous = np.ascontiguousarray(value)  # must outlive the OrtValue, which borrows its memory
+            self._state.copy_parameter_from(name, self._capi.OrtValue.ortvalue_from_numpy(contiguous, self._device))
+
+    def get_fe(self) -> dict[str, np.ndarray]:
+        """Copies of the FE tensors (factors ``.u``/``.v`` for factorized layers), by name."""
+        return self._read(self._fe_shapes)
+
+    def set_fe(self, tensors: dict[str, np.ndarray]) -> None:
+        """Overwrite every FE tensor; names, shapes and dtype (float32) must match the artifacts exactly."""
+        check_tensors("FE", tensors, self._fe_shapes)
+        self._write(tensors)
+
+    def get_head(self) -> dict[str, np.ndarray]:
+        return self._read(self._head_shapes)
+
+    def set_head(self, tensors: dict[str, np.ndarray]) -> None:
+        check_tensors("head", tensors, self._head_shapes)
+        self._write(tensors)
+
+    def save_head(self, path: str | os.PathLike) -> None:
+        """Write the head to an ``.npz`` atomically (temp file then rename): it must survive restarts intact."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, **self.get_head())
+        os.replace(tmp, path)
+
+    def load_head(self, path: str | os.PathLike) -> None:
+        """Restore a head saved by :meth:`save_head` (checked like :meth:`set_head`)."""
+        with np.load(path, allow_pickle=False) as archive:
+            self.set_head({name: archive[name] for name in archive.files})
+
+    def _check_data(self, x: np.ndarray, y: np.ndarray | None = None) -> None:
+        if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.shape[1:] != self.input_shape:
+            got = (x.dtype, x.shape) if isinstance(x, np.ndarray) else type(x).__name__
+            raise ValueError(f"x must be float32 N×{'×'.join(map(str, self.input_shape))}, got {got}")
+        if len(x) == 0:
+            raise ValueError("x holds no samples")
+        if y is None:
+            return
+        if not isinstance(y, np.ndarray) or y.dtype != LABEL_DTYPE or y.shape != (len(x),):
+            got = (y.dtype, y.shape) if isinstance(y, np.ndarray) else type(y).__name__
+            raise ValueError(f"y must be int64 of shape ({len(x)},), got {got}")
+        if y.min() < 0 or y.max() >= self.num_classes:
+            raise ValueError(f"labels must lie in [0, {self.num_classes}), got [{y.min()}, {y.max()}]")
+
+    def _forward(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(logits, features) copied out: ``OrtValue.numpy()`` is a view that dies with its fetch vector."""
+        fetches = self._capi.OrtValueVector()
+        self._module.eval_step([np.ascontiguousarray(x)], fetches)
+        return fetches[0].numpy().copy(), fetches[1].numpy().copy()
+
+    def compute_anchors(self, x: np.ndarray, y: np.ndarray, *,
+                        batch_size: int = ANCHOR_BATCH) -> tuple[np.ndarray, np.ndarray]:
+        """Per-class mean features of the current (received, not yet trained) FE over (x, y), and the class mask."""
+        self._check_data(x, y)
+        _check_positive(batch_size=batch_size)
+        sums = np.zeros((self.num_classes, self.feature_dim), np.float64)
+        for start in range(0, len(x), batch_size):
+            _, features = self._forward(x[start:start + batch_size])
+            np.add.at(sums, y[start:start + batch_size], features.astype(np.float64))
+        return class_means(sums, np.bincount(y, minlength=self.num_classes))
+
+    def _anchor_inputs(self, anchors: np.ndarray | None, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        if (anchors is None) != (mask is None):
+            raise ValueError("anchors and mask go together: give both or neither")
+        if anchors is None:
+            return (np.zeros((self.num_classes, self.feature_dim), np.float32),
+                    np.zeros(self.num_classes, np.float32))
+        check_tensors("anchor", {ANCHORS: anchors, ANCHOR_MASK: mask},
+                      {ANCHORS: (self.num_classes, self.feature_dim), ANCHOR_MASK: (self.num_classes,)})
+        return np.ascontiguousarray(anchors), np.ascontiguousarray(mask)
+
+    def train(self, x: np.ndarray, y: np.ndarray, *, anchors: np.ndarray | None, mask: np.ndarray | None,
+              lam: float, mu: float, lr: float, epochs: int, batch_size: int,
+              rng: np.random.Generator) -> TrainResult:
+        """Plain SGD on FE and head over ``epochs`` shuffled passes (batches from ``epoch_batches(.., rng)``).
+
+        ``anchors``/``mask`` None (both) means no anchor term, whatever ``lam``.
+        """
+        self._check_data(x, y)
+        _check_positive(epochs=epochs, batch_size=batch_size, lr=lr)
+        anchor_values, mask_values = self._anchor_inputs(anchors, mask)
+        lam_value, mu_value = np.array(lam, np.float32), np.array(mu, np.float32)
+        self._optimizer.set_learning_rate(float(lr))
+        total_loss, correct, seen, steps = 0.0, 0, 0, 0
+        for _ in range(epochs):
+            for batch in epoch_batches(len(x), batch_size, rng):
+                labels = y[batch]
+                fetches = self._capi.OrtValueVector()  # a reused vector would pin the first batch's output shapes
+                self._module.lazy_reset_grad()
+                self._module.train_step([x[batch], labels, anchor_values, mask_values, lam_value, mu_value], fetches)
+                self._optimizer.optimizer_step()
+                total_loss += float(fetches[0].numpy()) * len(batch)
+                correct += int((fetches[1].numpy().argmax(axis=1) == labels).sum())
+                seen += len(batch)
+                steps += 1
+        return TrainResult(len(x), total_loss / seen, correct / seen, steps)
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = EVAL_BATCH) -> EvalResult:
+        """Accuracy and mean cross-entropy of the current model (FE and head) on (x, y)."""
+        self._check_data(x, y)
+        _check_positive(batch_size=batch_size)
+        correct, loss = 0, 0.0
+        for start in range(0, len(x), batch_size):
+            logits, _ = self._forward(x[start:start + batch_size])
+            labels = y[start:start + batch_size]
+            correct += int((logits.argmax(axis=1) == labels).sum())
+            loss += cross_entropy_sum(logits, labels)
+        return EvalResult(correct, len(x), loss / len(x))

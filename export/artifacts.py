@@ -1,0 +1,265 @@
+"""torch -> ONNX -> onnxruntime-training artifacts for one (model, rank plan), cached by a content hash.
+
+One artifact set serves every round of a plan: the graphs take λ, μ, anchors and mask as inputs and hold no
+weights (the checkpoint does, and the device overwrites them each round). The set lives in
+``cache_dir/<hash>/`` where the hash (sha256) covers everything that shapes the graphs: architecture, ranks,
+input shape, classes, opset, tool versions and FORMAT_VERSION. Devices name what they hold by that hash.
+
+``python -m export.artifacts --model fedavgcnn --input-shape 1,28,28 --classes 10 --ratio 0.5 --out DIR``
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnxruntime
+import torch
+from onnx import helper
+from onnxruntime.training import artifacts as ort_artifacts
+from torch import nn
+
+from device_runtime.trainer import (ARTIFACT_FILES, FEATURES, FORMAT_VERSION, INPUT, LOGITS, MANIFEST_NAME,
+                                    ArtifactError, file_sha256, read_manifest, verify_artifacts)
+from export.loss_block import FedAraLoss
+from server.lowrank import FE_PREFIX, FactorizedLayer, RankPlan, check_ranks, factorize_model, resolve_plan
+from server.models import MODELS, SplitModel, build_model
+
+OPSET = 17  # ONNX IR 8: loadable by onnxruntime-training 1.19.2 (which refuses IR > 10)
+BATCH_DIM = "batch"
+TMP_PREFIX = ".building-"
+ORT_CHATTER = (b" [I:onnxruntime:", b" [V:onnxruntime:")
+DIRECTORY_MODE = 0o755
+HEAD_PREFIX = "head."
+
+
+@dataclass(frozen=True)
+class ArtifactSet:
+    """A built artifact directory and what a device needs to know about it."""
+
+    hash: str
+    directory: Path
+    files: dict[str, Path]  # training_model, eval_model, optimizer_model, checkpoint
+    sizes: dict[str, int]  # bytes per file
+    fe_names: tuple[str, ...]
+    fe_shapes: dict[str, tuple[int, ...]]
+    head_names: tuple[str, ...]
+    head_shapes: dict[str, tuple[int, ...]]
+    input_shape: tuple[int, ...]
+    num_classes: int
+    feature_dim: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes.values())
+
+
+class _ForwardGraph(nn.Module):
+    """The model with both outputs the graphs need: logits (for CE) and features (for anchors and L_FAC)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.fe = model.fe
+        self.head = model.head
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.fe(x)
+        return self.head(features), features
+
+
+def _shapes(module: nn.Module, prefix: str) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in module.state_dict().items() if k.startswith(prefix)}
+
+
+def artifact_config(model: SplitModel, ranks: dict[str, int], input_shape: tuple[int, ...], num_classes: int) -> dict:
+    """Everything that shapes the graphs, as plain JSON-able data (the hash is taken over this)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "model": model.name,
+        "layers": {k: list(v.shape) for k, v in model.state_dict().items()},
+        "ranks": {k: int(ranks[k]) for k in sorted(ranks)},
+        "input_shape": [int(d) for d in input_shape],
+        "num_classes": int(num_classes),
+        "opset": OPSET,
+        "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
+    }
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _check_request(model: SplitModel, input_shape: tuple[int, ...], num_classes: int) -> None:
+    if len(input_shape) != 3 or any(int(d) < 1 for d in input_shape):
+        raise ValueError(f"input_shape must be (C, H, W) with positive sizes, got {tuple(input_shape)}")
+    if num_classes != model.num_classes:
+        raise ValueError(f"num_classes {num_classes} does not match the model's head ({model.num_classes})")
+
+
+def _export_forward(client: nn.Module, input_shape: tuple[int, ...]) -> onnx.ModelProto:
+    """Legacy (TorchScript) export, training mode, no constant folding: parameters keep their state_dict names."""
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(_ForwardGraph(client), torch.zeros(2, *input_shape), buffer, dynamo=False,
+                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                          export_params=True, opset_version=OPSET, input_names=[INPUT],
+                          output_names=[LOGITS, FEATURES],
+                          dynamic_axes={name: {0: BATCH_DIM} for name in (INPUT, LOGITS, FEATURES)})
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def _eval_graph(forward: onnx.ModelProto, parameter_names: set[str]) -> onnx.ModelProto:
+    """The forward graph with its parameters turned into inputs (fed from the checkpoint): no loss to feed."""
+    model = onnx.ModelProto()
+    model.CopyFrom(forward)
+    params = [init for init in model.graph.initializer if init.name in parameter_names]
+    constants = [init for init in model.graph.initializer if init.name not in parameter_names]
+    model.graph.input.extend(helper.make_tensor_value_info(p.name, p.data_type, p.dims) for p in params)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(constants)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+@contextmanager
+def _ort_chatter_filtered() -> Iterator[None]:
+    """Drop ORT's per-transformer INFO lines from fd 2 while the graph builders run, replay everything else.
+
+    generate_artifacts builds its own SessionOptions, whose logger prints ~200 INFO lines per export whatever
+    the default severity; only a redirect of the file descriptor keeps them off the console.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            lines = sink.read().splitlines(keepends=True)
+            kept = b"".join(line for line in lines if not any(tag in line for tag in ORT_CHATTER))
+            sys.stderr.write(kept.decode(errors="replace"))
+
+
+def _tensor_entries(shapes: dict[str, tuple[int, ...]]) -> list[dict]:
+    return [{"name": name, "shape": list(shape), "dtype": "float32"} for name, shape in shapes.items()]
+
+
+def _write_artifacts(client: SplitModel, config: dict, digest: str, directory: Path) -> None:
+    """Generate the four artifacts and manifest.json into ``directory`` (empty, private to this builder)."""
+    forward = _export_forward(client, tuple(config["input_shape"]))
+    parameters = list(client.state_dict())
+    pairs = [(f"{name}.u", f"{name}.v") for name, m in client.named_modules() if isinstance(m, FactorizedLayer)]
+    with _ort_chatter_filtered():
+        ort_artifacts.generate_artifacts(
+            forward, requires_grad=parameters, loss=FedAraLoss(client.num_classes, client.feature_dim, pairs),
+            optimizer=ort_artifacts.OptimType.SGD, artifact_directory=directory, additional_output_names=[LOGITS])
+    onnx.save(_eval_graph(forward, set(parameters)), directory / ARTIFACT_FILES["eval_model"])
+    fe_shapes, head_shapes = _shapes(client, FE_PREFIX), _shapes(client, HEAD_PREFIX)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "hash": digest,
+        "config": config,
+        "input_shape": config["input_shape"],
+        "num_classes": client.num_classes,
+        "feature_dim": client.feature_dim,
+        "fe": _tensor_entries(fe_shapes),
+        "head": _tensor_entries(head_shapes),
+        "files": {key: {"path": name, "sha256": file_sha256(directory / name),
+                        "bytes": (directory / name).stat().st_size} for key, name in ARTIFACT_FILES.items()},
+    }
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
+
+
+def load_artifact_set(directory: str | os.PathLike, expected_hash: str | None = None) -> ArtifactSet:
+    """The ArtifactSet of a built directory, its files checked against the manifest (ArtifactError otherwise)."""
+    directory = Path(directory)
+    manifest = verify_artifacts(directory, expected_hash or read_manifest(directory).get("hash"))
+    fe_shapes = {t["name"]: tuple(t["shape"]) for t in manifest["fe"]}
+    head_shapes = {t["name"]: tuple(t["shape"]) for t in manifest["head"]}
+    return ArtifactSet(
+        hash=manifest["hash"], directory=directory,
+        files={key: directory / name for key, name in ARTIFACT_FILES.items()},
+        sizes={key: int(manifest["files"][key]["bytes"]) for key in ARTIFACT_FILES},
+        fe_names=tuple(fe_shapes), fe_shapes=fe_shapes, head_names=tuple(head_shapes), head_shapes=head_shapes,
+        input_shape=tuple(manifest["input_shape"]), num_classes=int(manifest["num_classes"]),
+        feature_dim=int(manifest["feature_dim"]))
+
+
+def build_artifacts(model: SplitModel, ranks: dict[str, int], input_shape: tuple[int, ...], num_classes: int,
+                    cache_dir: str | os.PathLike) -> ArtifactSet:
+    """The artifact set of ``factorize_model(model, ranks)``, exported only if ``cache_dir`` lacks its hash.
+
+    Concurrent builders of one hash each write a private temp directory and rename it into place; the first
+    rename wins and the others discard their copy. A cached set whose files fail their checksums is refused.
+    """
+    _check_request(model, input_shape, num_classes)
+    check_ranks(model, ranks)
+    config = artifact_config(model, ranks, input_shape, num_classes)
+    digest = config_hash(config)
+    cache_dir = Path(cache_dir)
+    final = cache_dir / digest
+    if not final.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{digest[:12]}-", dir=cache_dir))
+        try:
+            _write_artifacts(factorize_model(model, ranks), config, digest, tmp)
+            tmp.chmod(DIRECTORY_MODE)
+            os.rename(tmp, final)
+        except OSError:
+            if not final.exists():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return load_artifact_set(final, digest)
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected C,H,W integers, got {text!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, choices=MODELS)
+    p.add_argument("--input-shape", required=True, type=_parse_shape, help="C,H,W, e.g. 1,28,28")
+    p.add_argument("--classes", required=True, type=int)
+    p.add_argument("--ratio", type=float, default=1.0, help="rank ratio r_k in (0, 1]; 1 keeps every layer dense")
+    p.add_argument("--layers", default=None, help="comma-separated FE layers to factorize (default: all but the first)")
+    p.add_argument("--out", required=True, help="artifact cache directory")
+    args = p.parse_args(argv)
+    model = build_model(args.model, args.input_shape, args.classes, seed=0)
+    layers = tuple(args.layers.split(",")) if args.layers else None
+    plan = resolve_plan(model, RankPlan(args.ratio, layers))
+    try:
+        built = build_artifacts(model, plan.ranks, args.input_shape, args.classes, args.out)
+    except ArtifactError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"hash {built.hash}")
+    print(f"plan {plan.describe()}")
+    for key, size in built.sizes.items():
+        print(f"{key:16s} {size:>10d} B")
+    print(f"{'total':16s} {built.total_bytes:>10d} B")
+    print(f"directory {built.directory}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

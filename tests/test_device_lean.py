@@ -1,0 +1,58 @@
+"""A full local round through device_runtime, in a fresh interpreter, never loads torch or onnx.
+
+torch and onnx are installed in this environment (the server needs them), so the check is real: onnxruntime's
+own ``__init__`` would import both; the device trainer must load the ORT bindings without it.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from export.artifacts import build_artifacts
+from server.lowrank import RankPlan, resolve_plan
+from server.models import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE, CLASSES = (1, 28, 28), 10
+ROUND_TIMEOUT_S = 60
+
+DEVICE_ROUND = """
+import json, sys
+import numpy as np
+from device_runtime.trainer import DeviceTrainer, verify_artifacts
+
+directory, expected_hash = sys.argv[1], sys.argv[2]
+verify_artifacts(directory, expected_hash)
+trainer = DeviceTrainer(directory)
+rng = np.random.default_rng(0)
+x = rng.standard_normal((12, 1, 28, 28)).astype(np.float32)
+y = rng.integers(0, 10, 12).astype(np.int64)
+trainer.set_fe(trainer.get_fe())
+anchors, mask = trainer.compute_anchors(x, y)
+result = trainer.train(x, y, anchors=anchors, mask=mask, lam=2.0, mu=1e-3, lr=0.01, epochs=1, batch_size=8, rng=rng)
+evaluation = trainer.evaluate(x, y)
+update = trainer.get_fe()
+forbidden = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "onnx"))
+print(json.dumps({"steps": result.steps, "total": evaluation.total, "tensors": len(update), "forbidden": forbidden}))
+"""
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
+    ranks = resolve_plan(model, RankPlan(0.5)).ranks
+    return build_artifacts(model, ranks, SHAPE, CLASSES, tmp_path_factory.getbasetemp() / "artifact-cache")
+
+
+def test_a_device_round_loads_neither_torch_nor_onnx(artifacts):
+    done = subprocess.run([sys.executable, "-c", DEVICE_ROUND, str(artifacts.directory), artifacts.hash],
+                          cwd=REPO, capture_output=True, text=True, timeout=ROUND_TIMEOUT_S,
+                          env={"PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["forbidden"] == []
+    assert (report["steps"], report["total"], report["tensors"]) == (2, 12, len(artifacts.fe_names))

@@ -1,0 +1,224 @@
+"""The device trainer: tensor exchange checks, head persistence, anchors, batching, training and evaluation."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device_runtime.batching import epoch_batches, local_epochs_batches
+from device_runtime.trainer import (ArtifactError, DeviceTrainer, TensorMismatchError, class_means,
+                                    cross_entropy_sum, verify_artifacts)
+from export.artifacts import build_artifacts
+from server.lowrank import RankPlan, resolve_plan
+from server.models import build_model
+
+SHAPE, CLASSES, FEATURES = (1, 28, 28), 10, 512
+TRAIN = dict(anchors=None, mask=None, lam=0.0, mu=1e-3, lr=0.05, epochs=1, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def artifact_dir(tmp_path_factory) -> Path:
+    model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
+    ranks = resolve_plan(model, RankPlan(0.5)).ranks
+    return build_artifacts(model, ranks, SHAPE, CLASSES, tmp_path_factory.getbasetemp() / "artifact-cache").directory
+
+
+@pytest.fixture
+def trainer(artifact_dir) -> DeviceTrainer:
+    return DeviceTrainer(artifact_dir)
+
+
+def _data(n: int, labels: list[int] | None = None, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    y = np.array(labels if labels is not None else rng.integers(0, CLASSES, n), dtype=np.int64)
+    return rng.standard_normal((len(y), *SHAPE)).astype(np.float32), y
+
+
+# batching
+
+def test_epoch_batches_cover_a_permutation_and_keep_the_last_partial_batch():
+    batches = epoch_batches(10, 4, np.random.default_rng(0))
+    assert [len(b) for b in batches] == [4, 4, 2]
+    assert sorted(np.concatenate(batches).tolist()) == list(range(10))
+
+
+def test_epoch_batches_follow_the_generator():
+    first = epoch_batches(10, 4, np.random.default_rng(5))
+    again = epoch_batches(10, 4, np.random.default_rng(5))
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+
+
+def test_local_epochs_draw_one_permutation_per_epoch_from_the_same_generator():
+    rng = np.random.default_rng(3)
+    sequential = [epoch_batches(7, 3, rng) for _ in range(2)]
+    epochs = local_epochs_batches(7, 3, 2, np.random.default_rng(3))
+    assert [[b.tolist() for b in e] for e in epochs] == [[b.tolist() for b in e] for e in sequential]
+
+
+def test_batch_size_must_be_positive():
+    with pytest.raises(ValueError, match="batch_size"):
+        epoch_batches(10, 0, np.random.default_rng(0))
+
+
+# tensor exchange
+
+def test_set_fe_then_get_fe_round_trips_any_memory_layout(trainer):
+    rng = np.random.default_rng(1)
+    new = {k: np.asfortranarray(rng.standard_normal(v.shape).astype(np.float32)) for k, v in trainer.get_fe().items()}
+    trainer.set_fe(new)
+    got = trainer.get_fe()
+    assert all(np.array_equal(got[k], new[k]) for k in new)
+
+
+def test_get_fe_returns_copies(trainer):
+    fe = trainer.get_fe()
+    name = trainer.fe_names[0]
+    fe[name][...] = 123.0
+    assert not np.any(trainer.get_fe()[name] == 123.0)
+
+
+def test_set_fe_rejects_a_missing_tensor(trainer):
+    fe = trainer.get_fe()
+    del fe["fe.fc1.u"]
+    with pytest.raises(TensorMismatchError, match=r"missing \['fe.fc1.u'\]"):
+        trainer.set_fe(fe)
+
+
+def test_set_fe_rejects_an_unknown_tensor(trainer):
+    fe = trainer.get_fe()
+    fe["fe.fc1.weight"] = np.zeros((512, 1024), np.float32)
+    with pytest.raises(TensorMismatchError, match=r"unknown \['fe.fc1.weight'\]"):
+        trainer.set_fe(fe)
+
+
+def test_set_fe_rejects_a_wrong_shape_naming_the_tensor(trainer):
+    fe = trainer.get_fe()
+    fe["fe.fc1.v"] = fe["fe.fc1.v"][:, :-1].copy()
+    with pytest.raises(TensorMismatchError, match=r"fe.fc1.v: shape \(1024, 255\), expected \(1024, 256\)"):
+        trainer.set_fe(fe)
+
+
+def test_set_fe_rejects_a_wrong_dtype_naming_the_tensor(trainer):
+    fe = trainer.get_fe()
+    fe["fe.conv1.bias"] = fe["fe.conv1.bias"].astype(np.float64)
+    with pytest.raises(TensorMismatchError, match="fe.conv1.bias: dtype float64"):
+        trainer.set_fe(fe)
+
+
+def test_set_fe_leaves_the_head_alone(trainer):
+    head = trainer.get_head()
+    trainer.set_fe({k: np.zeros_like(v) for k, v in trainer.get_fe().items()})
+    assert all(np.array_equal(trainer.get_head()[k], head[k]) for k in head)
+
+
+# head persistence
+
+def test_saved_head_is_restored_by_a_new_trainer(trainer, artifact_dir, tmp_path):
+    head = {k: np.full_like(v, 0.25) for k, v in trainer.get_head().items()}
+    trainer.set_head(head)
+    trainer.save_head(tmp_path / "head.npz")
+    restarted = DeviceTrainer(artifact_dir)
+    restarted.load_head(tmp_path / "head.npz")
+    assert all(np.array_equal(restarted.get_head()[k], head[k]) for k in head)
+    assert not (tmp_path / "head.npz.tmp").exists()
+
+
+def test_load_head_rejects_a_head_of_another_shape(trainer, tmp_path):
+    np.savez(tmp_path / "head.npz", **{"head.weight": np.zeros((3, FEATURES), np.float32),
+                                       "head.bias": np.zeros(3, np.float32)})
+    with pytest.raises(TensorMismatchError, match="head.weight: shape"):
+        trainer.load_head(tmp_path / "head.npz")
+
+
+# anchors
+
+def test_class_means_divide_sums_by_counts_and_zero_absent_classes():
+    anchors, mask = class_means(np.array([[2.0, 4.0], [0.0, 0.0], [3.0, 3.0]]), np.array([2, 0, 1]))
+    np.testing.assert_array_equal(anchors, [[1, 2], [0, 0], [3, 3]])
+    np.testing.assert_array_equal(mask, [1, 0, 1])
+    assert anchors.dtype == mask.dtype == np.float32
+
+
+def test_anchors_mask_classes_without_local_samples(trainer):
+    x, y = _data(0, labels=[0, 2, 2, 5, 5, 5])
+    anchors, mask = trainer.compute_anchors(x, y, batch_size=4)
+    np.testing.assert_array_equal(mask, [1, 0, 1, 0, 0, 1, 0, 0, 0, 0])
+    assert anchors.shape == (CLASSES, FEATURES)
+    assert not anchors[mask == 0].any() and anchors[mask == 1].any()
+
+
+def test_anchors_do_not_depend_on_the_batch_size(trainer):
+    x, y = _data(9)
+    a1, _ = trainer.compute_anchors(x, y, batch_size=2)
+    a9, _ = trainer.compute_anchors(x, y, batch_size=9)
+    np.testing.assert_allclose(a1, a9, atol=1e-6)
+
+
+# training and evaluation
+
+def test_training_takes_one_step_per_batch_including_the_last_partial_one(trainer):
+    x, y = _data(10)
+    before = trainer.get_fe()
+    result = trainer.train(x, y, rng=np.random.default_rng(0), **{**TRAIN, "epochs": 2})
+    assert (result.num_samples, result.steps) == (10, 6)
+    assert np.isfinite(result.loss) and 0.0 <= result.accuracy <= 1.0
+    after = trainer.get_fe()
+    assert all(not np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_training_updates_the_head_too(trainer):
+    x, y = _data(8)
+    before = trainer.get_head()
+    trainer.train(x, y, rng=np.random.default_rng(0), **TRAIN)
+    assert not np.array_equal(before["head.weight"], trainer.get_head()["head.weight"])
+
+
+def test_train_rejects_labels_outside_the_classes(trainer):
+    x, y = _data(4)
+    y[0] = CLASSES
+    with pytest.raises(ValueError, match="labels must lie in"):
+        trainer.train(x, y, rng=np.random.default_rng(0), **TRAIN)
+
+
+def test_train_rejects_anchors_of_the_wrong_shape(trainer):
+    x, y = _data(4)
+    settings = {**TRAIN, "anchors": np.zeros((CLASSES, 3), np.float32), "mask": np.ones(CLASSES, np.float32)}
+    with pytest.raises(TensorMismatchError, match="anchors: shape"):
+        trainer.train(x, y, rng=np.random.default_rng(0), **settings)
+
+
+def test_train_rejects_images_of_another_shape(trainer):
+    x, y = _data(4)
+    with pytest.raises(ValueError, match="x must be float32"):
+        trainer.train(x[:, :, :27], y, rng=np.random.default_rng(0), **TRAIN)
+
+
+def test_evaluate_counts_correct_predictions_and_mean_cross_entropy(trainer):
+    x, y = _data(0, labels=[3, 3, 1, 7, 3])
+    bias = np.zeros(CLASSES, np.float32)
+    bias[3] = 2.0
+    trainer.set_head({"head.weight": np.zeros((CLASSES, FEATURES), np.float32), "head.bias": bias})
+    result = trainer.evaluate(x, y, batch_size=2)
+    logits = np.tile(bias, (len(y), 1))
+    assert (result.correct, result.total) == (3, 5)
+    assert result.loss == pytest.approx(cross_entropy_sum(logits, y) / len(y))
+    assert result.accuracy == pytest.approx(0.6)
+
+
+def test_cross_entropy_sum_is_stable_for_large_logits():
+    assert cross_entropy_sum(np.array([[1000.0, 0.0]]), np.array([0])) == pytest.approx(0.0)
+    assert cross_entropy_sum(np.array([[1000.0, 0.0]]), np.array([1])) == pytest.approx(1000.0)
+
+
+def test_a_directory_without_manifest_is_not_an_artifact_set(tmp_path):
+    with pytest.raises(ArtifactError, match="manifest.json is missing"):
+        verify_artifacts(tmp_path, "0" * 64)
+    with pytest.raises(ArtifactError, match="not an artifact directory"):
+        DeviceTrainer(tmp_path)
+
+
+def test_anchors_and_mask_go_together(trainer):
+    x, y = _data(4)
+    with pytest.raises(ValueError, match="both or neither"):
+        trainer.train(x, y, rng=np.random.default_rng(0), **{**TRAIN, "anchors": np.zeros((CLASSES, FEATURES), np.float32)})

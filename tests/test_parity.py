@@ -1,0 +1,114 @@
+"""The ONNX device path equals the PyTorch reference: same weights and batches in, same weights out.
+
+Inputs are fixed (seeded): an argmax flip at a max-pool near-tie, which a 1e-7 rounding difference can cause,
+moves a weight by ~lr·|grad|, so a parity failure after a dependency upgrade may be such a flip, not a bug.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from device_runtime.trainer import DeviceTrainer
+from export.artifacts import build_artifacts
+from server.lowrank import factorize_model, fe_state
+from server.models import build_model
+from server.objective import compute_anchors
+from server.training import evaluate, train_local
+
+SHAPE, CLASSES = (1, 28, 28), 10
+FACTORIZED = {"fe.conv2": 80, "fe.fc1": 256}
+PARAM_ATOL = 1e-5
+SETTINGS = dict(mu=1e-3, lr=0.05, epochs=1, batch_size=8)  # 20 samples: batches of 8, 8 and a partial 4
+SEED = 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.getbasetemp() / "artifact-cache"
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, CLASSES - 2, 20).astype(np.int64)  # the last two classes have no sample
+    return rng.standard_normal((20, *SHAPE)).astype(np.float32), y
+
+
+def _pair(model, ranks, cache) -> tuple[torch.nn.Module, DeviceTrainer]:
+    """The reference client model and a device trainer holding exactly its weights."""
+    reference = factorize_model(model, ranks)
+    trainer = DeviceTrainer(build_artifacts(model, ranks, SHAPE, CLASSES, cache).directory)
+    trainer.set_fe({k: v.numpy() for k, v in fe_state(reference).items()})
+    trainer.set_head({k: v.detach().numpy().copy() for k, v in reference.head.state_dict(prefix="head.").items()})
+    return reference, trainer
+
+
+def _max_param_diff(reference: torch.nn.Module, trainer: DeviceTrainer) -> float:
+    device = {**trainer.get_fe(), **trainer.get_head()}
+    reference_state = reference.state_dict()
+    assert set(device) == set(reference_state)
+    return max(float(np.abs(reference_state[k].numpy() - device[k]).max()) for k in device)
+
+
+def _train_both(reference, trainer, data, *, lam: float, anchors=None, mask=None):
+    x, y = data
+    common = dict(anchors=anchors, mask=mask, lam=lam, **SETTINGS)
+    stats = train_local(reference, x, y, rng=np.random.default_rng(SEED), **common)
+    result = trainer.train(x, y, rng=np.random.default_rng(SEED), **common)
+    return stats, result
+
+
+def test_dense_epoch_matches_torch(model, cache, data):
+    reference, trainer = _pair(model, {}, cache)
+    _train_both(reference, trainer, data, lam=0.0)
+    assert _max_param_diff(reference, trainer) < PARAM_ATOL
+
+
+def test_factorized_epoch_matches_torch(model, cache, data):
+    reference, trainer = _pair(model, FACTORIZED, cache)
+    _train_both(reference, trainer, data, lam=0.0)
+    assert _max_param_diff(reference, trainer) < PARAM_ATOL
+
+
+def test_anchor_term_epoch_matches_torch(model, cache, data):
+    reference, trainer = _pair(model, FACTORIZED, cache)
+    anchors, mask = compute_anchors(reference.fe, *data, CLASSES)
+    _train_both(reference, trainer, data, lam=2.0, anchors=anchors, mask=mask)
+    assert _max_param_diff(reference, trainer) < PARAM_ATOL
+
+
+def test_the_updates_are_large_enough_for_parity_to_mean_something(model, cache, data):
+    reference, trainer = _pair(model, FACTORIZED, cache)
+    start = trainer.get_fe()
+    _train_both(reference, trainer, data, lam=0.0)
+    assert max(float(np.abs(trainer.get_fe()[k] - start[k]).max()) for k in start) > 100 * PARAM_ATOL
+
+
+def test_anchors_match_the_reference(model, cache, data):
+    reference, trainer = _pair(model, FACTORIZED, cache)
+    expected_anchors, expected_mask = compute_anchors(reference.fe, *data, CLASSES, batch_size=8)
+    anchors, mask = trainer.compute_anchors(*data, batch_size=8)
+    np.testing.assert_array_equal(mask, expected_mask)
+    np.testing.assert_allclose(anchors, expected_anchors, atol=1e-5)
+
+
+def test_reported_loss_accuracy_and_steps_match_the_reference(model, cache, data):
+    reference, trainer = _pair(model, FACTORIZED, cache)
+    anchors, mask = compute_anchors(reference.fe, *data, CLASSES)
+    stats, result = _train_both(reference, trainer, data, lam=2.0, anchors=anchors, mask=mask)
+    assert (result.num_samples, result.steps, result.accuracy) == (stats.num_samples, stats.steps, stats.accuracy)
+    assert result.loss == pytest.approx(stats.loss, rel=1e-5)
+
+
+def test_evaluation_matches_the_reference(model, cache, data):
+    reference, trainer = _pair(model, FACTORIZED, cache)
+    stats = evaluate(reference, *data, batch_size=8)
+    result = trainer.evaluate(*data, batch_size=8)
+    assert (result.correct, result.total) == (stats.correct, stats.total)
+    assert result.loss == pytest.approx(stats.loss, rel=1e-5)
