@@ -11,11 +11,10 @@ import numpy as np
 
 from device_runtime.local_round import run_task
 from device_runtime.task import Task, Update
-from device_runtime.trainer import DeviceTrainer
+from device_runtime.trainer import DeviceTrainer, EvalResult
 from export.artifacts import build_artifacts
 from server.simulate import SimClient
 from server.strategy import plan_key
-from server.training import EvalStats
 
 
 class OrtBackend:
@@ -43,8 +42,7 @@ class OrtBackend:
         self._heads[client.cid] = trainer.get_head()
         return update
 
-    def evaluate(self, client: SimClient, shared: dict[str, np.ndarray] | None) -> EvalStats:
+    def evaluate(self, client: SimClient, shared: dict[str, np.ndarray] | None) -> EvalResult:
         trainer = self._trainer_for(client)
         trainer.set_fe(shared)
-        result = trainer.evaluate(client.shard.x_test, client.shard.y_test)
-        return EvalStats(result.correct, result.total, result.loss)
+        return trainer.evaluate(client.shard.x_test, client.shard.y_test)

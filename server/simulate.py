@@ -20,6 +20,7 @@ import torch
 
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update, tensor_bytes
+from device_runtime.trainer import EvalResult
 from server.data import DATASETS, load_dataset
 from server.lowrank import RankPlan, ResolvedPlan, factorize_model, fe_state, resolve_plan
 from server.models import MODELS, SplitModel, build_model
@@ -27,7 +28,7 @@ from server.objective import compute_anchors
 from server.partition import make_client_shards
 from server.strategy import (FederationConfig, aggregate_fit, configure_fit, factorize_per_plan, plan_key,
                              sample_clients, to_numpy, to_torch, weighted_accuracy)
-from server.training import EvalStats, evaluate, train_local
+from server.training import evaluate, train_local
 
 log = logging.getLogger("fedara.simulate")
 BACKENDS = ("torch", "ort")
@@ -84,7 +85,7 @@ class TorchBackend:
             stats = train_local(model, shard.x_train, shard.y_train, epochs=task.epochs, **common)
         return Update(task.round, to_numpy(shared_state(model, algo)), stats.num_samples, stats.loss, stats.accuracy)
 
-    def evaluate(self, client: SimClient, shared: dict[str, np.ndarray] | None) -> EvalStats:
+    def evaluate(self, client: SimClient, shared: dict[str, np.ndarray] | None) -> EvalResult:
         if shared is not None:
             load_tensors(client.model, shared)
         return evaluate(client.model, client.shard.x_test, client.shard.y_test)

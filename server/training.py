@@ -1,41 +1,21 @@
 """Reference local training and evaluation in PyTorch (the oracle the ONNX device path must match)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from device_runtime.batching import epoch_batches
+from device_runtime.trainer import EvalResult, TrainResult
 from server.objective import local_loss, module_device
 
 EVAL_BATCH = 512
 
 
-@dataclass(frozen=True)
-class TrainStats:
-    num_samples: int
-    loss: float  # mean training loss over every sample seen in the local round
-    accuracy: float  # training accuracy over every sample seen in the local round
-    steps: int
-
-
-@dataclass(frozen=True)
-class EvalStats:
-    correct: int
-    total: int
-    loss: float
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.total if self.total else 0.0
-
-
 def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, *, anchors: np.ndarray | None, mask: np.ndarray | None,
                 lam: float, mu: float, lr: float, epochs: int, batch_size: int, rng: np.random.Generator,
-                params: list[nn.Parameter] | None = None) -> TrainStats:
+                params: list[nn.Parameter] | None = None) -> TrainResult:
     """Plain-SGD local epochs of shuffled batches (last partial batch kept) on ``params`` (default: all)."""
     if len(x) == 0:
         raise ValueError("cannot train on an empty shard")
@@ -59,11 +39,11 @@ def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, *, anchors: np.n
             correct += int((logits.argmax(1) == yb).sum())
             seen += len(batch)
             steps += 1
-    return TrainStats(len(x), total_loss / seen, correct / seen, steps)
+    return TrainResult(len(x), total_loss / seen, correct / seen, steps)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = EVAL_BATCH) -> EvalStats:
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = EVAL_BATCH) -> EvalResult:
     device = module_device(model)
     model.eval()
     correct, loss = 0, 0.0
@@ -74,4 +54,4 @@ def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = E
         loss += F.cross_entropy(logits, yb, reduction="sum").item()
         correct += int((logits.argmax(1) == yb).sum())
     model.train()
-    return EvalStats(correct, len(x), loss / max(len(x), 1))
+    return EvalResult(correct, len(x), loss / max(len(x), 1))
