@@ -1,0 +1,352 @@
+"""The device's event loop: join, install its plan's artifacts, answer every task, pick up after a restart.
+
+Workdir layout (everything a restarted device needs):
+
+    artifacts/<hash>/    verified artifact sets, kept across runs (a rejoining device lists them and is
+                         not sent them again)
+    heads/<hash>.npz     the personal head trained under each plan of the current run
+    state.json           run id, plan hash and the last task answered
+    last_answer.bin      the encoded answer to that round, re-sent as is if the same task comes again
+
+Every file is written to a temporary name and renamed, so a kill leaves the old version or the new one.
+Order per task: train, save the head, save the answer and the state, publish. A device killed before its
+answer reached the server gets the task again when it rejoins and re-sends the saved answer.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from device_runtime.local_round import run_task
+from device_runtime.messages import (NO_RUN, ErrorCode, Join, MessageError, ShardInfo, ack_message, check_hash,
+                                     error_message, is_evaluate_only, join_message, new_msg_id, parse_error,
+                                     parse_plan, parse_task, update_message)
+from device_runtime.profile import ResourceProfile
+from device_runtime.protocol import Message, MessageType, ProtocolError, Topics, decode, encode
+from device_runtime.shard import Shard
+from device_runtime.task import Task, Update
+from device_runtime.trainer import ArtifactError, DeviceTrainer, TensorMismatchError, verify_artifacts
+from device_runtime.transport import DEFAULT_MAX_MESSAGE_BYTES, ConnectTimeoutError, MqttEndpoint
+
+LOG = logging.getLogger("fedara.device")
+ARTIFACTS_DIR = "artifacts"
+HEADS_DIR = "heads"
+STATE_FILE = "state.json"
+ANSWER_FILE = "last_answer.bin"
+TMP_PREFIX = ".tmp-"
+POLL_S = 0.2
+CONNECT_POLL_S = 1.0
+WAITING_LOG_EVERY_S = 10.0
+OFFLINE_STATUS = b"offline"
+
+
+class DeviceRefused(RuntimeError):
+    """The server refused this device for the run (its shard does not fit the model, ...)."""
+
+
+class Interrupted(BaseException):
+    """Raised by the signal handler while the device computes, so a stop request does not wait for a round."""
+
+
+@dataclass
+class DeviceState:
+    """What survives a restart besides the files: the run, the plan and the last round answered."""
+
+    run_id: str = NO_RUN
+    plan_hash: str | None = None
+    answered_round: int = 0
+    answered_evaluation: bool = False  # that answer was an evaluation only (a run extended later trains that round)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class Workdir:
+    """The device's files (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        for sub in (ARTIFACTS_DIR, HEADS_DIR):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    def artifact_dir(self, plan_hash: str) -> Path:
+        return self.root / ARTIFACTS_DIR / check_hash(plan_hash)
+
+    def head_path(self, plan_hash: str) -> Path:
+        return self.root / HEADS_DIR / f"{check_hash(plan_hash)}.npz"
+
+    def held_artifacts(self) -> tuple[str, ...]:
+        """Hashes of the artifact sets that verify; a set that fails is deleted (it will be sent again)."""
+        held = []
+        for directory in sorted((self.root / ARTIFACTS_DIR).iterdir()):
+            if directory.name.startswith(TMP_PREFIX):
+                shutil.rmtree(directory, ignore_errors=True)
+                continue
+            try:
+                verify_artifacts(directory, directory.name)
+            except ArtifactError as exc:
+                LOG.warning("deleting cached artifacts %s: %s", directory.name[:12], exc)
+                shutil.rmtree(directory, ignore_errors=True)
+                continue
+            held.append(directory.name)
+        return tuple(held)
+
+    def install_artifacts(self, plan_hash: str, files: dict[str, bytes]) -> Path:
+        """Write received artifact files, verify them against ``plan_hash`` and move them into the cache.
+
+        Raises ArtifactError (and keeps nothing) when they do not verify."""
+        final = self.artifact_dir(plan_hash)
+        tmp = self.root / ARTIFACTS_DIR / f"{TMP_PREFIX}{plan_hash[:12]}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            for name, data in files.items():
+                (tmp / name).write_bytes(data)
+            verify_artifacts(tmp, plan_hash)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
+
+    def load_state(self) -> DeviceState:
+        path = self.root / STATE_FILE
+        try:
+            return DeviceState(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            return DeviceState()
+        except (OSError, ValueError, TypeError) as exc:
+            LOG.warning("ignoring unreadable %s: %s", path, exc)
+            return DeviceState()
+
+    def save_state(self, state: DeviceState) -> None:
+        _write_atomic(self.root / STATE_FILE, json.dumps(asdict(state)).encode())
+
+    def save_answer(self, payload: bytes) -> None:
+        _write_atomic(self.root / ANSWER_FILE, payload)
+
+    def load_answer(self) -> bytes | None:
+        try:
+            return (self.root / ANSWER_FILE).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def forget_run(self) -> None:
+        """Drop the heads and the saved answer of an earlier run (the artifact cache stays)."""
+        for head in (self.root / HEADS_DIR).iterdir():
+            head.unlink()
+        (self.root / ANSWER_FILE).unlink(missing_ok=True)
+
+
+class DeviceAgent:
+    """One device: answers the server's PLAN, TASK and ERROR messages on its down topic."""
+
+    def __init__(self, device_id: str, shard: Shard, profile: ResourceProfile, endpoint: MqttEndpoint,
+                 workdir: Workdir, topics: Topics, *, threads: int = 1,
+                 max_inbound_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.device_id = device_id
+        self.shard = shard
+        self.profile = profile
+        self.endpoint = endpoint
+        self.workdir = workdir
+        self.topics = topics
+        self.threads = threads
+        self.max_inbound_bytes = max_inbound_bytes
+        self.state = workdir.load_state()
+        self.trainer: DeviceTrainer | None = None
+        self.loaded_hash: str | None = None
+        self.computing = False  # true while training or evaluating: a stop request may interrupt it
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Connect, join and serve until ``stop`` is set. Raises BrokerRefusedError or DeviceRefused."""
+        self.endpoint.start()
+        try:
+            if not self._wait_connected(stop):
+                return
+            self.restore_plan()
+            self.join()
+            while not stop.is_set():
+                item = self.endpoint.get(POLL_S)
+                if item is not None:
+                    self.handle(*item)
+        finally:
+            self._drop_trainer()
+            self.endpoint.stop()
+
+    def _wait_connected(self, stop: threading.Event) -> bool:
+        next_log = time.monotonic() + WAITING_LOG_EVERY_S
+        while not stop.is_set():
+            try:
+                self.endpoint.wait_connected(CONNECT_POLL_S)
+                return True
+            except ConnectTimeoutError:
+                if time.monotonic() >= next_log:
+                    next_log += WAITING_LOG_EVERY_S
+                    LOG.info("waiting for broker %s:%d", self.endpoint.url.host, self.endpoint.url.port)
+        return False
+
+    def restore_plan(self) -> None:
+        """Reload the plan of the state file if its artifacts are still here, so queued tasks can be served."""
+        if self.state.plan_hash is None:
+            return
+        try:
+            verify_artifacts(self.workdir.artifact_dir(self.state.plan_hash), self.state.plan_hash)
+        except ArtifactError as exc:
+            LOG.warning("plan %s cannot be restored: %s", self.state.plan_hash[:12], exc)
+            return
+        self._load_plan(self.state.plan_hash)
+
+    def join(self) -> None:
+        """Announce this device: its resource profile, what its shard holds, the artifact sets it caches."""
+        join = Join(self.profile, ShardInfo.of(self.shard), self.workdir.held_artifacts())
+        self._send(join_message(join, device_id=self.device_id, run_id=self.state.run_id))
+        LOG.info("joined with %d cached artifact set(s)", len(join.artifacts))
+
+    def _send(self, msg: Message) -> None:
+        self.endpoint.publish(self.topics.up, encode(msg), msg.msg_id)
+
+    def _send_error(self, code: ErrorCode, detail: str, round_index: int = 0) -> None:
+        LOG.warning("%s: %s", code.value, detail)
+        self._send(error_message(code, detail, device_id=self.device_id, run_id=self.state.run_id,
+                                 round_index=round_index))
+
+    # -- messages -----------------------------------------------------------------------------
+
+    def handle(self, topic: str, payload: bytes) -> None:
+        """Act on one payload from the down topic; what cannot be understood is logged and dropped.
+
+        Other topics are ignored: amqtt 0.12 also hands new subscribers retained messages of other topics."""
+        if topic != self.topics.down:
+            LOG.debug("ignored a message on %s", topic)
+            return
+        try:
+            msg = decode(payload, max_bytes=self.max_inbound_bytes)
+        except ProtocolError as exc:
+            LOG.warning("dropped an undecodable message: %s", exc)
+            return
+        if msg.device_id != self.device_id:
+            LOG.warning("dropped a %s addressed to %s", msg.type.value, msg.device_id)
+            return
+        handlers = {MessageType.PLAN: self._on_plan, MessageType.TASK: self._on_task,
+                    MessageType.ERROR: self._on_error}
+        handler = handlers.get(msg.type)
+        if handler is None:
+            LOG.warning("dropped an unexpected %s message", msg.type.value)
+            return
+        try:
+            handler(msg)
+        except MessageError as exc:
+            LOG.warning("dropped a malformed %s message: %s", msg.type.value, exc)
+
+    def _on_plan(self, msg: Message) -> None:
+        plan = parse_plan(msg)
+        if msg.run_id != self.state.run_id:
+            LOG.info("run %s starts (was %s): fresh heads", msg.run_id, self.state.run_id)
+            self.workdir.forget_run()
+            self._drop_trainer()
+            self.state = DeviceState(run_id=msg.run_id)
+        directory = self.workdir.artifact_dir(plan.plan_hash)
+        try:
+            if plan.files:
+                self.workdir.install_artifacts(plan.plan_hash, plan.files)
+                LOG.info("installed artifacts %s (%d bytes)", plan.plan_hash[:12],
+                         sum(len(f) for f in plan.files.values()))
+            else:
+                verify_artifacts(directory, plan.plan_hash)
+        except ArtifactError as exc:
+            code = ErrorCode.ARTIFACTS_CORRUPT if plan.files else ErrorCode.ARTIFACTS_MISSING
+            self._send_error(code, f"artifacts {plan.plan_hash}: {exc}")
+            return
+        if self.loaded_hash != plan.plan_hash:
+            self._load_plan(plan.plan_hash)
+        self.state.plan_hash = plan.plan_hash
+        self.workdir.save_state(self.state)
+        LOG.info("plan %s: ratio %s (%s)", plan.plan_hash[:12], plan.ratio, plan.description)
+        self._send(ack_message(plan.plan_hash, device_id=self.device_id, run_id=self.state.run_id))
+
+    def _load_plan(self, plan_hash: str) -> None:
+        self._drop_trainer()
+        self.trainer = DeviceTrainer(self.workdir.artifact_dir(plan_hash), threads=self.threads)
+        self.loaded_hash = plan_hash
+        head = self.workdir.head_path(plan_hash)
+        if head.exists():
+            try:
+                self.trainer.load_head(head)
+                LOG.info("restored head of plan %s", plan_hash[:12])
+            except (OSError, ValueError) as exc:
+                LOG.warning("head %s unusable (%s): starting from the initial head", head, exc)
+
+    def _drop_trainer(self) -> None:
+        self.trainer, self.loaded_hash = None, None
+
+    def _on_task(self, msg: Message) -> None:
+        plan_hash, task = parse_task(msg)
+        if msg.run_id != self.state.run_id or plan_hash != self.loaded_hash:
+            self._send_error(ErrorCode.UNKNOWN_PLAN, f"task for run {msg.run_id} plan {plan_hash[:12]}, I hold run "
+                             f"{self.state.run_id} plan {(self.loaded_hash or 'none')[:12]}", task.round)
+            self.join()
+            return
+        if task.round < self.state.answered_round:
+            LOG.warning("ignored a task for round %d: round %d is answered", task.round, self.state.answered_round)
+            return
+        if (task.round, is_evaluate_only(task)) == (self.state.answered_round, self.state.answered_evaluation):
+            answer = self.workdir.load_answer()
+            if answer is not None:
+                LOG.info("round %d asked again: re-sending the saved answer", task.round)
+                self.endpoint.publish(self.topics.up, answer, new_msg_id(MessageType.UPDATE))
+                return
+        try:
+            update = self._compute(task)
+        except TensorMismatchError as exc:
+            self._send_error(ErrorCode.BAD_TASK, str(exc), task.round)
+            return
+        if task.epochs:
+            self.trainer.save_head(self.workdir.head_path(plan_hash))
+        payload = encode(update_message(update, plan_hash=plan_hash, device_id=self.device_id,
+                                        run_id=self.state.run_id))
+        self.workdir.save_answer(payload)
+        self.state.answered_round, self.state.answered_evaluation = task.round, is_evaluate_only(task)
+        self.workdir.save_state(self.state)
+        self.endpoint.publish(self.topics.up, payload, new_msg_id(MessageType.UPDATE))
+
+    def _compute(self, task: Task) -> Update:
+        """Evaluate the received FE with this device's head, then train (unless the task is evaluation only)."""
+        if task.deadline is not None and time.time() > task.deadline:
+            LOG.warning("round %d: task arrived after its deadline; answering anyway", task.round)
+        start = time.perf_counter()
+        self.computing = True
+        try:
+            if is_evaluate_only(task):
+                self.trainer.set_fe(task.fe)
+                received = self.trainer.evaluate(self.shard.x_test, self.shard.y_test)
+                update = Update(task.round, {}, 0, 0.0, 0.0, dict(
+                    eval_correct=received.correct, eval_total=received.total, eval_loss=received.loss))
+            else:
+                update = run_task(self.trainer, self.shard, task, evaluate_received=True)
+        finally:
+            self.computing = False
+        update.metrics["seconds"] = time.perf_counter() - start
+        LOG.info("round %d: %s in %.2f s", task.round, "evaluated" if is_evaluate_only(task) else "trained",
+                 update.metrics["seconds"])
+        return update
+
+    def _on_error(self, msg: Message) -> None:
+        report = parse_error(msg)
+        if report.code == ErrorCode.REJOIN:
+            LOG.info("server asks to rejoin: %s", report.detail)
+            self.join()
+        elif report.code == ErrorCode.REFUSED:
+            raise DeviceRefused(report.detail)
+        else:
+            LOG.warning("server error %s: %s", report.code.value, report.detail)

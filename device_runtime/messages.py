@@ -1,0 +1,280 @@
+"""What the server and a device say to each other, as protocol Messages (numpy and the stdlib only).
+
+- JOIN (device -> server): resource profile, what its shard holds, the artifact sets it has cached.
+- PLAN (server -> device): the rank plan's artifact hash and ratio; carries the artifact files only when the
+  device lacks that hash.
+- ACK (device -> server): the plan's artifacts are installed and verified.
+- TASK (server -> device): one round's Task; ``epochs == 0`` asks for an evaluation only (no training).
+- UPDATE (device -> server): the Update (its FE tensors, none for an evaluation), with the evaluation of the
+  received model in ``metrics`` (``eval_correct``, ``eval_total``, ``eval_loss``).
+- ERROR (either way): a code from ErrorCode and a human-readable detail.
+
+Builders take plain data and return a Message; parsers take a decoded Message and raise MessageError
+naming the first field that is missing or out of range.
+"""
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from device_runtime.profile import ProfileError, ResourceProfile
+from device_runtime.protocol import MAX_ROUND, Message, MessageType
+from device_runtime.shard import Shard
+from device_runtime.task import Task, Update
+from device_runtime.trainer import ARTIFACT_FILES, MANIFEST_NAME
+
+DEFAULT_TOPIC_PREFIX = "fedara"
+"""Topic prefix shared by the server and its devices unless both are told otherwise."""
+NO_RUN = "none"
+"""run_id of a device's messages before any PLAN assigned it to a run."""
+EVALUATE_ONLY_EPOCHS = 0
+"""A TASK with this many epochs asks the device to evaluate the received FE and train nothing."""
+ARTIFACT_BLOBS = frozenset((*ARTIFACT_FILES.values(), MANIFEST_NAME))
+MAX_DETAIL_CHARS = 500
+MAX_SEED = 2**63 - 1
+MAX_ARTIFACTS_LISTED = 64
+_HASH_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class MessageError(ValueError):
+    """A decoded message whose fields do not make sense for its type."""
+
+
+class ErrorCode(str, Enum):
+    """Why an ERROR message was sent."""
+
+    REJOIN = "rejoin"  # server: I do not know you (or your run): send JOIN again
+    REFUSED = "refused"  # server: your shard or profile cannot take part in this run
+    ARTIFACTS_MISSING = "artifacts_missing"  # device: PLAN named artifacts I do not hold
+    ARTIFACTS_CORRUPT = "artifacts_corrupt"  # device: the artifact files failed verification
+    UNKNOWN_PLAN = "unknown_plan"  # device: TASK for a plan or run I was not given
+    BAD_TASK = "bad_task"  # device: TASK tensors do not fit my plan's artifacts
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a device's local data looks like: enough for the server to check it fits the model."""
+
+    num_train: int
+    num_test: int
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+    @classmethod
+    def of(cls, shard: Shard) -> ShardInfo:
+        return cls(len(shard.y_train), len(shard.y_test), tuple(shard.input_shape), shard.num_classes)
+
+
+@dataclass(frozen=True)
+class Join:
+    profile: ResourceProfile
+    shard: ShardInfo
+    artifacts: tuple[str, ...]  # hashes of the verified artifact sets the device holds
+
+
+@dataclass(frozen=True)
+class Plan:
+    plan_hash: str  # the artifact set's content hash
+    ratio: float  # the rank tier r_k
+    description: str  # which layers are factorized at which rank (ResolvedPlan.describe())
+    files: dict[str, bytes]  # artifact files by name; empty when the device already holds plan_hash
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    code: ErrorCode
+    detail: str
+
+
+def new_msg_id(kind: MessageType) -> str:
+    """A fresh message id, e.g. ``task-3f2a...``."""
+    return f"{kind.value}-{uuid.uuid4().hex}"
+
+
+def is_evaluate_only(task: Task) -> bool:
+    return task.epochs == EVALUATE_ONLY_EPOCHS
+
+
+# -- field checks -----------------------------------------------------------------------------
+
+
+def _expect(msg: Message, kind: MessageType) -> dict[str, Any]:
+    if msg.type != kind:
+        raise MessageError(f"expected a {kind.value} message, got {MessageType(msg.type).value}")
+    return msg.meta
+
+
+def _field(meta: dict[str, Any], key: str, kind: MessageType) -> Any:
+    if key not in meta:
+        raise MessageError(f"{kind.value} message lacks meta field {key!r}")
+    return meta[key]
+
+
+def _int(value: Any, name: str, low: int, high: int = MAX_SEED) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise MessageError(f"{name} must be an integer in [{low}, {high}], got {value!r:.40}")
+    return value
+
+
+def _number(value: Any, name: str, low: float = -math.inf, *, positive: bool = False) -> float:
+    """A finite number >= ``low`` (> 0 with ``positive``)."""
+    finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not finite or value < low or (positive and value <= 0):
+        bound = "> 0" if positive else f">= {low}"
+        raise MessageError(f"{name} must be a finite number {bound}, got {value!r:.40}")
+    return float(value)
+
+
+def check_hash(value: Any, name: str = "plan_hash") -> str:
+    """Return ``value`` if it is an artifact hash (64 lowercase hex digits)."""
+    if not isinstance(value, str) or _HASH_RE.fullmatch(value) is None:
+        raise MessageError(f"{name} must be 64 lowercase hex digits, got {value!r:.80}")
+    return value
+
+
+def _float32_tensors(tensors: dict[str, np.ndarray], kind: MessageType) -> dict[str, np.ndarray]:
+    for name, value in tensors.items():
+        if value.dtype != np.float32:
+            raise MessageError(f"{kind.value} tensor {name!r} is {value.dtype}, expected float32")
+    return tensors
+
+
+# -- JOIN -------------------------------------------------------------------------------------
+
+
+def join_message(join: Join, *, device_id: str, run_id: str = NO_RUN) -> Message:
+    shard = join.shard
+    meta = {"profile": join.profile.to_meta(), "artifacts": list(join.artifacts),
+            "shard": {"num_train": shard.num_train, "num_test": shard.num_test,
+                      "input_shape": list(shard.input_shape), "num_classes": shard.num_classes}}
+    return Message(MessageType.JOIN, run_id, 0, device_id, new_msg_id(MessageType.JOIN), meta)
+
+
+def parse_join(msg: Message) -> Join:
+    kind = MessageType.JOIN
+    meta = _expect(msg, kind)
+    try:
+        profile = ResourceProfile.from_meta(_field(meta, "profile", kind))
+    except ProfileError as exc:
+        raise MessageError(str(exc)) from None
+    shard = _field(meta, "shard", kind)
+    if not isinstance(shard, dict):
+        raise MessageError("join field 'shard' must be an object")
+    shape = _field(shard, "input_shape", kind)
+    if not isinstance(shape, list) or not 1 <= len(shape) <= 4:
+        raise MessageError(f"shard input_shape must be a list of 1..4 sizes, got {shape!r:.60}")
+    info = ShardInfo(_int(_field(shard, "num_train", kind), "num_train", 1),
+                     _int(_field(shard, "num_test", kind), "num_test", 0),
+                     tuple(_int(d, "input_shape entry", 1, 1 << 16) for d in shape),
+                     _int(_field(shard, "num_classes", kind), "num_classes", 1, 1 << 20))
+    artifacts = _field(meta, "artifacts", kind)
+    if not isinstance(artifacts, list) or len(artifacts) > MAX_ARTIFACTS_LISTED:
+        raise MessageError(f"join field 'artifacts' must be a list of at most {MAX_ARTIFACTS_LISTED} hashes")
+    return Join(profile, info, tuple(check_hash(h, "artifact hash") for h in artifacts))
+
+
+# -- PLAN and ACK -----------------------------------------------------------------------------
+
+
+def plan_message(plan: Plan, *, device_id: str, run_id: str) -> Message:
+    meta = {"plan_hash": plan.plan_hash, "ratio": plan.ratio, "description": plan.description}
+    return Message(MessageType.PLAN, run_id, 0, device_id, new_msg_id(MessageType.PLAN), meta, blobs=dict(plan.files))
+
+
+def parse_plan(msg: Message) -> Plan:
+    kind = MessageType.PLAN
+    meta = _expect(msg, kind)
+    ratio = _number(_field(meta, "ratio", kind), "ratio", positive=True)
+    if ratio > 1:
+        raise MessageError(f"ratio must be in (0, 1], got {ratio}")
+    description = _field(meta, "description", kind)
+    if not isinstance(description, str):
+        raise MessageError("plan description must be text")
+    unknown = sorted(set(msg.blobs) - ARTIFACT_BLOBS)
+    if unknown or (msg.blobs and set(msg.blobs) != ARTIFACT_BLOBS):
+        raise MessageError(f"plan files must be none or exactly {sorted(ARTIFACT_BLOBS)}, got {sorted(msg.blobs)}")
+    return Plan(check_hash(_field(meta, "plan_hash", kind)), ratio, description, dict(msg.blobs))
+
+
+def ack_message(plan_hash: str, *, device_id: str, run_id: str) -> Message:
+    return Message(MessageType.ACK, run_id, 0, device_id, new_msg_id(MessageType.ACK), {"plan_hash": plan_hash})
+
+
+def parse_ack(msg: Message) -> str:
+    return check_hash(_field(_expect(msg, MessageType.ACK), "plan_hash", MessageType.ACK))
+
+
+# -- TASK and UPDATE --------------------------------------------------------------------------
+
+
+def task_message(task: Task, *, plan_hash: str, device_id: str, run_id: str) -> Message:
+    meta = {"plan_hash": plan_hash, "lam": task.lam, "mu": task.mu, "lr": task.lr, "epochs": task.epochs,
+            "batch_size": task.batch_size, "seed": task.seed, "deadline": task.deadline}
+    return Message(MessageType.TASK, run_id, task.round, device_id, new_msg_id(MessageType.TASK), meta,
+                   tensors=dict(task.fe))
+
+
+def parse_task(msg: Message) -> tuple[str, Task]:
+    """(plan hash, Task) of a TASK message."""
+    kind = MessageType.TASK
+    meta = _expect(msg, kind)
+    deadline = _field(meta, "deadline", kind)
+    task = Task(round=_int(msg.round, "round", 1, MAX_ROUND), fe=_float32_tensors(msg.tensors, kind),
+                lam=_number(_field(meta, "lam", kind), "lam", 0.0), mu=_number(_field(meta, "mu", kind), "mu", 0.0),
+                lr=_number(_field(meta, "lr", kind), "lr", positive=True),
+                epochs=_int(_field(meta, "epochs", kind), "epochs", 0, 1 << 16),
+                batch_size=_int(_field(meta, "batch_size", kind), "batch_size", 1, 1 << 20),
+                seed=_int(_field(meta, "seed", kind), "seed", 0),
+                deadline=None if deadline is None else _number(deadline, "deadline"))
+    return check_hash(_field(meta, "plan_hash", kind)), task
+
+
+def update_message(update: Update, *, plan_hash: str, device_id: str, run_id: str) -> Message:
+    meta = {"plan_hash": plan_hash, "num_samples": update.num_samples, "train_loss": update.train_loss,
+            "train_accuracy": update.train_accuracy, "metrics": dict(update.metrics)}
+    return Message(MessageType.UPDATE, run_id, update.round, device_id, new_msg_id(MessageType.UPDATE), meta,
+                   tensors=dict(update.fe))
+
+
+def parse_update(msg: Message) -> tuple[str, Update]:
+    """(plan hash, Update) of an UPDATE message; tensors are passed through unchecked (the server checks them
+    against the device's plan)."""
+    kind = MessageType.UPDATE
+    meta = _expect(msg, kind)
+    metrics = _field(meta, "metrics", kind)
+    if not isinstance(metrics, dict):
+        raise MessageError("update field 'metrics' must be an object")
+    accuracy = _number(_field(meta, "train_accuracy", kind), "train_accuracy", 0.0)
+    if accuracy > 1:
+        raise MessageError(f"train_accuracy must be in [0, 1], got {accuracy}")
+    update = Update(round=_int(msg.round, "round", 1, MAX_ROUND), fe=dict(msg.tensors),
+                    num_samples=_int(_field(meta, "num_samples", kind), "num_samples", 0),
+                    train_loss=_number(_field(meta, "train_loss", kind), "train_loss"),
+                    train_accuracy=accuracy, metrics=metrics)
+    return check_hash(_field(meta, "plan_hash", kind)), update
+
+
+# -- ERROR ------------------------------------------------------------------------------------
+
+
+def error_message(code: ErrorCode, detail: str, *, device_id: str, run_id: str = NO_RUN,
+                  round_index: int = 0) -> Message:
+    meta = {"code": ErrorCode(code).value, "detail": str(detail)[:MAX_DETAIL_CHARS]}
+    return Message(MessageType.ERROR, run_id, round_index, device_id, new_msg_id(MessageType.ERROR), meta)
+
+
+def parse_error(msg: Message) -> ErrorReport:
+    kind = MessageType.ERROR
+    meta = _expect(msg, kind)
+    code, detail = _field(meta, "code", kind), _field(meta, "detail", kind)
+    if code not in {c.value for c in ErrorCode}:
+        raise MessageError(f"unknown error code {code!r:.40}")
+    if not isinstance(detail, str):
+        raise MessageError("error detail must be text")
+    return ErrorReport(ErrorCode(code), detail[:MAX_DETAIL_CHARS])

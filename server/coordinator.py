@@ -1,0 +1,335 @@
+"""The federation's state machine, transport-free: which devices are in, which round is open, which updates count.
+
+Every method takes the time ``now`` (monotonic seconds) explicitly and does no I/O: the broker loop feeds
+it what arrives and acts on what it returns. An update is accepted only when it answers the open round's
+task for that device, for the first time, before the deadline, under the device's own topic, with exactly
+the tensors of the device's plan, all finite, and the sample counts the device declared when it joined;
+otherwise the Verdict says why not. A round closes when every device asked has answered (accepted or
+rejected) or at its deadline; it counts when at least ``min_completion`` of its training devices delivered.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from device_runtime.messages import Join, MessageError, parse_update
+from device_runtime.protocol import Message, MessageType
+from device_runtime.task import Update
+from server.strategy import sample_clients
+
+ALL_ANSWERED = "all answered"
+DEADLINE = "deadline"
+NO_ANSWER = "no answer by the deadline"
+EVAL_KEYS = ("eval_correct", "eval_total", "eval_loss")
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """What the coordinator decides with: the model's input, how many devices a round needs, and its timing."""
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+    min_devices: int = 1
+    join_ratio: float = 1.0
+    seed: int = 0
+    round_deadline_s: float = 300.0
+    min_completion: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.min_devices < 1:
+            raise ValueError(f"min_devices must be >= 1, got {self.min_devices}")
+        if not 0.0 < self.join_ratio <= 1.0:
+            raise ValueError(f"join ratio must be in (0, 1], got {self.join_ratio}")
+        if not self.round_deadline_s > 0:
+            raise ValueError(f"round deadline must be positive, got {self.round_deadline_s}")
+        if not 0.0 <= self.min_completion <= 1.0:
+            raise ValueError(f"min completion must be in [0, 1], got {self.min_completion}")
+
+
+@dataclass
+class DeviceRecord:
+    """One device as the server knows it."""
+
+    device_id: str
+    index: int  # its client index: the batch seed of a round is batch_seed(seed, round, index)
+    online: bool = False
+    num_train: int = 0
+    num_test: int = 0
+    budget_mb: float | None = None
+    ratio: float | None = None
+    plan_hash: str | None = None
+    ready: bool = False  # it acknowledged its plan: its artifacts are installed
+    artifacts: set[str] = field(default_factory=set)  # artifact hashes it holds
+
+    def to_state(self) -> dict[str, Any]:
+        return dict(asdict(self), artifacts=sorted(self.artifacts))
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> DeviceRecord:
+        """A record restored from a checkpoint: offline until its status says otherwise."""
+        return cls(**dict(state, online=False, artifacts=set(state["artifacts"])))
+
+
+@dataclass(frozen=True)
+class RoundOpen:
+    """Who is asked what in a round: ``train`` devices train, ``evaluate`` devices only evaluate."""
+
+    round: int
+    train: tuple[str, ...]
+    evaluate: tuple[str, ...]
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    correct: int
+    total: int
+    loss: float
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether an update counts; ``reason`` says why not. ``update`` is set when accepted."""
+
+    accepted: bool
+    reason: str = ""
+    update: Update | None = None
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    round: int
+    train: tuple[str, ...]
+    evaluate: tuple[str, ...]
+    accepted: tuple[str, ...]  # training devices whose update was aggregated, in arrival order
+    dropped: dict[str, str]  # device -> why its answer does not count (rejected, or none by the deadline)
+    evaluations: dict[str, Evaluation]  # device -> its evaluation of the model it received
+    closed_by: str  # ALL_ANSWERED or DEADLINE
+    enough: bool  # at least min_completion of the training devices delivered: aggregate
+
+
+@dataclass
+class _OpenRound:
+    plan: RoundOpen
+    answered: dict[str, str] = field(default_factory=dict)  # device -> "" (accepted) or the rejection reason
+    accepted: list[str] = field(default_factory=list)
+    evaluations: dict[str, Evaluation] = field(default_factory=dict)
+
+    @property
+    def expected(self) -> set[str]:
+        return set(self.plan.train) | set(self.plan.evaluate)
+
+
+def _reject(reason: str) -> Verdict:
+    return Verdict(False, reason)
+
+
+def _evaluation(metrics: dict[str, Any], num_test: int) -> Evaluation | str:
+    """The evaluation in an update's metrics, or why it is not one."""
+    missing = [k for k in EVAL_KEYS if k not in metrics]
+    if missing:
+        return f"metrics lack {missing}"
+    correct, total, loss = (metrics[k] for k in EVAL_KEYS)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (correct, total)):
+        return f"eval_correct and eval_total must be integers, got {correct!r:.20} and {total!r:.20}"
+    if total != num_test or not 0 <= correct <= total:
+        return f"evaluation {correct}/{total} does not fit the {num_test} test samples declared at join"
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        return f"eval_loss must be a finite number, got {loss!r:.20}"
+    return Evaluation(correct, total, float(loss))
+
+
+def _tensor_problem(tensors: dict[str, np.ndarray], expected: dict[str, tuple[int, ...]]) -> str | None:
+    """Why ``tensors`` are not exactly the float32, finite tensors of ``expected``, or None."""
+    missing = sorted(set(expected) - set(tensors))
+    unknown = sorted(set(tensors) - set(expected))
+    if missing or unknown:
+        return f"tensors do not match the plan: missing {missing[:5]}, unknown {unknown[:5]}"
+    for name, shape in expected.items():
+        value = tensors[name]
+        if value.dtype != np.float32:
+            return f"tensor {name}: dtype {value.dtype}, expected float32"
+        if value.shape != tuple(shape):
+            return f"tensor {name}: shape {value.shape}, expected {tuple(shape)}"
+        if not np.isfinite(value).all():
+            return f"tensor {name} holds NaN or infinity"
+    return None
+
+
+class Coordinator:
+    """Device registry and round state machine of one run."""
+
+    def __init__(self, config: CoordinatorConfig, run_id: str):
+        self.config = config
+        self.run_id = run_id
+        self.devices: dict[str, DeviceRecord] = {}
+        self.plan_shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # plan hash -> its FE tensors' shapes
+        self._round: _OpenRound | None = None
+
+    # -- registry -----------------------------------------------------------------------------
+
+    def register(self, device_id: str) -> DeviceRecord:
+        """The device's record, created with the next free index when it is new."""
+        if device_id not in self.devices:
+            index = max((d.index for d in self.devices.values()), default=-1) + 1
+            self.devices[device_id] = DeviceRecord(device_id, index)
+        return self.devices[device_id]
+
+    def join(self, device_id: str, join: Join, now: float) -> str | None:
+        """Record a JOIN; returns why the device cannot take part (its shard does not fit the model), or None.
+
+        A joining device is online and not ready until it acknowledges its plan again."""
+        shard = join.shard
+        if tuple(shard.input_shape) != tuple(self.config.input_shape) or shard.num_classes != self.config.num_classes:
+            return (f"shard of {list(shard.input_shape)} inputs and {shard.num_classes} classes does not fit the "
+                    f"model ({list(self.config.input_shape)}, {self.config.num_classes} classes)")
+        record = self.register(device_id)
+        record.online, record.ready = True, False
+        record.num_train, record.num_test = shard.num_train, shard.num_test
+        record.budget_mb = join.profile.memory_budget_mb
+        record.artifacts = set(join.artifacts)
+        return None
+
+    def assign_plan(self, device_id: str, ratio: float, plan_hash: str, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Give a registered device its plan: its ratio, artifact hash and the FE tensors it trains."""
+        record = self.devices[device_id]
+        if record.plan_hash != plan_hash:
+            record.ready = False
+        record.ratio, record.plan_hash = ratio, plan_hash
+        self.plan_shapes[plan_hash] = {name: tuple(shape) for name, shape in shapes.items()}
+
+    def acknowledge(self, device_id: str, plan_hash: str, now: float) -> str | None:
+        """A device installed its plan's artifacts; returns why the ACK does not count, or None."""
+        record = self.devices.get(device_id)
+        if record is None:
+            return "unknown device"
+        if plan_hash != record.plan_hash:
+            return f"acknowledged plan {plan_hash[:12]}, its plan is {(record.plan_hash or 'none')[:12]}"
+        record.ready = True
+        record.artifacts.add(plan_hash)
+        return None
+
+    def set_online(self, device_id: str, online: bool, now: float) -> bool:
+        """Track a device's status (its last will says offline); returns whether the device is known."""
+        record = self.devices.get(device_id)
+        if record is not None:
+            record.online = online
+        return record is not None
+
+    def ready_devices(self) -> list[str]:
+        """Online devices with an acknowledged plan, by index."""
+        ready = [d for d in self.devices.values() if d.online and d.ready and d.plan_hash is not None]
+        return [d.device_id for d in sorted(ready, key=lambda d: d.index)]
+
+    def can_start(self) -> bool:
+        return len(self.ready_devices()) >= self.config.min_devices
+
+    # -- rounds -------------------------------------------------------------------------------
+
+    @property
+    def open(self) -> RoundOpen | None:
+        return None if self._round is None else self._round.plan
+
+    def open_round(self, round_index: int, now: float, *, train: bool = True) -> RoundOpen:
+        """Ask the ready devices: a seeded sample of them trains (all with join ratio 1), the others evaluate.
+
+        With ``train=False`` every ready device only evaluates (the evaluation after the last round)."""
+        if self._round is not None:
+            raise RuntimeError(f"round {self._round.plan.round} is still open")
+        ready = self.ready_devices()
+        chosen = sample_clients(ready, self.config.join_ratio, round_index, self.config.seed) if train and ready else []
+        plan = RoundOpen(round_index, tuple(chosen), tuple(d for d in ready if d not in chosen),
+                         now + self.config.round_deadline_s)
+        self._round = _OpenRound(plan)
+        return plan
+
+    def awaits(self, device_id: str) -> bool:
+        """Whether the open round still waits for this device (a rejoining device is sent its task again)."""
+        rnd = self._round
+        return rnd is not None and device_id in rnd.expected and device_id not in rnd.answered
+
+    def judge(self, topic_device: str, msg: Message, now: float) -> Verdict:
+        """Accept or reject an UPDATE that arrived on ``topic_device``'s up topic."""
+        if msg.type != MessageType.UPDATE:
+            raise ValueError(f"judge takes UPDATE messages, got {msg.type}")
+        if msg.device_id != topic_device:
+            return _reject(f"device id mismatch: topic of {topic_device}, header says {msg.device_id}")
+        record = self.devices.get(topic_device)
+        if record is None:
+            return _reject("unknown device")
+        if msg.run_id != self.run_id:
+            return _reject(f"update of run {msg.run_id}, this run is {self.run_id}")
+        rnd = self._round
+        if rnd is None:
+            return _reject(f"stale: update for round {msg.round}, no round is open")
+        if msg.round != rnd.plan.round:
+            return _reject(f"stale: update for round {msg.round}, round {rnd.plan.round} is open")
+        if topic_device not in rnd.expected:
+            return _reject(f"not asked in round {rnd.plan.round}")
+        if topic_device in rnd.answered:
+            return _reject(f"duplicate update for round {rnd.plan.round}")
+        verdict = self._judge_answer(record, msg, now, rnd)
+        rnd.answered[topic_device] = verdict.reason
+        return verdict
+
+    def _judge_answer(self, record: DeviceRecord, msg: Message, now: float, rnd: _OpenRound) -> Verdict:
+        """Checks of the one answer a device may give; a rejection here is its answer for the round."""
+        if now > rnd.plan.deadline:
+            return _reject(f"late: round {rnd.plan.round}'s deadline passed")
+        try:
+            plan_hash, update = parse_update(msg)
+        except MessageError as exc:
+            return _reject(f"malformed update: {exc}")
+        if plan_hash != record.plan_hash:
+            return _reject(f"update for plan {plan_hash[:12]}, the device's plan is {(record.plan_hash or 'none')[:12]}")
+        training = record.device_id in rnd.plan.train
+        problem = _tensor_problem(update.fe, self.plan_shapes[plan_hash] if training else {})
+        if problem is not None:
+            return _reject(problem)
+        expected_samples = record.num_train if training else 0
+        if update.num_samples != expected_samples:
+            return _reject(f"num_samples {update.num_samples}, expected {expected_samples}")
+        evaluation = _evaluation(update.metrics, record.num_test)
+        if isinstance(evaluation, str):
+            return _reject(evaluation)
+        rnd.evaluations[record.device_id] = evaluation
+        if training:
+            rnd.accepted.append(record.device_id)
+        return Verdict(True, update=update)
+
+    def closing(self, now: float) -> str | None:
+        """ALL_ANSWERED or DEADLINE once the open round may close, else None."""
+        rnd = self._round
+        if rnd is None:
+            return None
+        if rnd.expected <= set(rnd.answered):
+            return ALL_ANSWERED
+        return DEADLINE if now >= rnd.plan.deadline else None
+
+    def close_round(self, now: float) -> RoundResult:
+        """Close the open round: who delivered, who was dropped and why, and whether it counts."""
+        rnd = self._round
+        if rnd is None:
+            raise RuntimeError("no round is open")
+        closed_by = self.closing(now) or DEADLINE
+        dropped = {d: reason for d, reason in rnd.answered.items() if reason}
+        dropped.update({d: NO_ANSWER for d in sorted(rnd.expected - set(rnd.answered))})
+        needed = max(1, math.ceil(self.config.min_completion * len(rnd.plan.train))) if rnd.plan.train else 0
+        self._round = None
+        return RoundResult(rnd.plan.round, rnd.plan.train, rnd.plan.evaluate, tuple(rnd.accepted), dropped,
+                           dict(rnd.evaluations), closed_by, len(rnd.accepted) >= needed)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def to_state(self) -> dict[str, Any]:
+        """The registry as JSON-able data (the open round is not kept: a resumed run repeats it)."""
+        return {"devices": [d.to_state() for d in self.devices.values()],
+                "plan_shapes": {h: {n: list(s) for n, s in shapes.items()} for h, shapes in self.plan_shapes.items()}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Load a registry saved by to_state (every device offline until its status arrives)."""
+        self.devices = {d["device_id"]: DeviceRecord.from_state(d) for d in state["devices"]}
+        self.plan_shapes = {h: {n: tuple(s) for n, s in shapes.items()} for h, shapes in state["plan_shapes"].items()}

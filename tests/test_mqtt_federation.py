@@ -1,0 +1,390 @@
+"""The MQTT federation end to end: `python -m server.broker_loop` with real device processes over real brokers.
+
+Small on purpose (digits, 600 samples, 5 devices, 1 epoch, batch 32, one thread each): the point is the
+transport and the round logic, which must not change the math.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device_runtime.__main__ import PASSWORD_ENV
+from device_runtime.agent import DeviceAgent, Workdir
+from device_runtime.messages import (ARTIFACT_BLOBS, DEFAULT_TOPIC_PREFIX, ErrorCode, Join, Plan, ShardInfo,
+                                     ack_message, join_message, parse_error, parse_join, parse_plan, plan_message,
+                                     task_message)
+from device_runtime.profile import collect_profile
+from device_runtime.protocol import MessageType, Topics, decode, encode, server_subscriptions
+from device_runtime.shard import Shard, load_shard, save_shard
+from device_runtime.task import Task
+from device_runtime.transport import MqttEndpoint
+from export.artifacts import build_artifacts
+from server import broker_loop
+from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.mosquitto_config import write_mosquitto_auth
+from server.models import build_model
+from server.report import ACCURACY_PLOT, BYTES_PLOT, METRICS_FILE, REPORT_FILE, read_metrics
+from server.simulate import build_parser, config_from_args, make_backend, prepare, run_federation
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
+         "--lam", "2", "--lam-warmup", "1", "--threads", "1"]
+DEVICES = 5
+ROUNDS = 3
+TIERS = (1.0, 0.25)  # assigned round-robin by an override file, as server.simulate --rank-tiers assigns them
+BOUNDED = ["--join-timeout", "60", "--round-deadline", "60"]  # a broken run fails instead of hanging
+WAIT_S = 20.0
+SMALL_FRAME = 64 * 1024
+
+
+def federate(out: Path, cache: Path, *extra: str) -> list[dict]:
+    """Run the broker loop in this process; returns its metrics."""
+    assert broker_loop.main([*QUICK, *BOUNDED, "--cache-dir", str(cache), "--out", str(out), *extra]) == 0
+    return read_metrics(out / METRICS_FILE)
+
+
+def tiered_overrides(path: Path) -> Path:
+    path.write_text(json.dumps({f"dev_{i:03d}": TIERS[i % len(TIERS)] for i in range(DEVICES)}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("artifacts")
+
+
+@pytest.fixture(scope="module")
+def embedded_run(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Path:
+    """Five device processes, two rank tiers, three rounds over the default (embedded) broker."""
+    base = tmp_path_factory.mktemp("embedded")
+    federate(base / "run", cache, "--rounds", str(ROUNDS), "--local-devices", str(DEVICES),
+             "--rank-overrides", str(tiered_overrides(base / "overrides.json")))
+    return base / "run"
+
+
+# -- a federation over each broker ------------------------------------------------------------
+
+
+def test_five_device_processes_federate_over_the_embedded_broker(embedded_run: Path):
+    records = read_metrics(embedded_run / METRICS_FILE)
+    assert [r["round"] for r in records] == [1, 2, 3]
+    assert all(r["participants"] == r["selected"] == DEVICES and r["dropped"] == {} for r in records)
+    assert all(r["evaluated"] == DEVICES and 0.0 <= r["accuracy"] <= 1.0 for r in records)
+    assert set(records[0]["bytes_by_tier"]) == {"1", "0.25"}
+    for name in (REPORT_FILE, ACCURACY_PLOT, BYTES_PLOT):
+        assert (embedded_run / name).stat().st_size > 0
+
+
+def test_five_device_processes_federate_over_mosquitto_in_chunks(start_mosquitto, tmp_path: Path, cache: Path):
+    """mosquitto drops every publish above its limit: the run completes only if every message is chunked."""
+    broker = start_mosquitto(max_frame_bytes=SMALL_FRAME)
+    records = federate(tmp_path / "run", cache, "--rounds", "2", "--local-devices", str(DEVICES), "--rank-ratio",
+                       "0.5", "--broker", broker.url, "--max-message-bytes", str(SMALL_FRAME))
+    assert [r["participants"] for r in records] == [DEVICES, DEVICES]
+    assert records[0]["bytes_artifacts"] > 10 * SMALL_FRAME
+    assert all(r["evaluated"] == DEVICES for r in records)
+
+
+# -- transport must not change the math ------------------------------------------------------
+
+
+def test_mqtt_run_ends_with_the_in_process_ort_runs_global_fe(embedded_run: Path, cache: Path):
+    args = build_parser().parse_args([*QUICK, "--rounds", str(ROUNDS), "--clients", str(DEVICES), "--rank-tiers",
+                                      ",".join(map(str, TIERS)), "--backend", "ort"])
+    clients, global_model = prepare(args)
+    summary, expected = run_federation(clients, global_model, config_from_args(args),
+                                       make_backend("ort", clients, cache), progress=lambda line: None)
+    got = load_checkpoint(embedded_run / CHECKPOINT_NAME)
+    assert got.round == ROUNDS and set(got.tensors) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(got.tensors[name], value.numpy(), atol=1e-5, err_msg=name)
+    mqtt_accuracy = [r["accuracy"] for r in read_metrics(embedded_run / METRICS_FILE)]
+    assert mqtt_accuracy == pytest.approx([r["accuracy"] for r in summary["rounds"]], abs=1e-6)
+
+
+# -- artifacts travel once per device and plan ------------------------------------------------
+
+
+def plan_bytes(devices: Path, device_id: str) -> int:
+    """Bytes of the artifact files (the PLAN's blobs) a device installed."""
+    (directory,) = (devices / device_id / "artifacts").iterdir()
+    return sum((directory / name).stat().st_size for name in ARTIFACT_BLOBS)
+
+
+def test_artifacts_go_down_once_per_device(embedded_run: Path):
+    records = read_metrics(embedded_run / METRICS_FILE)
+    devices = embedded_run / broker_loop.DEVICES_DIR
+    per_device = {f"dev_{i:03d}": plan_bytes(devices, f"dev_{i:03d}") for i in range(DEVICES)}
+    assert [r["bytes_artifacts"] for r in records] == [sum(per_device.values()), 0, 0]
+    by_tier = records[0]["bytes_by_tier"]
+    assert by_tier["1"]["artifacts"] == sum(b for d, b in per_device.items() if int(d[-3:]) % 2 == 0)
+    assert by_tier["0.25"]["artifacts"] == sum(b for d, b in per_device.items() if int(d[-3:]) % 2 == 1)
+
+
+def test_resumed_run_reuses_the_devices_cached_artifacts(embedded_run: Path, tmp_path: Path, cache: Path):
+    """Extending the finished run by a round respawns the devices: they rejoin listing their cache."""
+    out = tmp_path / "run"
+    shutil.copytree(embedded_run, out)
+    records = federate(out, cache, "--resume", "--rounds", str(ROUNDS + 1), "--local-devices", str(DEVICES),
+                       "--rank-overrides", str(tiered_overrides(tmp_path / "overrides.json")))
+    assert [r["round"] for r in records] == [1, 2, 3, 4]
+    assert records[3]["bytes_artifacts"] == 0 and records[3]["participants"] == DEVICES
+    assert records[:3] == read_metrics(embedded_run / METRICS_FILE)
+
+
+# -- stragglers ------------------------------------------------------------------------------
+
+
+class SilentDevice:
+    """Joins (again when asked), acknowledges its plan, and never answers a task."""
+
+    def __init__(self, url: str, device_id: str, shard: ShardInfo):
+        self.device_id, self.shard = device_id, shard
+        self.topics = Topics(DEFAULT_TOPIC_PREFIX, device_id)
+        self.endpoint = MqttEndpoint(device_id, url, subscriptions=[self.topics.down],
+                                     will=(self.topics.status, b"offline"))
+        self.tasks = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> SilentDevice:
+        self.endpoint.start()
+        self.endpoint.wait_connected(WAIT_S)
+        self.join()
+        self.thread.start()
+        return self
+
+    def join(self) -> None:
+        join = join_message(Join(collect_profile(None, 1), self.shard, ()), device_id=self.device_id)
+        self.endpoint.publish(self.topics.up, encode(join), join.msg_id)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop.set()
+        self.thread.join(WAIT_S)
+        self.endpoint.stop()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            item = self.endpoint.get(0.1)
+            if item is None or item[0] != self.topics.down:
+                continue
+            msg = decode(item[1], max_bytes=1 << 28)
+            if msg.type == MessageType.PLAN:
+                ack = ack_message(parse_plan(msg).plan_hash, device_id=self.device_id, run_id=msg.run_id)
+                self.endpoint.publish(self.topics.up, encode(ack), ack.msg_id)
+            elif msg.type == MessageType.TASK:
+                self.tasks += 1
+            elif msg.type == MessageType.ERROR and parse_error(msg).code == ErrorCode.REJOIN:
+                self.join()
+
+
+def test_device_that_never_answers_is_dropped_at_the_deadline(embedded_broker, tmp_path: Path, cache: Path):
+    """The silent device connects before the server listens: the server finds it by its status and asks it to join."""
+    deadline_s = 4.0
+    with SilentDevice(embedded_broker.url, "dev_silent", ShardInfo(50, 10, (1, 28, 28), 10)) as silent:
+        records = federate(tmp_path / "run", cache, "--rounds", "1", "--local-devices", "4", "--min-devices", "5",
+                           "--broker", embedded_broker.url, "--round-deadline", str(deadline_s))
+    (record,) = records
+    assert record["dropped"] == {"dev_silent": "no answer by the deadline"}
+    assert (record["participants"], record["selected"], record["closed_by"]) == (4, 5, "deadline")
+    assert record["aggregated"] and record["seconds"] < 3 * deadline_s
+    assert silent.tasks == 2  # the round's task and the final evaluation
+
+
+# -- the device process --------------------------------------------------------------------------
+
+
+def tiny_shard(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    x = rng.random((16, 1, 28, 28), dtype=np.float32)
+    y = np.arange(16, dtype=np.int64) % 10
+    save_shard(path, Shard(x[:12], y[:12], x[12:], y[12:], 10))
+    return path
+
+
+@pytest.fixture
+def server_endpoint(embedded_broker) -> Iterator[MqttEndpoint]:
+    endpoint = MqttEndpoint("test-server", embedded_broker.url, subscriptions=server_subscriptions(DEFAULT_TOPIC_PREFIX))
+    endpoint.start()
+    endpoint.wait_connected(WAIT_S)
+    yield endpoint
+    endpoint.stop()
+
+
+def next_on(endpoint: MqttEndpoint, topic: str) -> bytes:
+    while (item := endpoint.get(WAIT_S)) is not None:
+        if item[0] == topic:
+            return item[1]
+    raise AssertionError(f"nothing on {topic} within {WAIT_S} s")
+
+
+@pytest.fixture
+def secured_broker(tmp_path: Path, start_mosquitto):
+    """mosquitto with a password file and an ACL confining dev_sec to its own topics."""
+    passwd, acl = write_mosquitto_auth(tmp_path / "auth", "server", "server-pw", {"dev_sec": "dev-pw"},
+                                       DEFAULT_TOPIC_PREFIX)
+    return start_mosquitto(password_file=passwd, acl_file=acl)
+
+
+def device_process(url: str, device_id: str, tmp_path: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "device_runtime", "--broker", url, "--device-id", device_id,
+                             "--data", str(tiny_shard(tmp_path / "shard.npz")), "--workdir", str(tmp_path / "work"),
+                             *extra], cwd=REPO_ROOT, stderr=subprocess.PIPE, env=env)
+
+
+def test_device_joins_and_exits_cleanly_on_sigterm(embedded_broker, server_endpoint, tmp_path: Path):
+    topics = Topics(DEFAULT_TOPIC_PREFIX, "dev_sig")
+    device = device_process(embedded_broker.url, "dev_sig", tmp_path, "--memory-budget-mb", "96")
+    try:
+        join = decode(next_on(server_endpoint, topics.up), max_bytes=1 << 20)
+        assert join.type == MessageType.JOIN and join.meta["profile"]["memory_budget_mb"] == 96.0
+        assert join.meta["shard"] == {"num_train": 12, "num_test": 4, "input_shape": [1, 28, 28], "num_classes": 10}
+        device.send_signal(signal.SIGTERM)
+        assert device.wait(WAIT_S) == 0
+        assert next_on(server_endpoint, topics.status) == b"offline"
+    finally:
+        device.kill()
+        device.wait()
+
+
+def test_device_joins_with_its_credentials_from_the_environment(secured_broker, tmp_path: Path):
+    server = MqttEndpoint("server", secured_broker.url, subscriptions=server_subscriptions(DEFAULT_TOPIC_PREFIX),
+                          username="server", password="server-pw")
+    server.start()
+    device = device_process(secured_broker.url, "dev_sec", tmp_path, "--username", "dev_sec",
+                            env={**os.environ, PASSWORD_ENV: "dev-pw"})
+    try:
+        server.wait_connected(WAIT_S)
+        assert decode(next_on(server, Topics(DEFAULT_TOPIC_PREFIX, "dev_sec").up), max_bytes=1 << 20).type == \
+            MessageType.JOIN
+    finally:
+        device.terminate()
+        device.wait(WAIT_S)
+        server.stop()
+
+
+def test_device_with_a_wrong_password_exits_with_status_1(secured_broker, tmp_path: Path):
+    device = device_process(secured_broker.url, "dev_sec", tmp_path, "--username", "dev_sec", "--password", "nope")
+    assert device.wait(WAIT_S) == 1
+    assert b"refused the connection" in device.stderr.read()
+
+
+# -- the device's event loop, without a broker ----------------------------------------------------
+
+
+class RecordingEndpoint:
+    """Stands in for MqttEndpoint where only what the agent publishes matters."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    def publish(self, topic: str, payload: bytes, msg_id: str, retain: bool = False, **kwargs: object) -> None:
+        self.sent.append((topic, payload))
+
+    def messages(self) -> list:
+        return [decode(payload, max_bytes=1 << 28) for _, payload in self.sent]
+
+
+@pytest.fixture(scope="module")
+def dense_artifacts(cache: Path):
+    model = build_model("fedavgcnn", (1, 28, 28), 10, seed=0)
+    return model, build_artifacts(model, {}, (1, 28, 28), 10, cache)
+
+
+def make_agent(workdir: Path, shard_path: Path) -> tuple[DeviceAgent, RecordingEndpoint]:
+    endpoint = RecordingEndpoint()
+    agent = DeviceAgent("dev_t", load_shard(shard_path), collect_profile(None, 1), endpoint, Workdir(workdir),
+                        Topics(DEFAULT_TOPIC_PREFIX, "dev_t"))
+    return agent, endpoint
+
+
+def artifact_files(artifacts) -> dict[str, bytes]:
+    return {name: (artifacts.directory / name).read_bytes() for name in ARTIFACT_BLOBS}
+
+
+def deliver(agent: DeviceAgent, msg) -> None:
+    agent.handle(agent.topics.down, encode(msg))
+
+
+def dense_task(model, round_index: int = 1) -> Task:
+    fe = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if k.startswith("fe.")}
+    return Task(round=round_index, fe=fe, lam=0.0, mu=0.0, lr=0.05, epochs=1, batch_size=4, seed=round_index)
+
+
+def plan_for(artifacts, files: dict[str, bytes]) -> Plan:
+    return Plan(artifacts.hash, 1.0, "dense", files)
+
+
+def test_device_refuses_artifacts_that_fail_verification(dense_artifacts, tmp_path: Path):
+    _, artifacts = dense_artifacts
+    agent, endpoint = make_agent(tmp_path / "work", tiny_shard(tmp_path / "shard.npz"))
+    files = artifact_files(artifacts)
+    files["checkpoint"] = bytes([files["checkpoint"][0] ^ 1]) + files["checkpoint"][1:]
+    deliver(agent, plan_message(plan_for(artifacts, files), device_id="dev_t", run_id="run1"))
+    (reply,) = endpoint.messages()
+    assert parse_error(reply).code == ErrorCode.ARTIFACTS_CORRUPT
+    assert agent.workdir.held_artifacts() == ()
+
+
+def test_device_answers_a_repeated_task_with_its_saved_answer(dense_artifacts, tmp_path: Path):
+    model, artifacts = dense_artifacts
+    agent, endpoint = make_agent(tmp_path / "work", tiny_shard(tmp_path / "shard.npz"))
+    deliver(agent, plan_message(plan_for(artifacts, artifact_files(artifacts)), device_id="dev_t", run_id="run1"))
+    task = task_message(dense_task(model), plan_hash=artifacts.hash, device_id="dev_t", run_id="run1")
+    deliver(agent, task)
+    deliver(agent, task)
+    ack, first, second = endpoint.sent
+    assert decode(ack[1], max_bytes=1 << 20).type == MessageType.ACK
+    assert first == second and decode(first[1], max_bytes=1 << 28).type == MessageType.UPDATE
+
+
+def test_restarted_device_lists_its_artifacts_and_keeps_its_head(dense_artifacts, tmp_path: Path):
+    model, artifacts = dense_artifacts
+    shard = tiny_shard(tmp_path / "shard.npz")
+    agent, _ = make_agent(tmp_path / "work", shard)
+    deliver(agent, plan_message(plan_for(artifacts, artifact_files(artifacts)), device_id="dev_t", run_id="run1"))
+    deliver(agent, task_message(dense_task(model), plan_hash=artifacts.hash, device_id="dev_t", run_id="run1"))
+    trained_head = agent.trainer.get_head()
+    restarted, endpoint = make_agent(tmp_path / "work", shard)
+    restarted.restore_plan()
+    restarted.join()
+    assert parse_join(endpoint.messages()[0]).artifacts == (artifacts.hash,)
+    for name, value in trained_head.items():
+        np.testing.assert_array_equal(restarted.trainer.get_head()[name], value)
+
+
+def test_task_for_a_plan_the_device_lacks_makes_it_rejoin(dense_artifacts, tmp_path: Path):
+    model, artifacts = dense_artifacts
+    agent, endpoint = make_agent(tmp_path / "work", tiny_shard(tmp_path / "shard.npz"))
+    deliver(agent, task_message(dense_task(model), plan_hash=artifacts.hash, device_id="dev_t", run_id="run1"))
+    error, join = endpoint.messages()
+    assert parse_error(error).code == ErrorCode.UNKNOWN_PLAN and join.type == MessageType.JOIN
+
+
+IMPORT_CHECK = """
+import runpy, sys
+sys.argv = ["device_runtime", "--help"]
+try:
+    runpy.run_module("device_runtime", run_name="__main__")
+except SystemExit as exit:
+    assert exit.code == 0, exit.code
+import device_runtime.agent
+print(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "onnx"}))
+"""
+
+
+def test_device_cli_and_agent_import_neither_torch_nor_onnx():
+    done = subprocess.run([sys.executable, "-c", IMPORT_CHECK], cwd=REPO_ROOT, capture_output=True, text=True,
+                          check=True)
+    assert "usage: python -m device_runtime" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "[]"
