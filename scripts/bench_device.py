@@ -1,0 +1,634 @@
+"""On-device cost of FedARA local training: memory and step latency of the onnxruntime runtime beside PyTorch eager.
+
+    .venv/bin/python scripts/bench_device.py --out-dir docs --cost-model device_runtime/cost_model.json
+
+For FedAvgCNN (1×28×28, 3×32×32) and CNN1 (3×32×32) at rank ratios 1.0 … 0.125 (ratios that resolve to the same
+plan are measured once), the parent builds the artifacts and a synthetic shard, then measures each plan in fresh
+worker processes, so that no worker inherits another's memory:
+- ``ort-memory``, once per onnxruntime session-option variant (CPU arena and memory patterns, on or off): what a
+  device process holds. RSS after importing the runtime, peak RSS (VmHWM) over local rounds (anchors + one
+  epoch, ``run_task``): a first (cold) round and a second one at batch 16, then one at batch 64; anchor and round
+  seconds, upload bytes, and the median of a few single steps. It imports numpy and the ORT C bindings only.
+- ``torch-memory``: the same rounds with the PyTorch reference (``compute_anchors`` + ``train_local``).
+- latency: two step servers, ``ort-steps`` and ``torch-steps`` (one runtime per process: in one process, ORT's
+  spinning thread pool and PyTorch's OpenMP threads slow each other down at 2 threads), time single training
+  steps at 1 and 2 threads, batch 16, on the same plan and batches: ORT (μ = 1e-3), ORT with μ = 0 (the same
+  graph: μ is an input), ORT on a graph built without the Frobenius term, PyTorch eager with μ = 1e-3 and μ = 0,
+  and ORT at batch 64 for the cost model. The parent makes them take turns in blocks of BLOCK steps (the first
+  step of a block is not timed), so both meet the same load from other processes. The probe score
+  (``device_runtime.probe``) is taken in the ORT process, so the cost model can scale the times.
+The parent writes bench_device.json, bench_device.md (tables) and bench_device.png into ``--out-dir`` and, with
+``--cost-model``, the data file that ``server.cost_model`` reads. Only the stdlib and numpy are imported at the
+top of this file: a worker must not carry torch unless it is the one measuring torch.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+CONFIGS = (("fedavgcnn", (1, 28, 28)), ("fedavgcnn", (3, 32, 32)), ("cnn1", (3, 32, 32)))
+RATIOS = (1.0, 0.75, 0.5, 0.25, 0.125)
+QUICK_CONFIGS = (("fedavgcnn", (1, 28, 28)),)
+QUICK_RATIOS = (1.0, 0.25)
+NUM_CLASSES = 10
+TRAIN_SAMPLES = 320
+TEST_SAMPLES = 16
+BATCH = 16
+LARGE_BATCH = 64
+BATCH_SIZES = (BATCH, LARGE_BATCH)
+THREADS = (1, 2)
+LAM, MU, LR = 10.0, 1e-3, 5e-3
+ROUND = 2  # any round after the first: λ > 0, so the round computes anchors
+SEED = 0
+STEPS, QUICK_STEPS = 24, 4
+BLOCK = 6  # timed steps per variant per turn
+VARIANT_STEPS = 9  # single steps timed in each ort-memory worker
+SESSION_VARIANTS = {"arena+patterns": (True, True), "arena": (True, False), "patterns": (False, True),
+                    "neither": (False, False)}
+PEAK_TOLERANCE = 0.02  # session variants within 2% of the lowest total peak count as equally lean
+LATENCY_VARIANTS = ("ort", "ort_mu0", "ort_nodecay", "torch", "torch_mu0", "ort_b64")
+DEFAULT_CACHE = ROOT / "artifacts_cache" / "bench_device"
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+MIB = 2**20
+KIB = 2**10
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measurement helpers (any process)
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}: this benchmark needs Linux")
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (VmRSS)."""
+    return _proc_status_bytes("VmRSS")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far (VmHWM)."""
+    return _proc_status_bytes("VmHWM")
+
+
+def percentiles_ms(seconds: list[float]) -> dict:
+    """p50 and p95 in milliseconds of a list of durations, and how many there were."""
+    p50, p95 = np.percentile(np.asarray(seconds) * 1e3, [50, 95])
+    return dict(p50=float(p50), p95=float(p95), n=len(seconds))
+
+
+def timed_block(step: Callable[[], None], count: int) -> list[float]:
+    """Seconds of ``count`` calls of ``step``, after one untimed call that pays for switching caches and threads."""
+    step()
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def fixed_batches(x: np.ndarray, y: np.ndarray, batch_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Full shuffled batches of (x, y), the same for every variant of a worker."""
+    from device_runtime.batching import epoch_batches
+    order = epoch_batches(len(x), batch_size, np.random.default_rng(SEED))
+    return [(x[idx], y[idx]) for idx in order if len(idx) == batch_size]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Workers (fresh processes)
+
+def _use_session_variant(arena: bool, patterns: bool) -> None:
+    """Make every DeviceTrainer of this process build its sessions with the given arena/memory-pattern switches
+    on top of the shipped options (the variant under test replaces ``trainer._session_options``)."""
+    from device_runtime import trainer
+    shipped = trainer._session_options
+
+    def options(capi, threads: int):
+        chosen = shipped(capi, threads)
+        chosen.enable_cpu_mem_arena = arena
+        chosen.enable_mem_pattern = patterns
+        return chosen
+
+    trainer._session_options = options
+
+
+def _ort_step(trainer, batch: tuple[np.ndarray, np.ndarray], anchors: np.ndarray, mask: np.ndarray, mu: float,
+              rng: np.random.Generator) -> None:
+    x, y = batch
+    trainer.train(x, y, anchors=anchors, mask=mask, lam=LAM, mu=mu, lr=LR, epochs=1, batch_size=len(x), rng=rng)
+
+
+def ort_memory_worker(spec: dict) -> dict:
+    """One device process: import, load, anchors, a local round at each batch size; memory after each."""
+    rss_python = rss_bytes()
+    from device_runtime.local_round import run_task
+    from device_runtime.protocol import Message, MessageType, encode
+    from device_runtime.shard import load_shard
+    from device_runtime.task import Task, tensor_bytes
+    from device_runtime.trainer import DeviceTrainer, load_ort_capi
+    load_ort_capi()
+    rss_import = rss_bytes()
+    _use_session_variant(*spec["session"])
+    shard = load_shard(spec["shard"])
+    start = time.perf_counter()
+    trainer = DeviceTrainer(spec["artifacts"], threads=1)
+    load_seconds = time.perf_counter() - start
+    rss_loaded = rss_bytes()
+    start = time.perf_counter()
+    trainer.compute_anchors(shard.x_train, shard.y_train)
+    anchor_seconds = time.perf_counter() - start
+    def local_round(batch_size: int):
+        task = Task(ROUND, trainer.get_fe(), LAM, MU, LR, 1, batch_size, SEED)
+        start = time.perf_counter()
+        update = run_task(trainer, shard, task)
+        return time.perf_counter() - start, update
+
+    first_round_seconds, _ = local_round(BATCH)
+    rounds = {}
+    for batch_size in BATCH_SIZES:
+        seconds, update = local_round(batch_size)
+        rounds[str(batch_size)] = dict(seconds=seconds, steps=update.metrics["steps"], peak_rss_bytes=peak_rss_bytes())
+    wire = encode(Message(MessageType.UPDATE, "bench", ROUND, "bench-device", "bench-update",
+                          dict(num_samples=update.num_samples), update.fe))
+    anchors, mask = trainer.compute_anchors(shard.x_train, shard.y_train)
+    rng = np.random.default_rng(SEED)
+    next_batch = itertools.cycle(fixed_batches(shard.x_train, shard.y_train, BATCH)).__next__
+    step_times = timed_block(lambda: _ort_step(trainer, next_batch(), anchors, mask, MU, rng), VARIANT_STEPS)
+    return dict(rss_python_bytes=rss_python, rss_import_bytes=rss_import, rss_loaded_bytes=rss_loaded,
+                load_seconds=load_seconds, anchor_seconds=anchor_seconds, first_round_seconds=first_round_seconds,
+                rounds=rounds,
+                upload_tensor_bytes=tensor_bytes(update.fe), upload_wire_bytes=len(wire),
+                step_ms=percentiles_ms(step_times), imported_torch="torch" in sys.modules,
+                imported_onnx="onnx" in sys.modules)
+
+
+def torch_memory_worker(spec: dict) -> dict:
+    """The same local round in PyTorch eager (one thread): import, anchors + one epoch at each batch size."""
+    rss_python = rss_bytes()
+    import torch
+    from device_runtime.shard import load_shard
+    from server.lowrank import factorize_model
+    from server.models import build_model
+    from server.objective import compute_anchors
+    from server.training import train_local
+    torch.set_num_threads(1)
+    rss_import = rss_bytes()
+    shard = load_shard(spec["shard"])
+    model = factorize_model(build_model(spec["model"], tuple(spec["input_shape"]), NUM_CLASSES, seed=SEED),
+                            spec["ranks"])
+    rss_loaded = rss_bytes()
+
+    def local_round(batch_size: int):
+        start = time.perf_counter()
+        anchors, mask = compute_anchors(model.fe, shard.x_train, shard.y_train, NUM_CLASSES)
+        anchor_seconds = time.perf_counter() - start
+        stats = train_local(model, shard.x_train, shard.y_train, anchors=anchors, mask=mask, lam=LAM, mu=MU, lr=LR,
+                            epochs=1, batch_size=batch_size, rng=np.random.default_rng(SEED))
+        return time.perf_counter() - start, anchor_seconds, stats.steps
+
+    first_round_seconds, _, _ = local_round(BATCH)
+    rounds = {}
+    for batch_size in BATCH_SIZES:
+        seconds, anchor_seconds, steps = local_round(batch_size)
+        rounds[str(batch_size)] = dict(seconds=seconds, anchor_seconds=anchor_seconds, steps=steps,
+                                       peak_rss_bytes=peak_rss_bytes())
+    return dict(rss_python_bytes=rss_python, rss_import_bytes=rss_import, rss_loaded_bytes=rss_loaded,
+                anchor_seconds=rounds[str(BATCH)]["anchor_seconds"], first_round_seconds=first_round_seconds,
+                rounds=rounds)
+
+
+def ort_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
+    """(variant, threads) -> one ORT training step: μ = 1e-3, μ = 0, the graph without decay, batch 64."""
+    from device_runtime.shard import load_shard
+    from device_runtime.trainer import DeviceTrainer
+    shard = load_shard(spec["shard"])
+    small = itertools.cycle(fixed_batches(shard.x_train, shard.y_train, BATCH)).__next__
+    large = itertools.cycle(fixed_batches(shard.x_train, shard.y_train, LARGE_BATCH)).__next__
+    rng = np.random.default_rng(SEED)
+    steppers = {}
+    for threads in THREADS:
+        ort = DeviceTrainer(spec["artifacts"], threads=threads)
+        bare = DeviceTrainer(spec["nodecay_artifacts"], threads=threads)
+        anchors, mask = ort.compute_anchors(shard.x_train, shard.y_train)
+        steppers.update({
+            ("ort", threads): lambda ort=ort, a=anchors, m=mask: _ort_step(ort, small(), a, m, MU, rng),
+            ("ort_mu0", threads): lambda ort=ort, a=anchors, m=mask: _ort_step(ort, small(), a, m, 0.0, rng),
+            ("ort_nodecay", threads): lambda bare=bare, a=anchors, m=mask: _ort_step(bare, small(), a, m, MU, rng),
+            ("ort_b64", threads): lambda ort=ort, a=anchors, m=mask: _ort_step(ort, large(), a, m, MU, rng),
+        })
+    return steppers
+
+
+def torch_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
+    """(variant, threads) -> one PyTorch eager step of the same plan: μ = 1e-3 and μ = 0."""
+    import torch
+    from device_runtime.shard import load_shard
+    from server.lowrank import factorize_model
+    from server.models import build_model
+    from server.objective import compute_anchors, local_loss
+    shard = load_shard(spec["shard"])
+    model = factorize_model(build_model(spec["model"], tuple(spec["input_shape"]), NUM_CLASSES, seed=SEED),
+                            spec["ranks"])
+    anchors, mask = (torch.from_numpy(a) for a in compute_anchors(model.fe, shard.x_train, shard.y_train, NUM_CLASSES))
+    batches = itertools.cycle([(torch.from_numpy(x), torch.from_numpy(y))
+                               for x, y in fixed_batches(shard.x_train, shard.y_train, BATCH)]).__next__
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model.train()
+
+    def step(mu: float, threads: int) -> None:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        x, y = batches()
+        loss, _ = local_loss(model, x, y, anchors, mask, LAM, mu)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    return {(name, threads): (lambda mu=mu, threads=threads: step(mu, threads))
+            for threads in THREADS for name, mu in (("torch", MU), ("torch_mu0", 0.0))}
+
+
+STEPPERS = {"ort-steps": ort_steppers, "torch-steps": torch_steppers}
+
+
+def step_server(kind: str, spec: dict) -> None:
+    """Serve timed blocks over stdin/stdout: ``VARIANT THREADS COUNT`` -> JSON list of seconds; ``probe`` -> the
+    probe score; ``quit`` ends. One runtime per process, so neither's thread pool spins against the other."""
+    from device_runtime.probe import probe_gflops
+    steppers = STEPPERS[kind](spec)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if words == ["quit"]:
+            return
+        if words == ["probe"]:
+            print(json.dumps(probe_gflops()), flush=True)
+            continue
+        name, threads, count = words
+        print(json.dumps(timed_block(steppers[(name, int(threads))], int(count))), flush=True)
+
+
+class StepProcess:
+    """A step_server subprocess; ``block`` and ``probe`` ask it for timings, ``close`` ends it."""
+
+    def __init__(self, kind: str, spec: dict):
+        self.kind = kind
+        self._proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", kind, json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env())
+        self._read()
+
+    def _read(self):
+        line = self._proc.stdout.readline()
+        if not line:
+            self._proc.wait()
+            raise RuntimeError(f"{self.kind} step server died:\n{self._proc.stderr.read()}")
+        return json.loads(line) if line.strip() != "ready" else None
+
+    def _ask(self, command: str):
+        self._proc.stdin.write(command + "\n")
+        self._proc.stdin.flush()
+        return self._read()
+
+    def block(self, variant: str, threads: int, count: int) -> list[float]:
+        return self._ask(f"{variant} {threads} {count}")
+
+    def probe(self) -> float:
+        return self._ask("probe")
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.write("quit\n")
+            self._proc.stdin.close()
+        self._proc.wait()
+
+    def __enter__(self) -> StepProcess:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def measure_latency(spec: dict, steps: int) -> dict:
+    """p50/p95 per (threads, variant): ORT and PyTorch step servers take turns in blocks of BLOCK timed steps,
+    so both meet the same load; the probe is taken in the ORT process before and after."""
+    with StepProcess("ort-steps", spec) as ort, StepProcess("torch-steps", spec) as pt:
+        probes = [ort.probe()]
+        per_threads = {}
+        for threads in THREADS:
+            times: dict[str, list[float]] = {name: [] for name in LATENCY_VARIANTS}
+            while min(len(t) for t in times.values()) < steps:
+                for name, so_far in times.items():
+                    server = ort if name.startswith("ort") else pt
+                    so_far += server.block(name, threads, min(BLOCK, steps - len(so_far)))
+            per_threads[str(threads)] = {name: percentiles_ms(t) for name, t in times.items()}
+        probes.append(ort.probe())
+    return dict(threads=per_threads, probe_gflops=max(probes), probes=probes)
+
+
+WORKERS = {"ort-memory": ort_memory_worker, "torch-memory": torch_memory_worker}
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a worker: one BLAS/OpenMP thread unless it sets its own, no inherited PYTHONPATH."""
+    env = dict(os.environ, **{name: "1" for name in THREAD_ENV})
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def run_worker(kind: str, spec: dict) -> dict:
+    """``WORKERS[kind](spec)`` in a fresh interpreter."""
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", kind, json.dumps(spec)],
+                          capture_output=True, text=True, env=worker_env())
+    if done.returncode != 0:
+        raise RuntimeError(f"{kind} worker for {spec.get('label')} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parent: artifacts, shards, orchestration
+
+def _loss_without_decay(num_classes: int, feature_dim: int, factor_pairs: list) -> object:
+    """FedAraLoss with no factor pairs: the same graph inputs, no Frobenius term."""
+    from export.loss_block import FedAraLoss
+    return FedAraLoss(num_classes, feature_dim, [])
+
+
+def build_plan_artifacts(model, ranks: dict[str, int], input_shape: tuple[int, ...], cache_dir: Path) -> tuple:
+    """(the shipped artifact set, the same without the Frobenius term) for one plan, cached under ``cache_dir``."""
+    from unittest import mock
+
+    from export import artifacts
+    shipped = artifacts.build_artifacts(model, ranks, input_shape, NUM_CLASSES, cache_dir / "fedara")
+    if not ranks:
+        return shipped, shipped
+    with mock.patch.object(artifacts, "FedAraLoss", _loss_without_decay):
+        bare = artifacts.build_artifacts(model, ranks, input_shape, NUM_CLASSES, cache_dir / "no_decay")
+    return shipped, bare
+
+
+def write_synthetic_shard(path: Path, input_shape: tuple[int, ...]) -> None:
+    """A shard of standard-normal images with uniform labels: a step's cost does not depend on the values."""
+    from device_runtime.shard import Shard, save_shard
+    rng = np.random.default_rng(SEED)
+    shard = Shard(rng.standard_normal((TRAIN_SAMPLES, *input_shape), dtype=np.float32),
+                  rng.integers(0, NUM_CLASSES, TRAIN_SAMPLES).astype(np.int64),
+                  rng.standard_normal((TEST_SAMPLES, *input_shape), dtype=np.float32),
+                  rng.integers(0, NUM_CLASSES, TEST_SAMPLES).astype(np.int64), NUM_CLASSES)
+    save_shard(path, shard)
+
+
+def shape_name(shape) -> str:
+    return "x".join(str(d) for d in shape)
+
+
+def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path) -> list[dict]:
+    """One entry per distinct (model, input shape, plan): its artifacts, shard and the ratios that resolve to it."""
+    from server.lowrank import RankPlan, resolve_plan
+    from server.models import build_model
+    plans: list[dict] = []
+    for model_name, input_shape in configs:
+        shard = shard_dir / f"{shape_name(input_shape)}.npz"
+        if not shard.exists():
+            write_synthetic_shard(shard, input_shape)
+        model = build_model(model_name, input_shape, NUM_CLASSES, seed=SEED)
+        by_hash: dict[str, dict] = {}
+        for ratio in ratios:
+            plan = resolve_plan(model, RankPlan(ratio))
+            shipped, bare = build_plan_artifacts(model, plan.ranks, input_shape, cache_dir)
+            if shipped.hash not in by_hash:
+                by_hash[shipped.hash] = dict(
+                    model=model_name, input_shape=list(input_shape), ratios=[], plan=plan.describe(),
+                    ranks=plan.ranks, artifacts=str(shipped.directory), nodecay_artifacts=str(bare.directory),
+                    shard=str(shard), artifact_bytes=shipped.total_bytes, artifact_file_bytes=shipped.sizes,
+                    label=f"{model_name} {shape_name(input_shape)} {plan.describe()}")
+                plans.append(by_hash[shipped.hash])
+            by_hash[shipped.hash]["ratios"].append(ratio)
+    return plans
+
+
+def shipped_session_variant() -> str:
+    """The name of the session-option variant device_runtime.trainer ships (read from its options)."""
+    from device_runtime.trainer import _session_options, load_ort_capi
+    options = _session_options(load_ort_capi(), 1)
+    switches = (options.enable_cpu_mem_arena, options.enable_mem_pattern)
+    return next(name for name, value in SESSION_VARIANTS.items() if value == switches)
+
+
+def measure_plan(plan: dict, steps: int) -> dict:
+    """Every worker for one plan; the plan dict gains their results."""
+    spec = {k: plan[k] for k in ("model", "input_shape", "ranks", "artifacts", "nodecay_artifacts", "shard", "label")}
+    sessions = {name: run_worker("ort-memory", dict(spec, session=switches))
+                for name, switches in SESSION_VARIANTS.items()}
+    torch_memory = run_worker("torch-memory", spec)
+    latency = measure_latency(spec, steps)
+    return dict(plan, sessions=sessions, torch=torch_memory, latency=latency)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Summaries (pure)
+
+def best_session_variant(results: list[dict]) -> str:
+    """The variant with the lowest total peak RSS at batch 16; among those within PEAK_TOLERANCE of it, the one
+    with the lowest total median step."""
+    totals = {name: sum(r["sessions"][name]["rounds"][str(BATCH)]["peak_rss_bytes"] for r in results)
+              for name in SESSION_VARIANTS}
+    lean = [name for name, total in totals.items() if total <= min(totals.values()) * (1 + PEAK_TOLERANCE)]
+    return min(lean, key=lambda name: sum(r["sessions"][name]["step_ms"]["p50"] for r in results))
+
+
+def derived(result: dict, session: str) -> dict:
+    """Ratios per plan: ORT over PyTorch (peak memory, step p50 per thread count) and the Frobenius share."""
+    ort = result["sessions"][session]
+    peak_ort = ort["rounds"][str(BATCH)]["peak_rss_bytes"]
+    peak_torch = result["torch"]["rounds"][str(BATCH)]["peak_rss_bytes"]
+    out = dict(peak_ort_over_torch=peak_ort / peak_torch, step_ort_over_torch={}, decay_share_ort={},
+               decay_share_torch={}, mu0_over_mu_ort={})
+    for threads, t in result["latency"]["threads"].items():
+        out["step_ort_over_torch"][threads] = t["ort"]["p50"] / t["torch"]["p50"]
+        out["decay_share_ort"][threads] = 1 - t["ort_nodecay"]["p50"] / t["ort"]["p50"]
+        out["decay_share_torch"][threads] = 1 - t["torch_mu0"]["p50"] / t["torch"]["p50"]
+        out["mu0_over_mu_ort"][threads] = t["ort_mu0"]["p50"] / t["ort"]["p50"]
+    return out
+
+
+def cost_model_document(results: list[dict], session: str, command: str) -> dict:
+    """The data file server.cost_model reads: per (model, input, ratio), peak MiB per batch size and p50 step ms
+    per thread count and batch size, with the probe score of the process that timed the steps."""
+    from server.cost_model import COST_MODEL_FORMAT
+    entries = []
+    for r in results:
+        ort = r["sessions"][session]
+        peak = {str(b): ort["rounds"][str(b)]["peak_rss_bytes"] / MIB for b in BATCH_SIZES}
+        step = {threads: {str(BATCH): t["ort"]["p50"], str(LARGE_BATCH): t["ort_b64"]["p50"]}
+                for threads, t in r["latency"]["threads"].items()}
+        for ratio in r["ratios"]:
+            entries.append(dict(model=r["model"], input_shape=r["input_shape"], ratio=ratio, plan=r["plan"],
+                                probe_gflops=r["latency"]["probe_gflops"], peak_mb=peak, step_ms=step))
+    return dict(format_version=COST_MODEL_FORMAT, generated_by=command, machine=platform.machine(),
+                session_options=session, train_samples=TRAIN_SAMPLES, lam=LAM, mu=MU, entries=entries)
+
+
+def _rows(results: list[dict]):
+    for r in results:
+        for ratio in r["ratios"]:
+            yield ratio, r
+
+
+def markdown_tables(results: list[dict], session: str) -> str:
+    """Memory, latency, Frobenius-decay and session-option tables, one row per (model, input, ratio)."""
+    memory = ["| model | input | ratio | plan | artifacts KiB | upload KiB (wire) | ORT RSS import MiB "
+              "| ORT peak MiB | PyTorch RSS import MiB | PyTorch peak MiB | peak ORT/PyTorch |",
+              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    latency = ["| model | input | ratio | ORT 1t p50/p95 ms | PyTorch 1t p50/p95 ms | ORT/PyTorch 1t "
+               "| ORT 2t p50/p95 ms | PyTorch 2t p50/p95 ms | ORT/PyTorch 2t | anchors ms | round s ORT / PyTorch "
+               "| first round s ORT / PyTorch |",
+               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    decay = ["| model | input | ratio | ORT μ=1e-3 ms | ORT μ=0 ms | ORT no-decay graph ms | decay share ORT "
+             "| PyTorch μ=1e-3 ms | PyTorch μ=0 ms | decay share PyTorch |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    sessions = ["| model | input | ratio | " + " | ".join(f"{n} peak MiB / step ms" for n in SESSION_VARIANTS) + " |",
+                "|---|---|---:|" + "---:|" * len(SESSION_VARIANTS)]
+    for ratio, r in _rows(results):
+        head = f"| {r['model']} | {shape_name(r['input_shape'])} | {ratio} "
+        ort, pt, d = r["sessions"][session], r["torch"], derived(r, session)
+        t1, t2 = r["latency"]["threads"]["1"], r["latency"]["threads"]["2"]
+        memory.append(
+            head + f"| {r['plan']} | {r['artifact_bytes'] / KIB:.0f} | {ort['upload_tensor_bytes'] / KIB:.0f} "
+            f"({ort['upload_wire_bytes'] / KIB:.0f}) | {ort['rss_import_bytes'] / MIB:.0f} "
+            f"| {ort['rounds'][str(BATCH)]['peak_rss_bytes'] / MIB:.0f} | {pt['rss_import_bytes'] / MIB:.0f} "
+            f"| {pt['rounds'][str(BATCH)]['peak_rss_bytes'] / MIB:.0f} | {d['peak_ort_over_torch']:.2f} |")
+        latency.append(
+            head + f"| {t1['ort']['p50']:.1f} / {t1['ort']['p95']:.1f} | {t1['torch']['p50']:.1f} / "
+            f"{t1['torch']['p95']:.1f} | {d['step_ort_over_torch']['1']:.2f} | {t2['ort']['p50']:.1f} / "
+            f"{t2['ort']['p95']:.1f} | {t2['torch']['p50']:.1f} / {t2['torch']['p95']:.1f} "
+            f"| {d['step_ort_over_torch']['2']:.2f} | {1e3 * ort['anchor_seconds']:.0f} "
+            f"| {ort['rounds'][str(BATCH)]['seconds']:.2f} / {pt['rounds'][str(BATCH)]['seconds']:.2f} "
+            f"| {ort['first_round_seconds']:.2f} / {pt['first_round_seconds']:.2f} |")
+        decay.append(
+            head + f"| {t1['ort']['p50']:.1f} | {t1['ort_mu0']['p50']:.1f} | {t1['ort_nodecay']['p50']:.1f} "
+            f"| {100 * d['decay_share_ort']['1']:.0f}% | {t1['torch']['p50']:.1f} | {t1['torch_mu0']['p50']:.1f} "
+            f"| {100 * d['decay_share_torch']['1']:.0f}% |")
+        sessions.append(head + "| " + " | ".join(
+            f"{r['sessions'][n]['rounds'][str(BATCH)]['peak_rss_bytes'] / MIB:.0f} / {r['sessions'][n]['step_ms']['p50']:.1f}"
+            for n in SESSION_VARIANTS) + " |")
+    return "\n".join(["### Memory (1 thread, batch 16)", "", *memory, "", "### Step latency (batch 16)", "", *latency,
+                      "", "### Frobenius decay (1 thread, batch 16, p50)", "", *decay, "",
+                      "### onnxruntime session options (1 thread, batch 16)", "", *sessions, ""])
+
+
+def plot(results: list[dict], session: str, path: Path) -> None:
+    """Peak RSS and p50 step (1 thread, batch 16) against the rank ratio: ORT solid, PyTorch dashed, and on the
+    step panel ORT on the graph without the Frobenius term dotted."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    fig, (mem_ax, step_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series = sorted({(r["model"], shape_name(r["input_shape"])) for r in results})
+    for index, (model, shape) in enumerate(series):
+        rows = sorted((ratio, r) for ratio, r in _rows(results)
+                      if (r["model"], shape_name(r["input_shape"])) == (model, shape))
+        ratios, color, name = [ratio for ratio, _ in rows], f"C{index}", f"{model} {shape}"
+        one_thread = [r["latency"]["threads"]["1"] for _, r in rows]
+        mem_ax.plot(ratios, [r["sessions"][session]["rounds"][str(BATCH)]["peak_rss_bytes"] / MIB for _, r in rows],
+                    "o-", color=color, label=f"{name} ORT")
+        mem_ax.plot(ratios, [r["torch"]["rounds"][str(BATCH)]["peak_rss_bytes"] / MIB for _, r in rows],
+                    "s--", color=color, label=f"{name} PyTorch")
+        step_ax.plot(ratios, [t["ort"]["p50"] for t in one_thread], "o-", color=color, label=f"{name} ORT")
+        step_ax.plot(ratios, [t["torch"]["p50"] for t in one_thread], "s--", color=color, label=f"{name} PyTorch")
+        step_ax.plot(ratios, [t["ort_nodecay"]["p50"] for t in one_thread], "x:", color=color,
+                     label=f"{name} ORT, no Frobenius term")
+    mem_ax.set(xlabel="rank ratio", ylabel="peak RSS over a local round (MiB)", title="Peak memory")
+    step_ax.set(xlabel="rank ratio", ylabel="train step p50 (ms)", title="Step latency, 1 thread, batch 16")
+    mem_ax.set_ylim(bottom=0)
+    step_ax.set_ylim(bottom=0)
+    mem_ax.legend(fontsize=7)
+    step_ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out-dir", type=Path, help="where bench_device.{json,md,png} go")
+    p.add_argument("--cost-model", type=Path, default=None, help="also write the cost-model data file here")
+    p.add_argument("--quick", action="store_true",
+                   help=f"small subset: FedAvgCNN 1x28x28 at ratios {QUICK_RATIOS}, {QUICK_STEPS} steps per variant")
+    p.add_argument("--steps", type=int, default=None, help=f"timed steps per latency variant (default {STEPS})")
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="artifact cache (built once per plan)")
+    p.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.worker:
+        kind, spec = args.worker
+        if kind in STEPPERS:
+            step_server(kind, json.loads(spec))
+        else:
+            print(json.dumps(WORKERS[kind](json.loads(spec))))
+        return 0
+    if args.out_dir is None:
+        parser.error("--out-dir is required")
+    steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else STEPS)
+    if steps < 1:
+        parser.error(f"--steps must be >= 1, got {steps}")
+    configs, ratios = (QUICK_CONFIGS, QUICK_RATIOS) if args.quick else (CONFIGS, RATIOS)
+    command = " ".join([".venv/bin/python", "scripts/bench_device.py", *(argv if argv is not None else sys.argv[1:])])
+    started, load = time.perf_counter(), os.getloadavg()
+    with tempfile.TemporaryDirectory() as shard_dir:
+        plans = prepare_plans(configs, ratios, args.cache_dir, Path(shard_dir))
+        build_seconds = time.perf_counter() - started
+        results = []
+        for plan in plans:
+            results.append(measure_plan(plan, steps))
+            print(f"measured {plan['label']} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    shipped, best = shipped_session_variant(), best_session_variant(results)
+    for r in results:
+        r["derived"] = derived(r, shipped)
+    tables = markdown_tables(results, shipped)
+    report = dict(command=command, settings=dict(num_classes=NUM_CLASSES, train_samples=TRAIN_SAMPLES, batch=BATCH,
+                                                 large_batch=LARGE_BATCH, threads=list(THREADS), lam=LAM, mu=MU,
+                                                 lr=LR, steps=steps, block=BLOCK),
+                  shipped_session=shipped, best_session=best,
+                  machine=dict(platform=platform.platform(), cpus=os.cpu_count(), loadavg_at_start=list(load),
+                               loadavg_at_end=list(os.getloadavg())),
+                  build_seconds=build_seconds, wall_seconds=time.perf_counter() - started, results=results)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "bench_device.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out_dir / "bench_device.md").write_text(tables)
+    plot(results, shipped, args.out_dir / "bench_device.png")
+    if args.cost_model:
+        args.cost_model.parent.mkdir(parents=True, exist_ok=True)
+        args.cost_model.write_text(json.dumps(cost_model_document(results, shipped, command), indent=1) + "\n")
+    print(tables)
+    print(f"session options: shipped {shipped}, leanest {best}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

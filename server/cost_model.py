@@ -1,0 +1,195 @@
+"""Predicted peak memory and step time of a rank plan on a device, from the device benchmark's measurements.
+
+``scripts/bench_device.py --cost-model device_runtime/cost_model.json`` writes the data: per (model, input shape,
+rank ratio), the peak RSS of a device process over a local round at each measured batch size, and the p50 time
+of one training step per thread count and batch size, with the probe score (``device_runtime.probe``) of the
+process that timed the steps. A prediction for a device:
+- interpolates linearly in the rank ratio between the two nearest measured ratios; outside the measured range it
+  takes the nearest end (a ratio below the smallest measured one is predicted at that one: an overestimate);
+- interpolates linearly in the batch size between measured sizes and extrapolates along the last segment above
+  them; below the smallest it takes the smallest (an overestimate);
+- takes the fastest of the measured thread counts the device has (the smallest count if it has fewer): on a
+  device whose cores are its own, more threads are not slower, while the benchmark machine may be shared;
+- scales the step time by ``probe_gflops(benchmark) / probe_gflops(device)``. Memory is not scaled: the same
+  graphs and weights take the same bytes (the runtime's own libraries differ by platform; see docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Protocol
+
+COST_MODEL_FORMAT = 1
+COST_MODEL_PACKAGE = "device_runtime"
+COST_MODEL_FILE = "cost_model.json"
+
+
+class CostModelError(ValueError):
+    """A cost-model file that is unreadable or malformed, or a question it has no measurements for."""
+
+
+class DeviceProfile(Protocol):
+    """What a prediction needs from a device's profile (device_runtime.profile.ResourceProfile has both)."""
+
+    probe_gflops: float
+    threads: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    peak_mb: float  # peak RSS of the device process over a local round, MiB
+    step_ms: float  # one training step (forward, backward, SGD update), milliseconds
+
+
+@dataclass(frozen=True)
+class CostEntry:
+    """The measurements of one rank ratio."""
+
+    ratio: float
+    probe_gflops: float
+    peak_mb: dict[int, float]  # batch size -> MiB
+    step_ms: dict[int, dict[int, float]]  # threads -> batch size -> ms
+
+
+@dataclass(frozen=True)
+class CostModel:
+    entries: dict[tuple[str, tuple[int, ...]], tuple[CostEntry, ...]]  # (model, input shape) -> entries by ratio
+    generated_by: str
+
+
+def _number(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise CostModelError(f"{what} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _sizes(table: object, what: str) -> dict[int, object]:
+    """A JSON object keyed by positive integer sizes ("16", "64") as {size: value}, smallest size first."""
+    if not isinstance(table, dict) or not table:
+        raise CostModelError(f"{what} must be a non-empty object keyed by size, got {table!r}")
+    try:
+        sizes = {int(size): value for size, value in table.items()}
+    except ValueError:
+        raise CostModelError(f"{what} must be keyed by integer sizes, got {sorted(table)}") from None
+    if min(sizes) < 1:
+        raise CostModelError(f"{what} must be keyed by positive sizes, got {sorted(sizes)}")
+    return {size: sizes[size] for size in sorted(sizes)}
+
+
+def _numbers_by_size(table: object, what: str) -> dict[int, float]:
+    return {size: _number(value, f"{what}[{size}]") for size, value in _sizes(table, what).items()}
+
+
+def _entry(raw: object, index: int) -> tuple[tuple[str, tuple[int, ...]], CostEntry]:
+    if not isinstance(raw, dict):
+        raise CostModelError(f"entry {index} must be an object, got {type(raw).__name__}")
+    missing = {"model", "input_shape", "ratio", "probe_gflops", "peak_mb", "step_ms"} - set(raw)
+    if missing:
+        raise CostModelError(f"entry {index} lacks {sorted(missing)}")
+    shape = raw["input_shape"]
+    if not isinstance(shape, list) or len(shape) != 3 or not all(isinstance(d, int) and d > 0 for d in shape):
+        raise CostModelError(f"entry {index}: input_shape must be [C, H, W], got {shape!r}")
+    ratio = _number(raw["ratio"], f"entry {index} ratio")
+    if ratio > 1:
+        raise CostModelError(f"entry {index}: ratio must be in (0, 1], got {ratio}")
+    step = {threads: _numbers_by_size(table, f"entry {index} step_ms[{threads}]")
+            for threads, table in _sizes(raw["step_ms"], f"entry {index} step_ms").items()}
+    entry = CostEntry(ratio, _number(raw["probe_gflops"], f"entry {index} probe_gflops"),
+                      _numbers_by_size(raw["peak_mb"], f"entry {index} peak_mb"), step)
+    return (str(raw["model"]), tuple(shape)), entry
+
+
+def parse_cost_model(document: object) -> CostModel:
+    """A CostModel from the parsed JSON document; CostModelError names what is wrong."""
+    if not isinstance(document, dict) or document.get("format_version") != COST_MODEL_FORMAT:
+        got = document.get("format_version") if isinstance(document, dict) else type(document).__name__
+        raise CostModelError(f"cost model format must be {COST_MODEL_FORMAT}, got {got!r}")
+    if not isinstance(document.get("entries"), list) or not document["entries"]:
+        raise CostModelError("cost model has no entries")
+    grouped: dict[tuple[str, tuple[int, ...]], list[CostEntry]] = {}
+    for index, raw in enumerate(document["entries"]):
+        key, entry = _entry(raw, index)
+        if any(e.ratio == entry.ratio for e in grouped.get(key, [])):
+            raise CostModelError(f"cost model repeats ratio {entry.ratio} for {key[0]} {key[1]}")
+        grouped.setdefault(key, []).append(entry)
+    return CostModel({key: tuple(sorted(entries, key=lambda e: e.ratio)) for key, entries in grouped.items()},
+                     str(document.get("generated_by", "")))
+
+
+def load_cost_model(path: str | os.PathLike | None = None) -> CostModel:
+    """Read a cost-model file; None: the one shipped in the device_runtime package."""
+    try:
+        if path is None:
+            text = resources.files(COST_MODEL_PACKAGE).joinpath(COST_MODEL_FILE).read_text()
+        else:
+            text = Path(path).read_text()
+        document = json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise CostModelError(f"cannot read cost model {path or COST_MODEL_FILE}: {exc}") from None
+    return parse_cost_model(document)
+
+
+@lru_cache(maxsize=1)
+def _shipped() -> CostModel:
+    return load_cost_model()
+
+
+def _interpolate(points: Sequence[tuple[float, float]], x: float, extrapolate_above: bool) -> float:
+    """Piecewise-linear through ``points`` (sorted by x). Below the first point: its value. Above the last: the
+    last segment extended when ``extrapolate_above``, else the last value."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        if not extrapolate_above or len(points) == 1:
+            return points[-1][1]
+        (x0, y0), (x1, y1) = points[-2], points[-1]
+    else:
+        i = bisect.bisect_left(xs, x)  # xs[i - 1] < x <= xs[i]
+        (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _by_batch(table: dict[int, float], batch_size: int) -> float:
+    return _interpolate(sorted(table.items()), batch_size, extrapolate_above=True)
+
+
+def _entry_prediction(entry: CostEntry, batch_size: int, threads: int, probe_gflops: float) -> Prediction:
+    usable = [t for t in entry.step_ms if t <= threads] or [min(entry.step_ms)]
+    step = min(_by_batch(entry.step_ms[t], batch_size) for t in usable) * entry.probe_gflops / probe_gflops
+    return Prediction(_by_batch(entry.peak_mb, batch_size), step)
+
+
+def predict(model_name: str, input_shape: Sequence[int], ratio: float, batch_size: int, profile: DeviceProfile,
+            cost_model: CostModel | None = None) -> Prediction:
+    """Peak MiB and step ms of ``model_name`` on ``input_shape`` at rank ``ratio`` and ``batch_size`` on the
+    device described by ``profile`` (its probe score and thread count); ``cost_model`` None: the shipped one."""
+    model = _shipped() if cost_model is None else cost_model
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"rank ratio must be in (0, 1], got {ratio!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    probe = _number(profile.probe_gflops, "profile probe_gflops")
+    threads = profile.threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"profile threads must be a positive integer, got {threads!r}")
+    key = (model_name, tuple(int(d) for d in input_shape))
+    if key not in model.entries:
+        known = ", ".join(f"{m} {'x'.join(map(str, s))}" for m, s in sorted(model.entries))
+        raise CostModelError(f"no measurements for {model_name} {'x'.join(map(str, key[1]))}; the cost model has {known}")
+    per_ratio = [(e.ratio, _entry_prediction(e, batch_size, threads, probe)) for e in model.entries[key]]
+    peak = _interpolate([(r, p.peak_mb) for r, p in per_ratio], ratio, extrapolate_above=False)
+    step = _interpolate([(r, p.step_ms) for r, p in per_ratio], ratio, extrapolate_above=False)
+    return Prediction(peak, step)
+
+
+def peak_predictor(model_name: str, input_shape: Sequence[int], batch_size: int, profile: DeviceProfile,
+                   cost_model: CostModel | None = None) -> Callable[[float], float]:
+    """``ratio -> predicted peak MiB`` for one device: the predictor ``server.rank_assignment.assign_tier`` takes."""
+    return lambda ratio: predict(model_name, input_shape, ratio, batch_size, profile, cost_model).peak_mb

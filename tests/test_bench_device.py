@@ -1,0 +1,108 @@
+"""scripts/bench_device.py end to end on its --quick subset: the report's shape and the cost model it writes,
+not its timings."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server.cost_model import load_cost_model, predict
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_device", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """(output folder, stdout) of a --quick run that also writes a cost model."""
+    out = tmp_path_factory.mktemp("bench_device")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out-dir", str(out), "--cost-model",
+                           str(out / "cost_model.json"), "--cache-dir", str(out / "cache")],
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr
+    return out, done.stdout
+
+
+def test_quick_run_reports_every_ratio_of_its_subset(quick_run):
+    out, _ = quick_run
+    bench = load_script()
+    report = json.loads((out / "bench_device.json").read_text())
+    reported = sorted((r["model"], tuple(r["input_shape"]), ratio) for r in report["results"] for ratio in r["ratios"])
+    assert reported == sorted((m, s, ratio) for m, s in bench.QUICK_CONFIGS for ratio in bench.QUICK_RATIOS)
+
+
+def test_quick_run_measures_every_session_variant_and_latency_variant(quick_run):
+    out, _ = quick_run
+    bench = load_script()
+    for result in json.loads((out / "bench_device.json").read_text())["results"]:
+        assert set(result["sessions"]) == set(bench.SESSION_VARIANTS)
+        assert set(result["latency"]["threads"]) == {str(t) for t in bench.THREADS}
+        for per_variant in result["latency"]["threads"].values():
+            assert set(per_variant) == set(bench.LATENCY_VARIANTS)
+            assert all(v["n"] == bench.QUICK_STEPS and v["p95"] >= v["p50"] > 0 for v in per_variant.values())
+
+
+def test_the_device_process_imports_neither_torch_nor_onnx(quick_run):
+    out, _ = quick_run
+    for result in json.loads((out / "bench_device.json").read_text())["results"]:
+        for session in result["sessions"].values():
+            assert session["imported_torch"] is False and session["imported_onnx"] is False
+
+
+def test_peak_memory_is_at_least_the_memory_after_loading(quick_run):
+    out, _ = quick_run
+    for result in json.loads((out / "bench_device.json").read_text())["results"]:
+        for worker in (*result["sessions"].values(), result["torch"]):
+            assert worker["rounds"]["16"]["peak_rss_bytes"] >= worker["rss_loaded_bytes"] > worker["rss_import_bytes"]
+
+
+def test_quick_run_writes_tables_and_a_png(quick_run):
+    out, stdout = quick_run
+    tables = (out / "bench_device.md").read_text()
+    for heading in ("### Memory", "### Step latency", "### Frobenius decay", "### onnxruntime session options"):
+        assert heading in tables and heading in stdout
+    assert (out / "bench_device.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_the_written_cost_model_predicts_for_the_measured_configuration(quick_run):
+    out, _ = quick_run
+    bench = load_script()
+    model = load_cost_model(out / "cost_model.json")
+    (name, shape), = bench.QUICK_CONFIGS
+
+    class Device:
+        probe_gflops, threads = 10.0, 1
+
+    prediction = predict(name, shape, 0.5, bench.BATCH, Device(), model)
+    assert prediction.peak_mb > 0 and prediction.step_ms > 0
+
+
+def test_the_leanest_session_variant_has_the_lowest_total_peak():
+    bench = load_script()
+
+    def result(peaks: dict[str, int], steps: dict[str, float]) -> dict:
+        return {"sessions": {name: {"rounds": {str(bench.BATCH): {"peak_rss_bytes": peaks[name]}},
+                                    "step_ms": {"p50": steps[name]}} for name in bench.SESSION_VARIANTS}}
+
+    names = list(bench.SESSION_VARIANTS)
+    peaks = {name: 200 for name in names} | {names[1]: 100, names[2]: 101}
+    steps = {name: 1.0 for name in names} | {names[1]: 5.0, names[2]: 2.0}
+    assert bench.best_session_variant([result(peaks, steps)]) == names[2]
+    assert bench.best_session_variant([result(peaks | {names[2]: 150}, steps)]) == names[1]
+
+
+def test_a_timed_block_times_count_calls_after_one_untimed_call():
+    calls = []
+    times = load_script().timed_block(lambda: calls.append(1), 3)
+    assert len(times) == 3 and len(calls) == 4 and all(t >= 0 for t in times)

@@ -1,0 +1,133 @@
+"""server.cost_model: predictions interpolate the device benchmark's measurements and scale by the probe."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from device_runtime.profile import ResourceProfile
+from server.cost_model import (CostModelError, Prediction, load_cost_model, parse_cost_model, peak_predictor,
+                               predict)
+from server.rank_assignment import assign_tier
+
+SHAPE = (1, 28, 28)
+BENCH_PROBE = 100.0
+
+
+@dataclass(frozen=True)
+class Device:
+    probe_gflops: float = BENCH_PROBE
+    threads: int = 1
+
+
+def entry(ratio: float, peak16: float, peak64: float, step16: float, step64: float, model: str = "fedavgcnn") -> dict:
+    """One measured ratio; at 2 threads every step takes half as long."""
+    return dict(model=model, input_shape=list(SHAPE), ratio=ratio, probe_gflops=BENCH_PROBE,
+                peak_mb={"16": peak16, "64": peak64},
+                step_ms={"1": {"16": step16, "64": step64}, "2": {"16": step16 / 2, "64": step64 / 2}})
+
+
+def document(*entries: dict) -> dict:
+    return dict(format_version=1, generated_by="test", entries=list(entries))
+
+
+MODEL = parse_cost_model(document(entry(0.25, 100.0, 140.0, 10.0, 34.0), entry(0.5, 120.0, 180.0, 20.0, 68.0),
+                                  entry(1.0, 160.0, 260.0, 40.0, 136.0)))
+
+
+def test_a_measured_point_is_predicted_as_measured():
+    assert predict("fedavgcnn", SHAPE, 0.5, 16, Device(), MODEL) == Prediction(120.0, 20.0)
+
+
+def test_step_time_scales_with_the_inverse_probe_score_and_memory_does_not():
+    slow = predict("fedavgcnn", SHAPE, 0.5, 16, Device(probe_gflops=BENCH_PROBE / 4), MODEL)
+    assert slow == Prediction(120.0, 80.0)
+
+
+def test_ratios_between_measured_ones_interpolate_linearly():
+    assert predict("fedavgcnn", SHAPE, 0.75, 16, Device(), MODEL) == Prediction(140.0, 30.0)
+
+
+def test_a_ratio_below_the_smallest_measured_takes_the_smallest():
+    assert predict("fedavgcnn", SHAPE, 0.1, 16, Device(), MODEL) == Prediction(100.0, 10.0)
+
+
+def test_batch_sizes_interpolate_between_and_extrapolate_above_the_measured_ones():
+    assert predict("fedavgcnn", SHAPE, 0.25, 40, Device(), MODEL) == Prediction(120.0, 22.0)
+    assert predict("fedavgcnn", SHAPE, 0.25, 112, Device(), MODEL) == Prediction(180.0, 58.0)
+
+
+def test_a_batch_below_the_smallest_measured_takes_the_smallest():
+    assert predict("fedavgcnn", SHAPE, 0.25, 4, Device(), MODEL) == Prediction(100.0, 10.0)
+
+
+def test_the_fastest_measured_thread_count_within_the_device_is_used():
+    assert predict("fedavgcnn", SHAPE, 0.5, 16, Device(threads=8), MODEL).step_ms == 10.0
+    assert predict("fedavgcnn", SHAPE, 0.5, 16, Device(threads=1), MODEL).step_ms == 20.0
+
+
+def test_a_thread_count_measured_slower_is_not_used():
+    contended = entry(0.5, 120.0, 180.0, 20.0, 68.0)
+    contended["step_ms"]["2"] = {"16": 50.0, "64": 90.0}
+    model = parse_cost_model(document(contended))
+    assert predict("fedavgcnn", SHAPE, 0.5, 16, Device(threads=2), model).step_ms == 20.0
+
+
+def test_a_device_resource_profile_is_accepted():
+    profile = ResourceProfile(memory_budget_mb=None, threads=2, cpu_count=4, machine="aarch64", system="Linux",
+                              total_memory_mb=4096.0, probe_gflops=BENCH_PROBE / 2)
+    assert predict("fedavgcnn", SHAPE, 0.5, 16, profile, MODEL) == Prediction(120.0, 20.0)
+
+
+def test_an_unmeasured_model_is_refused_naming_what_is_measured():
+    with pytest.raises(CostModelError, match=r"no measurements for cnn2 3x32x32.*fedavgcnn 1x28x28"):
+        predict("cnn2", (3, 32, 32), 0.5, 16, Device(), MODEL)
+
+
+@pytest.mark.parametrize("ratio, batch_size, device", [(0.0, 16, Device()), (1.5, 16, Device()),
+                                                        (0.5, 0, Device()), (0.5, 16, Device(probe_gflops=0.0)),
+                                                        (0.5, 16, Device(threads=0))])
+def test_bad_questions_raise_value_errors(ratio, batch_size, device):
+    with pytest.raises(ValueError):
+        predict("fedavgcnn", SHAPE, ratio, batch_size, device, MODEL)
+
+
+def test_a_document_of_another_format_is_refused():
+    with pytest.raises(CostModelError, match="format"):
+        parse_cost_model(dict(document(entry(0.5, 1, 2, 3, 4)), format_version=99))
+
+
+def test_a_repeated_ratio_is_refused():
+    with pytest.raises(CostModelError, match="repeats ratio 0.5"):
+        parse_cost_model(document(entry(0.5, 1, 2, 3, 4), entry(0.5, 1, 2, 3, 4)))
+
+
+def test_a_non_positive_measurement_is_refused_by_name():
+    bad = entry(0.5, 1, 2, 3, 4)
+    bad["peak_mb"]["64"] = -1
+    with pytest.raises(CostModelError, match=r"peak_mb\[64\]"):
+        parse_cost_model(document(bad))
+
+
+def test_a_file_is_loaded_from_a_path(tmp_path):
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(document(entry(0.5, 1, 2, 3, 4))))
+    assert load_cost_model(path).entries[("fedavgcnn", SHAPE)][0].peak_mb == {16: 1.0, 64: 2.0}
+
+
+def test_an_unreadable_file_is_named(tmp_path):
+    with pytest.raises(CostModelError, match="missing.json"):
+        load_cost_model(tmp_path / "missing.json")
+
+
+def test_the_shipped_cost_model_covers_the_benchmarked_models():
+    shipped = load_cost_model()
+    assert {("fedavgcnn", (1, 28, 28)), ("fedavgcnn", (3, 32, 32)), ("cnn1", (3, 32, 32))} <= set(shipped.entries)
+    assert all(len(entries) == 5 for entries in shipped.entries.values())
+
+
+def test_the_peak_predictor_drives_tier_assignment():
+    predictor = peak_predictor("fedavgcnn", SHAPE, 16, Device(), MODEL)
+    assert assign_tier(150.0, (1.0, 0.5, 0.25), predictor) == 0.5
+    assert assign_tier(90.0, (1.0, 0.5, 0.25), predictor) == 0.25

@@ -1,0 +1,174 @@
+"""The flashable device bundle: what it holds, and that it installs into a fresh venv without torch and trains.
+
+One module-scoped install (build the bundle, run its install.sh into a new virtual environment, packages from
+the configured package index) serves the install tests; the round runs the installed runtime's ``run_task``
+on a shard and artifacts from the server side, in the venv's own interpreter.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device_runtime.shard import Shard, save_shard
+from export.artifacts import build_artifacts
+from server.lowrank import RankPlan, resolve_plan
+from server.models import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "build_device_bundle.py"
+INSTALL_TIMEOUT_S = 240
+SHAPE = (1, 28, 28)
+CLASSES = 10
+TRAIN, TEST, BATCH = 40, 8, 16
+ROUND_SCRIPT = """
+import json, sys
+import device_runtime
+from device_runtime.local_round import run_task
+from device_runtime.shard import load_shard
+from device_runtime.task import Task
+from device_runtime.trainer import DeviceTrainer
+
+artifacts, shard_path, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+shard = load_shard(shard_path)
+trainer = DeviceTrainer(artifacts)
+update = run_task(trainer, shard, Task(2, trainer.get_fe(), 1.0, 1e-3, 0.05, 1, batch, 0))
+print(json.dumps(dict(runtime=device_runtime.__file__, steps=update.metrics["steps"], loss=update.train_loss,
+                      fe=sorted(update.fe), heavy=sorted(m for m in ("torch", "onnx") if m in sys.modules))))
+"""
+
+
+def load_builder():
+    spec = importlib.util.spec_from_file_location("build_device_bundle", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without the test venv leaking in (PYTHONPATH, VIRTUAL_ENV)."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The extracted fedara-device-<version>/ folder of a freshly built bundle."""
+    out = tmp_path_factory.mktemp("bundle")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    bundle = Path(done.stdout.strip())
+    assert bundle.parent == out and bundle.name.startswith("fedara-device-") and bundle.name.endswith(".tar.gz")
+    with tarfile.open(bundle) as tar:
+        tar.extractall(out / "x", filter="data")
+    (folder,) = (out / "x").iterdir()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prefix(bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """install.sh run into a new prefix; returns the prefix."""
+    target = tmp_path_factory.mktemp("install") / "fedara-device"
+    done = subprocess.run(["bash", str(bundle_dir / "install.sh"), "--prefix", str(target), "--python", sys.executable],
+                          capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, env=clean_env(), cwd=target.parent)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return target
+
+
+def venv_python(prefix: Path) -> str:
+    return str(prefix / "venv" / "bin" / "python")
+
+
+def test_bundle_holds_wheel_requirements_installer_unit_settings_and_guide(bundle_dir: Path):
+    names = sorted(p.name for p in bundle_dir.iterdir())
+    version = load_builder().project_version(ROOT / "pyproject.toml")
+    assert bundle_dir.name == f"fedara-device-{version}"
+    assert names == sorted([f"fedara_device-{version}-py3-none-any.whl", "requirements-device.txt", "install.sh",
+                            "fedara-device.service", "fedara-device.env", "DEVICE.md"])
+    assert os.access(bundle_dir / "install.sh", os.X_OK)
+
+
+def test_wheel_is_pure_python_and_holds_only_device_runtime(bundle_dir: Path):
+    (wheel,) = bundle_dir.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        top = {name.split("/")[0] for name in archive.namelist()}
+        wheel_meta = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/WHEEL"))).decode()
+    assert top == {"device_runtime", wheel.name.removesuffix("-py3-none-any.whl") + ".dist-info"}
+    assert "Root-Is-Purelib: true" in wheel_meta and "Tag: py3-none-any" in wheel_meta
+
+
+def test_requirements_pin_numpy_paho_and_training_onnxruntime_and_nothing_heavy(bundle_dir: Path):
+    pins = [line for line in (bundle_dir / "requirements-device.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    assert [line.split("==")[0] for line in pins] == ["numpy", "paho-mqtt", "onnxruntime-training-cpu"]
+    assert all("==" in line for line in pins)
+    assert "onnxruntime-training-cpu==1.19.2" in pins
+
+
+def test_install_leaves_torch_and_onnx_out_of_the_venv(prefix: Path):
+    for module in ("torch", "onnx"):
+        done = subprocess.run([venv_python(prefix), "-c", f"import {module}"], capture_output=True, text=True,
+                              env=clean_env(), cwd=prefix)
+        assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr
+
+
+def test_install_writes_the_unit_and_settings_for_its_prefix(prefix: Path):
+    unit = (prefix / "fedara-device.service").read_text()
+    assert f"ExecStart={prefix}/venv/bin/python -m device_runtime " in unit
+    assert f"EnvironmentFile={prefix}/fedara-device.env" in unit and "@PREFIX@" not in unit
+    assert "FEDARA_BROKER=" in (prefix / "fedara-device.env").read_text()
+
+
+def test_installed_device_trains_a_local_round(prefix: Path, tmp_path: Path):
+    model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
+    artifacts = build_artifacts(model, resolve_plan(model, RankPlan(0.25)).ranks, SHAPE, CLASSES, tmp_path / "cache")
+    rng = np.random.default_rng(0)
+    save_shard(tmp_path / "shard.npz", Shard(rng.standard_normal((TRAIN, *SHAPE), dtype=np.float32),
+                                             rng.integers(0, CLASSES, TRAIN).astype(np.int64),
+                                             rng.standard_normal((TEST, *SHAPE), dtype=np.float32),
+                                             rng.integers(0, CLASSES, TEST).astype(np.int64), CLASSES))
+    script = tmp_path / "round.py"
+    script.write_text(ROUND_SCRIPT)
+    done = subprocess.run([venv_python(prefix), str(script), str(artifacts.directory), str(tmp_path / "shard.npz"),
+                           str(BATCH)], capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert Path(result["runtime"]).is_relative_to(prefix / "venv")
+    assert result["steps"] == math.ceil(TRAIN / BATCH) and math.isfinite(result["loss"])
+    assert result["fe"] == sorted(artifacts.fe_names) and result["heavy"] == []
+
+
+def test_modules_importing_beyond_the_device_dependencies_are_named(tmp_path: Path):
+    package = tmp_path / "device_runtime"
+    package.mkdir()
+    (package / "ok.py").write_text("import json\nimport numpy as np\nfrom paho.mqtt import client\nfrom . import ok\n")
+    (package / "heavy.py").write_text("import torch.nn\nfrom onnx import helper\n")
+    assert load_builder().foreign_imports(package) == {"device_runtime/heavy.py": ["onnx", "torch"]}
+
+
+def test_the_shipped_device_runtime_imports_only_device_dependencies():
+    assert load_builder().foreign_imports(ROOT / "device_runtime") == {}
+
+
+def test_install_without_a_training_onnxruntime_stops_and_explains(bundle_dir: Path, tmp_path: Path):
+    """On a machine other than x86_64 (here: uname faked to say aarch64) nothing installs onnxruntime."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "uname").write_text("#!/bin/sh\necho aarch64\n")
+    (fake_bin / "uname").chmod(0o755)
+    env = dict(clean_env(), PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    done = subprocess.run(["bash", str(bundle_dir / "install.sh"), "--prefix", str(tmp_path / "board"),
+                           "--python", sys.executable], capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
+                          env=env, cwd=tmp_path)
+    assert done.returncode == 3
+    assert "no onnxruntime with the training API is importable" in done.stderr
+    assert "--enable_training_apis" in done.stderr and "--ort-wheel" in done.stderr
