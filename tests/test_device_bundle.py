@@ -1,8 +1,8 @@
 """The flashable device bundle: what it holds, and that it installs into a fresh venv without torch and trains.
 
 One module-scoped install (build the bundle, run its install.sh into a new virtual environment, packages from
-the configured package index) serves the install tests; the round runs the installed runtime's ``run_task``
-on a shard and artifacts from the server side, in the venv's own interpreter.
+the configured package index) serves the install tests; one test runs the installed runtime's ``run_task``
+in the venv's own interpreter, another runs the installed device CLI in a real federation over a local broker.
 """
 from __future__ import annotations
 
@@ -21,12 +21,16 @@ import pytest
 
 from device_runtime.shard import Shard, save_shard
 from export.artifacts import build_artifacts
+from server.data import load_dataset
+from server.embedded_broker import EmbeddedBroker
 from server.lowrank import RankPlan, resolve_plan
 from server.models import build_model
+from server.partition import make_client_shards, write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "build_device_bundle.py"
 INSTALL_TIMEOUT_S = 240
+FEDERATION_TIMEOUT_S = 180
 SHAPE = (1, 28, 28)
 CLASSES = 10
 TRAIN, TEST, BATCH = 40, 8, 16
@@ -145,6 +149,33 @@ def test_installed_device_trains_a_local_round(prefix: Path, tmp_path: Path):
     assert Path(result["runtime"]).is_relative_to(prefix / "venv")
     assert result["steps"] == math.ceil(TRAIN / BATCH) and math.isfinite(result["loss"])
     assert result["fe"] == sorted(artifacts.fe_names) and result["heavy"] == []
+
+
+def test_installed_device_joins_a_federation_over_a_local_broker_and_trains(prefix: Path, tmp_path: Path):
+    data = load_dataset("digits")
+    (shard_path,) = write_shards(make_client_shards(data, "dirichlet", 1, seed=0, alpha=1.0), tmp_path / "shards")
+    out = tmp_path / "run"
+    with EmbeddedBroker() as broker:
+        url = broker.url
+        server = subprocess.Popen([sys.executable, "-m", "server.broker_loop", "--dataset", "digits", "--broker", url,
+                                   "--min-devices", "1", "--rounds", "1", "--batch-size", "64", "--max-samples", "0",
+                                   "--rank-ratio", "0.25", "--round-deadline", "120", "--join-timeout", "120",
+                                   "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
+                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        device = subprocess.Popen([venv_python(prefix), "-m", "device_runtime", "--broker", url, "--device-id", "dev_000",
+                                   "--data", str(shard_path), "--workdir", str(tmp_path / "device")],
+                                  cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+        try:
+            server_log, _ = server.communicate(timeout=FEDERATION_TIMEOUT_S)
+        finally:
+            device.terminate()
+            device_log, _ = device.communicate(timeout=30)
+            server.kill()
+    assert server.returncode == 0, server_log + device_log
+    (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert record["round"] == 1 and record["participants"] == 1 and record["bytes_up"] > 0
+    assert (tmp_path / "device" / "artifacts").is_dir()
 
 
 def test_modules_importing_beyond_the_device_dependencies_are_named(tmp_path: Path):
