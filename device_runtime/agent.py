@@ -4,19 +4,22 @@ Workdir layout (everything a restarted device needs):
 
     artifacts/<hash>/    verified artifact sets, kept across runs (a rejoining device lists them and is
                          not sent them again)
-    heads/<hash>.npz     the personal head trained under each plan of the current run
+    heads/<hash>-<round>.npz   the personal head trained under a plan of the current run, by round
     state.json           run id, plan hash and the last task answered
     last_answer.bin      the encoded answer to that round, re-sent as is if the same task comes again
 
 Every file is written to a temporary name and renamed, so a kill leaves the old version or the new one.
-Order per task: train, save the head, save the answer and the state, publish. A device killed before its
-answer reached the server gets the task again when it rejoins and re-sends the saved answer.
+Order per task: train, save the head under the round's name, save the answer, save the state (the commit:
+the round is answered), drop older heads, publish. A restarted device loads the newest head of a committed
+round, so a kill before the commit trains the round again from the head it started from (the same answer,
+given the same task), and a kill after it re-sends the saved answer when the task comes again.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -82,8 +85,23 @@ class Workdir:
     def artifact_dir(self, plan_hash: str) -> Path:
         return self.root / ARTIFACTS_DIR / check_hash(plan_hash)
 
-    def head_path(self, plan_hash: str) -> Path:
-        return self.root / HEADS_DIR / f"{check_hash(plan_hash)}.npz"
+    def head_path(self, plan_hash: str, round_index: int) -> Path:
+        """Where the head trained under ``plan_hash`` in round ``round_index`` is kept."""
+        return self.root / HEADS_DIR / f"{check_hash(plan_hash)}-{round_index}.npz"
+
+    def _head_rounds(self, plan_hash: str) -> list[int]:
+        pattern = re.compile(rf"{re.escape(check_hash(plan_hash))}-(\d+)\.npz")
+        return [int(m.group(1)) for f in (self.root / HEADS_DIR).iterdir() if (m := pattern.fullmatch(f.name))]
+
+    def committed_head(self, plan_hash: str, answered_round: int) -> Path | None:
+        """The plan's newest head from a round up to ``answered_round`` (a later one was never committed)."""
+        rounds = [r for r in self._head_rounds(plan_hash) if r <= answered_round]
+        return self.head_path(plan_hash, max(rounds)) if rounds else None
+
+    def drop_heads_before(self, plan_hash: str, round_index: int) -> None:
+        for r in self._head_rounds(plan_hash):
+            if r < round_index:
+                self.head_path(plan_hash, r).unlink(missing_ok=True)
 
     def held_artifacts(self) -> tuple[str, ...]:
         """Hashes of the artifact sets that verify; a set that fails is deleted (it will be sent again)."""
@@ -279,8 +297,8 @@ class DeviceAgent:
         self._drop_trainer()
         self.trainer = DeviceTrainer(self.workdir.artifact_dir(plan_hash), threads=self.threads)
         self.loaded_hash = plan_hash
-        head = self.workdir.head_path(plan_hash)
-        if head.exists():
+        head = self.workdir.committed_head(plan_hash, self.state.answered_round)
+        if head is not None:
             try:
                 self.trainer.load_head(head)
                 LOG.info("restored head of plan %s", plan_hash[:12])
@@ -312,12 +330,14 @@ class DeviceAgent:
             self._send_error(ErrorCode.BAD_TASK, str(exc), task.round)
             return
         if task.epochs:
-            self.trainer.save_head(self.workdir.head_path(plan_hash))
+            self.trainer.save_head(self.workdir.head_path(plan_hash, task.round))
         payload = encode(update_message(update, plan_hash=plan_hash, device_id=self.device_id,
                                         run_id=self.state.run_id))
         self.workdir.save_answer(payload)
         self.state.answered_round, self.state.answered_evaluation = task.round, is_evaluate_only(task)
         self.workdir.save_state(self.state)
+        if task.epochs:
+            self.workdir.drop_heads_before(plan_hash, task.round)
         self.endpoint.publish(self.topics.up, payload, new_msg_id(MessageType.UPDATE))
 
     def _compute(self, task: Task) -> Update:

@@ -273,7 +273,7 @@ def parse_error(msg: Message) -> ErrorReport:
     kind = MessageType.ERROR
     meta = _expect(msg, kind)
     code, detail = _field(meta, "code", kind), _field(meta, "detail", kind)
-    if code not in {c.value for c in ErrorCode}:
+    if not isinstance(code, str) or code not in {c.value for c in ErrorCode}:
         raise MessageError(f"unknown error code {code!r:.40}")
     if not isinstance(detail, str):
         raise MessageError("error detail must be text")

@@ -97,7 +97,8 @@ class MqttEndpoint:
     """One MQTT client: chunked publish with optional PUBACK wait, reassembled inbound queue.
 
     `will=(status_topic, payload)` sets a retained last will on the status topic and publishes a
-    retained STATUS_ONLINE there on every connect (and the will payload on a clean stop()).
+    retained STATUS_ONLINE there on every connect, once the subscriptions are acknowledged, so a peer that
+    answers the status reaches this endpoint (and the will payload on a clean stop()).
     Credentials given as arguments take precedence over those in the URL. `connected` is set
     while the broker has accepted the connection and acknowledged the subscriptions.
     """
@@ -308,9 +309,7 @@ class MqttEndpoint:
         if self._ever_connected:
             self._bump("reconnects")
         self._ever_connected = True
-        if self._will is not None:
-            client.publish(self._will[0], self._single_frame(STATUS_ONLINE, "online"), qos=self.qos, retain=True)
-            self._arm_will(client)
+        self._arm_will(client)
         LOG.info("%s: connected to %s:%d", self.client_id, self.url.host, self.url.port)
         if self.subscriptions:
             _, self._subscribe_mid = client.subscribe([(topic, self.qos) for topic in self.subscriptions])
@@ -327,6 +326,9 @@ class MqttEndpoint:
         self._mark_ready()
 
     def _mark_ready(self) -> None:
+        """Connected and subscribed: say online (a peer that reacts to it reaches this endpoint) and wake waiters."""
+        if self._will is not None:
+            self._client.publish(self._will[0], self._single_frame(STATUS_ONLINE, "online"), qos=self.qos, retain=True)
         with self._state:
             self._refusal = None
             self.connected.set()

@@ -37,7 +37,7 @@ from device_runtime.messages import (DEFAULT_TOPIC_PREFIX, ErrorCode, MessageErr
 from device_runtime.protocol import (DEFAULT_MAX_FRAME_BYTES, Message, MessageType, ProtocolError, TopicKind, Topics,
                                      decode, device_id_from_topic, encode, server_subscriptions)
 from device_runtime.shard import Shard
-from device_runtime.task import Task, tensor_bytes
+from device_runtime.task import Task, Update, tensor_bytes
 from device_runtime.trainer import MANIFEST_NAME
 from device_runtime.transport import STATUS_ONLINE, MqttEndpoint, TransportError
 from export.artifacts import ArtifactSet, build_artifacts
@@ -52,6 +52,7 @@ from server.partition import write_shards
 from server.rank_assignment import (DEFAULT_TIERS, OverrideError, check_tiers, choose_ratio, load_overrides,
                                     tier_predictor)
 from server.report import METRICS_FILE, evaluation_summary, write_metrics, write_report
+from server.robust import add_norm_bound_arguments, bound_update, norm_bound_from_args, rejection_reason
 from server.simulate import config_from_args, parse_tiers, prepare
 from server.strategy import FederationConfig, configure_fit, factorize_per_plan, plan_key, to_numpy, to_torch
 
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--seed", type=int, default=d.seed)
     algo.add_argument("--threads", type=int, default=1, help="compute threads, of the server and of each local device")
     algo.add_argument("--cache-dir", default="artifacts_cache", help="ONNX artifact cache")
+    add_norm_bound_arguments(algo)
     mqtt = p.add_argument_group("broker")
     mqtt.add_argument("--broker", default=None,
                       help="mqtt://host:port or mqtts://... (default: an embedded broker on 127.0.0.1, free port)")
@@ -166,13 +168,16 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if not args.join_timeout > 0:
         raise ValueError(f"--join-timeout must be positive, got {args.join_timeout}")
+    norm_bound_from_args(args)
 
 
 def run_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Everything that defines the run's math; a resumed run must match (except RESUME_IGNORED)."""
     keys = ("dataset", "partition", "alpha", "classes_per_client", "min_samples", "max_samples", "model",
             "rank_ratio", "rank_tiers", "local_devices", "local_memory_mb", "prefix")
-    return dict(config_from_args(args).to_dict(), **{k: getattr(args, k) for k in keys})
+    rule = norm_bound_from_args(args)
+    return dict(config_from_args(args).to_dict(), **{k: getattr(args, k) for k in keys},
+                update_norm=None if rule is None else [rule.bound, rule.action.value])
 
 
 # -- data, model and plans --------------------------------------------------------------------
@@ -334,6 +339,7 @@ class Federation:
         self.args, self.config, self.coordinator, self.endpoint = args, config, coordinator, endpoint
         self.plans, self.global_fe, self.out_dir, self.local = plans, global_fe, out_dir, local
         self.overrides, self.tiers = overrides, tiers
+        self.norm_bound = norm_bound_from_args(args)
         self.dense_shapes = {k: tuple(v.shape) for k, v in global_fe.items()}
         self.max_inbound = inbound_limit(global_fe)
         self.predict = tier_predictor(plans.model, plans.input_shape, config.batch_size)
@@ -434,6 +440,12 @@ class Federation:
             self.unjoined.setdefault(device_id, now)
         else:
             self.unjoined.pop(device_id, None)
+        if online and self.coordinator.awaits(device_id):
+            # It may have missed its task while away (a restarted broker drops what it had not delivered). A
+            # device says online once subscribed; one that already answered re-sends its answer, counted once.
+            LOG.info("%s is online while round %d awaits it: sending its task again", device_id,
+                     self.coordinator.open.round)
+            self._send_task(device_id)
 
     def _on_join(self, device_id: str, msg: Message) -> None:
         self.unjoined.pop(device_id, None)
@@ -502,19 +514,27 @@ class Federation:
                 self._send_plan(device_id, self._plan_of(device_id), send_files=True)
 
     def _on_update(self, device_id: str, msg: Message) -> None:
-        verdict = self.coordinator.judge(device_id, msg, time.monotonic())
+        verdict = self.coordinator.judge(device_id, msg, time.monotonic(),
+                                         screen=self._screen if self.norm_bound else None)
         if not verdict.accepted:
             LOG.warning("dropped an update from %s (round %d): %s", device_id, msg.round, verdict.reason)
             return
         update = verdict.update
         if update.fe:
             self.average.add(to_torch(update.fe), update.num_samples)
-            nbytes = tensor_bytes(update.fe)
+            nbytes = tensor_bytes(msg.tensors)  # as sent: a clipped update is aggregated dense
             self.book.bytes_up += nbytes
             self.book.count(tier_label(self.coordinator.devices[device_id].ratio), "up", nbytes)
             self.book.samples += update.num_samples
             self.book.loss_sum += update.train_loss * update.num_samples
             self.book.accuracy_sum += update.train_accuracy * update.num_samples
+
+    def _screen(self, device_id: str, update: Update) -> Update | str:
+        """--update-norm-bound: the update to aggregate (clipped where it clips), or why it does not count."""
+        bounded, distance = bound_update(update, self.global_fe, self.norm_bound)
+        LOG.info("%s: update %.6g from the global FE (bound %g, %s)", device_id, distance, self.norm_bound.bound,
+                 self.norm_bound.action.value)
+        return rejection_reason(distance, self.norm_bound) if bounded is None else bounded
 
     # -- outbound ---------------------------------------------------------------------------
 

@@ -4,12 +4,15 @@ Every method takes the time ``now`` (monotonic seconds) explicitly and does no I
 it what arrives and acts on what it returns. An update is accepted only when it answers the open round's
 task for that device, for the first time, before the deadline, under the device's own topic, with exactly
 the tensors of the device's plan, all finite, and the sample counts the device declared when it joined;
-otherwise the Verdict says why not. A round closes when every device asked has answered (accepted or
-rejected) or at its deadline; it counts when at least ``min_completion`` of its training devices delivered.
+otherwise the Verdict says why not. A caller may add a last screen of well-formed training updates (the
+robust-aggregation rule), which can refuse an update or change what is aggregated. A round closes when every
+device asked has answered (accepted or rejected) or at its deadline; it counts when at least
+``min_completion`` of its training devices delivered.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,6 +27,10 @@ ALL_ANSWERED = "all answered"
 DEADLINE = "deadline"
 NO_ANSWER = "no answer by the deadline"
 EVAL_KEYS = ("eval_correct", "eval_total", "eval_loss")
+
+Screen = Callable[[str, Update], "Update | str"]
+"""A last check of a well-formed training update, (device id, update) -> the update to aggregate, or why it
+does not count."""
 
 
 @dataclass(frozen=True)
@@ -251,8 +258,11 @@ class Coordinator:
         rnd = self._round
         return rnd is not None and device_id in rnd.expected and device_id not in rnd.answered
 
-    def judge(self, topic_device: str, msg: Message, now: float) -> Verdict:
-        """Accept or reject an UPDATE that arrived on ``topic_device``'s up topic."""
+    def judge(self, topic_device: str, msg: Message, now: float, screen: Screen | None = None) -> Verdict:
+        """Accept or reject an UPDATE that arrived on ``topic_device``'s up topic.
+
+        ``screen``, when given, sees a training update once every other check passed: it may refuse it or
+        return the update to aggregate in its place."""
         if msg.type != MessageType.UPDATE:
             raise ValueError(f"judge takes UPDATE messages, got {msg.type}")
         if msg.device_id != topic_device:
@@ -271,11 +281,12 @@ class Coordinator:
             return _reject(f"not asked in round {rnd.plan.round}")
         if topic_device in rnd.answered:
             return _reject(f"duplicate update for round {rnd.plan.round}")
-        verdict = self._judge_answer(record, msg, now, rnd)
+        verdict = self._judge_answer(record, msg, now, rnd, screen)
         rnd.answered[topic_device] = verdict.reason
         return verdict
 
-    def _judge_answer(self, record: DeviceRecord, msg: Message, now: float, rnd: _OpenRound) -> Verdict:
+    def _judge_answer(self, record: DeviceRecord, msg: Message, now: float, rnd: _OpenRound,
+                      screen: Screen | None) -> Verdict:
         """Checks of the one answer a device may give; a rejection here is its answer for the round."""
         if now > rnd.plan.deadline:
             return _reject(f"late: round {rnd.plan.round}'s deadline passed")
@@ -295,6 +306,11 @@ class Coordinator:
         evaluation = _evaluation(update.metrics, record.num_test)
         if isinstance(evaluation, str):
             return _reject(evaluation)
+        if training and screen is not None:
+            screened = screen(record.device_id, update)
+            if isinstance(screened, str):
+                return _reject(screened)
+            update = screened
         rnd.evaluations[record.device_id] = evaluation
         if training:
             rnd.accepted.append(record.device_id)

@@ -26,6 +26,7 @@ from server.lowrank import RankPlan, ResolvedPlan, factorize_model, fe_state, re
 from server.models import MODELS, SplitModel, build_model
 from server.objective import compute_anchors
 from server.partition import make_client_shards
+from server.robust import NormBound, add_norm_bound_arguments, bound_updates, norm_bound_from_args
 from server.strategy import (FederationConfig, aggregate_fit, configure_fit, factorize_per_plan, plan_key,
                              sample_clients, to_numpy, to_torch, weighted_accuracy)
 from server.training import evaluate, train_local
@@ -128,8 +129,11 @@ def build_clients(shards: list[Shard], model_names: list[str], input_shape: tupl
 
 
 def run_federation(clients: list[SimClient], global_model: SplitModel, config: FederationConfig, backend,
-                   progress=print) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Run ``config.rounds`` rounds; returns the per-round summary and the final global (shared) state."""
+                   progress=print, norm_bound: NormBound | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Run ``config.rounds`` rounds; returns the per-round summary and the final global (shared) state.
+
+    With ``norm_bound`` only the updates it lets through (clipped where it clips) are aggregated; a round
+    where it refuses every update keeps the global state."""
     algo = config.algo
     global_state = {} if algo == "local" else shared_state(global_model, algo)
     dense_shapes = {k: tuple(v.shape) for k, v in global_state.items()}
@@ -151,7 +155,8 @@ def run_federation(clients: list[SimClient], global_model: SplitModel, config: F
                 bytes_up += tensor_bytes(update.fe)
             updates.append(update)
         if algo != "local":
-            global_state = aggregate_fit(updates, dense_shapes)
+            counted = bound_updates(updates, global_state, norm_bound)
+            global_state = aggregate_fit(counted, dense_shapes) if counted else global_state
             per_plan = factorize_per_plan(global_state, plans)
         evals = [backend.evaluate(c, None if algo == "local" else per_plan[plan_key(c.plan)]) for c in clients]
         accuracy, accuracy_std = weighted_accuracy([e.correct for e in evals], [e.total for e in evals])
@@ -199,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-samples", type=int, default=None, help="use a seeded subset of the dataset (quick runs)")
     p.add_argument("--cache-dir", default="artifacts_cache", help="ONNX artifact cache (--backend ort)")
     p.add_argument("--out", default=None, help="write the run's JSON here")
+    add_norm_bound_arguments(p)
     return p
 
 
@@ -229,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         config = config_from_args(args)
+        norm_bound = norm_bound_from_args(args)
         clients, global_model = prepare(args)
         if args.backend == "ort" and config.algo != "fedara":
             raise ValueError("--backend ort runs FedARA (the device runtime); baselines use --backend torch")
@@ -238,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = make_backend(args.backend, clients, Path(args.cache_dir), args.threads)
     for client in clients:
         client.model.to(args.device)
-    summary, _ = run_federation(clients, global_model, config, backend)
+    summary, _ = run_federation(clients, global_model, config, backend, norm_bound=norm_bound)
     document = dict(config=dict(vars(args)), **summary)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,140 @@
+"""A federation over mosquitto configured as the project configures it: a password file and an ACL written by
+server.mosquitto_config.write_mosquitto_auth (what scripts/mosquitto_credentials.py writes), and TLS with a
+CA this test creates. Every device logs in as itself. An impostor holding dev_001's credentials cannot
+publish on dev_000's up topic (the server never sees it) nor read dev_000's down topic.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device_runtime.__main__ import PASSWORD_ENV
+from device_runtime.messages import DEFAULT_TOPIC_PREFIX, parse_task, update_message
+from device_runtime.protocol import MessageType, Topics, decode, encode
+from device_runtime.task import Update
+from device_runtime.transport import BrokerRefusedError, MqttEndpoint
+from server import broker_loop
+from server.mosquitto_config import TlsFiles, write_mosquitto_auth
+from server.partition import write_shards
+from server.report import METRICS_FILE, read_metrics
+from server.simulate import build_parser as simulate_parser
+from server.simulate import prepare
+from tests.test_transport import tls_files  # noqa: F401  (a fixture: the test CA and the broker's certificate)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PREFIX = DEFAULT_TOPIC_PREFIX
+VICTIM, IMPOSTOR = "dev_000", "dev_001"
+PASSWORDS = {VICTIM: "victim-pw", IMPOSTOR: "impostor-pw"}
+SERVER_USER, SERVER_PASSWORD = "server", "server-pw"
+QUICK = ["--dataset", "digits", "--max-samples", "300", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
+         "--lam", "2", "--lam-warmup", "1", "--threads", "1"]
+ROUNDS = 2
+WAIT_S = 20.0
+EVAL = {"eval_correct": 0, "eval_total": 1, "eval_loss": 1.0}
+
+
+@pytest.fixture
+def secured_broker(tmp_path: Path, start_mosquitto, tls_files: TlsFiles):  # noqa: F811
+    passwd, acl = write_mosquitto_auth(tmp_path / "auth", SERVER_USER, SERVER_PASSWORD, PASSWORDS, PREFIX)
+    return start_mosquitto(password_file=passwd, acl_file=acl, tls=tls_files)
+
+
+def start_devices(url: str, ca: Path, directory: Path) -> list[subprocess.Popen]:
+    """The two devices as their own processes, on the shards the server would make, each logged in as itself."""
+    args = simulate_parser().parse_args([*QUICK, "--clients", str(len(PASSWORDS))])
+    clients, _ = prepare(args)
+    shards = write_shards([c.shard for c in clients], directory / "shards")
+    return [subprocess.Popen([sys.executable, "-m", "device_runtime", "--broker", url, "--device-id", device_id,
+                              "--username", device_id, "--tls-ca", str(ca), "--data", str(shard),
+                              "--workdir", str(directory / device_id)],
+                             cwd=REPO_ROOT, env={**os.environ, PASSWORD_ENV: PASSWORDS[device_id]},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for device_id, shard in zip(PASSWORDS, shards)]
+
+
+class Impostor:
+    """Logged in as dev_001 (its own device runs alongside), subscribed to both devices' down topics. Each time
+    it reads a task of its own, it sends the server a NaN update and garbage as dev_000, and garbage as itself."""
+
+    def __init__(self, url: str, ca: Path) -> None:
+        self.victim, self.own = Topics(PREFIX, VICTIM), Topics(PREFIX, IMPOSTOR)
+        self.endpoint = MqttEndpoint("impostor", url, username=IMPOSTOR, password=PASSWORDS[IMPOSTOR], tls_ca=ca,
+                                     subscriptions=[self.victim.down, self.own.down])
+        self.read: dict[str, int] = {self.victim.down: 0, self.own.down: 0}
+        self.attacks = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> Impostor:
+        self.endpoint.start()
+        self.endpoint.wait_connected(WAIT_S)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop.set()
+        self.thread.join(WAIT_S)
+        self.endpoint.stop()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            item = self.endpoint.get(0.1)
+            if item is None:
+                continue
+            topic, payload = item
+            self.read[topic] += 1
+            msg = decode(payload, max_bytes=1 << 28)
+            if topic == self.own.down and msg.type == MessageType.TASK:
+                self._attack(msg)
+
+    def _attack(self, task_msg) -> None:
+        plan_hash, task = parse_task(task_msg)
+        nan_fe = {name: np.full_like(value, np.nan) for name, value in task.fe.items()}
+        forged = update_message(Update(task.round, nan_fe, 1, 0.0, 0.0, dict(EVAL)), plan_hash=plan_hash,
+                                device_id=VICTIM, run_id=task_msg.run_id)
+        for topic, payload in ((self.victim.up, encode(forged)), (self.victim.up, b"not an envelope"),
+                               (self.own.up, b"not an envelope")):
+            self.endpoint.publish(topic, payload, f"impostor-{uuid.uuid4().hex}", wait=True)
+        self.attacks += 1
+
+
+def test_device_cannot_write_or_read_another_devices_topics_during_a_federation(
+        secured_broker, tls_files: TlsFiles, tmp_path: Path):  # noqa: F811
+    devices = start_devices(secured_broker.url, tls_files.cafile, tmp_path)
+    try:
+        with Impostor(secured_broker.url, tls_files.cafile) as impostor:
+            assert broker_loop.main([*QUICK, "--rounds", str(ROUNDS), "--min-devices", str(len(PASSWORDS)),
+                                     "--broker", secured_broker.url, "--username", SERVER_USER,
+                                     "--password", SERVER_PASSWORD, "--tls-ca", str(tls_files.cafile),
+                                     "--join-timeout", "60", "--round-deadline", "60",
+                                     "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")]) == 0
+    finally:
+        for device in devices:
+            device.terminate()
+            device.wait(WAIT_S)
+    assert impostor.attacks >= ROUNDS
+    assert impostor.read[impostor.own.down] > 0 and impostor.read[impostor.victim.down] == 0
+    records = read_metrics(tmp_path / "run" / METRICS_FILE)
+    assert [r["participants"] for r in records] == [len(PASSWORDS)] * ROUNDS
+    assert all(r["dropped"] == {} for r in records)
+    log = (tmp_path / "run" / broker_loop.SERVER_LOG).read_text()
+    assert f"dropped a message from {IMPOSTOR}" in log
+    assert f"from {VICTIM}:" not in log and f"on {impostor.victim.up}" not in log
+    assert f"dropped an update from {VICTIM}" not in log
+
+
+def test_anonymous_client_is_refused(secured_broker, tls_files: TlsFiles):  # noqa: F811
+    anonymous = MqttEndpoint("anonymous", secured_broker.url, tls_ca=tls_files.cafile)
+    anonymous.start()
+    try:
+        with pytest.raises(BrokerRefusedError, match="refused the connection"):
+            anonymous.wait_connected(WAIT_S)
+    finally:
+        anonymous.stop()

@@ -1,0 +1,743 @@
+"""Hostile input at the server's door and at the device's.
+
+Server side, the path under test is the broker loop's own inbound path, in process: a message's bytes and
+topic go to ``Federation._handle`` (what the loop does with every reassembled message: decode with the
+inbound size limit, parse, let the Coordinator judge, aggregate what it accepts). Every malformed, forged or
+replayed message must be refused with a logged reason and leave the global FE, the running average, the
+registry and the plan bookkeeping as they were, bit for bit. Chunk-level faults go through a real
+MqttEndpoint. Device side, tampered artifacts and malformed tasks are refused by the agent.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import paho.mqtt.publish
+import pytest
+import torch
+
+from device_runtime.agent import DeviceAgent, Workdir
+from device_runtime.messages import (DEFAULT_TOPIC_PREFIX, ErrorCode, Join, Plan, ShardInfo, ack_message,
+                                     error_message, join_message, parse_error, plan_message, task_message,
+                                     update_message)
+from device_runtime.profile import ResourceProfile, collect_profile
+from device_runtime.protocol import (FRAME_HEADER_BYTES, Message, MessageType, ProtocolError, Topics, chunk, decode,
+                                     encode, server_subscriptions)
+from device_runtime.shard import Shard
+from device_runtime.task import Task, Update
+from device_runtime.trainer import MANIFEST_NAME
+from device_runtime.transport import STAT_KEYS, MqttEndpoint
+from server import broker_loop
+from server.aggregate import StreamingAverage
+from server.broker_loop import Federation, LocalDevices, PlanBook, inbound_limit
+from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.coordinator import Coordinator, CoordinatorConfig
+from server.lowrank import fe_state
+from server.models import build_model
+from server.report import METRICS_FILE, read_metrics
+from server.simulate import build_parser as simulate_parser
+from server.simulate import config_from_args, make_backend, prepare, run_federation
+from server.strategy import factorize_per_plan, plan_key
+
+RUN = "run1"
+PREFIX = DEFAULT_TOPIC_PREFIX
+INPUT_SHAPE = (1, 16, 16)
+CLASSES = 10
+DENSE, LOW_RANK = 1.0, 0.5
+TRAINER, FACTORED, UNASSIGNED, STRANGER = "dev_000", "dev_001", "dev_002", "dev_999"
+"""A device on the dense plan, one on the low-rank plan, one that joined but has no plan, one never seen."""
+ROUND = 1
+DEADLINE_S = 600.0
+SHARD = ShardInfo(num_train=30, num_test=10, input_shape=INPUT_SHAPE, num_classes=CLASSES)
+PROFILE = ResourceProfile(memory_budget_mb=None, threads=1, cpu_count=2, machine="x86_64", system="Linux",
+                          total_memory_mb=None, probe_gflops=1.0)
+EVAL = {"eval_correct": 7, "eval_total": 10, "eval_loss": 0.5}
+REFUSED = ("dropped", "refused", "ignored")
+"""How the server's log lines about a refused message begin."""
+SERVER_LOG = "fedara.server"
+WAIT_S = 10.0
+
+
+# -- the server, in process -------------------------------------------------------------------------
+
+
+class StubEndpoint:
+    """Stands in for the server's MqttEndpoint: keeps what the server sends."""
+
+    def __init__(self) -> None:
+        self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self.sent: list[tuple[str, bytes]] = []
+
+    def publish(self, topic: str, payload: bytes, msg_id: str, retain: bool = False, **kwargs: object) -> None:
+        self.sent.append((topic, payload))
+
+
+@dataclass(frozen=True)
+class World:
+    """What every in-process server shares: the model, its global FE, the plans' artifacts, round 1's FEs."""
+
+    global_fe: dict[str, torch.Tensor]
+    plans: PlanBook
+    round_fe: dict[tuple, dict[str, np.ndarray]]
+    local: LocalDevices
+    out: Path
+
+
+def build_world(directory: Path) -> World:
+    model = build_model("fedavgcnn", INPUT_SHAPE, CLASSES, seed=0)
+    plans = PlanBook(model, INPUT_SHAPE, directory / "cache")
+    global_fe = fe_state(model)
+    round_fe = factorize_per_plan(global_fe, [plans.get(r).resolved for r in (DENSE, LOW_RANK)])
+    return World(global_fe, plans, round_fe, LocalDevices(), directory / "out")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    return build_world(tmp_path_factory.mktemp("hostile"))
+
+
+@functools.lru_cache(maxsize=None)
+def server_args(out: Path, *flags: str) -> argparse.Namespace:
+    """The broker loop's command line (parsed once per set of flags: servers only read it)."""
+    return broker_loop.build_parser().parse_args(["--out", str(out), "--rank-tiers", str(DENSE), *flags])
+
+
+def open_server(world: World, *flags: str) -> Federation:
+    """A broker-loop Federation with TRAINER and FACTORED ready, UNASSIGNED joined without a plan, round 1 open."""
+    args = server_args(world.out, *flags)
+    coordinator = Coordinator(CoordinatorConfig(INPUT_SHAPE, CLASSES, round_deadline_s=DEADLINE_S), RUN)
+    now = time.monotonic()
+    for device_id, ratio in ((TRAINER, DENSE), (FACTORED, LOW_RANK)):
+        plan = world.plans.get(ratio)
+        coordinator.join(device_id, Join(PROFILE, SHARD, (plan.hash,)), now)
+        coordinator.assign_plan(device_id, ratio, plan.hash, plan.artifacts.fe_shapes)
+        coordinator.acknowledge(device_id, plan.hash, now)
+    coordinator.join(UNASSIGNED, Join(PROFILE, SHARD, ()), now)
+    server = Federation(args, config_from_args(args), coordinator, StubEndpoint(), world.plans, world.global_fe,
+                        world.out, world.local, {}, (DENSE,))
+    coordinator.open_round(ROUND, now)
+    server.round_fe = world.round_fe
+    server.average = StreamingAverage(server.dense_shapes)
+    return server
+
+
+def up(device_id: str) -> str:
+    return Topics(PREFIX, device_id).up
+
+
+def ratio_of(device_id: str) -> float:
+    return LOW_RANK if device_id == FACTORED else DENSE
+
+
+def trained_fe(world: World, device_id: str) -> dict[str, np.ndarray]:
+    """The FE a device was sent this round, moved a little as training would."""
+    start = world.round_fe[plan_key(world.plans.get(ratio_of(device_id)).resolved)]
+    return {name: value + np.float32(0.01) for name, value in start.items()}
+
+
+def genuine_update(world: World, device_id: str = TRAINER, *, round_index: int = ROUND, run_id: str = RUN,
+                   fe: dict[str, np.ndarray] | None = None, sender: str | None = None) -> Message:
+    """The update ``device_id`` should send this round (``sender`` puts another id in the header)."""
+    update = Update(round_index, trained_fe(world, device_id) if fe is None else fe, SHARD.num_train, 0.5, 0.8,
+                    dict(EVAL))
+    return update_message(update, plan_hash=world.plans.get(ratio_of(device_id)).hash, device_id=sender or device_id,
+                          run_id=run_id)
+
+
+def server_state(server: Federation) -> tuple:
+    """What a refused message must leave as it was: the global FE's bytes, the running average, the
+    registry, and which plans the server re-sent or still asks for."""
+    return ({name: value.numpy().tobytes() for name, value in server.global_fe.items()},
+            (server.average.count, server.average.total_weight),
+            json.dumps(server.coordinator.to_state(), sort_keys=True),
+            (dict(server.plan_resends), dict(server.files_sent), dict(server.unjoined)))
+
+
+def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == SERVER_LOG and r.getMessage().startswith(REFUSED)]
+
+
+def refused(server: Federation, topic: str, payload: bytes, caplog: pytest.LogCaptureFixture) -> str:
+    """Hand one message to the server; check it was refused once and changed nothing; return the log line."""
+    before = server_state(server)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=SERVER_LOG):
+        server._handle(topic, payload)
+    (reason,) = refusals(caplog)
+    assert server_state(server) == before
+    return reason
+
+
+def close(server: Federation):
+    return server.coordinator.close_round(time.monotonic())
+
+
+# -- the control: genuine updates count ------------------------------------------------------------
+
+
+def test_genuine_updates_of_both_plans_are_averaged(world: World):
+    server = open_server(world)
+    for device_id in (TRAINER, FACTORED):
+        server._handle(up(device_id), encode(genuine_update(world, device_id)))
+    assert server.average.count == 2
+    result = close(server)
+    assert result.accepted == (TRAINER, FACTORED) and result.enough
+
+
+# -- tensors ---------------------------------------------------------------------------------------
+
+
+def with_tensor(world: World, name: str, value: np.ndarray | None) -> dict[str, np.ndarray]:
+    """TRAINER's trained FE with tensor ``name`` replaced (None: removed)."""
+    fe = trained_fe(world, TRAINER)
+    if value is None:
+        del fe[name]
+    else:
+        fe[name] = value
+    return fe
+
+
+def poisoned(world: World, special: float) -> dict[str, np.ndarray]:
+    fe = trained_fe(world, TRAINER)
+    fe["fe.fc1.weight"][3, 5] = special
+    return fe
+
+
+@pytest.mark.parametrize("special", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_update_with_a_non_finite_tensor_is_refused(world: World, special: float, caplog):
+    server = open_server(world)
+    reason = refused(server, up(TRAINER), encode(genuine_update(world, fe=poisoned(world, special))), caplog)
+    assert "tensor fe.fc1.weight holds NaN or infinity" in reason
+    assert close(server).accepted == ()
+
+
+@pytest.mark.parametrize("fe_edit, expected", [
+    (("fe.fc1.weight", None), "missing ['fe.fc1.weight']"),
+    (("fe.fc9.weight", np.zeros((2, 2), np.float32)), "unknown ['fe.fc9.weight']"),
+    (("fe.fc1.u", np.zeros((512, 32), np.float32)), "unknown ['fe.fc1.u']"),
+], ids=["missing", "unknown", "another-plans-factor"])
+def test_update_with_wrong_tensor_names_is_refused(world: World, fe_edit, expected: str, caplog):
+    reason = refused(open_server(world), up(TRAINER),
+                     encode(genuine_update(world, fe=with_tensor(world, *fe_edit))), caplog)
+    assert "tensors do not match the plan" in reason and expected in reason
+
+
+def test_update_with_a_wrong_shape_is_refused(world: World, caplog):
+    fe = with_tensor(world, "fe.fc1.weight", np.zeros((64, 512), np.float32))
+    reason = refused(open_server(world), up(TRAINER), encode(genuine_update(world, fe=fe)), caplog)
+    assert "tensor fe.fc1.weight: shape (64, 512), expected (512, 64)" in reason
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int32, np.uint8])
+def test_update_with_a_wrong_dtype_is_refused(world: World, dtype, caplog):
+    fe = with_tensor(world, "fe.conv1.bias", np.zeros(32, dtype))
+    reason = refused(open_server(world), up(TRAINER), encode(genuine_update(world, fe=fe)), caplog)
+    assert f"tensor fe.conv1.bias: dtype {np.dtype(dtype).name}, expected float32" in reason
+
+
+# -- envelopes -------------------------------------------------------------------------------------
+
+
+def test_oversize_body_is_refused_before_it_is_parsed(world: World, caplog):
+    server = open_server(world)
+    fe = with_tensor(world, "fe.fc1.weight", np.zeros(server.max_inbound // 4, np.float32))
+    reason = refused(server, up(TRAINER), encode(genuine_update(world, fe=fe)), caplog)
+    assert f"over max_bytes={server.max_inbound} [oversize]" in reason
+
+
+@pytest.mark.parametrize("cut", [1, 1000, 10**6], ids=["last-byte", "into-the-body", "into-the-header"])
+def test_truncated_envelope_is_refused(world: World, cut: int, caplog):
+    payload = encode(genuine_update(world))
+    reason = refused(open_server(world), up(TRAINER), payload[:max(len(payload) - cut, 6)], caplog)
+    assert reason.startswith(f"dropped a message from {TRAINER}") and \
+        ("[bad_layout]" in reason or "[truncated]" in reason)
+
+
+def test_body_that_does_not_match_its_hash_is_refused(world: World, caplog):
+    payload = bytearray(encode(genuine_update(world)))
+    payload[-7] ^= 0x40
+    reason = refused(open_server(world), up(TRAINER), bytes(payload), caplog)
+    assert "body_sha256 does not match the body [bad_hash]" in reason
+
+
+def test_header_naming_another_protocol_version_is_refused(world: World, caplog):
+    payload = encode(genuine_update(world)).replace(b'"version":1', b'"version":2', 1)
+    assert "protocol version 2" in refused(open_server(world), up(TRAINER), payload, caplog)
+
+
+def test_message_on_a_topic_outside_the_device_tree_is_refused(world: World, caplog):
+    reason = refused(open_server(world), f"{PREFIX}/dev/{TRAINER}/up/extra", encode(genuine_update(world)), caplog)
+    assert "[bad_topic]" in reason
+
+
+# -- replays ---------------------------------------------------------------------------------------
+
+
+def test_update_replayed_in_the_same_round_is_refused(world: World, caplog):
+    server = open_server(world)
+    payload = encode(genuine_update(world))
+    server._handle(up(TRAINER), payload)
+    assert server.average.count == 1
+    assert "duplicate update for round 1" in refused(server, up(TRAINER), payload, caplog)
+
+
+def test_update_replayed_in_a_later_round_is_refused(world: World, caplog):
+    server = open_server(world)
+    payload = encode(genuine_update(world))
+    server._handle(up(TRAINER), payload)
+    close(server)
+    server.coordinator.open_round(ROUND + 1, time.monotonic())
+    server.average = StreamingAverage(server.dense_shapes)
+    assert "stale: update for round 1, round 2 is open" in refused(server, up(TRAINER), payload, caplog)
+
+
+def test_update_replayed_between_rounds_is_refused(world: World, caplog):
+    server = open_server(world)
+    payload = encode(genuine_update(world))
+    server._handle(up(TRAINER), payload)
+    close(server)
+    assert "no round is open" in refused(server, up(TRAINER), payload, caplog)
+
+
+def test_update_of_another_run_is_refused(world: World, caplog):
+    reason = refused(open_server(world), up(TRAINER), encode(genuine_update(world, run_id="run0")), caplog)
+    assert "update of run run0, this run is run1" in reason
+
+
+# -- identities ------------------------------------------------------------------------------------
+
+
+def test_update_from_an_unknown_device_is_refused(world: World, caplog):
+    msg = genuine_update(world, sender=STRANGER)
+    assert "unknown device" in refused(open_server(world), up(STRANGER), encode(msg), caplog)
+
+
+def test_update_from_a_device_without_a_plan_is_refused(world: World, caplog):
+    msg = genuine_update(world, sender=UNASSIGNED)
+    assert "not asked in round 1" in refused(open_server(world), up(UNASSIGNED), encode(msg), caplog)
+
+
+def test_update_sent_for_another_device_is_refused_and_does_not_use_up_its_turn(world: World, caplog):
+    server = open_server(world)
+    forged = genuine_update(world, TRAINER)
+    reason = refused(server, up(FACTORED), encode(forged), caplog)
+    assert f"device id mismatch: topic of {FACTORED}, header says {TRAINER}" in reason
+    server._handle(up(TRAINER), encode(genuine_update(world, TRAINER)))
+    server._handle(up(FACTORED), encode(genuine_update(world, FACTORED)))
+    assert close(server).accepted == (TRAINER, FACTORED)
+
+
+@pytest.mark.parametrize("make", [
+    lambda world: join_message(Join(PROFILE, SHARD, ()), device_id=TRAINER),
+    lambda world: ack_message(world.plans.get(DENSE).hash, device_id=TRAINER, run_id=RUN),
+    lambda world: error_message(ErrorCode.ARTIFACTS_CORRUPT, "resend", device_id=TRAINER, run_id=RUN),
+], ids=["join", "ack", "error"])
+def test_other_messages_sent_for_another_device_are_refused(world: World, make, caplog):
+    reason = refused(open_server(world), up(FACTORED), encode(make(world)), caplog)
+    assert f"on {FACTORED}'s topic claiming to be from {TRAINER}" in reason
+
+
+@pytest.mark.parametrize("kind", [MessageType.PLAN, MessageType.TASK, MessageType.STATUS])
+def test_server_bound_topic_refuses_message_types_devices_do_not_send(world: World, kind, caplog):
+    msg = Message(kind, RUN, ROUND, TRAINER, "m1", {})
+    assert f"dropped an unexpected {kind.value} from {TRAINER}" in refused(open_server(world), up(TRAINER),
+                                                                          encode(msg), caplog)
+
+
+# -- malformed fields ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("meta, expected", [
+    ({"code": ["rejoin"], "detail": "x"}, "unknown error code"),
+    ({"code": {"a": 1}, "detail": "x"}, "unknown error code"),
+    ({"code": "rejoin", "detail": 5}, "error detail must be text"),
+], ids=["code-list", "code-object", "detail-number"])
+def test_malformed_error_report_is_refused(world: World, meta: dict, expected: str, caplog):
+    msg = Message(MessageType.ERROR, RUN, 0, TRAINER, "e1", meta)
+    reason = refused(open_server(world), up(TRAINER), encode(msg), caplog)
+    assert reason.startswith(f"dropped a malformed error from {TRAINER}") and expected in reason
+
+
+def test_malformed_join_is_refused(world: World, caplog):
+    msg = join_message(Join(PROFILE, SHARD, ()), device_id=STRANGER)
+    msg.meta["shard"]["num_train"] = -1
+    reason = refused(open_server(world), up(STRANGER), encode(msg), caplog)
+    assert reason.startswith(f"refused {STRANGER}: malformed join") and "num_train" in reason
+
+
+def test_acknowledgement_of_another_plan_is_refused(world: World, caplog):
+    msg = ack_message(world.plans.get(LOW_RANK).hash, device_id=TRAINER, run_id=RUN)
+    assert f"ignored an ACK from {TRAINER}" in refused(open_server(world), up(TRAINER), encode(msg), caplog)
+
+
+@pytest.mark.parametrize("meta_edit, expected", [
+    (("num_samples", 10**6), "num_samples 1000000, expected 30"),
+    (("train_accuracy", 7.0), "train_accuracy must be in [0, 1]"),
+    (("metrics", {"eval_correct": 11, "eval_total": 10, "eval_loss": 0.1}), "does not fit the 10 test samples"),
+    (("plan_hash", "0" * 64), "the device's plan is"),
+], ids=["samples", "accuracy", "evaluation", "plan"])
+def test_update_with_implausible_fields_is_refused(world: World, meta_edit, expected: str, caplog):
+    msg = genuine_update(world)
+    msg.meta[meta_edit[0]] = meta_edit[1]
+    assert expected in refused(open_server(world), up(TRAINER), encode(msg), caplog)
+
+
+# -- chunks, through a real endpoint ---------------------------------------------------------------
+
+SMALL_FRAME = 16 * 1024
+
+
+@pytest.fixture
+def server_endpoint(embedded_broker, world: World) -> Iterator[MqttEndpoint]:
+    """An endpoint set up as the broker loop sets up its own (size limit, subscriptions), on small frames."""
+    endpoint = MqttEndpoint("hostile-test-server", embedded_broker.url, subscriptions=server_subscriptions(PREFIX),
+                            max_message_bytes=inbound_limit(world.global_fe), max_frame_bytes=SMALL_FRAME,
+                            clean_session=True)
+    endpoint.start()
+    endpoint.wait_connected(WAIT_S)
+    yield endpoint
+    endpoint.stop()
+
+
+def publish_frames(broker_url: str, topic: str, frames: list[bytes]) -> None:
+    """Publish raw frames in this order over one connection, then a one-frame marker on the same topic."""
+    host, port = broker_url.rsplit("/", 1)[1].split(":")
+    marker = chunk(b"end", SMALL_FRAME, "marker")
+    paho.mqtt.publish.multiple([{"topic": topic, "payload": f, "qos": 1} for f in frames + marker],
+                               hostname=host, port=int(port), client_id="hostile-frames")
+
+
+def delivered(endpoint: MqttEndpoint) -> list[bytes]:
+    """The payloads the endpoint reassembled, up to the marker."""
+    payloads = []
+    while (item := endpoint.get(WAIT_S)) is not None and item[1] != b"end":
+        payloads.append(item[1])
+    assert item is not None, "the marker never arrived"
+    return payloads
+
+
+def update_frames(world: World) -> tuple[bytes, list[bytes]]:
+    payload = encode(genuine_update(world))
+    frames = chunk(payload, SMALL_FRAME, "update-1")
+    assert len(frames) > 3
+    return payload, frames
+
+
+def test_chunks_out_of_order_are_reassembled_into_the_same_update(world: World, server_endpoint, embedded_broker):
+    payload, frames = update_frames(world)
+    publish_frames(embedded_broker.url, up(TRAINER), frames[::-1])
+    assert delivered(server_endpoint) == [payload]
+    server = open_server(world)
+    server._handle(up(TRAINER), payload)
+    assert close(server).accepted == (TRAINER,)
+
+
+def mangled(frames: list[bytes], how: str) -> list[bytes]:
+    head, body = frames[1][:FRAME_HEADER_BYTES], frames[1][FRAME_HEADER_BYTES:]
+    if how == "truncated":
+        return [frames[0], frames[1][:FRAME_HEADER_BYTES - 9], *frames[2:]]
+    if how == "empty":
+        return [frames[0], head, *frames[2:]]
+    if how == "conflicting":
+        return [frames[0], head + bytes(len(body)), frames[1], *frames[2:]]
+    if how == "corrupted":
+        return [frames[0], head + bytes(len(body)), *frames[2:]]
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("how, expected", [
+    ("truncated", "[truncated]"),
+    ("empty", "[bad_frame]"),
+    ("conflicting", "[inconsistent_chunk]"),
+    ("corrupted", "payload hash mismatch [bad_hash]"),
+])
+def test_broken_chunks_never_reach_the_server(world: World, server_endpoint, embedded_broker, how: str,
+                                              expected: str, caplog):
+    _, frames = update_frames(world)
+    with caplog.at_level(logging.WARNING, logger="fedara.transport"):
+        publish_frames(embedded_broker.url, up(TRAINER), mangled(frames, how))
+        assert delivered(server_endpoint) == []
+    assert expected in caplog.text and f"dropped frame on {up(TRAINER)}" in caplog.text
+
+
+def test_chunks_announcing_an_oversize_message_are_refused(world: World, server_endpoint, embedded_broker, caplog):
+    limit = inbound_limit(world.global_fe)
+    first_frame = chunk(bytes(limit + 1), SMALL_FRAME, "huge")[0]
+    with caplog.at_level(logging.WARNING, logger="fedara.transport"):
+        publish_frames(embedded_broker.url, up(TRAINER), [first_frame])
+        assert delivered(server_endpoint) == []
+    assert f"is {limit + 1} bytes, over {limit} [oversize]" in caplog.text
+
+
+# -- the device --------------------------------------------------------------------------------------
+
+
+class RecordingEndpoint:
+    """Stands in for the device's MqttEndpoint: keeps what the agent publishes."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def publish(self, topic: str, payload: bytes, msg_id: str, retain: bool = False, **kwargs: object) -> None:
+        self.sent.append(payload)
+
+    def messages(self) -> list[Message]:
+        return [decode(payload, max_bytes=1 << 26) for payload in self.sent]
+
+
+def tiny_shard() -> Shard:
+    rng = np.random.default_rng(0)
+    x = rng.random((16, *INPUT_SHAPE), dtype=np.float32)
+    y = np.arange(16, dtype=np.int64) % CLASSES
+    return Shard(x[:12], y[:12], x[12:], y[12:], CLASSES)
+
+
+def make_device(directory: Path) -> tuple[DeviceAgent, RecordingEndpoint]:
+    endpoint = RecordingEndpoint()
+    agent = DeviceAgent(TRAINER, tiny_shard(), collect_profile(None, 1), endpoint, Workdir(directory),
+                        Topics(PREFIX, TRAINER))
+    return agent, endpoint
+
+
+def deliver(agent: DeviceAgent, payload: bytes) -> None:
+    agent.handle(agent.topics.down, payload)
+
+
+def plan_with(world: World, files: dict[str, bytes], ratio: float = DENSE) -> bytes:
+    plan = world.plans.get(ratio)
+    return encode(plan_message(Plan(plan.hash, ratio, "dense", files), device_id=TRAINER, run_id=RUN))
+
+
+def flipped(data: bytes, position: int) -> bytes:
+    return data[:position] + bytes([data[position] ^ 0x01]) + data[position + 1:]
+
+
+def retargeted_manifest(files: dict[str, bytes], field: str) -> dict[str, bytes]:
+    """The files with a manifest that claims another set (``hash``) or another checkpoint digest."""
+    manifest = json.loads(files[MANIFEST_NAME])
+    if field == "hash":
+        manifest["hash"] = "f" * 64
+    else:
+        manifest["files"]["checkpoint"]["sha256"] = "0" * 64
+    return {**files, MANIFEST_NAME: json.dumps(manifest).encode()}
+
+
+def tampered_plans(world: World) -> dict[str, dict[str, bytes]]:
+    files = world.plans.get(DENSE).files
+    cases = {f"flipped-{name}": {**files, name: flipped(data, len(data) // 2)}
+             for name, data in files.items() if name != MANIFEST_NAME}
+    cases["manifest-of-another-set"] = retargeted_manifest(files, "hash")
+    cases["manifest-with-another-digest"] = retargeted_manifest(files, "sha256")
+    cases["files-of-another-plan"] = world.plans.get(LOW_RANK).files
+    return cases
+
+
+TAMPERINGS = ("flipped-training_model.onnx", "flipped-eval_model.onnx", "flipped-optimizer_model.onnx",
+              "flipped-checkpoint", "manifest-of-another-set", "manifest-with-another-digest",
+              "files-of-another-plan")
+
+
+@pytest.mark.parametrize("tampering", TAMPERINGS)
+def test_device_refuses_tampered_artifacts(world: World, tmp_path: Path, tampering: str):
+    agent, endpoint = make_device(tmp_path)
+    deliver(agent, plan_with(world, tampered_plans(world)[tampering]))
+    (reply,) = endpoint.messages()
+    assert reply.type == MessageType.ERROR and parse_error(reply).code == ErrorCode.ARTIFACTS_CORRUPT
+    assert agent.workdir.held_artifacts() == () and agent.trainer is None
+
+
+def test_tamperings_cover_every_artifact_file(world: World):
+    assert set(TAMPERINGS) == set(tampered_plans(world))
+
+
+def test_device_refuses_a_plan_carrying_a_foreign_file(world: World, tmp_path: Path, caplog):
+    agent, endpoint = make_device(tmp_path)
+    files = {**world.plans.get(DENSE).files, "run.sh": b"#!/bin/sh\n"}
+    with caplog.at_level(logging.WARNING, logger="fedara.device"):
+        deliver(agent, plan_with(world, files))
+    assert endpoint.sent == [] and agent.workdir.held_artifacts() == ()
+    assert "dropped a malformed plan message: plan files must be" in caplog.text
+
+
+@pytest.fixture
+def ready_device(world: World, tmp_path: Path) -> tuple[DeviceAgent, RecordingEndpoint]:
+    """A device that installed the dense plan and acknowledged it."""
+    agent, endpoint = make_device(tmp_path)
+    deliver(agent, plan_with(world, world.plans.get(DENSE).files))
+    (ack,) = endpoint.messages()
+    assert ack.type == MessageType.ACK
+    endpoint.sent.clear()
+    return agent, endpoint
+
+
+def task_payload(world: World, *, fe: dict[str, np.ndarray] | None = None, device_id: str = TRAINER,
+                 **meta: object) -> bytes:
+    """A dense-plan TASK for round 1, with ``fe`` and meta fields as given (None deletes a field)."""
+    start = world.round_fe[plan_key(world.plans.get(DENSE).resolved)]
+    task = Task(round=ROUND, fe=dict(start) if fe is None else fe, lam=0.0, mu=0.0, lr=0.05, epochs=1,
+                batch_size=4, seed=1)
+    msg = task_message(task, plan_hash=world.plans.get(DENSE).hash, device_id=device_id, run_id=RUN)
+    for key, value in meta.items():
+        if value is None:
+            del msg.meta[key]
+        else:
+            msg.meta[key] = value
+    return encode(msg)
+
+
+def dense_fe(world: World, name: str, value: np.ndarray | None) -> dict[str, np.ndarray]:
+    fe = dict(world.round_fe[plan_key(world.plans.get(DENSE).resolved)])
+    if value is None:
+        del fe[name]
+    else:
+        fe[name] = value
+    return fe
+
+
+def device_state(agent: DeviceAgent) -> tuple:
+    """What a refused task must leave as it was: the FE and head in the trainer, and the device's files."""
+    files = {p.relative_to(agent.workdir.root): p.read_bytes() for p in agent.workdir.root.rglob("*") if p.is_file()}
+    return ({k: v.tobytes() for k, v in agent.trainer.get_fe().items()},
+            {k: v.tobytes() for k, v in agent.trainer.get_head().items()}, files)
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda w: task_payload(w, fe=dense_fe(w, "fe.conv1.bias", np.zeros(32, np.float64))), "is float64"),
+    (lambda w: task_payload(w, lr=0), "lr must be a finite number > 0"),
+    (lambda w: task_payload(w, epochs=-1), "epochs must be an integer"),
+    (lambda w: task_payload(w, batch_size=0), "batch_size must be an integer"),
+    (lambda w: task_payload(w, seed=None), "lacks meta field 'seed'"),
+    (lambda w: task_payload(w, lam="2"), "lam must be a finite number"),
+    (lambda w: task_payload(w, plan_hash="not-a-hash"), "plan_hash must be 64 lowercase hex digits"),
+    (lambda w: task_payload(w, fe=dense_fe(w, "fe.conv1.bias", np.full(32, np.nan, np.float32))), "[nonfinite]"),
+    (lambda w: task_payload(w)[:-5], "[bad_layout]"),
+    (lambda w: task_payload(w, device_id=FACTORED), f"addressed to {FACTORED}"),
+], ids=["dtype", "lr", "epochs", "batch-size", "missing-seed", "lam-text", "plan-hash", "nan", "truncated",
+        "other-device"])
+def test_device_drops_a_malformed_task(world: World, ready_device, make, expected: str, caplog):
+    agent, endpoint = ready_device
+    before = device_state(agent)
+    with caplog.at_level(logging.WARNING, logger="fedara.device"):
+        deliver(agent, make(world))
+    assert endpoint.sent == [] and expected in caplog.text
+    assert device_state(agent) == before
+
+
+@pytest.mark.parametrize("fe_edit", [
+    ("fe.fc1.weight", np.zeros((64, 512), np.float32)),
+    ("fe.fc1.weight", None),
+    ("fe.fc9.weight", np.zeros(3, np.float32)),
+], ids=["shape", "missing", "unknown"])
+def test_device_answers_a_task_that_does_not_fit_its_plan_with_bad_task(world: World, ready_device, fe_edit):
+    agent, endpoint = ready_device
+    before = device_state(agent)
+    deliver(agent, task_payload(world, fe=dense_fe(world, *fe_edit)))
+    (reply,) = endpoint.messages()
+    assert reply.type == MessageType.ERROR and parse_error(reply).code == ErrorCode.BAD_TASK
+    assert device_state(agent) == before
+
+
+# -- an impostor on the wire ---------------------------------------------------------------------------
+
+QUICK = ["--dataset", "digits", "--max-samples", "300", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
+         "--lam", "2", "--lam-warmup", "1", "--threads", "1", "--rank-ratio", str(LOW_RANK)]
+WIRE_DEVICES = 3
+WIRE_ROUNDS = 2
+IMPOSTOR_ID = "dev_666"
+
+
+class Impostor:
+    """A client of the open (embedded) broker that reads every device's traffic and, whenever dev_000 is sent
+    a task, sends the server garbage, updates forged from that task, and replays of dev_000's own updates."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.endpoint = MqttEndpoint("impostor", url, subscriptions=[f"{PREFIX}/dev/+/down", f"{PREFIX}/dev/+/up"])
+        self.captured: list[bytes] = []
+        self.attacks = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> Impostor:
+        self.endpoint.start()
+        self.endpoint.wait_connected(WAIT_S)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop.set()
+        self.thread.join(WAIT_S)
+        self.endpoint.stop()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            item = self.endpoint.get(0.1)
+            if item is None or not item[0].startswith(f"{PREFIX}/dev/{TRAINER}/"):
+                continue
+            topic, payload = item
+            try:
+                msg = decode(payload, max_bytes=1 << 28, allow_nonfinite=True)
+            except ProtocolError:
+                continue  # its own garbage
+            if topic == up(TRAINER) and msg.type == MessageType.UPDATE and payload not in self.captured:
+                self.captured.append(payload)
+                self._send(up(TRAINER), payload)
+            elif msg.type == MessageType.TASK:
+                self._attack(msg)
+
+    def _send(self, topic: str, payload: bytes) -> None:
+        self.endpoint.publish(topic, payload, f"impostor-{uuid.uuid4().hex}")
+
+    def _attack(self, task: Message) -> None:
+        host, port = self.url.rsplit("/", 1)[1].split(":")
+        paho.mqtt.publish.single(up(TRAINER), b"\x00garbage that is not a frame", qos=1, hostname=host, port=int(port),
+                                 client_id="impostor-raw")
+        self._send(up(TRAINER), b"FARA" + bytes(100))
+        poisoned = Update(task.round, {k: v * np.float32(100) for k, v in task.tensors.items()}, 1000, 0.1, 1.0,
+                          dict(EVAL))
+        plan_hash = task.meta["plan_hash"]
+        forgeries = ((up(IMPOSTOR_ID), TRAINER, task.run_id), (up(IMPOSTOR_ID), IMPOSTOR_ID, task.run_id),
+                     (up(TRAINER), TRAINER, "run0"))
+        for topic, sender, run_id in forgeries:
+            self._send(topic, encode(update_message(poisoned, plan_hash=plan_hash, device_id=sender, run_id=run_id)))
+        for payload in self.captured:
+            self._send(up(TRAINER), payload)
+        self.attacks += 1
+
+
+def test_impostor_on_an_open_broker_does_not_change_the_global_fe(embedded_broker, tmp_path: Path):
+    """Garbage, updates forged for another device, from an unknown device, of another run, and replays of a
+    device's own updates, sent while a 3-device federation runs: the run ends with the global FE of the
+    same federation run in process without any of it."""
+    with Impostor(embedded_broker.url) as impostor:
+        assert broker_loop.main([*QUICK, "--rounds", str(WIRE_ROUNDS), "--local-devices", str(WIRE_DEVICES),
+                                 "--broker", embedded_broker.url, "--join-timeout", "60", "--round-deadline", "60",
+                                 "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")]) == 0
+    assert impostor.attacks >= WIRE_ROUNDS and impostor.captured
+    records = read_metrics(tmp_path / "run" / METRICS_FILE)
+    assert all(r["participants"] == r["selected"] == WIRE_DEVICES and r["dropped"] == {} for r in records)
+    log = (tmp_path / "run" / broker_loop.SERVER_LOG).read_text()
+    for refusal in (f"fedara-server-{PREFIX}: dropped frame on {up(TRAINER)}", f"dropped a message from {TRAINER}",
+                    f"device id mismatch: topic of {IMPOSTOR_ID}, header says {TRAINER}", "unknown device",
+                    "update of run run0"):
+        assert refusal in log
+    assert "duplicate update" in log or "stale: update for round" in log
+
+    args = simulate_parser().parse_args([*QUICK, "--rounds", str(WIRE_ROUNDS), "--clients", str(WIRE_DEVICES),
+                                         "--backend", "ort"])
+    clients, global_model = prepare(args)
+    _, clean = run_federation(clients, global_model, config_from_args(args),
+                              make_backend("ort", clients, tmp_path / "cache"), progress=lambda line: None)
+    attacked = load_checkpoint(tmp_path / "run" / CHECKPOINT_NAME)
+    assert attacked.round == WIRE_ROUNDS and set(attacked.tensors) == set(clean)
+    for name, value in clean.items():
+        np.testing.assert_allclose(attacked.tensors[name], value.numpy(), atol=1e-5, err_msg=name)
