@@ -34,6 +34,7 @@ import torch
 
 from device_runtime.messages import (DEFAULT_TOPIC_PREFIX, ErrorCode, MessageError, Plan, error_message, parse_ack,
                                      parse_error, parse_join, plan_message, task_message)
+from device_runtime.profile import ResourceProfile
 from device_runtime.protocol import (DEFAULT_MAX_FRAME_BYTES, Message, MessageType, ProtocolError, TopicKind, Topics,
                                      decode, device_id_from_topic, encode, server_subscriptions)
 from device_runtime.shard import Shard
@@ -44,6 +45,7 @@ from export.artifacts import ArtifactSet, build_artifacts
 from server.aggregate import StreamingAverage
 from server.checkpoint import CHECKPOINT_NAME, Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from server.coordinator import NO_ANSWER, Coordinator, CoordinatorConfig, RoundOpen, RoundResult
+from server.cost_model import CostModelError, peak_predictor
 from server.data import DATASETS, load_dataset
 from server.embedded_broker import EmbeddedBroker
 from server.lowrank import RankPlan, ResolvedPlan, fe_state, resolve_plan
@@ -447,6 +449,17 @@ class Federation:
                      self.coordinator.open.round)
             self._send_task(device_id)
 
+    def _predictor(self, profile: ResourceProfile) -> Callable[[float], float]:
+        """ratio -> predicted peak MiB on this device: the measured cost model (device_runtime/cost_model.json,
+        scaled by the device's probe) where it has the model and input, else the analytic footprint."""
+        predict = peak_predictor(self.plans.model.name, self.plans.input_shape, self.config.batch_size, profile)
+        try:
+            predict(self.tiers[0])
+        except CostModelError as exc:
+            LOG.info("cost model: %s; using the analytic footprint", exc)
+            return self.predict
+        return predict
+
     def _on_join(self, device_id: str, msg: Message) -> None:
         self.unjoined.pop(device_id, None)
         try:
@@ -460,10 +473,11 @@ class Federation:
             return
         record = self.coordinator.devices[device_id]
         if record.ratio is None:
-            ratio = choose_ratio(device_id, record.budget_mb, self.tiers, self.predict, self.overrides)
+            predict = self._predictor(join.profile)
+            ratio = choose_ratio(device_id, record.budget_mb, self.tiers, predict, self.overrides)
             plan = self.plans.get(ratio)
             self.coordinator.assign_plan(device_id, ratio, plan.hash, plan.artifacts.fe_shapes)
-            predicted = self.predict(ratio)
+            predicted = predict(ratio)
             if record.budget_mb is not None and predicted > record.budget_mb and device_id not in self.overrides:
                 LOG.warning("%s: no tier fits its %.0f MiB budget; smallest tier %g (predicted %.1f MiB)",
                             device_id, record.budget_mb, ratio, predicted)

@@ -31,6 +31,7 @@ from device_runtime.transport import MqttEndpoint
 from export.artifacts import build_artifacts
 from server import broker_loop
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.cost_model import predict
 from server.mosquitto_config import write_mosquitto_auth
 from server.models import build_model
 from server.report import ACCURACY_PLOT, BYTES_PLOT, METRICS_FILE, REPORT_FILE, read_metrics
@@ -388,3 +389,16 @@ def test_device_cli_and_agent_import_neither_torch_nor_onnx():
                           check=True)
     assert "usage: python -m device_runtime" in done.stdout
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_devices_get_the_largest_tier_the_cost_model_fits_in_their_memory_budget(tmp_path: Path, cache: Path):
+    """Budgets against the shipped cost model (device_runtime/cost_model.json): ample memory trains dense, a
+    budget that only the smallest tier's predicted peak fits gets a tier at most that heavy."""
+    predicted = {r: predict("fedavgcnn", (1, 28, 28), r, 32, collect_profile(None, 1)).peak_mb
+                 for r in (1.0, 0.75, 0.5, 0.25, 0.125)}
+    tight = predicted[0.125]
+    federate(tmp_path / "run", cache, "--local-devices", "2", "--rounds", "1", "--local-memory-mb", f"10000,{tight}")
+    registry = load_checkpoint(tmp_path / "run" / CHECKPOINT_NAME).state["registry"]["devices"]
+    ratios = {d["device_id"]: d["ratio"] for d in registry}
+    assert ratios["dev_000"] == 1.0
+    assert ratios["dev_001"] < 1.0 and predicted[ratios["dev_001"]] <= tight
