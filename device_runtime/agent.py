@@ -234,9 +234,9 @@ class DeviceAgent:
     def _send(self, msg: Message) -> None:
         self.endpoint.publish(self.topics.up, encode(msg), msg.msg_id)
 
-    def _send_error(self, code: ErrorCode, detail: str, round_index: int = 0) -> None:
+    def _send_error(self, code: ErrorCode, detail: str, round_index: int = 0, run_id: str | None = None) -> None:
         LOG.warning("%s: %s", code.value, detail)
-        self._send(error_message(code, detail, device_id=self.device_id, run_id=self.state.run_id,
+        self._send(error_message(code, detail, device_id=self.device_id, run_id=run_id or self.state.run_id,
                                  round_index=round_index))
 
     # -- messages -----------------------------------------------------------------------------
@@ -269,11 +269,6 @@ class DeviceAgent:
 
     def _on_plan(self, msg: Message) -> None:
         plan = parse_plan(msg)
-        if msg.run_id != self.state.run_id:
-            LOG.info("run %s starts (was %s): fresh heads", msg.run_id, self.state.run_id)
-            self.workdir.forget_run()
-            self._drop_trainer()
-            self.state = DeviceState(run_id=msg.run_id)
         directory = self.workdir.artifact_dir(plan.plan_hash)
         try:
             if plan.files:
@@ -284,8 +279,14 @@ class DeviceAgent:
                 verify_artifacts(directory, plan.plan_hash)
         except ArtifactError as exc:
             code = ErrorCode.ARTIFACTS_CORRUPT if plan.files else ErrorCode.ARTIFACTS_MISSING
-            self._send_error(code, f"artifacts {plan.plan_hash}: {exc}")
+            self._send_error(code, f"artifacts {plan.plan_hash}: {exc}", run_id=msg.run_id)
             return
+        if msg.run_id != self.state.run_id:
+            # Only a verified plan of a new run may cost this run's heads.
+            LOG.info("run %s starts (was %s): fresh heads", msg.run_id, self.state.run_id)
+            self.workdir.forget_run()
+            self._drop_trainer()
+            self.state = DeviceState(run_id=msg.run_id)
         if self.loaded_hash != plan.plan_hash:
             self._load_plan(plan.plan_hash)
         self.state.plan_hash = plan.plan_hash

@@ -25,7 +25,7 @@ import paho.mqtt.publish
 import pytest
 import torch
 
-from device_runtime.agent import DeviceAgent, Workdir
+from device_runtime.agent import HEADS_DIR, DeviceAgent, Workdir
 from device_runtime.messages import (DEFAULT_TOPIC_PREFIX, ErrorCode, Join, Plan, ShardInfo, ack_message,
                                      error_message, join_message, parse_error, plan_message, task_message,
                                      update_message)
@@ -741,3 +741,16 @@ def test_impostor_on_an_open_broker_does_not_change_the_global_fe(embedded_broke
     assert attacked.round == WIRE_ROUNDS and set(attacked.tensors) == set(clean)
     for name, value in clean.items():
         np.testing.assert_allclose(attacked.tensors[name], value.numpy(), atol=1e-5, err_msg=name)
+
+
+def test_refused_plan_of_another_run_keeps_the_current_runs_heads(world: World, tmp_path: Path):
+    agent, endpoint = make_device(tmp_path)
+    heads = agent.workdir.root / HEADS_DIR
+    heads.mkdir(exist_ok=True)
+    (heads / "kept-1.npz").write_bytes(b"a head of the current run")
+    agent.state.run_id = "current-run"
+    files = world.plans.get(DENSE).files
+    deliver(agent, plan_with(world, {**files, "checkpoint": flipped(files["checkpoint"], 7)}))
+    (reply,) = endpoint.messages()
+    assert parse_error(reply).code == ErrorCode.ARTIFACTS_CORRUPT
+    assert agent.state.run_id == "current-run" and (heads / "kept-1.npz").exists()
