@@ -2,12 +2,13 @@
 
 An artifact directory (built by ``export.artifacts``) holds four files and ``manifest.json``:
 - ``training_model.onnx``: inputs ``input`` (B×C×H×W float32), ``labels`` (B int64), ``anchors`` (classes×D),
-  ``anchor_mask`` (classes), ``lam``, ``mu`` (scalars); outputs ``loss`` (CE + λ·L_FAC + μ·Σ‖U Vᵀ‖²_F) and
-  ``logits``;
+  ``anchor_mask`` (classes), ``lam`` (scalar); outputs ``loss`` (CE + λ·L_FAC) and ``logits``;
 - ``eval_model.onnx``: the forward graph alone, ``input`` -> ``logits``, ``features`` (anchors and accuracy);
 - ``optimizer_model.onnx``: plain SGD on every parameter (FE and head);
 - ``checkpoint``: the parameters; their values are overwritten each round (FE from the server, head from disk).
 The graphs hold no weights, so one artifact set serves every round of a rank plan.
+The Frobenius term μ·Σ‖U Vᵀ‖²_F is not in the graph: :meth:`DeviceTrainer.train` applies it as a decoupled SGD
+step on the factors at the end of each local epoch (``device_runtime.frobenius`` says why).
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ from types import ModuleType
 import numpy as np
 
 from device_runtime.batching import epoch_batches
+from device_runtime.frobenius import factor_pairs, frobenius_decay_step
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the Frobenius term and the mu input left the training graph
 MANIFEST_NAME = "manifest.json"
 ARTIFACT_FILES = {
     "training_model": "training_model.onnx",
@@ -33,8 +35,8 @@ ARTIFACT_FILES = {
     "optimizer_model": "optimizer_model.onnx",
     "checkpoint": "checkpoint",
 }
-INPUT, LABELS, ANCHORS, ANCHOR_MASK, LAM, MU = "input", "labels", "anchors", "anchor_mask", "lam", "mu"
-TRAINING_INPUTS = (INPUT, LABELS, ANCHORS, ANCHOR_MASK, LAM, MU)
+INPUT, LABELS, ANCHORS, ANCHOR_MASK, LAM = "input", "labels", "anchors", "anchor_mask", "lam"
+TRAINING_INPUTS = (INPUT, LABELS, ANCHORS, ANCHOR_MASK, LAM)
 LOSS, LOGITS, FEATURES = "loss", "logits", "features"
 TRAINING_OUTPUTS = (LOSS, LOGITS)
 EVAL_INPUTS = (INPUT,)
@@ -57,7 +59,7 @@ class TensorMismatchError(ValueError):
 @dataclass(frozen=True)
 class TrainResult:
     num_samples: int  # local training samples (the aggregation weight)
-    loss: float  # mean of the full objective over every sample seen in all local epochs
+    loss: float  # mean of CE + λ·L_FAC over every sample seen in all local epochs (the decoupled decay is not in it)
     accuracy: float  # training accuracy over every sample seen in all local epochs (before each step)
     steps: int  # optimizer steps taken
 
@@ -200,6 +202,7 @@ class DeviceTrainer:
         self._capi = capi = load_ort_capi()
         self._fe_shapes = {t["name"]: tuple(t["shape"]) for t in self.manifest["fe"]}
         self._head_shapes = {t["name"]: tuple(t["shape"]) for t in self.manifest["head"]}
+        self._factor_pairs = factor_pairs(tuple(self._fe_shapes))
         self.input_shape = tuple(self.manifest["input_shape"])
         self.num_classes = int(self.manifest["num_classes"])
         self.feature_dim = int(self.manifest["feature_dim"])
@@ -310,30 +313,45 @@ class DeviceTrainer:
                       {ANCHORS: (self.num_classes, self.feature_dim), ANCHOR_MASK: (self.num_classes,)})
         return np.ascontiguousarray(anchors), np.ascontiguousarray(mask)
 
+    def decay_factors(self, mu: float, step: float) -> None:
+        """One decoupled SGD step on μ·Σ‖U Vᵀ‖²_F for every factor pair (``L.u``, ``L.v``) of the FE, step size
+        ``step`` (lr × the optimizer steps it stands for); nothing to do for a dense plan or μ = 0."""
+        if not mu:
+            return
+        for u_name, v_name in self._factor_pairs:
+            factors = self._read((u_name, v_name))
+            u, v = frobenius_decay_step(factors[u_name], factors[v_name], mu, step)
+            self._write({u_name: u, v_name: v})
+
     def train(self, x: np.ndarray, y: np.ndarray, *, anchors: np.ndarray | None, mask: np.ndarray | None,
               lam: float, mu: float, lr: float, epochs: int, batch_size: int,
               rng: np.random.Generator) -> TrainResult:
         """Plain SGD on FE and head over ``epochs`` shuffled passes (batches from ``epoch_batches(.., rng)``).
 
-        ``anchors``/``mask`` None (both) means no anchor term, whatever ``lam``.
+        Each step minimises CE + λ·L_FAC; each epoch ends with :meth:`decay_factors` at step size lr × that
+        epoch's step count. ``anchors``/``mask`` None (both) means no anchor term, whatever ``lam``.
         """
         self._check_data(x, y)
         _check_positive(epochs=epochs, batch_size=batch_size, lr=lr)
+        if not mu >= 0:
+            raise ValueError(f"mu must be >= 0, got {mu!r}")
         anchor_values, mask_values = self._anchor_inputs(anchors, mask)
-        lam_value, mu_value = np.array(lam, np.float32), np.array(mu, np.float32)
+        lam_value = np.array(lam, np.float32)
         self._optimizer.set_learning_rate(float(lr))
         total_loss, correct, seen, steps = 0.0, 0, 0, 0
         for _ in range(epochs):
-            for batch in epoch_batches(len(x), batch_size, rng):
+            batches = epoch_batches(len(x), batch_size, rng)
+            for batch in batches:
                 labels = y[batch]
                 fetches = self._capi.OrtValueVector()  # a reused vector would pin the first batch's output shapes
                 self._module.lazy_reset_grad()
-                self._module.train_step([x[batch], labels, anchor_values, mask_values, lam_value, mu_value], fetches)
+                self._module.train_step([x[batch], labels, anchor_values, mask_values, lam_value], fetches)
                 self._optimizer.optimizer_step()
                 total_loss += float(fetches[0].numpy()) * len(batch)
                 correct += int((fetches[1].numpy().argmax(axis=1) == labels).sum())
                 seen += len(batch)
-                steps += 1
+            steps += len(batches)
+            self.decay_factors(mu, lr * len(batches))
         return TrainResult(len(x), total_loss / seen, correct / seen, steps)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = EVAL_BATCH) -> EvalResult:

@@ -1,6 +1,6 @@
 """torch -> ONNX -> onnxruntime-training artifacts for one (model, rank plan), cached by a content hash.
 
-One artifact set serves every round of a plan: the graphs take λ, μ, anchors and mask as inputs and hold no
+One artifact set serves every round of a plan: the graphs take λ, anchors and mask as inputs and hold no
 weights (the checkpoint does, and the device overwrites them each round). The set lives in
 ``cache_dir/<hash>/`` where the hash (sha256) covers everything that shapes the graphs: architecture, ranks,
 input shape, classes, opset, tool versions and FORMAT_VERSION. Devices name what they hold by that hash.
@@ -33,7 +33,7 @@ from torch import nn
 from device_runtime.trainer import (ARTIFACT_FILES, FEATURES, FORMAT_VERSION, INPUT, LOGITS, MANIFEST_NAME,
                                     ArtifactError, file_sha256, read_manifest, verify_artifacts)
 from export.loss_block import FedAraLoss
-from server.lowrank import FE_PREFIX, FactorizedLayer, RankPlan, check_ranks, factorize_model, resolve_plan
+from server.lowrank import FE_PREFIX, RankPlan, check_ranks, factorize_model, resolve_plan
 from server.models import MODELS, SplitModel, build_model
 
 OPSET = 17  # ONNX IR 8: loadable by onnxruntime-training 1.19.2 (which refuses IR > 10)
@@ -163,10 +163,9 @@ def _write_artifacts(client: SplitModel, config: dict, digest: str, directory: P
     """Generate the four artifacts and manifest.json into ``directory`` (empty, private to this builder)."""
     forward = _export_forward(client, tuple(config["input_shape"]))
     parameters = list(client.state_dict())
-    pairs = [(f"{name}.u", f"{name}.v") for name, m in client.named_modules() if isinstance(m, FactorizedLayer)]
     with _ort_chatter_filtered():
         ort_artifacts.generate_artifacts(
-            forward, requires_grad=parameters, loss=FedAraLoss(client.num_classes, client.feature_dim, pairs),
+            forward, requires_grad=parameters, loss=FedAraLoss(client.num_classes, client.feature_dim),
             optimizer=ort_artifacts.OptimType.SGD, artifact_directory=directory, additional_output_names=[LOGITS])
     onnx.save(_eval_graph(forward, set(parameters)), directory / ARTIFACT_FILES["eval_model"])
     fe_shapes, head_shapes = _shapes(client, FE_PREFIX), _shapes(client, HEAD_PREFIX)

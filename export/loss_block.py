@@ -1,13 +1,12 @@
-"""The FedARA local objective as an onnxblock loss, inside the training graph:
-L = CE + λ·L_FAC + μ·Σ_q ‖U_q V_qᵀ‖²_F.
+"""The per-step part of the FedARA local objective as an onnxblock loss, inside the training graph:
+L = CE + λ·L_FAC.
 
 Same expression as ``server.objective.local_loss`` (tests/test_parity.py holds them equal):
 - CE: SoftmaxCrossEntropyLoss, mean over the batch;
-- L_FAC = Σ_i m_{y_i}·mean_d (f_i − a_{y_i,d})² / max(Σ_i m_{y_i}, 1), with anchors and mask as graph inputs;
-- ‖U Vᵀ‖²_F = Σ (UᵀU) ⊙ (VᵀV), read from the factor parameters by name. The Gram matrices are built with
-  Gemm(transA=1): ORT 1.19's training graph optimizer fails ("unordered_map::at") on Transpose+MatMul of one
-  parameter with itself, and ReduceSumSquare has no gradient.
-λ and μ are scalar graph inputs, so one artifact set serves every round.
+- L_FAC = Σ_i m_{y_i}·mean_d (f_i − a_{y_i,d})² / max(Σ_i m_{y_i}, 1), with anchors and mask as graph inputs.
+λ is a scalar graph input, so one artifact set serves every round. The Frobenius term μ·Σ‖U Vᵀ‖²_F is not in
+the graph: it dominated the factorized step, so the device applies it once per epoch as a decoupled SGD step
+(``device_runtime.frobenius``).
 """
 from __future__ import annotations
 
@@ -15,19 +14,18 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.training import onnxblock
 
-from device_runtime.trainer import ANCHOR_MASK, ANCHORS, LABELS, LAM, LOSS, MU
+from device_runtime.trainer import ANCHOR_MASK, ANCHORS, LABELS, LAM, LOSS
 
 BATCH_DIM = "batch"
 
 
 class FedAraLoss(onnxblock.Block):
-    """build(logits, features) -> name of the total loss; adds the labels/anchors/mask/λ/μ graph inputs."""
+    """build(logits, features) -> name of the total loss; adds the labels/anchors/mask/λ graph inputs."""
 
-    def __init__(self, num_classes: int, feature_dim: int, factor_pairs: list[tuple[str, str]]):
+    def __init__(self, num_classes: int, feature_dim: int):
         super().__init__()
         self.num_classes = num_classes
         self.feature_dim = feature_dim
-        self.factor_pairs = list(factor_pairs)
 
     def _node(self, op: str, inputs: list[str], output: str | None = None, **attributes) -> str:
         out = output or onnxblock._graph_utils.generate_graph_name(f"fedara.{op.lower()}")
@@ -46,7 +44,6 @@ class FedAraLoss(onnxblock.Block):
             helper.make_tensor_value_info(ANCHORS, TensorProto.FLOAT, [self.num_classes, self.feature_dim]),
             helper.make_tensor_value_info(ANCHOR_MASK, TensorProto.FLOAT, [self.num_classes]),
             helper.make_tensor_value_info(LAM, TensorProto.FLOAT, []),
-            helper.make_tensor_value_info(MU, TensorProto.FLOAT, []),
         ])
 
     def _cross_entropy(self, logits: str) -> str:
@@ -65,20 +62,8 @@ class FedAraLoss(onnxblock.Block):
         count = self._node("Max", [self._node("ReduceSum", [weights], keepdims=0), self._constant(1.0)])
         return self._node("Div", [weighted, count])
 
-    def _gram(self, factor: str) -> str:
-        return self._node("Gemm", [factor, factor], transA=1)
-
-    def _frobenius(self) -> str:
-        terms = [self._node("ReduceSum", [self._node("Mul", [self._gram(u), self._gram(v)])], keepdims=0)
-                 for u, v in self.factor_pairs]
-        total = terms[0] if terms else self._constant(0.0)  # dense plan: μ stays a (unused-valued) input
-        for term in terms[1:]:
-            total = self._node("Add", [total, term])
-        return total
-
     def build(self, logits: str, features: str) -> str:
         self._add_inputs()
         loss = self._node("Add", [self._cross_entropy(logits), self._node("Mul", [LAM, self._anchor_loss(features)])])
-        loss = self._node("Add", [loss, self._node("Mul", [MU, self._frobenius()])])
         return self._node("Identity", [loss], LOSS)
 

@@ -1,6 +1,7 @@
 """On-device cost of FedARA local training: memory and step latency of the onnxruntime runtime beside PyTorch eager.
 
     .venv/bin/python scripts/bench_device.py --out-dir docs --cost-model device_runtime/cost_model.json
+    .venv/bin/python scripts/bench_device.py --out-dir DIR --config cnn1:3x32x32 --ratios 1.0,0.5   (a subset)
 
 For FedAvgCNN (1×28×28, 3×32×32) and CNN1 (3×32×32) at rank ratios 1.0 … 0.125 (ratios that resolve to the same
 plan are measured once), the parent builds the artifacts and a synthetic shard, then measures each plan in fresh
@@ -11,11 +12,12 @@ worker processes, so that no worker inherits another's memory:
   seconds, upload bytes, and the median of a few single steps. It imports numpy and the ORT C bindings only.
 - ``torch-memory``: the same rounds with the PyTorch reference (``compute_anchors`` + ``train_local``).
 - latency: two step servers, ``ort-steps`` and ``torch-steps`` (one runtime per process: in one process, ORT's
-  spinning thread pool and PyTorch's OpenMP threads slow each other down at 2 threads), time single training
-  steps at 1 and 2 threads, batch 16, on the same plan and batches: ORT (μ = 1e-3), ORT with μ = 0 (the same
-  graph: μ is an input), ORT on a graph built without the Frobenius term, PyTorch eager with μ = 1e-3 and μ = 0,
-  and ORT at batch 64 for the cost model. The parent makes them take turns in blocks of BLOCK steps (the first
-  step of a block is not timed), so both meet the same load from other processes. The probe score
+  spinning thread pool and PyTorch's OpenMP threads slow each other down at 2 threads), time at 1 and 2 threads
+  on the same plan and batches: one training step at batch 16 (CE + λ·L_FAC, the shipped graph), one decoupled
+  Frobenius decay step on all factors (what each local epoch ends with: numpy on the device, PyTorch in the
+  reference), and an ORT step at batch 64 for the cost model. A step's cost with the decay amortized is
+  step + decay / (steps per epoch). The parent makes the servers take turns in blocks of BLOCK calls (the first
+  call of a block is not timed), so both meet the same load from other processes. The probe score
   (``device_runtime.probe``) is taken in the ORT process, so the cost model can scale the times.
 The parent writes bench_device.json, bench_device.md (tables) and bench_device.png into ``--out-dir`` and, with
 ``--cost-model``, the data file that ``server.cost_model`` reads. Only the stdlib and numpy are imported at the
@@ -60,7 +62,7 @@ VARIANT_STEPS = 9  # single steps timed in each ort-memory worker
 SESSION_VARIANTS = {"arena+patterns": (True, True), "arena": (True, False), "patterns": (False, True),
                     "neither": (False, False)}
 PEAK_TOLERANCE = 0.02  # session variants within 2% of the lowest total peak count as equally lean
-LATENCY_VARIANTS = ("ort", "ort_mu0", "ort_nodecay", "torch", "torch_mu0", "ort_b64")
+LATENCY_VARIANTS = ("ort", "ort_decay", "torch", "torch_decay", "ort_b64")
 DEFAULT_CACHE = ROOT / "artifacts_cache" / "bench_device"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 MIB = 2**20
@@ -130,10 +132,20 @@ def _use_session_variant(arena: bool, patterns: bool) -> None:
     trainer._session_options = options
 
 
-def _ort_step(trainer, batch: tuple[np.ndarray, np.ndarray], anchors: np.ndarray, mask: np.ndarray, mu: float,
+def steps_per_epoch(batch_size: int) -> int:
+    return -(-TRAIN_SAMPLES // batch_size)
+
+
+def amortized_ms(per_variant: dict, step: str, decay: str, batch_size: int) -> float:
+    """p50 of one step with the per-epoch decay spread over the epoch's steps: step + decay / steps."""
+    return per_variant[step]["p50"] + per_variant[decay]["p50"] / steps_per_epoch(batch_size)
+
+
+def _ort_step(trainer, batch: tuple[np.ndarray, np.ndarray], anchors: np.ndarray, mask: np.ndarray,
               rng: np.random.Generator) -> None:
+    """One training step (a one-batch epoch with μ = 0, so no decay: the decay is timed on its own)."""
     x, y = batch
-    trainer.train(x, y, anchors=anchors, mask=mask, lam=LAM, mu=mu, lr=LR, epochs=1, batch_size=len(x), rng=rng)
+    trainer.train(x, y, anchors=anchors, mask=mask, lam=LAM, mu=0.0, lr=LR, epochs=1, batch_size=len(x), rng=rng)
 
 
 def ort_memory_worker(spec: dict) -> dict:
@@ -171,7 +183,7 @@ def ort_memory_worker(spec: dict) -> dict:
     anchors, mask = trainer.compute_anchors(shard.x_train, shard.y_train)
     rng = np.random.default_rng(SEED)
     next_batch = itertools.cycle(fixed_batches(shard.x_train, shard.y_train, BATCH)).__next__
-    step_times = timed_block(lambda: _ort_step(trainer, next_batch(), anchors, mask, MU, rng), VARIANT_STEPS)
+    step_times = timed_block(lambda: _ort_step(trainer, next_batch(), anchors, mask, rng), VARIANT_STEPS)
     return dict(rss_python_bytes=rss_python, rss_import_bytes=rss_import, rss_loaded_bytes=rss_loaded,
                 load_seconds=load_seconds, anchor_seconds=anchor_seconds, first_round_seconds=first_round_seconds,
                 rounds=rounds,
@@ -216,7 +228,7 @@ def torch_memory_worker(spec: dict) -> dict:
 
 
 def ort_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
-    """(variant, threads) -> one ORT training step: μ = 1e-3, μ = 0, the graph without decay, batch 64."""
+    """(variant, threads) -> one ORT training step at batch 16 and 64, or one decay step (numpy) on all factors."""
     from device_runtime.shard import load_shard
     from device_runtime.trainer import DeviceTrainer
     shard = load_shard(spec["shard"])
@@ -226,22 +238,20 @@ def ort_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
     steppers = {}
     for threads in THREADS:
         ort = DeviceTrainer(spec["artifacts"], threads=threads)
-        bare = DeviceTrainer(spec["nodecay_artifacts"], threads=threads)
         anchors, mask = ort.compute_anchors(shard.x_train, shard.y_train)
         steppers.update({
-            ("ort", threads): lambda ort=ort, a=anchors, m=mask: _ort_step(ort, small(), a, m, MU, rng),
-            ("ort_mu0", threads): lambda ort=ort, a=anchors, m=mask: _ort_step(ort, small(), a, m, 0.0, rng),
-            ("ort_nodecay", threads): lambda bare=bare, a=anchors, m=mask: _ort_step(bare, small(), a, m, MU, rng),
-            ("ort_b64", threads): lambda ort=ort, a=anchors, m=mask: _ort_step(ort, large(), a, m, MU, rng),
+            ("ort", threads): lambda ort=ort, a=anchors, m=mask: _ort_step(ort, small(), a, m, rng),
+            ("ort_decay", threads): lambda ort=ort: ort.decay_factors(MU, LR * steps_per_epoch(BATCH)),
+            ("ort_b64", threads): lambda ort=ort, a=anchors, m=mask: _ort_step(ort, large(), a, m, rng),
         })
     return steppers
 
 
 def torch_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
-    """(variant, threads) -> one PyTorch eager step of the same plan: μ = 1e-3 and μ = 0."""
+    """(variant, threads) -> one PyTorch eager step of the same plan, or one decay step on all its factors."""
     import torch
     from device_runtime.shard import load_shard
-    from server.lowrank import factorize_model
+    from server.lowrank import decay_factors, factorize_model
     from server.models import build_model
     from server.objective import compute_anchors, local_loss
     shard = load_shard(spec["shard"])
@@ -253,17 +263,27 @@ def torch_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model.train()
 
-    def step(mu: float, threads: int) -> None:
+    def use_threads(threads: int) -> None:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+    def step(threads: int) -> None:
+        use_threads(threads)
         x, y = batches()
-        loss, _ = local_loss(model, x, y, anchors, mask, LAM, mu)
+        loss, _ = local_loss(model, x, y, anchors, mask, LAM)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
 
-    return {(name, threads): (lambda mu=mu, threads=threads: step(mu, threads))
-            for threads in THREADS for name, mu in (("torch", MU), ("torch_mu0", 0.0))}
+    def decay(threads: int) -> None:
+        use_threads(threads)
+        decay_factors(model, MU, LR * steps_per_epoch(BATCH))
+
+    steppers = {}
+    for threads in THREADS:
+        steppers[("torch", threads)] = lambda threads=threads: step(threads)
+        steppers[("torch_decay", threads)] = lambda threads=threads: decay(threads)
+    return steppers
 
 
 STEPPERS = {"ort-steps": ort_steppers, "torch-steps": torch_steppers}
@@ -328,7 +348,7 @@ class StepProcess:
 
 
 def measure_latency(spec: dict, steps: int) -> dict:
-    """p50/p95 per (threads, variant): ORT and PyTorch step servers take turns in blocks of BLOCK timed steps,
+    """p50/p95 per (threads, variant): ORT and PyTorch step servers take turns in blocks of BLOCK timed calls,
     so both meet the same load; the probe is taken in the ORT process before and after."""
     with StepProcess("ort-steps", spec) as ort, StepProcess("torch-steps", spec) as pt:
         probes = [ort.probe()]
@@ -366,25 +386,6 @@ def run_worker(kind: str, spec: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # Parent: artifacts, shards, orchestration
 
-def _loss_without_decay(num_classes: int, feature_dim: int, factor_pairs: list) -> object:
-    """FedAraLoss with no factor pairs: the same graph inputs, no Frobenius term."""
-    from export.loss_block import FedAraLoss
-    return FedAraLoss(num_classes, feature_dim, [])
-
-
-def build_plan_artifacts(model, ranks: dict[str, int], input_shape: tuple[int, ...], cache_dir: Path) -> tuple:
-    """(the shipped artifact set, the same without the Frobenius term) for one plan, cached under ``cache_dir``."""
-    from unittest import mock
-
-    from export import artifacts
-    shipped = artifacts.build_artifacts(model, ranks, input_shape, NUM_CLASSES, cache_dir / "fedara")
-    if not ranks:
-        return shipped, shipped
-    with mock.patch.object(artifacts, "FedAraLoss", _loss_without_decay):
-        bare = artifacts.build_artifacts(model, ranks, input_shape, NUM_CLASSES, cache_dir / "no_decay")
-    return shipped, bare
-
-
 def write_synthetic_shard(path: Path, input_shape: tuple[int, ...]) -> None:
     """A shard of standard-normal images with uniform labels: a step's cost does not depend on the values."""
     from device_runtime.shard import Shard, save_shard
@@ -402,6 +403,7 @@ def shape_name(shape) -> str:
 
 def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path) -> list[dict]:
     """One entry per distinct (model, input shape, plan): its artifacts, shard and the ratios that resolve to it."""
+    from export.artifacts import build_artifacts
     from server.lowrank import RankPlan, resolve_plan
     from server.models import build_model
     plans: list[dict] = []
@@ -413,11 +415,11 @@ def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path) -> list[dic
         by_hash: dict[str, dict] = {}
         for ratio in ratios:
             plan = resolve_plan(model, RankPlan(ratio))
-            shipped, bare = build_plan_artifacts(model, plan.ranks, input_shape, cache_dir)
+            shipped = build_artifacts(model, plan.ranks, input_shape, NUM_CLASSES, cache_dir / "fedara")
             if shipped.hash not in by_hash:
                 by_hash[shipped.hash] = dict(
                     model=model_name, input_shape=list(input_shape), ratios=[], plan=plan.describe(),
-                    ranks=plan.ranks, artifacts=str(shipped.directory), nodecay_artifacts=str(bare.directory),
+                    ranks=plan.ranks, artifacts=str(shipped.directory),
                     shard=str(shard), artifact_bytes=shipped.total_bytes, artifact_file_bytes=shipped.sizes,
                     label=f"{model_name} {shape_name(input_shape)} {plan.describe()}")
                 plans.append(by_hash[shipped.hash])
@@ -435,7 +437,7 @@ def shipped_session_variant() -> str:
 
 def measure_plan(plan: dict, steps: int) -> dict:
     """Every worker for one plan; the plan dict gains their results."""
-    spec = {k: plan[k] for k in ("model", "input_shape", "ranks", "artifacts", "nodecay_artifacts", "shard", "label")}
+    spec = {k: plan[k] for k in ("model", "input_shape", "ranks", "artifacts", "shard", "label")}
     sessions = {name: run_worker("ort-memory", dict(spec, session=switches))
                 for name, switches in SESSION_VARIANTS.items()}
     torch_memory = run_worker("torch-memory", spec)
@@ -456,29 +458,34 @@ def best_session_variant(results: list[dict]) -> str:
 
 
 def derived(result: dict, session: str) -> dict:
-    """Ratios per plan: ORT over PyTorch (peak memory, step p50 per thread count) and the Frobenius share."""
+    """Per plan: ORT over PyTorch (peak memory, amortized step p50 per thread count), the amortized step p50 of
+    each runtime (step + per-epoch decay / steps per epoch), and the decay's share of an epoch."""
     ort = result["sessions"][session]
     peak_ort = ort["rounds"][str(BATCH)]["peak_rss_bytes"]
     peak_torch = result["torch"]["rounds"][str(BATCH)]["peak_rss_bytes"]
-    out = dict(peak_ort_over_torch=peak_ort / peak_torch, step_ort_over_torch={}, decay_share_ort={},
-               decay_share_torch={}, mu0_over_mu_ort={})
+    out = dict(peak_ort_over_torch=peak_ort / peak_torch, step_ort_over_torch={}, amortized_ort_ms={},
+               amortized_torch_ms={}, decay_share_ort={}, decay_share_torch={})
+    steps = steps_per_epoch(BATCH)
     for threads, t in result["latency"]["threads"].items():
-        out["step_ort_over_torch"][threads] = t["ort"]["p50"] / t["torch"]["p50"]
-        out["decay_share_ort"][threads] = 1 - t["ort_nodecay"]["p50"] / t["ort"]["p50"]
-        out["decay_share_torch"][threads] = 1 - t["torch_mu0"]["p50"] / t["torch"]["p50"]
-        out["mu0_over_mu_ort"][threads] = t["ort_mu0"]["p50"] / t["ort"]["p50"]
+        ort_ms, torch_ms = amortized_ms(t, "ort", "ort_decay", BATCH), amortized_ms(t, "torch", "torch_decay", BATCH)
+        out["amortized_ort_ms"][threads], out["amortized_torch_ms"][threads] = ort_ms, torch_ms
+        out["step_ort_over_torch"][threads] = ort_ms / torch_ms
+        out["decay_share_ort"][threads] = t["ort_decay"]["p50"] / (steps * ort_ms)
+        out["decay_share_torch"][threads] = t["torch_decay"]["p50"] / (steps * torch_ms)
     return out
 
 
 def cost_model_document(results: list[dict], session: str, command: str) -> dict:
     """The data file server.cost_model reads: per (model, input, ratio), peak MiB per batch size and p50 step ms
-    per thread count and batch size, with the probe score of the process that timed the steps."""
+    (per-epoch decay amortized) per thread count and batch size, with the probe score of the process that timed
+    the steps."""
     from server.cost_model import COST_MODEL_FORMAT
     entries = []
     for r in results:
         ort = r["sessions"][session]
         peak = {str(b): ort["rounds"][str(b)]["peak_rss_bytes"] / MIB for b in BATCH_SIZES}
-        step = {threads: {str(BATCH): t["ort"]["p50"], str(LARGE_BATCH): t["ort_b64"]["p50"]}
+        step = {threads: {str(BATCH): amortized_ms(t, "ort", "ort_decay", BATCH),
+                          str(LARGE_BATCH): amortized_ms(t, "ort_b64", "ort_decay", LARGE_BATCH)}
                 for threads, t in r["latency"]["threads"].items()}
         for ratio in r["ratios"]:
             entries.append(dict(model=r["model"], input_shape=r["input_shape"], ratio=ratio, plan=r["plan"],
@@ -498,13 +505,16 @@ def markdown_tables(results: list[dict], session: str) -> str:
     memory = ["| model | input | ratio | plan | artifacts KiB | upload KiB (wire) | ORT RSS import MiB "
               "| ORT peak MiB | PyTorch RSS import MiB | PyTorch peak MiB | peak ORT/PyTorch |",
               "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    latency = ["| model | input | ratio | ORT 1t p50/p95 ms | PyTorch 1t p50/p95 ms | ORT/PyTorch 1t "
-               "| ORT 2t p50/p95 ms | PyTorch 2t p50/p95 ms | ORT/PyTorch 2t | anchors ms | round s ORT / PyTorch "
+    latency = ["| model | input | ratio | ORT 1t p50 amortized / p95 step ms | PyTorch 1t p50 amortized / p95 step ms "
+               "| ORT/PyTorch 1t "
+               "| ORT 2t p50 amortized / p95 step ms | PyTorch 2t p50 amortized / p95 step ms | ORT/PyTorch 2t "
+               "| anchors ms "
+               "| round s ORT / PyTorch "
                "| first round s ORT / PyTorch |",
                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    decay = ["| model | input | ratio | ORT μ=1e-3 ms | ORT μ=0 ms | ORT no-decay graph ms | decay share ORT "
-             "| PyTorch μ=1e-3 ms | PyTorch μ=0 ms | decay share PyTorch |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    decay = ["| model | input | ratio | ORT step ms | ORT decay ms/epoch | ORT amortized step ms | decay share ORT "
+             "| PyTorch step ms | PyTorch decay ms/epoch | PyTorch amortized step ms | decay share PyTorch |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     sessions = ["| model | input | ratio | " + " | ".join(f"{n} peak MiB / step ms" for n in SESSION_VARIANTS) + " |",
                 "|---|---|---:|" + "---:|" * len(SESSION_VARIANTS)]
     for ratio, r in _rows(results):
@@ -517,27 +527,28 @@ def markdown_tables(results: list[dict], session: str) -> str:
             f"| {ort['rounds'][str(BATCH)]['peak_rss_bytes'] / MIB:.0f} | {pt['rss_import_bytes'] / MIB:.0f} "
             f"| {pt['rounds'][str(BATCH)]['peak_rss_bytes'] / MIB:.0f} | {d['peak_ort_over_torch']:.2f} |")
         latency.append(
-            head + f"| {t1['ort']['p50']:.1f} / {t1['ort']['p95']:.1f} | {t1['torch']['p50']:.1f} / "
-            f"{t1['torch']['p95']:.1f} | {d['step_ort_over_torch']['1']:.2f} | {t2['ort']['p50']:.1f} / "
-            f"{t2['ort']['p95']:.1f} | {t2['torch']['p50']:.1f} / {t2['torch']['p95']:.1f} "
+            head + f"| {d['amortized_ort_ms']['1']:.1f} / {t1['ort']['p95']:.1f} | {d['amortized_torch_ms']['1']:.1f} / "
+            f"{t1['torch']['p95']:.1f} | {d['step_ort_over_torch']['1']:.2f} | {d['amortized_ort_ms']['2']:.1f} / "
+            f"{t2['ort']['p95']:.1f} | {d['amortized_torch_ms']['2']:.1f} / {t2['torch']['p95']:.1f} "
             f"| {d['step_ort_over_torch']['2']:.2f} | {1e3 * ort['anchor_seconds']:.0f} "
             f"| {ort['rounds'][str(BATCH)]['seconds']:.2f} / {pt['rounds'][str(BATCH)]['seconds']:.2f} "
             f"| {ort['first_round_seconds']:.2f} / {pt['first_round_seconds']:.2f} |")
         decay.append(
-            head + f"| {t1['ort']['p50']:.1f} | {t1['ort_mu0']['p50']:.1f} | {t1['ort_nodecay']['p50']:.1f} "
-            f"| {100 * d['decay_share_ort']['1']:.0f}% | {t1['torch']['p50']:.1f} | {t1['torch_mu0']['p50']:.1f} "
-            f"| {100 * d['decay_share_torch']['1']:.0f}% |")
+            head + f"| {t1['ort']['p50']:.1f} | {t1['ort_decay']['p50']:.2f} | {d['amortized_ort_ms']['1']:.1f} "
+            f"| {100 * d['decay_share_ort']['1']:.1f}% | {t1['torch']['p50']:.1f} | {t1['torch_decay']['p50']:.2f} "
+            f"| {d['amortized_torch_ms']['1']:.1f} | {100 * d['decay_share_torch']['1']:.1f}% |")
         sessions.append(head + "| " + " | ".join(
             f"{r['sessions'][n]['rounds'][str(BATCH)]['peak_rss_bytes'] / MIB:.0f} / {r['sessions'][n]['step_ms']['p50']:.1f}"
             for n in SESSION_VARIANTS) + " |")
     return "\n".join(["### Memory (1 thread, batch 16)", "", *memory, "", "### Step latency (batch 16)", "", *latency,
-                      "", "### Frobenius decay (1 thread, batch 16, p50)", "", *decay, "",
+                      "", f"### Frobenius decay, once per epoch of {steps_per_epoch(BATCH)} steps (1 thread, batch 16, p50)",
+                      "", *decay, "",
                       "### onnxruntime session options (1 thread, batch 16)", "", *sessions, ""])
 
 
 def plot(results: list[dict], session: str, path: Path) -> None:
-    """Peak RSS and p50 step (1 thread, batch 16) against the rank ratio: ORT solid, PyTorch dashed, and on the
-    step panel ORT on the graph without the Frobenius term dotted."""
+    """Peak RSS and p50 step with the per-epoch decay amortized (1 thread, batch 16) against the rank ratio: ORT
+    solid, PyTorch dashed."""
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
@@ -547,17 +558,17 @@ def plot(results: list[dict], session: str, path: Path) -> None:
         rows = sorted((ratio, r) for ratio, r in _rows(results)
                       if (r["model"], shape_name(r["input_shape"])) == (model, shape))
         ratios, color, name = [ratio for ratio, _ in rows], f"C{index}", f"{model} {shape}"
-        one_thread = [r["latency"]["threads"]["1"] for _, r in rows]
+        one_thread = [derived(r, session) for _, r in rows]
         mem_ax.plot(ratios, [r["sessions"][session]["rounds"][str(BATCH)]["peak_rss_bytes"] / MIB for _, r in rows],
                     "o-", color=color, label=f"{name} ORT")
         mem_ax.plot(ratios, [r["torch"]["rounds"][str(BATCH)]["peak_rss_bytes"] / MIB for _, r in rows],
                     "s--", color=color, label=f"{name} PyTorch")
-        step_ax.plot(ratios, [t["ort"]["p50"] for t in one_thread], "o-", color=color, label=f"{name} ORT")
-        step_ax.plot(ratios, [t["torch"]["p50"] for t in one_thread], "s--", color=color, label=f"{name} PyTorch")
-        step_ax.plot(ratios, [t["ort_nodecay"]["p50"] for t in one_thread], "x:", color=color,
-                     label=f"{name} ORT, no Frobenius term")
+        step_ax.plot(ratios, [d["amortized_ort_ms"]["1"] for d in one_thread], "o-", color=color, label=f"{name} ORT")
+        step_ax.plot(ratios, [d["amortized_torch_ms"]["1"] for d in one_thread], "s--", color=color,
+                     label=f"{name} PyTorch")
     mem_ax.set(xlabel="rank ratio", ylabel="peak RSS over a local round (MiB)", title="Peak memory")
-    step_ax.set(xlabel="rank ratio", ylabel="train step p50 (ms)", title="Step latency, 1 thread, batch 16")
+    step_ax.set(xlabel="rank ratio", ylabel="train step p50, decay amortized (ms)",
+                title="Step latency, 1 thread, batch 16")
     mem_ax.set_ylim(bottom=0)
     step_ax.set_ylim(bottom=0)
     mem_ax.legend(fontsize=7)
@@ -570,12 +581,37 @@ def plot(results: list[dict], session: str, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Command line
 
+def parse_config(text: str) -> tuple[str, tuple[int, ...]]:
+    """``fedavgcnn:3x32x32`` -> ("fedavgcnn", (3, 32, 32))."""
+    model, _, shape = text.partition(":")
+    try:
+        dims = tuple(int(d) for d in shape.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MODEL:CxHxW, got {text!r}") from None
+    if not model or len(dims) != 3 or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"expected MODEL:CxHxW with positive sizes, got {text!r}")
+    return model, dims
+
+
+def parse_ratios(text: str) -> tuple[float, ...]:
+    try:
+        ratios = tuple(float(r) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ratios, got {text!r}") from None
+    if not all(0 < r <= 1 for r in ratios):
+        raise argparse.ArgumentTypeError(f"ratios must lie in (0, 1], got {text!r}")
+    return ratios
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", type=Path, help="where bench_device.{json,md,png} go")
     p.add_argument("--cost-model", type=Path, default=None, help="also write the cost-model data file here")
     p.add_argument("--quick", action="store_true",
                    help=f"small subset: FedAvgCNN 1x28x28 at ratios {QUICK_RATIOS}, {QUICK_STEPS} steps per variant")
+    p.add_argument("--config", action="append", type=parse_config, metavar="MODEL:CxHxW",
+                   help="measure this model and input shape (repeatable; default: every configuration)")
+    p.add_argument("--ratios", type=parse_ratios, default=None, help=f"comma-separated rank ratios (default {RATIOS})")
     p.add_argument("--steps", type=int, default=None, help=f"timed steps per latency variant (default {STEPS})")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="artifact cache (built once per plan)")
     p.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
@@ -598,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     if steps < 1:
         parser.error(f"--steps must be >= 1, got {steps}")
     configs, ratios = (QUICK_CONFIGS, QUICK_RATIOS) if args.quick else (CONFIGS, RATIOS)
+    configs, ratios = tuple(args.config or configs), args.ratios or ratios
     command = " ".join([".venv/bin/python", "scripts/bench_device.py", *(argv if argv is not None else sys.argv[1:])])
     started, load = time.perf_counter(), os.getloadavg()
     with tempfile.TemporaryDirectory() as shard_dir:

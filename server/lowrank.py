@@ -239,10 +239,38 @@ def factorize_model(model: nn.Module, ranks: dict[str, int]) -> nn.Module:
     return client
 
 
-def frobenius_decay(model: nn.Module) -> torch.Tensor:
-    """Σ_q ‖U_q V_qᵀ‖²_F over the factorized layers (0 for a dense model)."""
-    terms = [gram_frobenius(m.u, m.v) for m in model.modules() if isinstance(m, FactorizedLayer)]
-    return torch.stack(terms).sum() if terms else torch.zeros(())
+def frobenius_decay_step(u: torch.Tensor, v: torch.Tensor, mu: float, step: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U − s·2μ·U(VᵀV), V − s·2μ·V(UᵀU)), s = ``step``: one SGD step on μ‖U Vᵀ‖²_F from the given values.
+
+    The PyTorch twin of ``device_runtime.frobenius.frobenius_decay_step`` (the trainers apply it once per local
+    epoch with s = lr × that epoch's step count, instead of the term in every step's loss).
+    """
+    if u.dim() != 2 or v.dim() != 2 or u.shape[1] != v.shape[1]:
+        raise ValueError(f"factors must be U (m×r) and V (n×r) of one rank r, got U{tuple(u.shape)} and V{tuple(v.shape)}")
+    if not mu >= 0:
+        raise ValueError(f"mu must be >= 0, got {mu!r}")
+    if not step >= 0:
+        raise ValueError(f"step must be >= 0, got {step!r}")
+    scale = 2.0 * mu * step
+    return u - scale * (u @ (v.T @ v)), v - scale * (v @ (u.T @ u))
+
+
+@torch.no_grad()
+def decay_factors(model: nn.Module, mu: float, step: float, params: list[nn.Parameter] | None = None) -> None:
+    """Apply :func:`frobenius_decay_step` in place to every factorized layer of ``model``.
+
+    Only factors among ``params`` (default: all) change, so a phase that trains the head alone leaves the FE's
+    factors as they are. A dense model, or μ = 0, is left untouched.
+    """
+    if not mu:
+        return
+    trained = None if params is None else {id(p) for p in params}
+    for layer in model.modules():
+        if isinstance(layer, FactorizedLayer):
+            new_u, new_v = frobenius_decay_step(layer.u, layer.v, mu, step)
+            for factor, value in ((layer.u, new_u), (layer.v, new_v)):
+                if trained is None or id(factor) in trained:
+                    factor.copy_(value)
 
 
 def fe_state(model: nn.Module) -> dict[str, torch.Tensor]:

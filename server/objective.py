@@ -1,13 +1,22 @@
 """The FedARA local objective, PyTorch reference: anchors, the anchor (FAC) loss, the λ schedule.
 
-L = CE + λ·L_FAC + μ·Σ_q ‖U_q V_qᵀ‖²_F.
+L = CE + λ·L_FAC + μ·Σ_q ‖U_q V_qᵀ‖²_F, minimised by plain SGD in two parts:
+- every step descends CE + λ·L_FAC (``local_loss``);
+- the Frobenius term is decoupled: once per local epoch, its exact gradient step is applied to every trained
+  factor pair, U ← U − s·2μ·U(VᵀV), V ← V − s·2μ·V(UᵀU), with s = lr·k (k = steps taken in that epoch), from
+  the values before the step (``server.lowrank.frobenius_decay_step``; the device's numpy twin is
+  ``device_runtime.frobenius``). Decision and measurement: inside every step the term cost 39–79% of a
+  factorized step and made ratio-0.5 tiers 1.6–4.8× slower than dense, while its gradient moves a weight by
+  only lr·μ ≈ 5e-6 per step. For SGD the epoch-level step differs from the per-step term only at second
+  order in s·μ (README "Frobenius decay", docs/benchmarks.md).
 - Anchors a_c are the per-class mean features of the *received, frozen* FE over the local training set;
   a class with no local sample has no anchor (mask 0) and contributes no FAC term.
 - L_FAC = Σ_i m_{y_i} · mean_d (F(x_i)_d − a_{y_i,d})² / max(Σ_i m_{y_i}, 1): a per-sample MSE over the
   feature dimensions averaged over the samples whose class has an anchor. The summed form diverges with
   plain SGD once λ passes ~2 (DESIGN.md), so the paper's λ values assume the mean.
 - λ is 0 at round 1 (no aggregated FE yet) and ramps linearly to its target over the warm-up rounds.
-The ONNX training graph (export/loss_block.py) builds the same expression; tests/test_parity.py holds them equal.
+The ONNX training graph (export/loss_block.py) builds the same per-step expression; tests/test_parity.py holds
+the two trainers equal.
 """
 from __future__ import annotations
 
@@ -15,8 +24,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from server.lowrank import frobenius_decay
 
 DEFAULT_MU = 1e-3
 DEFAULT_LAM_WARMUP = 10
@@ -68,13 +75,11 @@ def fac_loss(features: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor
 
 
 def local_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, anchors: torch.Tensor, mask: torch.Tensor,
-               lam: float, mu: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(L, logits) for one batch: CE + λ·L_FAC + μ·Σ‖U Vᵀ‖²_F."""
+               lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, logits) for one batch: CE + λ·L_FAC (the Frobenius term is applied per epoch, not here)."""
     features = model.fe(x)
     logits = model.head(features)
     loss = F.cross_entropy(logits, y)
     if lam:
         loss = loss + lam * fac_loss(features, y, anchors, mask)
-    if mu:
-        loss = loss + mu * frobenius_decay(model)
     return loss, logits

@@ -1,4 +1,8 @@
-"""Reference local training and evaluation in PyTorch (the oracle the ONNX device path must match)."""
+"""Reference local training and evaluation in PyTorch (the oracle the ONNX device path must match).
+
+Each step minimises CE + λ·L_FAC; each local epoch ends with one decoupled Frobenius decay step on the trained
+factors at step size lr × that epoch's step count, as the device does (``server.objective`` says why).
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +12,7 @@ from torch import nn
 
 from device_runtime.batching import epoch_batches
 from device_runtime.trainer import EvalResult, TrainResult
+from server.lowrank import decay_factors
 from server.objective import local_loss, module_device
 
 EVAL_BATCH = 512
@@ -16,9 +21,12 @@ EVAL_BATCH = 512
 def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, *, anchors: np.ndarray | None, mask: np.ndarray | None,
                 lam: float, mu: float, lr: float, epochs: int, batch_size: int, rng: np.random.Generator,
                 params: list[nn.Parameter] | None = None) -> TrainResult:
-    """Plain-SGD local epochs of shuffled batches (last partial batch kept) on ``params`` (default: all)."""
+    """Plain-SGD local epochs of shuffled batches (last partial batch kept) on ``params`` (default: all), each
+    epoch closed by the Frobenius decay step (μ, s = lr × steps in the epoch) on the factors among ``params``."""
     if len(x) == 0:
         raise ValueError("cannot train on an empty shard")
+    if not mu >= 0:
+        raise ValueError(f"mu must be >= 0, got {mu!r}")
     trainable = list(model.parameters()) if params is None else params
     optimizer = torch.optim.SGD(trainable, lr=lr)
     anchors_t = torch.from_numpy(anchors) if anchors is not None else None
@@ -29,16 +37,18 @@ def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, *, anchors: np.n
     model.train()
     total_loss, correct, seen, steps = 0.0, 0, 0, 0
     for _ in range(epochs):
-        for batch in epoch_batches(len(x), batch_size, rng):
+        batches = epoch_batches(len(x), batch_size, rng)
+        for batch in batches:
             xb, yb = torch.from_numpy(x[batch]).to(device), torch.from_numpy(y[batch]).to(device)
-            loss, logits = local_loss(model, xb, yb, anchors_t, mask_t, lam if anchors is not None else 0.0, mu)
+            loss, logits = local_loss(model, xb, yb, anchors_t, mask_t, lam if anchors is not None else 0.0)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             total_loss += loss.item() * len(batch)
             correct += int((logits.argmax(1) == yb).sum())
             seen += len(batch)
-            steps += 1
+        steps += len(batches)
+        decay_factors(model, mu, lr * len(batches), trainable)
     return TrainResult(len(x), total_loss / seen, correct / seen, steps)
 
 

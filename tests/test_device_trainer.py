@@ -1,13 +1,15 @@
 """The device trainer: tensor exchange checks, head persistence, anchors, batching, training and evaluation."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from device_runtime.batching import epoch_batches, local_epochs_batches
-from device_runtime.trainer import (ArtifactError, DeviceTrainer, TensorMismatchError, class_means,
+from device_runtime.frobenius import factor_pairs, frobenius_decay_step, frobenius_norm_sq
+from device_runtime.trainer import (MANIFEST_NAME, ArtifactError, DeviceTrainer, TensorMismatchError, class_means,
                                     cross_entropy_sum, verify_artifacts)
 from export.artifacts import build_artifacts
 from server.lowrank import RankPlan, resolve_plan
@@ -222,3 +224,82 @@ def test_anchors_and_mask_go_together(trainer):
     x, y = _data(4)
     with pytest.raises(ValueError, match="both or neither"):
         trainer.train(x, y, rng=np.random.default_rng(0), **{**TRAIN, "anchors": np.zeros((CLASSES, FEATURES), np.float32)})
+
+
+def test_a_manifest_of_another_format_version_is_refused(artifact_dir, tmp_path):
+    manifest = json.loads((artifact_dir / MANIFEST_NAME).read_text())
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 1}))
+    with pytest.raises(ArtifactError, match="format version 1"):
+        DeviceTrainer(tmp_path)
+
+
+# Frobenius decay
+
+def test_frobenius_norm_sq_equals_the_norm_of_the_product():
+    rng = np.random.default_rng(0)
+    u, v = rng.standard_normal((30, 4)), rng.standard_normal((20, 4))
+    assert frobenius_norm_sq(u, v) == pytest.approx(np.linalg.norm(u @ v.T) ** 2)
+
+
+def test_decay_step_shrinks_the_norm_and_leaves_its_inputs_alone():
+    rng = np.random.default_rng(1)
+    u, v = rng.standard_normal((30, 4)).astype(np.float32), rng.standard_normal((20, 4)).astype(np.float32)
+    u0, v0 = u.copy(), v.copy()
+    new_u, new_v = frobenius_decay_step(u, v, 1e-3, 0.5)
+    assert frobenius_norm_sq(new_u, new_v) < frobenius_norm_sq(u, v)
+    assert np.array_equal(u, u0) and np.array_equal(v, v0)
+    assert new_u.dtype == new_v.dtype == np.float32
+
+
+def test_decay_step_with_a_zero_step_is_the_identity():
+    rng = np.random.default_rng(2)
+    u, v = rng.standard_normal((6, 2)), rng.standard_normal((5, 2))
+    new_u, new_v = frobenius_decay_step(u, v, 1e-3, 0.0)
+    assert np.array_equal(new_u, u) and np.array_equal(new_v, v)
+
+
+@pytest.mark.parametrize("mu,step,message", [(-1e-3, 0.1, "mu must be >= 0"), (1e-3, -0.1, "step must be >= 0")])
+def test_decay_step_rejects_negative_settings(mu, step, message):
+    with pytest.raises(ValueError, match=message):
+        frobenius_decay_step(np.ones((3, 2)), np.ones((4, 2)), mu, step)
+
+
+def test_decay_step_rejects_factors_of_different_ranks():
+    with pytest.raises(ValueError, match=r"U\(3, 2\) and V\(4, 3\)"):
+        frobenius_decay_step(np.ones((3, 2)), np.ones((4, 3)), 1e-3, 0.1)
+
+
+def test_factor_pairs_pair_each_layers_u_with_its_v():
+    names = ["fe.conv1.weight", "fe.conv2.u", "fe.conv2.v", "fe.conv2.bias", "fe.fc1.u", "fe.fc1.v", "fe.fc2.u"]
+    assert factor_pairs(names) == [("fe.conv2.u", "fe.conv2.v"), ("fe.fc1.u", "fe.fc1.v")]
+
+
+def test_decay_factors_steps_every_factor_pair_and_nothing_else(trainer):
+    fe, head = trainer.get_fe(), trainer.get_head()
+    trainer.decay_factors(1e-3, 0.2)
+    after = trainer.get_fe()
+    for u_name, v_name in factor_pairs(fe):
+        u, v = frobenius_decay_step(fe[u_name], fe[v_name], 1e-3, 0.2)
+        np.testing.assert_array_equal(after[u_name], u)
+        np.testing.assert_array_equal(after[v_name], v)
+    decayed = {name for pair in factor_pairs(fe) for name in pair}
+    assert decayed == {"fe.conv2.u", "fe.conv2.v", "fe.fc1.u", "fe.fc1.v"}
+    assert all(np.array_equal(after[k], fe[k]) for k in fe if k not in decayed)
+    assert all(np.array_equal(trainer.get_head()[k], head[k]) for k in head)
+
+
+def test_an_epoch_ends_with_one_decay_step_of_lr_times_its_step_count(artifact_dir):
+    x, y = _data(10)  # batch 4: 3 steps
+    with_decay, without = DeviceTrainer(artifact_dir), DeviceTrainer(artifact_dir)
+    result = with_decay.train(x, y, rng=np.random.default_rng(0), **{**TRAIN, "mu": 0.5})
+    without.train(x, y, rng=np.random.default_rng(0), **{**TRAIN, "mu": 0.0})
+    without.decay_factors(0.5, TRAIN["lr"] * result.steps)
+    assert result.steps == 3
+    for name, value in with_decay.get_fe().items():
+        np.testing.assert_array_equal(value, without.get_fe()[name])
+
+
+def test_train_rejects_a_negative_mu(trainer):
+    x, y = _data(4)
+    with pytest.raises(ValueError, match="mu must be >= 0"):
+        trainer.train(x, y, rng=np.random.default_rng(0), **{**TRAIN, "mu": -1.0})

@@ -106,6 +106,13 @@ def test_training_graph_takes_round_settings_as_inputs(built):
     assert graph.ir_version <= MAX_ONNXRUNTIME_IR
 
 
+def test_training_graph_leaves_the_frobenius_term_to_the_device(built):
+    graph = onnx.load(built.files["training_model"]).graph
+    assert "mu" not in {i.name for i in graph.input}
+    factors = {name for name in built.fe_names if name.endswith((".u", ".v"))}
+    assert factors and not any(node.op_type == "Gemm" and set(node.input) <= factors for node in graph.node)
+
+
 def test_corrupt_file_is_refused(built, tmp_path):
     copy = tmp_path / built.hash
     shutil.copytree(built.directory, copy)

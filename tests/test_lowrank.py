@@ -1,10 +1,12 @@
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from server.lowrank import (FactorizedConv2d, RankPlan, decompose, factorize_layer, factorize_model, factorize_state,
-                            fe_state, frobenius_decay, full_rank, gram_frobenius, matrix_shape, reconstruct,
-                            reconstruct_state, resolve_plan)
+from device_runtime import frobenius
+from server.lowrank import (FactorizedConv2d, RankPlan, decay_factors, decompose, factorize_layer, factorize_model,
+                            factorize_state, fe_state, frobenius_decay_step, full_rank,
+                            gram_frobenius, matrix_shape, reconstruct, reconstruct_state, resolve_plan)
 from server.models import build_model
 
 
@@ -128,12 +130,51 @@ def test_gram_frobenius_equals_product_norm():
     assert torch.isclose(gram_frobenius(u, v), torch.linalg.norm(u @ v.T).square(), rtol=1e-5)
 
 
-def test_frobenius_decay_sums_factorized_layers_only():
+def test_decay_step_is_the_step_size_times_the_autograd_gradient_of_the_penalty():
+    u, v = torch.randn(30, 4, requires_grad=True), torch.randn(20, 4, requires_grad=True)
+    mu, step = 1e-3, 0.1
+    (mu * gram_frobenius(u, v)).backward()
+    new_u, new_v = frobenius_decay_step(u.detach(), v.detach(), mu, step)
+    assert torch.allclose(new_u, u.detach() - step * u.grad, atol=1e-6)
+    assert torch.allclose(new_v, v.detach() - step * v.grad, atol=1e-6)
+
+
+def test_numpy_decay_step_equals_the_torch_twin():
+    u, v = torch.randn(40, 8), torch.randn(25, 8)
+    expected = frobenius_decay_step(u, v, 1e-3, 0.5)
+    got = frobenius.frobenius_decay_step(u.numpy(), v.numpy(), 1e-3, 0.5)
+    for want, have in zip(expected, got):
+        np.testing.assert_allclose(have, want.numpy(), atol=1e-6)
+
+
+def test_decay_step_rejects_factors_of_different_ranks():
+    with pytest.raises(ValueError, match="one rank r"):
+        frobenius_decay_step(torch.randn(5, 3), torch.randn(4, 2), 1e-3, 0.1)
+
+
+def test_decay_factors_leaves_a_dense_model_untouched():
     model = build_model("fedavgcnn", (1, 28, 28), 10)
-    client = factorize_model(model, {"fe.fc1": 16})
-    expected = gram_frobenius(client.fe.fc1.u, client.fe.fc1.v)
-    assert torch.isclose(frobenius_decay(client), expected)
-    assert frobenius_decay(model) == 0
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    decay_factors(model, 1e-3, 0.1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_decay_factors_steps_every_factorized_layer():
+    client = factorize_model(build_model("fedavgcnn", (1, 28, 28), 10), {"fe.conv2": 8, "fe.fc1": 16})
+    layers = [client.fe.conv2, client.fe.fc1]
+    expected = [frobenius_decay_step(m.u.detach(), m.v.detach(), 1e-3, 0.1) for m in layers]
+    decay_factors(client, 1e-3, 0.1)
+    for layer, (u, v) in zip(layers, expected):
+        assert torch.equal(layer.u, u) and torch.equal(layer.v, v)
+
+
+def test_decay_factors_changes_only_the_trained_factors():
+    client = factorize_model(build_model("fedavgcnn", (1, 28, 28), 10), {"fe.fc1": 16})
+    before = {k: v.clone() for k, v in client.state_dict().items()}
+    decay_factors(client, 1e-3, 0.1, params=list(client.head.parameters()))
+    assert all(torch.equal(before[k], v) for k, v in client.state_dict().items())
+    decay_factors(client, 1e-3, 0.1, params=[client.fe.fc1.u])
+    assert not torch.equal(before["fe.fc1.u"], client.fe.fc1.u) and torch.equal(before["fe.fc1.v"], client.fe.fc1.v)
 
 
 def test_factorize_then_reconstruct_state_roundtrips_at_full_rank():

@@ -21,6 +21,7 @@ FACTORIZED = {"fe.conv2": 80, "fe.fc1": 256}
 PARAM_ATOL = 1e-5
 SETTINGS = dict(mu=1e-3, lr=0.05, epochs=1, batch_size=8)  # 20 samples: batches of 8, 8 and a partial 4
 SEED = 3
+STRONG_DECAY = dict(mu=0.05, epochs=2)  # large enough that the per-epoch decay step shows in the weights
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +57,9 @@ def _max_param_diff(reference: torch.nn.Module, trainer: DeviceTrainer) -> float
     return max(float(np.abs(reference_state[k].numpy() - device[k]).max()) for k in device)
 
 
-def _train_both(reference, trainer, data, *, lam: float, anchors=None, mask=None):
+def _train_both(reference, trainer, data, *, lam: float, anchors=None, mask=None, **overrides):
     x, y = data
-    common = dict(anchors=anchors, mask=mask, lam=lam, **SETTINGS)
+    common = dict(anchors=anchors, mask=mask, lam=lam, **{**SETTINGS, **overrides})
     stats = train_local(reference, x, y, rng=np.random.default_rng(SEED), **common)
     result = trainer.train(x, y, rng=np.random.default_rng(SEED), **common)
     return stats, result
@@ -81,6 +82,29 @@ def test_anchor_term_epoch_matches_torch(model, cache, data):
     anchors, mask = compute_anchors(reference.fe, *data, CLASSES)
     _train_both(reference, trainer, data, lam=2.0, anchors=anchors, mask=mask)
     assert _max_param_diff(reference, trainer) < PARAM_ATOL
+
+
+def test_two_epochs_with_a_strong_decay_match_torch(model, cache, data):
+    reference, trainer = _pair(model, FACTORIZED, cache)
+    _train_both(reference, trainer, data, lam=0.0, **STRONG_DECAY)
+    assert _max_param_diff(reference, trainer) < PARAM_ATOL
+
+
+def test_the_strong_decay_moves_the_factors_beyond_the_parity_tolerance(model, cache, data):
+    (_, decaying), (_, plain) = _pair(model, FACTORIZED, cache), _pair(model, FACTORIZED, cache)
+    for trainer, mu in ((decaying, STRONG_DECAY["mu"]), (plain, 0.0)):
+        trainer.train(*data, anchors=None, mask=None, lam=0.0, rng=np.random.default_rng(SEED),
+                      **{**SETTINGS, **STRONG_DECAY, "mu": mu})
+    decayed, undecayed = decaying.get_fe(), plain.get_fe()
+    assert max(float(np.abs(decayed[k] - undecayed[k]).max()) for k in decayed) > 100 * PARAM_ATOL
+
+
+def test_a_head_only_phase_decays_no_fe_factor(model, data):
+    reference = factorize_model(model, FACTORIZED)
+    before = fe_state(reference)
+    train_local(reference, *data, anchors=None, mask=None, lam=0.0, rng=np.random.default_rng(SEED),
+                params=list(reference.head.parameters()), **{**SETTINGS, **STRONG_DECAY})
+    assert all(torch.equal(before[k], v) for k, v in fe_state(reference).items())
 
 
 def test_the_updates_are_large_enough_for_parity_to_mean_something(model, cache, data):
