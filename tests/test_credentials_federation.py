@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import uuid
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from server.partition import write_shards
 from server.report import METRICS_FILE, read_metrics
 from server.simulate import build_parser as simulate_parser
 from server.simulate import prepare
+from tests.mqtt_peer import MqttPeer
 from tests.test_transport import tls_files  # noqa: F401  (a fixture: the test CA and the broker's certificate)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -59,40 +59,23 @@ def start_devices(url: str, ca: Path, directory: Path) -> list[subprocess.Popen]
             for device_id, shard in zip(PASSWORDS, shards)]
 
 
-class Impostor:
+class Impostor(MqttPeer):
     """Logged in as dev_001 (its own device runs alongside), subscribed to both devices' down topics. Each time
     it reads a task of its own, it sends the server a NaN update and garbage as dev_000, and garbage as itself."""
 
     def __init__(self, url: str, ca: Path) -> None:
+        super().__init__()
         self.victim, self.own = Topics(PREFIX, VICTIM), Topics(PREFIX, IMPOSTOR)
         self.endpoint = MqttEndpoint("impostor", url, username=IMPOSTOR, password=PASSWORDS[IMPOSTOR], tls_ca=ca,
                                      subscriptions=[self.victim.down, self.own.down])
         self.read: dict[str, int] = {self.victim.down: 0, self.own.down: 0}
         self.attacks = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
 
-    def __enter__(self) -> Impostor:
-        self.endpoint.start()
-        self.endpoint.wait_connected(WAIT_S)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop.set()
-        self.thread.join(WAIT_S)
-        self.endpoint.stop()
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            item = self.endpoint.get(0.1)
-            if item is None:
-                continue
-            topic, payload = item
-            self.read[topic] += 1
-            msg = decode(payload, max_bytes=1 << 28)
-            if topic == self.own.down and msg.type == MessageType.TASK:
-                self._attack(msg)
+    def on_message(self, topic: str, payload: bytes) -> None:
+        self.read[topic] += 1
+        msg = decode(payload, max_bytes=1 << 28)
+        if topic == self.own.down and msg.type == MessageType.TASK:
+            self._attack(msg)
 
     def _attack(self, task_msg) -> None:
         plan_hash, task = parse_task(task_msg)

@@ -13,7 +13,6 @@ import argparse
 import functools
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -47,6 +46,7 @@ from server.report import METRICS_FILE, read_metrics
 from server.simulate import build_parser as simulate_parser
 from server.simulate import config_from_args, make_backend, prepare, run_federation
 from server.strategy import factorize_per_plan, plan_key
+from tests.mqtt_peer import MqttPeer
 
 RUN = "run1"
 PREFIX = DEFAULT_TOPIC_PREFIX
@@ -655,44 +655,29 @@ WIRE_ROUNDS = 2
 IMPOSTOR_ID = "dev_666"
 
 
-class Impostor:
+class Impostor(MqttPeer):
     """A client of the open (embedded) broker that reads every device's traffic and, whenever dev_000 is sent
     a task, sends the server garbage, updates forged from that task, and replays of dev_000's own updates."""
 
     def __init__(self, url: str) -> None:
+        super().__init__()
         self.url = url
         self.endpoint = MqttEndpoint("impostor", url, subscriptions=[f"{PREFIX}/dev/+/down", f"{PREFIX}/dev/+/up"])
         self.captured: list[bytes] = []
         self.attacks = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
 
-    def __enter__(self) -> Impostor:
-        self.endpoint.start()
-        self.endpoint.wait_connected(WAIT_S)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop.set()
-        self.thread.join(WAIT_S)
-        self.endpoint.stop()
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            item = self.endpoint.get(0.1)
-            if item is None or not item[0].startswith(f"{PREFIX}/dev/{TRAINER}/"):
-                continue
-            topic, payload = item
-            try:
-                msg = decode(payload, max_bytes=1 << 28, allow_nonfinite=True)
-            except ProtocolError:
-                continue  # its own garbage
-            if topic == up(TRAINER) and msg.type == MessageType.UPDATE and payload not in self.captured:
-                self.captured.append(payload)
-                self._send(up(TRAINER), payload)
-            elif msg.type == MessageType.TASK:
-                self._attack(msg)
+    def on_message(self, topic: str, payload: bytes) -> None:
+        if not topic.startswith(f"{PREFIX}/dev/{TRAINER}/"):
+            return
+        try:
+            msg = decode(payload, max_bytes=1 << 28, allow_nonfinite=True)
+        except ProtocolError:
+            return  # its own garbage
+        if topic == up(TRAINER) and msg.type == MessageType.UPDATE and payload not in self.captured:
+            self.captured.append(payload)
+            self._send(up(TRAINER), payload)
+        elif msg.type == MessageType.TASK:
+            self._attack(msg)
 
     def _send(self, topic: str, payload: bytes) -> None:
         self.endpoint.publish(topic, payload, f"impostor-{uuid.uuid4().hex}")

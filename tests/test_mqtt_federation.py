@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from server.mosquitto_config import write_mosquitto_auth
 from server.models import build_model
 from server.report import ACCURACY_PLOT, BYTES_PLOT, METRICS_FILE, REPORT_FILE, read_metrics
 from server.simulate import build_parser, config_from_args, make_backend, prepare, run_federation
+from tests.mqtt_peer import MqttPeer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
@@ -146,47 +146,35 @@ def test_resumed_run_reuses_the_devices_cached_artifacts(embedded_run: Path, tmp
 # -- stragglers ------------------------------------------------------------------------------
 
 
-class SilentDevice:
+class SilentDevice(MqttPeer):
     """Joins (again when asked), acknowledges its plan, and never answers a task."""
 
     def __init__(self, url: str, device_id: str, shard: ShardInfo):
+        super().__init__()
         self.device_id, self.shard = device_id, shard
         self.topics = Topics(DEFAULT_TOPIC_PREFIX, device_id)
         self.endpoint = MqttEndpoint(device_id, url, subscriptions=[self.topics.down],
                                      will=(self.topics.status, b"offline"))
         self.tasks = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
 
-    def __enter__(self) -> SilentDevice:
-        self.endpoint.start()
-        self.endpoint.wait_connected(WAIT_S)
+    def on_connected(self) -> None:
         self.join()
-        self.thread.start()
-        return self
 
     def join(self) -> None:
         join = join_message(Join(collect_profile(None, 1), self.shard, ()), device_id=self.device_id)
         self.endpoint.publish(self.topics.up, encode(join), join.msg_id)
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop.set()
-        self.thread.join(WAIT_S)
-        self.endpoint.stop()
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            item = self.endpoint.get(0.1)
-            if item is None or item[0] != self.topics.down:
-                continue
-            msg = decode(item[1], max_bytes=1 << 28)
-            if msg.type == MessageType.PLAN:
-                ack = ack_message(parse_plan(msg).plan_hash, device_id=self.device_id, run_id=msg.run_id)
-                self.endpoint.publish(self.topics.up, encode(ack), ack.msg_id)
-            elif msg.type == MessageType.TASK:
-                self.tasks += 1
-            elif msg.type == MessageType.ERROR and parse_error(msg).code == ErrorCode.REJOIN:
-                self.join()
+    def on_message(self, topic: str, payload: bytes) -> None:
+        if topic != self.topics.down:
+            return
+        msg = decode(payload, max_bytes=1 << 28)
+        if msg.type == MessageType.PLAN:
+            ack = ack_message(parse_plan(msg).plan_hash, device_id=self.device_id, run_id=msg.run_id)
+            self.endpoint.publish(self.topics.up, encode(ack), ack.msg_id)
+        elif msg.type == MessageType.TASK:
+            self.tasks += 1
+        elif msg.type == MessageType.ERROR and parse_error(msg).code == ErrorCode.REJOIN:
+            self.join()
 
 
 def test_device_that_never_answers_is_dropped_at_the_deadline(embedded_broker, tmp_path: Path, cache: Path):
