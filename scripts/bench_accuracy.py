@@ -1,6 +1,7 @@
 """Accuracy benchmark: FedARA against its λ = 0 ablation and the local / FedAvg / FedRep baselines.
 
-    nice -n 10 .venv/bin/python scripts/bench_accuracy.py            # the committed docs/accuracy.*: ~1 h, 2 cores
+    nice -n 10 .venv/bin/python scripts/bench_accuracy.py       # the committed docs/accuracy.*: ~1 h on 2 cores
+    .venv/bin/python scripts/bench_accuracy.py --render-only    # redo accuracy.md/.png from docs/accuracy.json
 
 Fashion-MNIST, 20 clients, Dirichlet label skew (α = 0.1 and 0.5), several seeds. Per α two settings:
 - homogeneous (FedAvgCNN): FedARA (rank ratio 1.0, a dense FE: the paper's FedARA), FedARA* (ratio 0.5),
@@ -176,10 +177,6 @@ def _worker_init(threads: int) -> None:
     install_dataset_cache()
 
 
-def _execute_quietly(spec: RunSpec) -> dict:
-    return execute(spec)
-
-
 def run_all(specs: list[RunSpec], threads: int, jobs: int, on_result: Callable[[dict], None],
             verbose: bool = False) -> list[dict]:
     """Every run, in this process (jobs = 1) or in ``jobs`` worker processes; results in ``specs`` order."""
@@ -195,7 +192,7 @@ def run_all(specs: list[RunSpec], threads: int, jobs: int, on_result: Callable[[
             restore()
     else:
         with multiprocessing.get_context("spawn").Pool(jobs, _worker_init, (threads,)) as pool:
-            for result in pool.imap_unordered(_execute_quietly, specs):
+            for result in pool.imap_unordered(execute, specs):
                 results.append(result)
                 on_result(result)
     order = {(s.setting, s.algorithm, s.seed): i for i, s in enumerate(specs)}
@@ -253,11 +250,12 @@ def paired_differences(results: list[dict]) -> list[dict]:
 
 
 def curves(results: list[dict]) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """setting -> algorithm -> (mean, std) accuracy per round over seeds."""
+    """setting -> algorithm -> (mean, sample std) accuracy per round over seeds."""
     out: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
     for (setting, algorithm), runs in _groups(results).items():
         acc = np.array([[rec["accuracy"] for rec in r["rounds"]] for r in runs])
-        out.setdefault(setting, {})[algorithm] = (acc.mean(axis=0), acc.std(axis=0))
+        spread = acc.std(axis=0, ddof=1) if len(runs) > 1 else np.zeros(acc.shape[1])
+        out.setdefault(setting, {})[algorithm] = (acc.mean(axis=0), spread)
     return out
 
 
