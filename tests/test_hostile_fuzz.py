@@ -10,10 +10,8 @@ on. Derandomized: every run checks the same inputs, and each test checks it ran 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import struct
 from collections.abc import Callable
 
 import numpy as np
@@ -24,6 +22,8 @@ from hypothesis.extra import numpy as hnp
 from device_runtime.messages import ErrorCode, Join, ack_message, error_message, join_message
 from device_runtime.protocol import MAX_ROUND, Message, MessageType, decode, encode
 from server.coordinator import NO_ANSWER
+from tests.envelope_edits import apply_edits, envelope, rehashed, split
+from tests.envelope_edits import byte_edits as byte_edits_within
 from tests.test_hostile import (DENSE, EVAL, FACTORED, LOW_RANK, PROFILE, REFUSED, ROUND, RUN, SERVER_LOG, SHARD,
                                 STRANGER, TRAINER, UNASSIGNED, World, close, genuine_update, open_server, server_state,
                                 up, world)  # noqa: F401  (world is a fixture)
@@ -203,37 +203,7 @@ def test_generated_envelopes(world: World):
 
 # -- mutated envelopes ----------------------------------------------------------------------------------
 
-byte_edits = st.lists(st.tuples(st.sampled_from(["flip", "delete", "insert", "truncate"]),
-                                st.integers(0, 1 << 20), st.integers(1, 255)), min_size=1, max_size=4)
-
-
-def apply_edits(data: bytes, edits: list[tuple[str, int, int]], near_start: bool) -> bytes:
-    """Byte edits; positions wrap around the data, or only its first 1 KiB with ``near_start``."""
-    out = bytearray(data)
-    for op, position, value in edits:
-        i = position % (min(len(out), 1024) + 1 if near_start else len(out) + 1)
-        if op == "flip" and i < len(out):
-            out[i] ^= value
-        elif op == "delete":
-            del out[i:i + value % 8 + 1]
-        elif op == "insert":
-            out[i:i] = bytes([value]) * (value % 8 + 1)
-        elif op == "truncate":
-            del out[i:]
-    return bytes(out)
-
-
-def split(data: bytes) -> tuple[bytes, bytes]:
-    (header_len,) = struct.unpack_from("<I", data, 4)
-    return data[8:8 + header_len], data[8 + header_len:]
-
-
-def envelope_of(header: bytes, body: bytes) -> bytes:
-    return b"FARA" + struct.pack("<I", len(header)) + header + body
-
-
-def rehashed(header: dict, body: bytes) -> bytes:
-    return json.dumps(dict(header, body_sha256=hashlib.sha256(body).hexdigest())).encode()
+byte_edits = byte_edits_within(1 << 20)
 
 
 def test_byte_mutated_envelopes(world: World):
@@ -246,10 +216,10 @@ def test_byte_mutated_envelopes(world: World):
         if region == "envelope":
             mutated = apply_edits(data, edits, near_start)
         elif region == "header":
-            mutated = envelope_of(apply_edits(header, edits, True), body)
+            mutated = envelope(apply_edits(header, edits, True), body)
         else:
             body = apply_edits(body, edits, near_start)
-            mutated = envelope_of(rehashed(json.loads(header), body), body)
+            mutated = envelope(rehashed(header, body), body)
         return TOPICS[(TOPICS.index(topic) + topic_shift) % len(TOPICS)] if topic_shift > 2 else topic, mutated
 
     strategy = st.tuples(st.integers(0, len(messages) - 1), st.sampled_from(["envelope", "header", "body"]),
@@ -283,8 +253,9 @@ def test_schema_mutated_headers(world: World):
                 if isinstance(entries, list) and entries and isinstance(entries[position % len(entries)], dict):
                     target = entries[position % len(entries)]
             set_or_delete(target, key, delete, value)
-        raw = rehashed(header, body) if rehash else json.dumps(header).encode()
-        return topic, envelope_of(raw, body)
+        raw = json.dumps(header).encode()
+        raw = rehashed(raw, body) if rehash else raw
+        return topic, envelope(raw, body)
 
     strategy = st.tuples(st.integers(0, len(messages) - 1), st.lists(edit, min_size=1, max_size=3), st.booleans())
     run_fuzz(world, 2000, strategy, mutate)

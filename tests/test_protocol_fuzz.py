@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -22,6 +21,8 @@ from device_runtime.protocol import (
     decode,
     encode,
 )
+from tests.envelope_edits import apply_edits, envelope, rehashed, split
+from tests.envelope_edits import byte_edits as byte_edits_within
 from tests.test_protocol import FRAME_LAYOUT
 
 MAX_BYTES = 1 << 16
@@ -126,42 +127,7 @@ def test_valid_messages_round_trip(msg):
     assert fields_of(decode(encode(msg), max_bytes=MAX_BYTES)) == fields_of(msg)
 
 
-byte_edits = st.lists(
-    st.tuples(st.sampled_from(["flip", "delete", "insert", "truncate"]),
-              st.integers(0, 1 << 16), st.integers(1, 255)),
-    min_size=1,
-    max_size=4,
-)
-
-
-def apply_edits(data: bytes, edits: list[tuple[str, int, int]]) -> bytes:
-    out = bytearray(data)
-    for op, position, value in edits:
-        i = position % (len(out) + 1)
-        if op == "flip" and i < len(out):
-            out[i] ^= value
-        elif op == "delete":
-            del out[i:i + value % 8 + 1]
-        elif op == "insert":
-            out[i:i] = bytes([value]) * (value % 8 + 1)
-        elif op == "truncate":
-            del out[i:]
-    return bytes(out)
-
-
-def split(data: bytes) -> tuple[bytes, bytes]:
-    (header_len,) = struct.unpack_from("<I", data, 4)
-    return data[8:8 + header_len], data[8 + header_len:]
-
-
-def envelope(header: bytes, body: bytes) -> bytes:
-    return b"FARA" + struct.pack("<I", len(header)) + header + body
-
-
-def rehashed(header: bytes, body: bytes) -> bytes:
-    fields = json.loads(header)
-    fields["body_sha256"] = hashlib.sha256(body).hexdigest()
-    return json.dumps(fields).encode()
+byte_edits = byte_edits_within(1 << 16)
 
 
 @fuzz_settings(3000)
