@@ -1,11 +1,15 @@
 """Versioned MQTT wire protocol shared by the server and the devices (numpy + stdlib only).
 
-Envelope (one logical message):
+Envelope (one logical message), version 2:
 
-    b"FARA" | uint32 LE header length | UTF-8 JSON header | body
+    b"FAR2" | uint32 LE header length | tag (32 B) | UTF-8 JSON header | body
 
 The header is a JSON object with exactly the keys ``type, version, run_id, round, device_id,
-msg_id, meta, tensors, blobs, body_sha256``. The body is the raw little-endian, C-order bytes
+msg_id, direction, counter, meta, tensors, blobs, body_sha256``. The tag is HMAC-SHA256 under the
+device's key of the SHA-256 of the header bytes (device_runtime.auth): it covers every header field,
+and through ``body_sha256`` the body. ``decode`` checks the structure only and returns the tag and
+the header digest with the message; ``auth.Verifier.check`` decides whether to believe it. Version 1
+envelopes (magic b"FARA", no tag) and frames are refused as BAD_VERSION. The body is the raw little-endian, C-order bytes
 of every tensor in header order, then every blob in header order, with no gaps and no trailing
 bytes; ``body_sha256`` is the hex SHA-256 of the whole body. Nothing is unpickled or evaluated:
 decoding parses JSON and copies bytes. ``decode`` returns tensors as writable, native-byte-order
@@ -27,15 +31,18 @@ import json
 import math
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+from device_runtime.auth import TAG_BYTES, Direction, compute_tag, is_counter
 
-MAGIC = b"FARA"
+PROTOCOL_VERSION = 2
+
+MAGIC = b"FAR2"
+V1_MAGIC = b"FARA"
 FRAME_MAGIC = b"FACK"
 
 MAX_HEADER_BYTES = 256 * 1024
@@ -53,8 +60,9 @@ MAX_TENSOR_BYTES = 2**31 - 1
 MAX_META_DEPTH = 8
 MAX_ROUND = 2**31 - 1
 MAX_JSON_INT = 2**63 - 1
-COMPLETED_IDS_REMEMBERED = 1024
-"""How many delivered msg_ids a Reassembler remembers to drop re-delivered duplicates."""
+COMPLETED_IDS_REMEMBERED = 4096
+"""How many delivered msg_ids a Reassembler remembers (over all its streams) to drop re-delivered
+duplicates."""
 
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name).newbyteorder("<")
@@ -66,14 +74,14 @@ _ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,%d}" % (MAX_ID_LEN - 1))
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,%d}" % (MAX_NAME_LEN - 1))
 _SHA256_HEX_RE = re.compile(r"[0-9a-f]{64}")
 
-_PREFIX = struct.Struct("<4sI")
+_PREFIX = struct.Struct("<4sI%ds" % TAG_BYTES)
 _FRAME_HEADER = struct.Struct("<4sBB%dsIIQ32s" % MAX_ID_LEN)
 FRAME_HEADER_BYTES = _FRAME_HEADER.size
 """Fixed size of a frame header; a frame is this header plus at least one payload byte."""
 
 _HEADER_KEYS = frozenset(
-    ("type", "version", "run_id", "round", "device_id", "msg_id", "meta", "tensors", "blobs",
-     "body_sha256")
+    ("type", "version", "run_id", "round", "device_id", "msg_id", "direction", "counter", "meta",
+     "tensors", "blobs", "body_sha256")
 )
 _TENSOR_KEYS = frozenset(("name", "dtype", "shape", "offset", "nbytes"))
 _BLOB_KEYS = frozenset(("name", "offset", "nbytes"))
@@ -140,7 +148,10 @@ class TopicKind(str, Enum):
 
 @dataclass(eq=False)
 class Message:
-    """One logical protocol message (compare fields, not messages: tensors are arrays)."""
+    """One logical protocol message (compare fields, not messages: tensors are arrays).
+
+    ``direction`` and ``counter`` are set by the sender's ``seal``; ``tag`` and ``signed_digest``
+    are filled by ``decode`` for the Verifier and ignored by ``encode``."""
 
     type: MessageType
     run_id: str
@@ -150,6 +161,10 @@ class Message:
     meta: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     blobs: dict[str, bytes] = field(default_factory=dict)
+    direction: Direction = Direction.UP
+    counter: int = 0
+    tag: bytes = b""
+    signed_digest: bytes = b""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,11 +349,34 @@ def _check_finite(name: str, array: np.ndarray) -> None:
         raise ProtocolError(Reason.NONFINITE, f"tensor {name!r} holds NaN or infinity")
 
 
-def encode(msg: Message) -> bytes:
-    """Serialize ``msg`` into one envelope; raises ProtocolError where ``msg`` breaks the schema.
+def _check_direction(value: object) -> Direction:
+    if isinstance(value, str) and value in {d.value for d in Direction}:
+        return Direction(value)
+    raise ProtocolError(
+        Reason.BAD_HEADER,
+        f"direction must be one of {[d.value for d in Direction]}, got {value!r:.30}",
+    )
+
+
+def _check_counter(value: object) -> int:
+    if not is_counter(value):
+        raise ProtocolError(Reason.BAD_HEADER, f"counter must be a positive int below 2**63, got {value!r:.30}")
+    return value  # type: ignore[return-value]
+
+
+def seal(msg: Message, key: bytes, direction: Direction, counter: int) -> bytes:
+    """``msg`` as an envelope sent in ``direction`` with ``counter``, tagged under ``key``."""
+    return encode(replace(msg, direction=direction, counter=counter), key=key)
+
+
+def encode(msg: Message, *, key: bytes) -> bytes:
+    """Serialize ``msg`` into one envelope tagged under ``key``, with its ``direction`` and
+    ``counter``; raises ProtocolError where ``msg`` breaks the schema (a counter of 0 included).
 
     Non-finite float tensors are encoded (the receiver decides whether to accept them)."""
     mtype = _message_type(msg.type)
+    direction = _check_direction(msg.direction)
+    counter = _check_counter(msg.counter)
     check_id(msg.run_id, "run_id")
     check_device_id(msg.device_id)
     check_id(msg.msg_id, "msg_id")
@@ -379,7 +417,8 @@ def encode(msg: Message) -> bytes:
     body = b"".join(parts)
     header = {
         "type": mtype.value, "version": PROTOCOL_VERSION, "run_id": msg.run_id,
-        "round": msg.round, "device_id": msg.device_id, "msg_id": msg.msg_id, "meta": msg.meta,
+        "round": msg.round, "device_id": msg.device_id, "msg_id": msg.msg_id,
+        "direction": direction.value, "counter": counter, "meta": msg.meta,
         "tensors": tensor_entries, "blobs": blob_entries,
         "body_sha256": hashlib.sha256(body).hexdigest(),
     }
@@ -388,7 +427,8 @@ def encode(msg: Message) -> bytes:
         raise ProtocolError(
             Reason.OVERSIZE, f"header is {len(header_bytes)} bytes, over {MAX_HEADER_BYTES}"
         )
-    return _PREFIX.pack(MAGIC, len(header_bytes)) + header_bytes + body
+    tag = compute_tag(key, hashlib.sha256(header_bytes).digest())
+    return _PREFIX.pack(MAGIC, len(header_bytes), tag) + header_bytes + body
 
 
 def _reject_constant(token: str) -> None:
@@ -461,7 +501,8 @@ def decode(data: bytes, *, max_bytes: int, allow_nonfinite: bool = False) -> Mes
     """Parse and fully validate one envelope of at most ``max_bytes`` bytes.
 
     Any violation raises ProtocolError and nothing else. Tensors come back as writable
-    native-byte-order copies; float tensors must be finite unless ``allow_nonfinite``."""
+    native-byte-order copies; float tensors must be finite unless ``allow_nonfinite``.
+    This authenticates nothing: act on the message only after ``auth.Verifier.check`` accepts it."""
     if not _is_int(max_bytes) or max_bytes <= 0:
         raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
     if not isinstance(data, (bytes, bytearray)):
@@ -475,7 +516,13 @@ def decode(data: bytes, *, max_bytes: int, allow_nonfinite: bool = False) -> Mes
         raise ProtocolError(
             Reason.TRUNCATED, f"message is {len(view)} bytes, shorter than its prefix"
         )
-    magic, header_len = _PREFIX.unpack_from(view)
+    if bytes(view[:len(V1_MAGIC)]) == V1_MAGIC:
+        raise ProtocolError(
+            Reason.BAD_VERSION,
+            f"protocol version 1 envelope (no authentication tag), this side speaks {PROTOCOL_VERSION}: "
+            "update the sender",
+        )
+    magic, header_len, tag = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise ProtocolError(Reason.BAD_MAGIC, f"magic {magic!r}, expected {MAGIC!r}")
     if header_len > MAX_HEADER_BYTES:
@@ -485,13 +532,16 @@ def decode(data: bytes, *, max_bytes: int, allow_nonfinite: bool = False) -> Mes
         raise ProtocolError(
             Reason.TRUNCATED, f"header length {header_len} runs past the message end"
         )
-    header = _parse_header(bytes(view[_PREFIX.size:body_start]))
+    raw_header = bytes(view[_PREFIX.size:body_start])
+    header = _parse_header(raw_header)
     body = view[body_start:]
 
     mtype = _message_type(header["type"])
     run_id = check_id(header["run_id"], "run_id")
     device_id = check_device_id(header["device_id"])
     msg_id = check_id(header["msg_id"], "msg_id")
+    direction = _check_direction(header["direction"])
+    counter = _check_counter(header["counter"])
     round_ = _check_round(header["round"])
     meta = _check_meta(header["meta"])
     digest = header["body_sha256"]
@@ -543,7 +593,8 @@ def decode(data: bytes, *, max_bytes: int, allow_nonfinite: bool = False) -> Mes
             _check_finite(name, array)
         tensors[name] = array
     blobs = {e["name"]: bytes(body[e["offset"]:e["offset"] + e["nbytes"]]) for e in blob_entries}
-    return Message(mtype, run_id, round_, device_id, msg_id, meta, tensors, blobs)
+    return Message(mtype, run_id, round_, device_id, msg_id, meta, tensors, blobs, direction, counter,
+                   tag, hashlib.sha256(raw_header).digest())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -648,17 +699,30 @@ class _Pending:
     digest: bytes
     step: int
     pieces: dict[int, bytes] = field(default_factory=dict)
+    held: int = 0  # bytes in pieces
+
+
+def envelope_limit(payload_bytes: int) -> int:
+    """Largest envelope to accept for a message whose tensors and blobs hold ``payload_bytes``:
+    the payload plus the largest header this protocol allows."""
+    return _PREFIX.size + MAX_HEADER_BYTES + payload_bytes
 
 
 class Reassembler:
-    """Joins frames back into payloads, tolerating reordering and duplicates.
+    """Joins frames back into payloads, per stream (an MQTT topic), tolerating reordering and
+    duplicates.
 
-    Memory is bounded by ``max_pending * max_message_bytes``: a new message beyond
-    ``max_pending`` incomplete ones evicts the oldest. A frame that contradicts earlier frames
-    of its msg_id is rejected and ignored; a completed payload whose hash fails is dropped.
-    Frames of a recently delivered msg_id (MQTT QoS 1 re-delivery) are ignored."""
+    Memory is bounded in total, over all streams: at most ``max_pending`` incomplete messages
+    holding at most ``max_pending_bytes`` of chunks. A new message beyond ``max_pending``, or a
+    chunk beyond ``max_pending_bytes``, evicts the oldest incomplete messages (of any stream) first.
+    A frame flood on many topics thus costs a bounded amount of memory; it can still push out a
+    genuine message in flight, which is then lost like any message on a lossy link. A frame that
+    contradicts earlier frames of its msg_id is rejected and ignored; a completed payload whose
+    hash fails is dropped. Frames of a recently delivered msg_id (MQTT QoS 1 re-delivery) are
+    ignored."""
 
-    def __init__(self, max_message_bytes: int, timeout_s: float, max_pending: int) -> None:
+    def __init__(self, max_message_bytes: int, timeout_s: float, max_pending: int,
+                 max_pending_bytes: int | None = None) -> None:
         if not _is_int(max_message_bytes) or max_message_bytes < 0:
             raise ValueError(
                 f"max_message_bytes must be a non-negative int, got {max_message_bytes!r}"
@@ -667,30 +731,55 @@ class Reassembler:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         if not _is_int(max_pending) or max_pending < 1:
             raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
+        budget = max_message_bytes if max_pending_bytes is None else max_pending_bytes
+        if not _is_int(budget) or budget < max_message_bytes:
+            raise ValueError(
+                f"max_pending_bytes must be an int >= max_message_bytes ({max_message_bytes}), "
+                f"got {budget!r}: a message of the largest size must be able to complete"
+            )
         self.max_message_bytes = max_message_bytes
         self.timeout_s = timeout_s
         self.max_pending = max_pending
-        self._pending: dict[str, _Pending] = {}
-        self._delivered: dict[str, float] = {}
+        self.max_pending_bytes = budget
+        self._pending: dict[tuple[str, str], _Pending] = {}
+        self._delivered: dict[tuple[str, str], float] = {}
+        self._held = 0
 
     @property
     def pending_ids(self) -> tuple[str, ...]:
         """Msg_ids of incomplete messages, oldest first."""
-        return tuple(self._pending)
+        return tuple(msg_id for _, msg_id in self._pending)
 
-    def feed(self, frame: bytes, now: float) -> bytes | None:
-        """Take one frame received at time ``now``; return the payload once it is complete."""
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of chunks held for incomplete messages, over all streams."""
+        return self._held
+
+    def set_max_message_bytes(self, max_message_bytes: int) -> None:
+        """Change the largest message accepted from now on (up to ``max_pending_bytes``); a
+        device lowers it to its model's size once it knows its plan."""
+        if not _is_int(max_message_bytes) or not 0 <= max_message_bytes <= self.max_pending_bytes:
+            raise ValueError(
+                f"max_message_bytes must be an int in 0..{self.max_pending_bytes}, got "
+                f"{max_message_bytes!r}"
+            )
+        self.max_message_bytes = max_message_bytes
+
+    def feed(self, frame: bytes, now: float, stream: str = "") -> bytes | None:
+        """Take one frame of ``stream`` received at time ``now``; return the payload once it is
+        complete."""
         f = _parse_frame(frame)
         if f.total > self.max_message_bytes:
             raise ProtocolError(
                 Reason.OVERSIZE,
                 f"message {f.msg_id!r} is {f.total} bytes, over {self.max_message_bytes}",
             )
-        if f.msg_id in self._delivered:
+        key = (stream, f.msg_id)
+        if key in self._delivered:
             return None
-        pending = self._pending.get(f.msg_id)
+        pending = self._pending.get(key)
         if pending is None:
-            pending = self._admit(f, now)
+            pending = self._admit(key, f, now)
         elif (f.count, f.total, f.step, f.digest) != (
             pending.count, pending.total, pending.step, pending.digest
         ):
@@ -708,33 +797,45 @@ class Reassembler:
                     f"message {f.msg_id!r}: chunk {f.index} re-sent with other bytes",
                 )
             return None
+        self._make_room(len(f.data), keep=key)
         pending.pieces[f.index] = f.data
+        pending.held += len(f.data)
+        self._held += len(f.data)
         if len(pending.pieces) < pending.count:
             return None
-        del self._pending[f.msg_id]
+        self._drop(key)
         payload = b"".join(pending.pieces[i] for i in range(pending.count))
         if hashlib.sha256(payload).digest() != pending.digest:
             raise ProtocolError(Reason.BAD_HASH, f"message {f.msg_id!r}: payload hash mismatch")
-        self._remember_delivered(f.msg_id, now)
+        self._remember_delivered(key, now)
         return payload
 
-    def _admit(self, f: _Frame, now: float) -> _Pending:
+    def _admit(self, key: tuple[str, str], f: _Frame, now: float) -> _Pending:
         while len(self._pending) >= self.max_pending:
-            del self._pending[next(iter(self._pending))]
+            self._drop(next(iter(self._pending)))
         pending = _Pending(now, f.count, f.total, f.digest, f.step)
-        self._pending[f.msg_id] = pending
+        self._pending[key] = pending
         return pending
 
-    def _remember_delivered(self, msg_id: str, now: float) -> None:
-        self._delivered[msg_id] = now
+    def _make_room(self, size: int, keep: tuple[str, str]) -> None:
+        """Evict the oldest incomplete messages but ``keep`` until ``size`` more bytes fit."""
+        while self._held + size > self.max_pending_bytes:
+            oldest = next(k for k in self._pending if k != keep)
+            self._drop(oldest)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        self._held -= self._pending.pop(key).held
+
+    def _remember_delivered(self, key: tuple[str, str], now: float) -> None:
+        self._delivered[key] = now
         while len(self._delivered) > COMPLETED_IDS_REMEMBERED:
             del self._delivered[next(iter(self._delivered))]
 
     def expire(self, now: float) -> list[str]:
         """Drop incomplete messages first seen more than ``timeout_s`` before ``now`` (and
         forget delivered ids as old); return the dropped messages' ids."""
-        expired = [m for m, p in self._pending.items() if now - p.first_seen > self.timeout_s]
-        for msg_id in expired:
-            del self._pending[msg_id]
-        self._delivered = {m: t for m, t in self._delivered.items() if now - t <= self.timeout_s}
-        return expired
+        expired = [k for k, p in self._pending.items() if now - p.first_seen > self.timeout_s]
+        for key in expired:
+            self._drop(key)
+        self._delivered = {k: t for k, t in self._delivered.items() if now - t <= self.timeout_s}
+        return [msg_id for _, msg_id in expired]

@@ -1,8 +1,9 @@
 """MQTT endpoint shared by server and device: chunked QoS 1 messages over paho-mqtt 2.x.
 
 Every message goes out as protocol frames of at most `max_frame_bytes` (checked before paho
-sees them: paho re-sends a frame the broker rejected forever) and comes back whole through a
-per-topic Reassembler. MQTT 3.1.1, so the embedded amqtt broker and mosquitto both serve it.
+sees them: paho re-sends a frame the broker rejected forever) and comes back whole through one
+Reassembler whose memory is bounded in total over all topics (a flood of frames on many topics
+evicts the oldest incomplete messages instead of growing). MQTT 3.1.1, so the embedded amqtt broker and mosquitto both serve it.
 The paho network thread reconnects on its own and re-subscribes on every connect.
 """
 
@@ -16,12 +17,14 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
+from device_runtime.auth import new_nonce
 from device_runtime.protocol import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, ProtocolError, Reassembler,
                                      chunk)
 
@@ -37,7 +40,8 @@ DEFAULT_MAX_PENDING_MESSAGES = 64
 DEFAULT_PUBLISH_TIMEOUT_S = 30.0
 STOP_STATUS_TIMEOUT_S = 2.0
 EXPIRE_INTERVAL_S = 1.0
-STATUS_ONLINE = b"online"
+StatusFrames = Callable[[bool, str], bytes]
+"""(online, connection nonce) -> the sealed status payload (status.StatusSigner)."""
 STAT_KEYS = ("frames_in", "frames_rejected", "messages_in", "messages_expired",
              "bytes_out", "bytes_in", "reconnects")
 
@@ -96,21 +100,23 @@ class BrokerURL:
 class MqttEndpoint:
     """One MQTT client: chunked publish with optional PUBACK wait, reassembled inbound queue.
 
-    `will=(status_topic, payload)` sets a retained last will on the status topic and publishes a
-    retained STATUS_ONLINE there on every connect, once the subscriptions are acknowledged, so a peer that
-    answers the status reaches this endpoint (and the will payload on a clean stop()).
+    `status=(status_topic, frames)` gives every CONNECT a fresh nonce, sets a retained last will saying
+    offline under that nonce, and publishes a retained online frame with it once the subscriptions are
+    acknowledged, so a peer that answers the status reaches this endpoint (and the offline frame on a clean
+    stop()). `max_pending_bytes` bounds the chunks held for incomplete messages over all topics together
+    (default: `max_message_bytes`).
     Credentials given as arguments take precedence over those in the URL. `connected` is set
     while the broker has accepted the connection and acknowledged the subscriptions.
     """
 
     def __init__(self, client_id: str, broker_url: str, *, subscriptions: list[str] | tuple[str, ...] = (),
-                 will: tuple[str, bytes] | None = None, username: str | None = None,
+                 status: tuple[str, StatusFrames] | None = None, username: str | None = None,
                  password: str | None = None, tls_ca: str | os.PathLike[str] | None = None,
                  tls_cert: str | os.PathLike[str] | None = None, tls_key: str | os.PathLike[str] | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
                  max_pending_messages: int = DEFAULT_MAX_PENDING_MESSAGES,
-                 clean_session: bool = False, qos: int = 1) -> None:
+                 max_pending_bytes: int | None = None, clean_session: bool = False, qos: int = 1) -> None:
         if not client_id:
             raise ValueError("client_id must not be empty (persistent sessions are keyed by it)")
         if qos not in (0, 1):
@@ -128,9 +134,11 @@ class MqttEndpoint:
         self.max_frame_bytes = max_frame_bytes
         self.qos = qos
         self.connected = threading.Event()
-        self._will = will
-        self._reassembler_args = (max_message_bytes, reassembly_timeout_s, max_pending_messages)
-        self._reassemblers: dict[str, Reassembler] = {}
+        self._status = status
+        self._armed_nonce: str | None = None  # nonce of the will registered for the next CONNECT
+        self._nonce: str | None = None  # nonce of the current connection
+        self._reassembler = Reassembler(max_message_bytes, reassembly_timeout_s, max_pending_messages,
+                                        max_pending_bytes)
         self._next_expiry = 0.0
         self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self._stats = dict.fromkeys(STAT_KEYS, 0)
@@ -182,10 +190,10 @@ class MqttEndpoint:
         if not self._started:
             return
         self._started = False
-        if self._will is not None and self.connected.is_set():
-            topic, payload = self._will
+        if self._status is not None and self._nonce is not None and self.connected.is_set():
+            topic, frames = self._status
             try:
-                self.publish(topic, payload, self._status_msg_id("offline"), retain=True,
+                self.publish(topic, frames(False, self._nonce), self._status_msg_id("offline"), retain=True,
                              wait=True, timeout=STOP_STATUS_TIMEOUT_S)
             except TransportError as exc:
                 LOG.warning("%s: offline status not acknowledged before stop: %s", self.client_id, exc)
@@ -261,11 +269,13 @@ class MqttEndpoint:
                            f"acknowledged within {timeout} s ({state}); they stay queued for resend")
 
     def _arm_will(self, client: mqtt.Client) -> None:
-        """Set the last will for the next CONNECT, under a fresh msg_id: receivers drop a msg_id
-        they delivered recently, so a will re-used across connections could be lost."""
-        if self._will is not None:
-            topic, payload = self._will
-            client.will_set(topic, self._single_frame(payload, "will"), qos=self.qos, retain=True)
+        """Set the last will for the next CONNECT: offline under a fresh nonce (that connection's), in a frame
+        with a fresh msg_id (receivers drop a msg_id they delivered recently)."""
+        if self._status is not None:
+            topic, frames = self._status
+            self._armed_nonce = new_nonce()
+            client.will_set(topic, self._single_frame(frames(False, self._armed_nonce), "will"), qos=self.qos,
+                            retain=True)
 
     def _single_frame(self, payload: bytes, kind: str) -> bytes:
         frames = chunk(payload, self.max_frame_bytes, self._status_msg_id(kind))
@@ -309,6 +319,7 @@ class MqttEndpoint:
         if self._ever_connected:
             self._bump("reconnects")
         self._ever_connected = True
+        self._nonce = self._armed_nonce
         self._arm_will(client)
         LOG.info("%s: connected to %s:%d", self.client_id, self.url.host, self.url.port)
         if self.subscriptions:
@@ -327,8 +338,10 @@ class MqttEndpoint:
 
     def _mark_ready(self) -> None:
         """Connected and subscribed: say online (a peer that reacts to it reaches this endpoint) and wake waiters."""
-        if self._will is not None:
-            self._client.publish(self._will[0], self._single_frame(STATUS_ONLINE, "online"), qos=self.qos, retain=True)
+        if self._status is not None and self._nonce is not None:
+            topic, frames = self._status
+            self._client.publish(topic, self._single_frame(frames(True, self._nonce), "online"), qos=self.qos,
+                                 retain=True)
         with self._state:
             self._refusal = None
             self.connected.set()
@@ -352,11 +365,8 @@ class MqttEndpoint:
         topic, frame = message.topic, message.payload
         self._bump("frames_in")
         self._bump("bytes_in", len(frame))
-        reassembler = self._reassemblers.get(topic)
-        if reassembler is None:
-            reassembler = self._reassemblers[topic] = Reassembler(*self._reassembler_args)
         try:
-            payload = reassembler.feed(frame, now)
+            payload = self._reassembler.feed(frame, now, stream=topic)
         except ProtocolError as exc:
             self._bump("frames_rejected")
             LOG.warning("%s: dropped frame on %s: %s", self.client_id, topic, exc)
@@ -369,10 +379,19 @@ class MqttEndpoint:
             self._expire(now)
 
     def _expire(self, now: float) -> None:
-        for topic, reassembler in self._reassemblers.items():
-            for msg_id in reassembler.expire(now):
-                self._bump("messages_expired")
-                LOG.warning("%s: incomplete message %s on %s expired", self.client_id, msg_id, topic)
+        for msg_id in self._reassembler.expire(now):
+            self._bump("messages_expired")
+            LOG.warning("%s: incomplete message %s expired", self.client_id, msg_id)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes held for incomplete inbound messages, over all topics."""
+        return self._reassembler.pending_bytes
+
+    def set_max_message_bytes(self, max_message_bytes: int) -> None:
+        """Accept inbound messages of at most this size from now on (at most max_pending_bytes): a device
+        lowers it to its model's size once its plan is known."""
+        self._reassembler.set_max_message_bytes(max_message_bytes)
 
 
 def _set_tcp_nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:

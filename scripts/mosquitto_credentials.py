@@ -4,6 +4,8 @@
         --server-user server --server-password S --device dev01:P1 --device dev02:P2
 
 Then point mosquitto.conf at DIR/passwd and DIR/acl (password_file / acl_file).
+With --enroll-file FILE, also enroll the devices (server/enrollment.py): FILE gets a key per new device id
+(enrolled ids keep theirs) and DIR/keys/<id>.key the key to install on each device.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from server.enrollment import enroll_devices  # noqa: E402
 from server.mosquitto_config import write_mosquitto_auth  # noqa: E402
 
 
@@ -33,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-password", required=True)
     parser.add_argument("--device", action="append", type=parse_device, default=[], metavar="ID:PASS",
                         help="a device's id (its MQTT username) and password; repeat per device")
+    parser.add_argument("--enroll-file", type=Path, help="also enroll the devices in this enrollment file")
     args = parser.parse_args(argv)
     devices = dict(args.device)
     if len(devices) != len(args.device):
@@ -43,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     print(f"wrote {passwd_file} and {acl_file} ({len(devices)} devices)")
+    if args.enroll_file is not None:
+        print(enroll_devices(args.enroll_file, devices, args.out / "keys"))
     return 0
 
 

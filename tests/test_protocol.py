@@ -26,13 +26,19 @@ from device_runtime.protocol import (
     chunk,
     decode,
     device_id_from_topic,
-    encode,
     server_subscriptions,
 )
+from device_runtime.protocol import encode as encode_with_key
+
+KEY = bytes(range(32))
 
 MAX_BYTES = 1 << 20
 FRAME_LAYOUT = struct.Struct("<4sBB64sIIQ32s")  # the frame header as documented
 FRAME_1K = FRAME_HEADER_BYTES + 1000  # frames carrying 1000 payload bytes each
+
+
+def encode(msg: Message) -> bytes:
+    return encode_with_key(msg, key=KEY)
 
 
 def make_message(**changes) -> Message:
@@ -45,6 +51,7 @@ def make_message(**changes) -> Message:
         meta={"samples": 120, "metrics": {"loss": 0.25, "acc": [0.5, 0.75]}, "note": None},
         tensors={"fe.conv1.U": np.arange(6, dtype=np.float32).reshape(2, 3)},
         blobs={"training_model.onnx": b"\x08\x07onnx"},
+        counter=1,
     )
     fields.update(changes)
     return Message(**fields)
@@ -62,9 +69,12 @@ def assert_same_message(actual: Message, expected: Message) -> None:
     assert actual.blobs == expected.blobs
 
 
+PREFIX = 8 + 32  # magic, header length, tag
+
+
 def split(data: bytes) -> tuple[dict, bytes]:
     (header_len,) = struct.unpack_from("<I", data, 4)
-    return json.loads(data[8:8 + header_len]), data[8 + header_len:]
+    return json.loads(data[PREFIX:PREFIX + header_len]), data[PREFIX + header_len:]
 
 
 def assemble(header: dict | bytes, body: bytes, *, rehash: bool = True) -> bytes:
@@ -73,7 +83,7 @@ def assemble(header: dict | bytes, body: bytes, *, rehash: bool = True) -> bytes
         if rehash:
             header = {**header, "body_sha256": hashlib.sha256(body).hexdigest()}
         header = json.dumps(header).encode()
-    return b"FARA" + struct.pack("<I", len(header)) + header + body
+    return b"FAR2" + struct.pack("<I", len(header)) + bytes(32) + header + body
 
 
 def reason_of(data: bytes, **kwargs) -> str:
@@ -152,8 +162,8 @@ def test_body_is_little_endian_c_order_tensors_then_blobs():
 def test_header_lists_the_schema_keys_and_body_hash():
     header, body = split(encode(make_message()))
     assert header["version"] == PROTOCOL_VERSION
-    assert set(header) == {"type", "version", "run_id", "round", "device_id", "msg_id", "meta",
-                           "tensors", "blobs", "body_sha256"}
+    assert set(header) == {"type", "version", "run_id", "round", "device_id", "msg_id", "direction",
+                           "counter", "meta", "tensors", "blobs", "body_sha256"}
     assert header["body_sha256"] == hashlib.sha256(body).hexdigest()
 
 
@@ -198,15 +208,15 @@ def test_encode_rejects_a_device_id_with_a_topic_separator():
 
 
 def test_decode_rejects_non_bytes_input():
-    assert reason_of("FARA") == "bad_input"
+    assert reason_of("FAR2") == "bad_input"
 
 
 def test_decode_rejects_input_shorter_than_the_prefix():
-    assert reason_of(b"FARA\x00") == "truncated"
+    assert reason_of(b"FAR2\x00") == "truncated"
 
 
 def test_decode_rejects_header_length_running_past_the_end():
-    assert reason_of(b"FARA" + struct.pack("<I", 100) + b"{}") == "truncated"
+    assert reason_of(b"FAR2" + struct.pack("<I", 100) + bytes(32) + b"{}") == "truncated"
 
 
 def test_decode_rejects_wrong_magic():
@@ -434,9 +444,9 @@ def test_decode_rejects_nonpositive_max_bytes_as_a_caller_error():
 
 def test_protocol_error_names_its_reason_and_the_problem():
     with pytest.raises(ProtocolError) as info:
-        decode(b"XXXX" + bytes(4), max_bytes=MAX_BYTES)
+        decode(b"XXXX" + bytes(36), max_bytes=MAX_BYTES)
     assert isinstance(info.value, ValueError)
-    assert "bad_magic" in str(info.value) and "FARA" in info.value.message
+    assert "bad_magic" in str(info.value) and "FAR2" in info.value.message
 
 
 # --- topics -----------------------------------------------------------------------------------
@@ -610,7 +620,14 @@ def test_rejects_frame_with_wrong_magic():
 
 def test_rejects_frame_of_other_version():
     frames = chunk(payload_of(10), FRAME_1K, "m1")
-    assert feed_reason(new_reassembler(), frames[0][:4] + b"\x02" + frames[0][5:]) == "bad_version"
+    assert feed_reason(new_reassembler(), frames[0][:4] + b"\x03" + frames[0][5:]) == "bad_version"
+
+
+def test_rejects_a_version_1_frame_naming_both_versions():
+    frames = chunk(payload_of(10), FRAME_1K, "m1")
+    with pytest.raises(ProtocolError) as info:
+        new_reassembler().feed(frames[0][:4] + b"\x01" + frames[0][5:], 0.0)
+    assert info.value.reason == "bad_version" and "version 1" in info.value.message
 
 
 def test_rejects_frame_with_garbage_after_its_msg_id():
@@ -740,3 +757,96 @@ def test_pending_bound_evicts_the_oldest_incomplete_message():
 def test_reassembler_rejects_nonsensical_limits(kwargs):
     with pytest.raises(ValueError):
         new_reassembler(**kwargs)
+
+
+# --- version 2: authentication fields and the total reassembly budget -------------------------
+
+
+def test_round_trip_preserves_direction_and_counter_and_returns_the_tag_inputs():
+    from device_runtime.auth import Direction, tag_matches
+
+    data = encode(make_message(direction=Direction.DOWN, counter=(5 << 31) | 9))
+    decoded = decode(data, max_bytes=MAX_BYTES)
+    assert (decoded.direction, decoded.counter) == (Direction.DOWN, (5 << 31) | 9)
+    assert tag_matches(KEY, decoded.signed_digest, decoded.tag)
+    assert not tag_matches(bytes(32), decoded.signed_digest, decoded.tag)
+
+
+def test_decode_refuses_a_version_1_envelope_by_its_magic_with_a_clear_reason():
+    header, body = split(encode(make_message()))
+    v1 = json.dumps({**header, "version": 1}).encode()
+    with pytest.raises(ProtocolError) as info:
+        decode(b"FARA" + struct.pack("<I", len(v1)) + v1 + body, max_bytes=MAX_BYTES)
+    assert info.value.reason == "bad_version" and "version 1" in info.value.message
+
+
+def test_encode_refuses_a_message_without_a_counter():
+    with pytest.raises(ProtocolError, match="counter"):
+        encode(make_message(counter=0))
+
+
+@pytest.mark.parametrize("counter", [0, -1, 2**63, True, "1", 1.0])
+def test_decode_rejects_a_counter_that_is_not_a_positive_int_below_2_63(counter):
+    assert reason_of(with_header(counter=counter)) == "bad_header"
+
+
+@pytest.mark.parametrize("direction", ["sideways", None, 1])
+def test_decode_rejects_an_unknown_direction(direction):
+    assert reason_of(with_header(direction=direction)) == "bad_header"
+
+
+def test_decode_rejects_a_prefix_cut_inside_the_tag():
+    assert reason_of(encode(make_message())[:8 + 31]) == "truncated"
+
+
+def test_same_msg_id_on_two_streams_reassembles_separately():
+    a, b = payload_of(1500), payload_of(1700)
+    frames_a, frames_b = chunk(a, FRAME_1K, "m1"), chunk(b, FRAME_1K, "m1")
+    reassembler = new_reassembler()
+    assert reassembler.feed(frames_a[0], 0.0, stream="t/a") is None
+    assert reassembler.feed(frames_b[0], 0.0, stream="t/b") is None
+    assert reassembler.feed(frames_b[1], 0.0, stream="t/b") == b
+    assert reassembler.feed(frames_a[1], 0.0, stream="t/a") == a
+
+
+def test_chunks_beyond_the_total_byte_budget_evict_the_oldest_message_of_any_stream():
+    reassembler = new_reassembler(max_message_bytes=2600, max_pending_bytes=2600, max_pending=64)
+    old = chunk(payload_of(2500), FRAME_1K, "old")
+    reassembler.feed(old[0], 0.0, stream="t/a")
+    reassembler.feed(old[1], 0.0, stream="t/a")
+    reassembler.feed(chunk(payload_of(2600), FRAME_1K, "new")[0], 1.0, stream="t/b")
+    assert reassembler.pending_ids == ("new",) and reassembler.pending_bytes == 1000
+
+
+def test_a_flood_of_first_frames_on_1000_streams_stays_within_the_budget():
+    budget = 20 * 1000
+    reassembler = new_reassembler(max_message_bytes=budget, max_pending_bytes=budget, max_pending=10_000)
+    first = chunk(payload_of(5000), FRAME_1K, "m1")[0]
+    for i in range(1000):
+        reassembler.feed(first, float(i), stream=f"fedara/dev/x{i}/up")
+        assert reassembler.pending_bytes <= budget
+    assert len(reassembler.pending_ids) == 20
+
+
+def test_a_message_as_large_as_the_budget_completes_after_evicting_the_others():
+    reassembler = new_reassembler(max_message_bytes=3000, max_pending_bytes=3000)
+    reassembler.feed(chunk(payload_of(2500), FRAME_1K, "junk")[0], 0.0, stream="t/x")
+    whole = payload_of(3000)
+    assert [reassembler.feed(f, 1.0, stream="t/a") for f in chunk(whole, FRAME_1K, "m1")][-1] == whole
+
+
+def test_budget_below_the_largest_message_is_a_caller_error():
+    with pytest.raises(ValueError, match="max_pending_bytes"):
+        new_reassembler(max_message_bytes=3000, max_pending_bytes=2999)
+
+
+def test_lowered_message_limit_refuses_larger_messages_from_then_on():
+    reassembler = new_reassembler()
+    reassembler.set_max_message_bytes(1000)
+    assert feed_reason(reassembler, chunk(payload_of(1001), FRAME_1K, "m1")[0]) == "oversize"
+    assert reassembler.feed(chunk(payload_of(1000), FRAME_1K, "m2")[0], 0.0) == payload_of(1000)
+
+
+def test_message_limit_cannot_rise_above_the_budget():
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        new_reassembler().set_max_message_bytes(MAX_BYTES + 1)

@@ -1,0 +1,320 @@
+"""Message authentication: per-device keys, fresh counters, and the Verifier that refuses replays and forgeries.
+
+The broker is assumed open (see DESIGN.md, "Security model"): anyone may publish byte-exact copies of earlier
+messages on any topic. Every envelope therefore carries its run id, its direction and a counter, and an
+HMAC-SHA256 tag under the device's key over the SHA-256 of its whole header (which holds all of these fields
+and the body's SHA-256, so the tag also covers the body). A receiver believes a message only when
+
+- the device is enrolled (its key is known) and the tag verifies under that key (``BAD_TAG`` otherwise; a
+  tag of the wrong length is ``BAD_TAG`` too, compared in constant time);
+- the direction is one this receiver takes (a server never takes ``down``: a reflected server message is
+  refused even though its tag is genuine);
+- the run id is one the receiver expects for this message (``runs``), where it expects one;
+- the counter is above the last counter accepted for (device, direction). Counters are per sender and
+  increase across runs, so per-(device, run, direction) freshness follows, and so does freshness across runs:
+  an old run's PLAN or JOIN has a lower counter than anything the sender said since.
+
+Status frames (``Direction.STATUS``) follow their own rule: an ``online`` frame must be fresh and makes its
+per-connection nonce current; an ``offline`` frame is believed only when it names the current nonce. The
+MQTT last will is minted at CONNECT, before the ``online`` that follows it, so its counter is older; the nonce,
+not the counter, ties it to its connection, and a will or ``offline`` captured from an earlier connection is
+refused as ``STALE_CONNECTION``.
+
+Counters are ``epoch << SEQ_BITS | seq``. The epoch is fixed at process start as
+``max(last persisted epoch + 1, unix time in seconds)`` and persisted before the first message goes out; seq
+counts messages from 1 within the start. The persisted epoch alone makes counters increase across restarts
+even with a wrong clock; the clock alone keeps them increasing when the state file is lost (a re-flashed
+device); only one disk write per start, none per message. 32 epoch bits last until 2106; 31 seq bits allow
+2**31 - 1 messages per start, after which ``CounterSource.next`` raises rather than wrap. The sum stays within
+JSON's signed 64-bit range.
+
+The Verifier is a pure state machine (no clock, no I/O): ``check`` returns a Verdict and advances its state
+only when it accepts. Its state is plain JSON, so a server can persist it and still refuse a JOIN captured
+before a restart.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Container, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Protocol
+
+KEY_BYTES = 32
+TAG_BYTES = 32
+NONCE_BYTES = 16
+SEQ_BITS = 31
+EPOCH_BITS = 32
+MAX_SEQ = (1 << SEQ_BITS) - 1
+MAX_EPOCH = (1 << EPOCH_BITS) - 1
+MAX_COUNTER = (MAX_EPOCH << SEQ_BITS) | MAX_SEQ
+"""Largest counter: below 2**63, so it travels as a JSON integer every parser reads exactly."""
+TAG_CONTEXT = b"fedara-envelope-v2\x00"
+"""Prefix of every tagged string, so a tag made for this protocol means nothing elsewhere."""
+STATUS_ONLINE = "online"
+STATUS_OFFLINE = "offline"
+
+
+class Direction(str, Enum):
+    """Who sends a message: it is inside the tag, so a message cannot be reflected the other way."""
+
+    UP = "up"  # device -> server
+    DOWN = "down"  # server -> device
+    STATUS = "status"  # device -> server on its status topic (online, offline, last will)
+
+
+class Refusal(str, Enum):
+    """Why the Verifier refused a message."""
+
+    UNKNOWN_DEVICE = "unknown_device"  # no key for this device id: not enrolled
+    BAD_TAG = "bad_tag"  # the tag does not verify under the device's key
+    WRONG_DIRECTION = "wrong_direction"  # e.g. a server message replayed on a device's up topic
+    WRONG_RUN = "wrong_run"  # the message belongs to another run
+    REPLAY = "replay"  # counter not above the last one accepted: a replay or a reordering
+    BAD_COUNTER = "bad_counter"  # not an int in 1..MAX_COUNTER
+    STALE_CONNECTION = "stale_connection"  # an offline/will frame of a connection that is not current
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The Verifier's answer: accepted, or refused with a reason and a line for the log."""
+
+    accepted: bool
+    reason: Refusal | None = None
+    detail: str = ""
+
+
+ACCEPTED = Verdict(True)
+
+
+class Sealed(Protocol):
+    """What the Verifier reads of a decoded envelope (protocol.Message has these fields)."""
+
+    device_id: str
+    run_id: str
+    direction: Direction
+    counter: int
+    tag: bytes
+    signed_digest: bytes
+
+
+def new_key() -> bytes:
+    """A fresh device key (32 random bytes from the OS's CSPRNG)."""
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def new_nonce() -> str:
+    """A fresh per-connection nonce, as 32 hex digits."""
+    return secrets.token_hex(NONCE_BYTES)
+
+
+def compute_tag(key: bytes, signed_digest: bytes) -> bytes:
+    """HMAC-SHA256 under ``key`` of the SHA-256 of an envelope header."""
+    return hmac.new(key, TAG_CONTEXT + signed_digest, hashlib.sha256).digest()
+
+
+def tag_matches(key: bytes, signed_digest: bytes, tag: bytes) -> bool:
+    """Whether ``tag`` is the tag of ``signed_digest`` under ``key`` (constant time)."""
+    return hmac.compare_digest(compute_tag(key, signed_digest), tag)
+
+
+def counter_epoch(counter: int) -> int:
+    return counter >> SEQ_BITS
+
+
+def is_counter(value: object) -> bool:
+    """Whether ``value`` is a valid counter: an int in 1..MAX_COUNTER (bools are not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_COUNTER
+
+
+class CounterExhausted(RuntimeError):
+    """2**31 - 1 messages were sent in one process start; restart for a new epoch rather than wrap."""
+
+
+class CounterSource:
+    """Outbound counters of one sender for one process start: ``epoch << SEQ_BITS | seq``, seq from 1.
+
+    One source serves all of a sender's directions and threads (the MQTT network thread mints status
+    frames): every counter it hands out is larger than the one before."""
+
+    def __init__(self, epoch: int, seq: int = 0) -> None:
+        if not 1 <= epoch <= MAX_EPOCH:
+            raise ValueError(f"epoch must be in 1..{MAX_EPOCH}, got {epoch}")
+        if not 0 <= seq <= MAX_SEQ:
+            raise ValueError(f"seq must be in 0..{MAX_SEQ}, got {seq}")
+        self.epoch = epoch
+        self._seq = seq
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        """The next counter; raises CounterExhausted instead of wrapping to a value already used."""
+        with self._lock:
+            if self._seq >= MAX_SEQ:
+                raise CounterExhausted(f"epoch {self.epoch} used all {MAX_SEQ} counters: restart the process")
+            self._seq += 1
+            return (self.epoch << SEQ_BITS) | self._seq
+
+
+def next_epoch(last_epoch: int | None, now_unix: float) -> int:
+    """Epoch of a new process start: above the last persisted one, and at least the clock's seconds."""
+    epoch = max((last_epoch or 0) + 1, int(now_unix))
+    if epoch > MAX_EPOCH:
+        raise ValueError(f"epoch {epoch} exceeds {MAX_EPOCH}: the persisted epoch or the clock is corrupt")
+    return epoch
+
+
+class KeyRing:
+    """Device keys by id: enrolled ids with their own keys, or (open mode) one shared key for any id."""
+
+    def __init__(self, keys: Mapping[str, bytes], shared_key: bytes | None = None) -> None:
+        for device_id, key in keys.items():
+            _check_key(key, f"key of {device_id!r}")
+        if shared_key is not None:
+            _check_key(shared_key, "shared run key")
+        self._keys = dict(keys)
+        self.shared_key = shared_key
+
+    @property
+    def open(self) -> bool:
+        """Whether any device id is admitted (under the shared key)."""
+        return self.shared_key is not None
+
+    def key_for(self, device_id: str) -> bytes | None:
+        """The key of ``device_id``, or None when it is not enrolled (and the ring is not open)."""
+        return self._keys.get(device_id, self.shared_key)
+
+    def enrolled(self, device_id: str) -> bool:
+        return self.key_for(device_id) is not None
+
+    @property
+    def device_ids(self) -> tuple[str, ...]:
+        """Ids enrolled with their own key (open mode admits others besides)."""
+        return tuple(self._keys)
+
+
+def _check_key(key: object, what: str) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ValueError(f"{what} must be {KEY_BYTES} bytes")
+
+
+class Verifier:
+    """Accepts or refuses sealed messages; state: last counter per (device, direction), current nonces.
+
+    ``accepts`` names the directions this receiver takes: ``{UP, STATUS}`` on a server, ``{DOWN}`` on a
+    device. ``state`` round-trips through JSON (see ``to_state``) so a restarted receiver keeps refusing."""
+
+    def __init__(self, keys: KeyRing, accepts: Container[Direction], state: Mapping[str, object] | None = None) -> None:
+        self.keys = keys
+        self.accepts = accepts
+        state = state or {}
+        counters = state.get("counters", {})
+        nonces = state.get("nonces", {})
+        if not isinstance(counters, dict) or not isinstance(nonces, dict):
+            raise ValueError("verifier state must hold 'counters' and 'nonces' objects")
+        self._last: dict[str, int] = {k: v for k, v in counters.items() if is_counter(v)}
+        self._nonce: dict[str, str] = {k: v for k, v in nonces.items() if isinstance(v, str)}
+
+    def last_counter(self, device_id: str, direction: Direction) -> int:
+        """The last counter accepted from (device, direction); 0 when none was."""
+        return self._last.get(_slot(device_id, direction), 0)
+
+    def current_nonce(self, device_id: str) -> str | None:
+        """The nonce of the device's current connection (its last accepted ``online``)."""
+        return self._nonce.get(device_id)
+
+    def check(self, msg: Sealed, runs: Container[str] | None = None, *, status: str | None = None,
+              nonce: str | None = None) -> Verdict:
+        """Accept ``msg`` (and advance the state) or refuse it with a reason; nothing changes on refusal.
+
+        ``runs``: the run ids acceptable for this message, None for any (a JOIN or a PLAN). Status frames
+        pass their ``status`` (online/offline) and ``nonce``; the caller reads both from the frame's meta,
+        which the tag covers."""
+        key = self.keys.key_for(msg.device_id)
+        if key is None:
+            return Verdict(False, Refusal.UNKNOWN_DEVICE, f"device {msg.device_id!r} is not enrolled")
+        if not tag_matches(key, msg.signed_digest, msg.tag):
+            return Verdict(False, Refusal.BAD_TAG, f"tag does not verify under the key of {msg.device_id!r}")
+        if msg.direction not in self.accepts:
+            return Verdict(False, Refusal.WRONG_DIRECTION, f"direction {msg.direction.value!r} is not taken here")
+        if runs is not None and msg.run_id not in runs:
+            return Verdict(False, Refusal.WRONG_RUN, f"run {msg.run_id!r} is not this run")
+        if not is_counter(msg.counter):
+            return Verdict(False, Refusal.BAD_COUNTER, f"counter {msg.counter!r:.30} is not in 1..{MAX_COUNTER}")
+        if msg.direction == Direction.STATUS and status == STATUS_OFFLINE:
+            current = self._nonce.get(msg.device_id)
+            if nonce is None or nonce != current:
+                return Verdict(False, Refusal.STALE_CONNECTION,
+                               f"offline of connection {str(nonce)[:8]}, current is {str(current)[:8]}")
+            return ACCEPTED
+        slot = _slot(msg.device_id, msg.direction)
+        last = self._last.get(slot, 0)
+        if msg.counter <= last:
+            return Verdict(False, Refusal.REPLAY, f"counter {msg.counter} is not above the last accepted {last}")
+        self._last[slot] = msg.counter
+        if msg.direction == Direction.STATUS and nonce is not None:
+            self._nonce[msg.device_id] = nonce
+        return ACCEPTED
+
+    def to_state(self) -> dict[str, object]:
+        """The state as JSON-ready data, for ``Verifier(keys, accepts, state)``."""
+        return {"counters": dict(self._last), "nonces": dict(self._nonce)}
+
+
+def _slot(device_id: str, direction: Direction) -> str:
+    return f"{device_id}/{direction.value}"
+
+
+# -- persistence (the thin shell: files under a state directory) ----------------------------------------------
+
+EPOCH_FILE = "counter_epoch.json"
+VERIFIER_FILE = "verifier_state.json"
+
+
+def start_counters(state_dir: str | os.PathLike[str], now_unix: float | None = None) -> CounterSource:
+    """The CounterSource of this process start; its epoch is on disk before this returns."""
+    path = Path(state_dir) / EPOCH_FILE
+    last = _read_json(path, {}).get("epoch")
+    epoch = next_epoch(last if isinstance(last, int) else None, time.time() if now_unix is None else now_unix)
+    write_json_atomic(path, {"epoch": epoch})
+    return CounterSource(epoch)
+
+
+def load_verifier_state(state_dir: str | os.PathLike[str]) -> dict[str, object]:
+    """The Verifier state saved under ``state_dir``, or an empty one."""
+    return _read_json(Path(state_dir) / VERIFIER_FILE, {})
+
+
+def save_verifier_state(state_dir: str | os.PathLike[str], verifier: Verifier) -> None:
+    write_json_atomic(Path(state_dir) / VERIFIER_FILE, verifier.to_state())
+
+
+def _read_json(path: Path, default: dict[str, object]) -> dict[str, object]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return default
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: unreadable ({exc}); delete it only if this sender's key is rotated too") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def write_json_atomic(path: Path, data: object, mode: int = 0o600) -> None:
+    """Write ``data`` as JSON to a temporary file, fsync it and rename it over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
