@@ -152,7 +152,8 @@ def ort_memory_worker(spec: dict) -> dict:
     """One device process: import, load, anchors, a local round at each batch size; memory after each."""
     rss_python = rss_bytes()
     from device_runtime.local_round import run_task
-    from device_runtime.protocol import Message, MessageType, encode
+    from device_runtime.auth import Direction
+    from device_runtime.protocol import Message, MessageType, seal
     from device_runtime.shard import load_shard
     from device_runtime.task import Task, tensor_bytes
     from device_runtime.trainer import DeviceTrainer, load_ort_capi
@@ -178,8 +179,8 @@ def ort_memory_worker(spec: dict) -> dict:
     for batch_size in BATCH_SIZES:
         seconds, update = local_round(batch_size)
         rounds[str(batch_size)] = dict(seconds=seconds, steps=update.metrics["steps"], peak_rss_bytes=peak_rss_bytes())
-    wire = encode(Message(MessageType.UPDATE, "bench", ROUND, "bench-device", "bench-update",
-                          dict(num_samples=update.num_samples), update.fe))
+    wire = seal(Message(MessageType.UPDATE, "bench", ROUND, "bench-device", "bench-update",
+                        dict(num_samples=update.num_samples), update.fe), bytes(32), Direction.UP, 1)
     anchors, mask = trainer.compute_anchors(shard.x_train, shard.y_train)
     rng = np.random.default_rng(SEED)
     next_batch = itertools.cycle(fixed_batches(shard.x_train, shard.y_train, BATCH)).__next__

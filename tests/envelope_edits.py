@@ -33,14 +33,19 @@ def apply_edits(data: bytes, edits: list[tuple[str, int, int]], near_start: bool
     return bytes(out)
 
 
+PREFIX_BYTES = 8 + 32
+"""Magic, header length, tag."""
+
+
 def split(data: bytes) -> tuple[bytes, bytes]:
     """(JSON header bytes, body) of an envelope."""
     (header_len,) = struct.unpack_from("<I", data, 4)
-    return data[8:8 + header_len], data[8 + header_len:]
+    return data[PREFIX_BYTES:PREFIX_BYTES + header_len], data[PREFIX_BYTES + header_len:]
 
 
-def envelope(header: bytes, body: bytes) -> bytes:
-    return b"FARA" + struct.pack("<I", len(header)) + header + body
+def envelope(header: bytes, body: bytes, tag: bytes = bytes(32)) -> bytes:
+    """An envelope of ``header`` and ``body`` (with an all-zero tag unless given one)."""
+    return b"FAR2" + struct.pack("<I", len(header)) + tag + header + body
 
 
 def rehashed(header: bytes, body: bytes) -> bytes:

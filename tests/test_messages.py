@@ -9,7 +9,8 @@ from device_runtime.messages import (ARTIFACT_BLOBS, ErrorCode, Join, MessageErr
                                      parse_join, parse_plan, parse_task, parse_update, plan_message, task_message,
                                      update_message)
 from device_runtime.profile import ProfileError, ResourceProfile, collect_profile
-from device_runtime.protocol import Message, Reassembler, chunk, decode, encode
+from device_runtime.auth import Direction
+from device_runtime.protocol import Message, Reassembler, chunk, decode, seal
 from device_runtime.task import Task, Update
 
 MAX_BYTES = 1 << 24
@@ -21,6 +22,10 @@ FE = {"fe.conv1.weight": np.arange(24, dtype=np.float32).reshape(2, 3, 2, 2), "f
 
 def wire(msg: Message) -> Message:
     return decode(encode(msg), max_bytes=MAX_BYTES)
+
+
+def encode(msg: Message) -> bytes:
+    return seal(msg, bytes(32), Direction.UP, 1)
 
 
 def make_task(**changes) -> Task:

@@ -19,8 +19,9 @@ from device_runtime.protocol import (
     Reassembler,
     chunk,
     decode,
-    encode,
 )
+from device_runtime.auth import MAX_COUNTER, Direction
+from tests.test_protocol import encode
 from tests.envelope_edits import apply_edits, envelope, rehashed, split
 from tests.envelope_edits import byte_edits as byte_edits_within
 from tests.test_protocol import FRAME_LAYOUT
@@ -82,6 +83,8 @@ messages = st.builds(
     meta=st.dictionaries(st.text(max_size=6), json_values, max_size=4),
     tensors=st.dictionaries(ids, arrays, max_size=3),
     blobs=st.dictionaries(ids, st.binary(max_size=32), max_size=2),
+    direction=st.sampled_from(Direction),
+    counter=st.integers(1, MAX_COUNTER),
 )
 
 
@@ -94,7 +97,7 @@ def corpus_message(i: int) -> Message:
     blobs = {f"b{j}.onnx": bytes(range(j * 7 % 256))[: i * 5] for j in range(i % 3)}
     meta = {"lam": i / 3, "n": i, "ok": i % 2 == 0, "tags": ["x", None, {"deep": [i, -i]}]}
     return Message(list(MessageType)[i % len(MessageType)], f"run{i}", i, f"dev-{i}", f"m{i}",
-                   meta if i % 4 else {}, tensors, blobs)
+                   meta if i % 4 else {}, tensors, blobs, counter=i + 1)
 
 
 CORPUS = [encode(corpus_message(i)) for i in range(16)]
@@ -102,7 +105,7 @@ CORPUS = [encode(corpus_message(i)) for i in range(16)]
 
 def fields_of(msg: Message) -> tuple:
     tensors = {n: (a.dtype.str, a.shape, a.tobytes()) for n, a in msg.tensors.items()}
-    return (msg.type, msg.run_id, msg.round, msg.device_id, msg.msg_id,
+    return (msg.type, msg.run_id, msg.round, msg.device_id, msg.msg_id, msg.direction, msg.counter,
             json.dumps(msg.meta), tensors, msg.blobs)
 
 
@@ -199,7 +202,7 @@ def test_schema_mutated_headers_raise_only_protocol_error(data, edits, rehash, b
 
 
 @fuzz_settings(1000)
-@given(st.sampled_from([b"", b"FARA", b"FARA\x10\x00\x00\x00"]), st.binary(max_size=64))
+@given(st.sampled_from([b"", b"FARA", b"FAR2", b"FAR2\x10\x00\x00\x00" + bytes(32)]), st.binary(max_size=64))
 def test_arbitrary_bytes_raise_only_protocol_error(prefix, tail):
     assert_consistent_if_accepted(prefix + tail)
 
@@ -226,7 +229,7 @@ def random_frames(draw) -> bytes:
     n = len(data)
     head = FRAME_LAYOUT.pack(
         draw(st.sampled_from([b"FACK"] * 4 + [b"FARA"])),
-        draw(st.sampled_from([1] * 4 + [0, 2])),
+        draw(st.sampled_from([2] * 4 + [0, 1, 3])),
         draw(st.sampled_from([len(ident)] * 4 + [0, 65, 255])),
         ident + draw(st.sampled_from([b""] * 4 + [b"\x00", b"z"])),
         draw(st.sampled_from([0, 0, 1, 2, 2**32 - 1])),

@@ -19,8 +19,8 @@ import pytest
 
 from device_runtime import transport
 from device_runtime.protocol import Topics, chunk, server_subscriptions
-from device_runtime.transport import (STATUS_ONLINE, BrokerRefusedError, BrokerURL, ConnectTimeoutError,
-                                      FrameTooLargeError, MqttEndpoint, PublishError)
+from device_runtime.transport import (BrokerRefusedError, BrokerURL, ConnectTimeoutError, FrameTooLargeError,
+                                      MqttEndpoint, PublishError)
 from scripts.mosquitto_credentials import main as credentials_cli
 from server.mosquitto_config import TlsFiles, acl_text, mosquitto_password_hash, write_mosquitto_auth
 
@@ -31,11 +31,27 @@ WAIT_S = 10.0
 SMALL_FRAME = 4096
 DEV1, DEV2 = Topics(PREFIX, "dev1"), Topics(PREFIX, "dev2")
 
+
+
+def plain_status(online: bool, nonce: str) -> bytes:
+    """Status frames as plain text: the transport carries whatever its status function returns."""
+    return f"{'online' if online else 'offline'} {nonce}".encode()
+
+
+def status_of(received: tuple[str, bytes] | None) -> tuple[str, str, str]:
+    """(topic, state, nonce) of a received plain status frame."""
+    assert received is not None, "no status frame arrived"
+    topic, payload = received
+    state, nonce = payload.decode().split()
+    return topic, state, nonce
+
+
 DYING_DEVICE = """
 import sys
 from device_runtime.transport import MqttEndpoint
 url, status_topic = sys.argv[1:3]
-endpoint = MqttEndpoint("dying-device", url, will=(status_topic, b"offline"))
+frames = lambda online, nonce: f"{'online' if online else 'offline'} {nonce}".encode()
+endpoint = MqttEndpoint("dying-device", url, status=(status_topic, frames))
 endpoint.start()
 endpoint.wait_connected(10)
 print("ready", flush=True)
@@ -121,26 +137,37 @@ def test_last_will_reaches_status_subscriber_within_a_second_of_sigkill(broker_u
                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
-        assert server.get(WAIT_S) == (DEV1.status, STATUS_ONLINE)
+        topic, state, nonce = status_of(server.get(WAIT_S))
+        assert (topic, state) == (DEV1.status, "online")
         device.kill()
-        assert server.get(timeout=1.0) == (DEV1.status, b"offline")
+        assert status_of(server.get(timeout=1.0)) == (DEV1.status, "offline", nonce)
     finally:
         device.kill()
         device.wait()
 
 
 def test_retained_online_status_reaches_a_later_subscriber(broker_url: str, connect) -> None:
-    connect("dev1", broker_url, will=(DEV1.status, b"offline"))
+    connect("dev1", broker_url, status=(DEV1.status, plain_status))
     server = connect("server", broker_url, subscriptions=[DEV1.status])
-    assert server.get(WAIT_S) == (DEV1.status, STATUS_ONLINE)
+    assert status_of(server.get(WAIT_S))[:2] == (DEV1.status, "online")
 
 
 def test_clean_stop_publishes_the_offline_status(broker_url: str, connect) -> None:
     server = connect("server", broker_url, subscriptions=[DEV1.status])
-    device = connect("dev1", broker_url, will=(DEV1.status, b"offline"))
-    assert server.get(WAIT_S) == (DEV1.status, STATUS_ONLINE)
+    device = connect("dev1", broker_url, status=(DEV1.status, plain_status))
+    _, _, nonce = status_of(server.get(WAIT_S))
     device.stop()
-    assert server.get(WAIT_S) == (DEV1.status, b"offline")
+    assert status_of(server.get(WAIT_S)) == (DEV1.status, "offline", nonce)
+
+
+def test_every_connection_gets_its_own_status_nonce(broker_url: str, connect) -> None:
+    server = connect("server", broker_url, subscriptions=[DEV1.status])
+    connect("dev1", broker_url, status=(DEV1.status, plain_status)).stop()
+    first = status_of(server.get(WAIT_S))[2]
+    assert status_of(server.get(WAIT_S))[1:] == ("offline", first)
+    connect("dev1", broker_url, status=(DEV1.status, plain_status))
+    _, state, second = status_of(server.get(WAIT_S))
+    assert state == "online" and second != first
 
 
 def test_persistent_session_gets_messages_sent_while_it_was_offline(broker_url: str, connect) -> None:
@@ -154,11 +181,11 @@ def test_persistent_session_gets_messages_sent_while_it_was_offline(broker_url: 
 def test_broker_with_persistence_keeps_retained_status_across_restart(start_mosquitto, connect,
                                                                      tmp_path: Path) -> None:
     broker = start_mosquitto(persistence_dir=tmp_path)
-    connect("dev1", broker.url, will=(DEV1.status, b"offline")).stop()
+    connect("dev1", broker.url, status=(DEV1.status, plain_status)).stop()
     broker.stop()
     broker.start()
     server = connect("server", broker.url, subscriptions=[DEV1.status])
-    assert server.get(WAIT_S) == (DEV1.status, b"offline")
+    assert status_of(server.get(WAIT_S))[:2] == (DEV1.status, "offline")
 
 
 @pytest.mark.parametrize("broker_fixture", ["embedded_broker", "mosquitto_broker"])
@@ -317,3 +344,18 @@ def test_tls_refuses_a_broker_certificate_from_another_ca(tls_files: TlsFiles, s
     device = connect("dev1", broker.url, tls_ca=str(other_ca), wait=False)
     with pytest.raises(ConnectTimeoutError):
         device.wait_connected(1.0)
+
+
+def test_first_frames_on_1000_topics_hold_at_most_the_pending_budget(broker_url: str, connect) -> None:
+    budget = 64 * SMALL_FRAME
+    server = connect("server", broker_url, subscriptions=server_subscriptions(PREFIX), max_frame_bytes=SMALL_FRAME,
+                     max_message_bytes=budget, max_pending_messages=10_000)
+    first = chunk(random.Random(1).randbytes(budget), SMALL_FRAME, "flood")[0]
+    host, port = BrokerURL.parse(broker_url).host, BrokerURL.parse(broker_url).port
+    paho.mqtt.publish.multiple([(Topics(PREFIX, f"x{i}").up, first, 1, False) for i in range(1000)],
+                               hostname=host, port=port)
+    deadline = time.monotonic() + WAIT_S
+    while server.stats["frames_in"] < 1000 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.stats["frames_in"] == 1000
+    assert server.pending_bytes <= budget

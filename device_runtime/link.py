@@ -1,0 +1,105 @@
+"""One side's authenticated link: seal what it sends, open (decode and verify) what it receives.
+
+This is the thin shell around auth.Verifier that the server loop and the device agent call: ``seal`` on every
+outbound message, ``open`` on every inbound payload before anything else looks at it. ``open`` raises Refused
+for anything not to be believed, and only an accepted message advances the Verifier's counters (saved under
+``state_dir`` after each accept, so a restarted receiver still refuses what it accepted before).
+
+Which run a message must belong to depends on its type: a server takes a JOIN from any run (a device announces
+itself with the run it last knew) and a device takes a PLAN or an ERROR from any run (a new run starts with a
+PLAN; the server refuses a device before it has a run); everything else must be of the receiver's current run.
+Counters alone make those run-free messages fresh.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from pathlib import Path
+
+from device_runtime.auth import (CounterSource, Direction, KeyRing, Refusal, Verifier, load_verifier_state,
+                                 save_verifier_state, start_counters)
+from device_runtime.protocol import Message, MessageType, ProtocolError, Reason, decode, seal
+from device_runtime.status import StatusError, StatusSigner, parse_status
+
+SERVER_RUN_FREE = frozenset((MessageType.JOIN, MessageType.STATUS))
+DEVICE_RUN_FREE = frozenset((MessageType.PLAN, MessageType.ERROR))
+
+
+class Refused(Exception):
+    """An inbound payload not to be believed; ``reason`` is a protocol Reason or an auth Refusal."""
+
+    def __init__(self, reason: Reason | Refusal | str, detail: str, device_id: str | None = None) -> None:
+        super().__init__(reason, detail)
+        self.reason, self.detail, self.device_id = reason, detail, device_id
+
+    def __str__(self) -> str:
+        return f"{self.detail} [{getattr(self.reason, 'value', self.reason)}]"
+
+
+class Link:
+    """Seals with this side's counters and opens with its Verifier (see the module docstring)."""
+
+    def __init__(self, keys: KeyRing, counters: CounterSource, sends: Direction, verifier: Verifier,
+                 run_free: Collection[MessageType], max_inbound: int, *, state_dir: str | os.PathLike[str] | None = None,
+                 allow_nonfinite: bool = False) -> None:
+        self.keys, self.counters, self.sends, self.verifier = keys, counters, sends, verifier
+        self.run_free, self.max_inbound, self.allow_nonfinite = frozenset(run_free), max_inbound, allow_nonfinite
+        self.state_dir = None if state_dir is None else Path(state_dir)
+
+    @classmethod
+    def server(cls, keys: KeyRing, state_dir: str | os.PathLike[str], max_inbound: int) -> Link:
+        """The server's link: sends down, takes up and status; non-finite tensors reach its own checks."""
+        return cls(keys, start_counters(state_dir), Direction.DOWN,
+                   Verifier(keys, {Direction.UP, Direction.STATUS}, load_verifier_state(state_dir)), SERVER_RUN_FREE,
+                   max_inbound, state_dir=state_dir, allow_nonfinite=True)
+
+    @classmethod
+    def device(cls, device_id: str, key: bytes, state_dir: str | os.PathLike[str], max_inbound: int) -> Link:
+        """A device's link: sends up (and status), takes down messages addressed to it only."""
+        keys = KeyRing({device_id: key})
+        return cls(keys, start_counters(state_dir), Direction.UP,
+                   Verifier(keys, {Direction.DOWN}, load_verifier_state(state_dir)), DEVICE_RUN_FREE, max_inbound,
+                   state_dir=state_dir)
+
+    def seal(self, msg: Message) -> bytes:
+        """``msg`` as an envelope under its device's key with this side's next counter."""
+        key = self.keys.key_for(msg.device_id)
+        if key is None:
+            raise ValueError(f"no key for device {msg.device_id!r}: enroll it before sending to it")
+        return seal(msg, key, self.sends, self.counters.next())
+
+    def status_signer(self, device_id: str) -> StatusSigner:
+        """The status frames of ``device_id`` (for MqttEndpoint's ``status``), on this side's counters."""
+        key = self.keys.key_for(device_id)
+        if key is None:
+            raise ValueError(f"no key for device {device_id!r}")
+        return StatusSigner(device_id, key, self.counters)
+
+    def open(self, payload: bytes, current_run: str, *, device_id: str, status_topic: bool = False) -> Message:
+        """Decode and verify ``payload`` received on a topic of ``device_id``; raises Refused.
+
+        ``status_topic``: it came on the status topic, where only STATUS frames belong (and nowhere else)."""
+        try:
+            msg = decode(payload, max_bytes=self.max_inbound, allow_nonfinite=self.allow_nonfinite)
+        except ProtocolError as exc:
+            raise Refused(exc.reason, exc.message, device_id) from None
+        if msg.device_id != device_id:
+            raise Refused(Reason.BAD_TOPIC, f"a message of {msg.device_id!r} on a topic of {device_id!r}", device_id)
+        if (msg.type == MessageType.STATUS) != status_topic:
+            raise Refused(Reason.BAD_TOPIC, f"a {msg.type.value} message on the {'status' if status_topic else 'message'}"
+                          " topic", device_id)
+        state = nonce = None
+        if msg.type == MessageType.STATUS:
+            try:
+                status = parse_status(msg)
+            except StatusError as exc:
+                raise Refused(Reason.BAD_META, str(exc), device_id) from None
+            state, nonce = status.state, status.nonce
+        runs = None if msg.type in self.run_free else {current_run}
+        verdict = self.verifier.check(msg, runs, status=state, nonce=nonce)
+        if not verdict.accepted:
+            raise Refused(verdict.reason or Refusal.BAD_TAG, f"{msg.type.value} {msg.msg_id}: {verdict.detail}",
+                          device_id)
+        if self.state_dir is not None:
+            save_verifier_state(self.state_dir, self.verifier)
+        return msg

@@ -1,0 +1,115 @@
+"""Specification of the authenticated link between a server and a device (seal, open, persistence)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from device_runtime.auth import KeyRing, Refusal, new_nonce
+from device_runtime.link import Link, Refused
+from device_runtime.protocol import Message, MessageType, Reason
+
+KEY, OTHER_KEY = bytes([7]) * 32, bytes([8]) * 32
+RUN, OLD_RUN = "run-b", "run-a"
+MAX = 1 << 20
+
+
+def message(kind: MessageType, run_id: str = RUN, device_id: str = "dev_a") -> Message:
+    return Message(kind, run_id, 0, device_id, f"{kind.value}-1", {"n": 1})
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> tuple[Link, Link]:
+    server = Link.server(KeyRing({"dev_a": KEY}), tmp_path / "server", MAX)
+    device = Link.device("dev_a", KEY, tmp_path / "device", MAX)
+    return server, device
+
+
+def refusal(link: Link, payload: bytes, run: str = RUN, **kwargs: object) -> object:
+    kwargs.setdefault("device_id", "dev_a")
+    with pytest.raises(Refused) as info:
+        link.open(payload, run, **kwargs)
+    return info.value.reason
+
+
+def test_server_opens_a_sealed_join_once(pair):
+    server, device = pair
+    join = device.seal(message(MessageType.JOIN, run_id="none"))
+    assert server.open(join, RUN, device_id="dev_a").type == MessageType.JOIN
+    assert refusal(server, join) == Refusal.REPLAY
+
+
+def test_server_refuses_an_ack_of_another_run(pair):
+    server, device = pair
+    assert refusal(server, device.seal(message(MessageType.ACK, run_id=OLD_RUN))) == Refusal.WRONG_RUN
+
+
+def test_server_refuses_a_message_on_another_devices_topic(pair):
+    server, device = pair
+    assert refusal(server, device.seal(message(MessageType.JOIN)), device_id="dev_b") == Reason.BAD_TOPIC
+
+
+def test_server_refuses_garbage_as_a_protocol_error(pair):
+    assert refusal(pair[0], b"not an envelope") == Reason.TRUNCATED
+
+
+def test_a_restarted_server_still_refuses_a_join_it_accepted(pair, tmp_path):
+    server, device = pair
+    join = device.seal(message(MessageType.JOIN))
+    server.open(join, RUN, device_id="dev_a")
+    restarted = Link.server(KeyRing({"dev_a": KEY}), tmp_path / "server", MAX)
+    assert refusal(restarted, join) == Refusal.REPLAY
+
+
+def test_a_restarted_device_counts_above_its_last_start(pair, tmp_path):
+    server, device = pair
+    server.open(device.seal(message(MessageType.JOIN)), RUN, device_id="dev_a")
+    restarted = Link.device("dev_a", KEY, tmp_path / "device", MAX)
+    assert server.open(restarted.seal(message(MessageType.JOIN)), RUN, device_id="dev_a")
+
+
+def test_device_takes_a_plan_of_a_new_run_but_not_an_old_runs_plan_after_it(pair, tmp_path):
+    server, device = pair
+    old_plan = server.seal(message(MessageType.PLAN, run_id=OLD_RUN))
+    new_plan = server.seal(message(MessageType.PLAN, run_id=RUN))
+    assert device.open(new_plan, OLD_RUN, device_id="dev_a").run_id == RUN
+    assert refusal(device, old_plan) == Refusal.REPLAY
+    restarted = Link.device("dev_a", KEY, tmp_path / "device", MAX)
+    assert refusal(restarted, old_plan) == Refusal.REPLAY
+
+
+def test_device_refuses_a_task_of_another_run(pair):
+    server, device = pair
+    assert refusal(device, server.seal(message(MessageType.TASK, run_id=OLD_RUN))) == Refusal.WRONG_RUN
+
+
+def test_device_refuses_a_forged_refusal_under_another_key(pair, tmp_path):
+    _, device = pair
+    forger = Link.server(KeyRing({"dev_a": OTHER_KEY}), tmp_path / "forger", MAX)
+    assert refusal(device, forger.seal(message(MessageType.ERROR))) == Refusal.BAD_TAG
+
+
+def test_device_refuses_messages_for_another_device(pair):
+    server, device = pair
+    server.keys = KeyRing({"dev_b": KEY})
+    assert refusal(device, server.seal(message(MessageType.TASK, device_id="dev_b")), device_id="dev_b") == \
+        Refusal.UNKNOWN_DEVICE
+
+
+def test_status_frames_belong_on_the_status_topic_only(pair):
+    server, device = pair
+    online = device.status_signer("dev_a")(True, new_nonce())
+    assert refusal(server, online) == Reason.BAD_TOPIC
+    assert server.open(online, RUN, device_id="dev_a", status_topic=True).meta["state"] == "online"
+    assert refusal(server, device.seal(message(MessageType.JOIN)), status_topic=True) == Reason.BAD_TOPIC
+
+
+def test_open_mode_server_takes_any_id_under_the_shared_key(tmp_path):
+    server = Link.server(KeyRing({}, shared_key=KEY), tmp_path / "server", MAX)
+    device = Link.device("anyone_7", KEY, tmp_path / "device", MAX)
+    assert server.open(device.seal(message(MessageType.JOIN, device_id="anyone_7")), RUN, device_id="anyone_7")
+
+
+def test_sealing_for_an_unenrolled_device_names_it(pair):
+    with pytest.raises(ValueError, match="dev_z"):
+        pair[0].seal(message(MessageType.TASK, device_id="dev_z"))
