@@ -20,6 +20,8 @@ import threading
 PASSWORD_ENV = "FEDARA_MQTT_PASSWORD"
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 EXIT_OK, EXIT_BROKER_REFUSED, EXIT_REFUSED = 0, 1, 2
+DEFAULT_MAX_INBOUND_MB = 64.0
+AUTH_DIR = "auth"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--password", default=os.environ.get(PASSWORD_ENV),
                    help=f"MQTT password (default: ${PASSWORD_ENV}, which keeps it out of the process list)")
     p.add_argument("--tls-ca", default=None, help="CA certificate to verify an mqtts:// broker")
+    p.add_argument("--key-file", required=True,
+                   help="this device's key (64 hex digits; written at enrollment, see server/enrollment.py)")
+    p.add_argument("--max-inbound-mb", type=float, default=DEFAULT_MAX_INBOUND_MB,
+                   help="largest message taken before a plan sets a model-sized limit (also the reassembly budget)")
     p.add_argument("--max-message-bytes", type=int, default=256 * 1024,
                    help="largest MQTT publish; longer messages travel as chunks (the broker's limit or less)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -53,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {args.device_id} %(name)s %(levelname)s %(message)s")
 
     from device_runtime.agent import DeviceAgent, DeviceRefused, Interrupted, Workdir
+    from device_runtime.auth import read_key_file
+    from device_runtime.link import Link
     from device_runtime.messages import DEFAULT_TOPIC_PREFIX
     from device_runtime.profile import ProfileError, collect_profile
     from device_runtime.protocol import ProtocolError, Topics
@@ -63,14 +71,20 @@ def main(argv: list[str] | None = None) -> int:
         topics = Topics(args.prefix or DEFAULT_TOPIC_PREFIX, args.device_id)
         shard = load_shard(args.data)
         profile = collect_profile(args.memory_budget_mb, args.threads)
+        if args.max_inbound_mb <= 0:
+            raise ValueError(f"--max-inbound-mb must be positive, got {args.max_inbound_mb}")
+        max_inbound = int(args.max_inbound_mb * 1024 * 1024)
+        link = Link.device(args.device_id, read_key_file(args.key_file), os.path.join(args.workdir, AUTH_DIR),
+                           max_inbound)
         endpoint = MqttEndpoint(args.device_id, args.broker, subscriptions=[topics.down],
-                                will=(topics.status, b"offline"), username=args.username, password=args.password,
-                                tls_ca=args.tls_ca, max_frame_bytes=args.max_message_bytes, clean_session=False)
+                                status=(topics.status, link.status_signer(args.device_id)), username=args.username,
+                                password=args.password, tls_ca=args.tls_ca, max_frame_bytes=args.max_message_bytes,
+                                max_message_bytes=max_inbound, clean_session=False)
         workdir = Workdir(args.workdir)
     except (ProtocolError, ShardError, ProfileError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    agent = DeviceAgent(args.device_id, shard, profile, endpoint, workdir, topics, threads=args.threads)
+    agent = DeviceAgent(args.device_id, shard, profile, endpoint, workdir, topics, link, threads=args.threads)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

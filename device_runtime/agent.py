@@ -32,11 +32,12 @@ from device_runtime.messages import (NO_RUN, ErrorCode, Join, MessageError, Shar
                                      error_message, is_evaluate_only, join_message, new_msg_id, parse_error,
                                      parse_plan, parse_task, update_message)
 from device_runtime.profile import ResourceProfile
-from device_runtime.protocol import Message, MessageType, ProtocolError, Topics, decode, encode
+from device_runtime.link import Link, Refused
+from device_runtime.protocol import Message, MessageType, Topics, envelope_limit
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
 from device_runtime.trainer import ArtifactError, DeviceTrainer, TensorMismatchError, verify_artifacts
-from device_runtime.transport import DEFAULT_MAX_MESSAGE_BYTES, ConnectTimeoutError, MqttEndpoint
+from device_runtime.transport import ConnectTimeoutError, MqttEndpoint
 
 LOG = logging.getLogger("fedara.device")
 ARTIFACTS_DIR = "artifacts"
@@ -47,7 +48,11 @@ TMP_PREFIX = ".tmp-"
 POLL_S = 0.2
 CONNECT_POLL_S = 1.0
 WAITING_LOG_EVERY_S = 10.0
-OFFLINE_STATUS = b"offline"
+DEFAULT_MAX_INBOUND_BYTES = 64 * 1024 * 1024
+"""Largest message a device takes before it knows its plan (``--max-inbound-mb``); also its reassembly budget."""
+PLAN_HEADROOM = 8
+"""After a plan, the device takes messages up to this many times its plan's artifact files (plus a header): a
+later run's plan may be denser (the smallest default tier, 0.125, stores about 1/8 of a dense layer)."""
 
 
 class DeviceRefused(RuntimeError):
@@ -169,8 +174,7 @@ class DeviceAgent:
     """One device: answers the server's PLAN, TASK and ERROR messages on its down topic."""
 
     def __init__(self, device_id: str, shard: Shard, profile: ResourceProfile, endpoint: MqttEndpoint,
-                 workdir: Workdir, topics: Topics, *, threads: int = 1,
-                 max_inbound_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 workdir: Workdir, topics: Topics, link: Link, *, threads: int = 1):
         self.device_id = device_id
         self.shard = shard
         self.profile = profile
@@ -178,7 +182,7 @@ class DeviceAgent:
         self.workdir = workdir
         self.topics = topics
         self.threads = threads
-        self.max_inbound_bytes = max_inbound_bytes
+        self.link = link
         self.state = workdir.load_state()
         self.trainer: DeviceTrainer | None = None
         self.loaded_hash: str | None = None
@@ -232,7 +236,7 @@ class DeviceAgent:
         LOG.info("joined with %d cached artifact set(s)", len(join.artifacts))
 
     def _send(self, msg: Message) -> None:
-        self.endpoint.publish(self.topics.up, encode(msg), msg.msg_id)
+        self.endpoint.publish(self.topics.up, self.link.seal(msg), msg.msg_id)
 
     def _send_error(self, code: ErrorCode, detail: str, round_index: int = 0, run_id: str | None = None) -> None:
         LOG.warning("%s: %s", code.value, detail)
@@ -248,13 +252,10 @@ class DeviceAgent:
         if topic != self.topics.down:
             LOG.debug("ignored a message on %s", topic)
             return
-        try:
-            msg = decode(payload, max_bytes=self.max_inbound_bytes)
-        except ProtocolError as exc:
-            LOG.warning("dropped an undecodable message: %s", exc)
-            return
-        if msg.device_id != self.device_id:
-            LOG.warning("dropped a %s addressed to %s", msg.type.value, msg.device_id)
+        try:  # authenticated before anything else looks at it; a forged REFUSED is dropped here, not obeyed
+            msg = self.link.open(payload, self.state.run_id, device_id=self.device_id)
+        except Refused as exc:
+            LOG.warning("dropped a message: %s", exc)
             return
         handlers = {MessageType.PLAN: self._on_plan, MessageType.TASK: self._on_task,
                     MessageType.ERROR: self._on_error}
@@ -289,10 +290,16 @@ class DeviceAgent:
             self.state = DeviceState(run_id=msg.run_id)
         if self.loaded_hash != plan.plan_hash:
             self._load_plan(plan.plan_hash)
+        self._limit_inbound(plan.plan_hash)
         self.state.plan_hash = plan.plan_hash
         self.workdir.save_state(self.state)
         LOG.info("plan %s: ratio %s (%s)", plan.plan_hash[:12], plan.ratio, plan.description)
         self._send(ack_message(plan.plan_hash, device_id=self.device_id, run_id=self.state.run_id))
+
+    def _limit_inbound(self, plan_hash: str) -> None:
+        """Take no message larger than this model needs (PLAN_HEADROOM times its artifact files)."""
+        held = sum(f.stat().st_size for f in self.workdir.artifact_dir(plan_hash).iterdir() if f.is_file())
+        self.endpoint.set_max_message_bytes(min(self.link.max_inbound, envelope_limit(PLAN_HEADROOM * held)))
 
     def _load_plan(self, plan_hash: str) -> None:
         self._drop_trainer()
@@ -323,7 +330,7 @@ class DeviceAgent:
             answer = self.workdir.load_answer()
             if answer is not None:
                 LOG.info("round %d asked again: re-sending the saved answer", task.round)
-                self.endpoint.publish(self.topics.up, answer, new_msg_id(MessageType.UPDATE))
+                self.endpoint.publish(self.topics.up, self.link.reseal(answer), new_msg_id(MessageType.UPDATE))
                 return
         try:
             update = self._compute(task)
@@ -332,8 +339,8 @@ class DeviceAgent:
             return
         if task.epochs:
             self.trainer.save_head(self.workdir.head_path(plan_hash, task.round))
-        payload = encode(update_message(update, plan_hash=plan_hash, device_id=self.device_id,
-                                        run_id=self.state.run_id))
+        payload = self.link.seal(update_message(update, plan_hash=plan_hash, device_id=self.device_id,
+                                                run_id=self.state.run_id))
         self.workdir.save_answer(payload)
         self.state.answered_round, self.state.answered_evaluation = task.round, is_evaluate_only(task)
         self.workdir.save_state(self.state)

@@ -170,6 +170,26 @@ def next_epoch(last_epoch: int | None, now_unix: float) -> int:
     return epoch
 
 
+def parse_key(text: object, where: str) -> bytes:
+    """The key written as ``text`` (64 hex digits); raises ValueError saying ``where`` it was read."""
+    try:
+        key = bytes.fromhex(text) if isinstance(text, str) else b""
+    except ValueError:
+        key = b""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"{where}: a key is {2 * KEY_BYTES} hex digits ({KEY_BYTES} bytes)")
+    return key
+
+
+def read_key_file(path: str | os.PathLike[str], flag: str = "--key-file") -> bytes:
+    """The key in a key file (64 hex digits); raises ValueError naming ``flag`` and the file."""
+    try:
+        text = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
+    return parse_key(text, f"{flag} {path}")
+
+
 class KeyRing:
     """Device keys by id: enrolled ids with their own keys, or (open mode) one shared key for any id."""
 

@@ -5,10 +5,11 @@ outbound message, ``open`` on every inbound payload before anything else looks a
 for anything not to be believed, and only an accepted message advances the Verifier's counters (saved under
 ``state_dir`` after each accept, so a restarted receiver still refuses what it accepted before).
 
-Which run a message must belong to depends on its type: a server takes a JOIN from any run (a device announces
-itself with the run it last knew) and a device takes a PLAN or an ERROR from any run (a new run starts with a
-PLAN; the server refuses a device before it has a run); everything else must be of the receiver's current run.
-Counters alone make those run-free messages fresh.
+Which run a message must belong to depends on its type. A server takes a JOIN (a device announces itself with
+the run it last knew) and a STATUS from any run, everything else only from its current run. A device takes every
+message from any run: the server's counters are fresh across runs, so an old run's message is refused as a
+replay anyway, and the agent itself compares a TASK's run with its own (a TASK of another run makes it rejoin;
+only a PLAN starts a new run). Counters alone make run-free messages fresh.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from device_runtime.protocol import Message, MessageType, ProtocolError, Reason,
 from device_runtime.status import StatusError, StatusSigner, parse_status
 
 SERVER_RUN_FREE = frozenset((MessageType.JOIN, MessageType.STATUS))
-DEVICE_RUN_FREE = frozenset((MessageType.PLAN, MessageType.ERROR))
+DEVICE_RUN_FREE = frozenset(MessageType)
 
 
 class Refused(Exception):
@@ -67,6 +68,11 @@ class Link:
         if key is None:
             raise ValueError(f"no key for device {msg.device_id!r}: enroll it before sending to it")
         return seal(msg, key, self.sends, self.counters.next())
+
+    def reseal(self, payload: bytes) -> bytes:
+        """A message this side sealed earlier (a saved answer), sealed again with a fresh counter: the receiver
+        refuses the old counter once it accepted anything newer."""
+        return self.seal(decode(payload, max_bytes=len(payload), allow_nonfinite=True))
 
     def status_signer(self, device_id: str) -> StatusSigner:
         """The status frames of ``device_id`` (for MqttEndpoint's ``status``), on this side's counters."""

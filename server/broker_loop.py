@@ -35,12 +35,14 @@ import torch
 from device_runtime.messages import (DEFAULT_TOPIC_PREFIX, ErrorCode, MessageError, Plan, error_message, parse_ack,
                                      parse_error, parse_join, plan_message, task_message)
 from device_runtime.profile import ResourceProfile
+from device_runtime.link import Link, Refused
 from device_runtime.protocol import (DEFAULT_MAX_FRAME_BYTES, Message, MessageType, ProtocolError, TopicKind, Topics,
-                                     decode, device_id_from_topic, encode, server_subscriptions)
+                                     device_id_from_topic, server_subscriptions)
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update, tensor_bytes
 from device_runtime.trainer import MANIFEST_NAME
-from device_runtime.transport import STATUS_ONLINE, MqttEndpoint, TransportError
+from device_runtime.status import parse_status
+from device_runtime.transport import MqttEndpoint, TransportError
 from export.artifacts import ArtifactSet, build_artifacts
 from server.aggregate import StreamingAverage
 from server.checkpoint import CHECKPOINT_NAME, Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
@@ -48,6 +50,7 @@ from server.coordinator import NO_ANSWER, Coordinator, CoordinatorConfig, RoundO
 from server.cost_model import CostModelError, peak_predictor
 from server.data import DATASETS, load_dataset
 from server.embedded_broker import EmbeddedBroker
+from server.enrollment import LOCAL_KEYS_DIR, run_key_ring
 from server.lowrank import RankPlan, ResolvedPlan, fe_state, resolve_plan
 from server.models import MODELS, SplitModel, build_model
 from server.partition import write_shards
@@ -72,6 +75,9 @@ DEFAULT_MIN_COMPLETION = 0.5
 DEFAULT_MAX_SAMPLES = 6000
 DEFAULT_LOCAL_EPOCHS = 1
 INBOUND_SLACK_BYTES = 1 << 20
+AUTH_DIR = "auth"
+PENDING_UPDATES_BUDGETED = 4
+"""Total reassembly budget of the server, in largest inbound messages (over all topics together)."""
 """Room for headers, metadata and the small messages (JOIN, ACK, ERROR) above the largest update."""
 SHARDS_DIR, DEVICES_DIR = "shards", "devices"
 SERVER_LOG = "server.log"
@@ -147,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fraction of a round's training devices that must deliver for it to be aggregated")
     run.add_argument("--out", required=True, help="output folder: metrics.jsonl, checkpoint.npz, report.md, logs")
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its last completed round")
+    auth = p.add_argument_group("enrollment (see server/enrollment.py)")
+    auth.add_argument("--enroll", default=None, metavar="FILE|open",
+                      help="admit the devices of this enrollment file, or any id holding --run-key (open; lab use); "
+                           "default: only the --local-devices, enrolled in OUT/enrollment.json")
+    auth.add_argument("--run-key", default=None, metavar="FILE", help="the shared key of --enroll open")
     return p
 
 
@@ -290,7 +301,8 @@ def device_command(args: argparse.Namespace, url: str, device_id: str, shard: Pa
                    budget: float | None) -> list[str]:
     command = [sys.executable, "-m", "device_runtime", "--broker", url, "--device-id", device_id, "--data", str(shard),
                "--workdir", str(workdir), "--threads", str(args.threads), "--prefix", args.prefix,
-               "--max-message-bytes", str(args.max_message_bytes)]
+               "--max-message-bytes", str(args.max_message_bytes),
+               "--key-file", str(Path(args.out) / LOCAL_KEYS_DIR / f"{device_id}.key")]
     if budget is not None:
         command += ["--memory-budget-mb", str(budget)]
     if args.tls_ca:
@@ -337,8 +349,9 @@ class Federation:
 
     def __init__(self, args: argparse.Namespace, config: FederationConfig, coordinator: Coordinator,
                  endpoint: MqttEndpoint, plans: PlanBook, global_fe: dict[str, torch.Tensor], out_dir: Path,
-                 local: LocalDevices, overrides: dict[str, float], tiers: tuple[float, ...]):
+                 local: LocalDevices, overrides: dict[str, float], tiers: tuple[float, ...], link: Link):
         self.args, self.config, self.coordinator, self.endpoint = args, config, coordinator, endpoint
+        self.link = link
         self.plans, self.global_fe, self.out_dir, self.local = plans, global_fe, out_dir, local
         self.overrides, self.tiers = overrides, tiers
         self.norm_bound = norm_bound_from_args(args)
@@ -362,7 +375,7 @@ class Federation:
         return RoundBook(time.monotonic(), stats["bytes_out"], stats["bytes_in"])
 
     def _send(self, device_id: str, msg: Message) -> None:
-        self.endpoint.publish(Topics(self.args.prefix, device_id).down, encode(msg), msg.msg_id)
+        self.endpoint.publish(Topics(self.args.prefix, device_id).down, self.link.seal(msg), msg.msg_id)
 
     def _plan_of(self, device_id: str) -> PlanArtifacts:
         return self.plans.get(self.coordinator.devices[device_id].ratio)
@@ -409,19 +422,17 @@ class Federation:
         except ProtocolError as exc:
             LOG.warning("dropped a message on %s: %s", topic, exc)
             return
-        if kind == TopicKind.STATUS:
-            self._on_status(device_id, payload == STATUS_ONLINE)
+        try:  # authenticated before anything else looks at it
+            msg = self.link.open(payload, self.coordinator.run_id, device_id=device_id,
+                                 status_topic=kind == TopicKind.STATUS)
+        except Refused as exc:
+            LOG.warning("dropped a message on %s: %s", topic, exc)
             return
-        try:
-            msg = decode(payload, max_bytes=self.max_inbound, allow_nonfinite=True)
-        except ProtocolError as exc:
-            LOG.warning("dropped a message from %s: %s", device_id, exc)
+        if kind == TopicKind.STATUS:
+            self._on_status(device_id, parse_status(msg).online)
             return
         if msg.type == MessageType.UPDATE:
             self._on_update(device_id, msg)
-            return
-        if msg.device_id != device_id:
-            LOG.warning("dropped a %s on %s's topic claiming to be from %s", msg.type.value, device_id, msg.device_id)
             return
         handlers = {MessageType.JOIN: self._on_join, MessageType.ACK: self._on_ack, MessageType.ERROR: self._on_error}
         handler = handlers.get(msg.type)
@@ -720,13 +731,17 @@ def run(args: argparse.Namespace) -> None:
         coordinator.restore(saved.state["registry"])
         global_fe = to_torch(saved.tensors)
     plans = PlanBook(model, input_shape, Path(args.cache_dir))
+    keys = run_key_ring(args.enroll, args.run_key, device_ids, out_dir)
+    link = Link.server(keys, out_dir / AUTH_DIR, inbound_limit(global_fe))
     local = LocalDevices()
     with broker_url(args) as url, contextlib.ExitStack() as stack:
         endpoint = MqttEndpoint(f"fedara-server-{args.prefix.replace('/', '_')}", url,
                                 subscriptions=server_subscriptions(args.prefix), username=args.username,
                                 password=args.password, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                                 tls_key=args.tls_key, max_frame_bytes=args.max_message_bytes,
-                                max_message_bytes=inbound_limit(global_fe), clean_session=False)
+                                max_message_bytes=inbound_limit(global_fe),
+                                max_pending_bytes=PENDING_UPDATES_BUDGETED * inbound_limit(global_fe),
+                                clean_session=False)
         endpoint.start()
         stack.callback(endpoint.stop)
         endpoint.wait_connected(CONNECT_TIMEOUT_S)
@@ -740,7 +755,8 @@ def run(args: argparse.Namespace) -> None:
                 local.spawn(device_id, device_command(args, url, device_id, shard_path, workdir,
                                                       budgets[i % len(budgets)]),
                             out_dir / DEVICES_DIR / f"{device_id}.log")
-        federation = Federation(args, config, coordinator, endpoint, plans, global_fe, out_dir, local, overrides, tiers)
+        federation = Federation(args, config, coordinator, endpoint, plans, global_fe, out_dir, local, overrides, tiers,
+                                link)
         if saved:
             federation.records, federation.pending = saved.state["records"], saved.state["pending"]
         if saved and saved.state["finished"] and saved.round >= config.rounds:

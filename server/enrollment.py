@@ -31,7 +31,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from device_runtime.auth import KEY_BYTES, KeyRing, new_key, write_json_atomic
+from device_runtime.auth import KeyRing, new_key, parse_key, read_key_file, write_json_atomic
 from device_runtime.protocol import check_device_id
 
 LOG = logging.getLogger("fedara.enrollment")
@@ -56,7 +56,7 @@ def load_enrollment(path: str | Path) -> dict[str, bytes]:
         raise EnrollmentError(f"enrollment file {path} is unreadable: {exc}") from None
     if not isinstance(data, dict) or data.get("version") != FILE_VERSION or not isinstance(data.get("devices"), dict):
         raise EnrollmentError(f"enrollment file {path}: expected {{\"version\": {FILE_VERSION}, \"devices\": {{...}}}}")
-    return {_checked_id(device_id, path): _parse_key(key, f"{path}: key of {device_id!r}")
+    return {_checked_id(device_id, path): parse_key(key, f"{path}: key of {device_id!r}")
             for device_id, key in data["devices"].items()}
 
 
@@ -115,15 +115,6 @@ def enroll_devices(path: str | Path, device_ids: Iterable[str], keys_dir: str | 
     return f"enrolled {len(written)} devices in {path}; their key files are in {keys_dir}"
 
 
-def read_key_file(path: str | Path, flag: str = "--key-file") -> bytes:
-    """The key in a key file; raises EnrollmentError naming ``flag`` and the file."""
-    try:
-        text = Path(path).read_text().strip()
-    except OSError as exc:
-        raise EnrollmentError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
-    return _parse_key(text, f"{flag} {path}")
-
-
 def key_ring(enroll_arg: str, run_key_file: str | Path | None) -> KeyRing:
     """The server's KeyRing from ``--enroll FILE|open`` and ``--run-key FILE``; open mode is logged loudly."""
     if enroll_arg == ENROLL_OPEN:
@@ -142,21 +133,39 @@ def key_ring(enroll_arg: str, run_key_file: str | Path | None) -> KeyRing:
     return KeyRing(keys)
 
 
+LOCAL_ENROLLMENT = "enrollment.json"
+LOCAL_KEYS_DIR = "keys"
+
+
+def run_key_ring(enroll_arg: str | None, run_key_file: str | Path | None, local_ids: Iterable[str],
+                 out_dir: Path) -> KeyRing:
+    """The KeyRing of a server run, with a key file for each local device under ``out_dir/keys``.
+
+    Without ``--enroll``, the run's own local devices are enrolled in ``out_dir/enrollment.json`` (created
+    once, kept for --resume) and nobody else is admitted."""
+    local_ids = list(local_ids)
+    if enroll_arg is None:
+        if not local_ids:
+            raise EnrollmentError("no devices are enrolled: pass --enroll FILE (see scripts/mosquitto_credentials.py "
+                                  "--enroll-file) or --enroll open --run-key FILE")
+        path = out_dir / LOCAL_ENROLLMENT
+        save_enrollment(path, enroll(load_enrollment(path) if path.exists() else {}, local_ids))
+        enroll_arg = str(path)
+    ring = key_ring(enroll_arg, run_key_file)
+    missing = [d for d in local_ids if not ring.enrolled(d)]
+    if missing:
+        raise EnrollmentError(f"--local-devices {missing} are not enrolled in --enroll {enroll_arg}: add them with "
+                              f"python -m server.enrollment add {enroll_arg} ID... --keys-dir DIR")
+    for device_id in local_ids:
+        write_key_file(out_dir / LOCAL_KEYS_DIR / f"{device_id}{KEY_FILE_SUFFIX}", ring.key_for(device_id))
+    return ring
+
+
 def _checked_id(device_id: object, path: Path) -> str:
     try:
         return check_device_id(device_id)
     except ValueError as exc:
         raise EnrollmentError(f"enrollment file {path}: {exc}") from None
-
-
-def _parse_key(text: object, where: str) -> bytes:
-    try:
-        key = bytes.fromhex(text) if isinstance(text, str) else b""
-    except ValueError:
-        key = b""
-    if len(key) != KEY_BYTES:
-        raise EnrollmentError(f"{where}: a key is {2 * KEY_BYTES} hex digits ({KEY_BYTES} bytes)")
-    return key
 
 
 def main(argv: list[str] | None = None) -> int:

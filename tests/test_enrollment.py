@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from server.enrollment import (EnrollmentError, enroll, key_ring, load_enrollment, main, read_key_file, revoke,
-                               rotate, save_enrollment)
+from device_runtime.auth import read_key_file
+from server.enrollment import EnrollmentError, enroll, key_ring, load_enrollment, main, revoke, rotate, save_enrollment
 
 ROOT = Path(__file__).resolve().parents[1]
 

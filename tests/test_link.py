@@ -78,9 +78,11 @@ def test_device_takes_a_plan_of_a_new_run_but_not_an_old_runs_plan_after_it(pair
     assert refusal(restarted, old_plan) == Refusal.REPLAY
 
 
-def test_device_refuses_a_task_of_another_run(pair):
+def test_device_refuses_an_old_runs_task_by_its_counter(pair):
     server, device = pair
-    assert refusal(device, server.seal(message(MessageType.TASK, run_id=OLD_RUN))) == Refusal.WRONG_RUN
+    old_task = server.seal(message(MessageType.TASK, run_id=OLD_RUN))
+    device.open(server.seal(message(MessageType.PLAN, run_id=RUN)), OLD_RUN, device_id="dev_a")
+    assert refusal(device, old_task) == Refusal.REPLAY
 
 
 def test_device_refuses_a_forged_refusal_under_another_key(pair, tmp_path):

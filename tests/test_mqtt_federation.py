@@ -23,8 +23,9 @@ from device_runtime.messages import (ARTIFACT_BLOBS, DEFAULT_TOPIC_PREFIX, Error
                                      ack_message, join_message, parse_error, parse_join, parse_plan, plan_message,
                                      task_message)
 from device_runtime.profile import collect_profile
-from device_runtime.protocol import MessageType, Topics, decode, encode, server_subscriptions
+from device_runtime.protocol import MessageType, Topics, server_subscriptions
 from device_runtime.shard import Shard, load_shard, save_shard
+from device_runtime.status import parse_status
 from device_runtime.task import Task
 from device_runtime.transport import MqttEndpoint
 from export.artifacts import build_artifacts
@@ -36,6 +37,7 @@ from server.models import build_model
 from server.report import ACCURACY_PLOT, BYTES_PLOT, METRICS_FILE, REPORT_FILE, read_metrics
 from server.simulate import build_parser, config_from_args, make_backend, prepare, run_federation
 from tests.mqtt_peer import MqttPeer
+from tests.sealing import device_link, enrollment_file, read, seal_down, write_key
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
@@ -149,12 +151,13 @@ def test_resumed_run_reuses_the_devices_cached_artifacts(embedded_run: Path, tmp
 class SilentDevice(MqttPeer):
     """Joins (again when asked), acknowledges its plan, and never answers a task."""
 
-    def __init__(self, url: str, device_id: str, shard: ShardInfo):
+    def __init__(self, url: str, device_id: str, shard: ShardInfo, state_dir: Path):
         super().__init__()
         self.device_id, self.shard = device_id, shard
         self.topics = Topics(DEFAULT_TOPIC_PREFIX, device_id)
+        self.link = device_link(device_id, state_dir)
         self.endpoint = MqttEndpoint(device_id, url, subscriptions=[self.topics.down],
-                                     will=(self.topics.status, b"offline"))
+                                     status=(self.topics.status, self.link.status_signer(device_id)))
         self.tasks = 0
 
     def on_connected(self) -> None:
@@ -162,15 +165,15 @@ class SilentDevice(MqttPeer):
 
     def join(self) -> None:
         join = join_message(Join(collect_profile(None, 1), self.shard, ()), device_id=self.device_id)
-        self.endpoint.publish(self.topics.up, encode(join), join.msg_id)
+        self.endpoint.publish(self.topics.up, self.link.seal(join), join.msg_id)
 
     def on_message(self, topic: str, payload: bytes) -> None:
         if topic != self.topics.down:
             return
-        msg = decode(payload, max_bytes=1 << 28)
+        msg = read(payload)  # a scripted device: it believes anything
         if msg.type == MessageType.PLAN:
             ack = ack_message(parse_plan(msg).plan_hash, device_id=self.device_id, run_id=msg.run_id)
-            self.endpoint.publish(self.topics.up, encode(ack), ack.msg_id)
+            self.endpoint.publish(self.topics.up, self.link.seal(ack), ack.msg_id)
         elif msg.type == MessageType.TASK:
             self.tasks += 1
         elif msg.type == MessageType.ERROR and parse_error(msg).code == ErrorCode.REJOIN:
@@ -180,9 +183,11 @@ class SilentDevice(MqttPeer):
 def test_device_that_never_answers_is_dropped_at_the_deadline(embedded_broker, tmp_path: Path, cache: Path):
     """The silent device connects before the server listens: the server finds it by its status and asks it to join."""
     deadline_s = 4.0
-    with SilentDevice(embedded_broker.url, "dev_silent", ShardInfo(50, 10, (1, 28, 28), 10)) as silent:
+    enrolled = enrollment_file(tmp_path / "enroll.json", [f"dev_{i:03d}" for i in range(4)] + ["dev_silent"])
+    with SilentDevice(embedded_broker.url, "dev_silent", ShardInfo(50, 10, (1, 28, 28), 10), tmp_path / "s") as silent:
         records = federate(tmp_path / "run", cache, "--rounds", "1", "--local-devices", "4", "--min-devices", "5",
-                           "--broker", embedded_broker.url, "--round-deadline", str(deadline_s))
+                           "--broker", embedded_broker.url, "--round-deadline", str(deadline_s),
+                           "--enroll", str(enrolled))
     (record,) = records
     assert record["dropped"] == {"dev_silent": "no answer by the deadline"}
     assert (record["participants"], record["selected"], record["closed_by"]) == (4, 5, "deadline")
@@ -228,19 +233,20 @@ def secured_broker(tmp_path: Path, start_mosquitto):
 def device_process(url: str, device_id: str, tmp_path: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "device_runtime", "--broker", url, "--device-id", device_id,
                              "--data", str(tiny_shard(tmp_path / "shard.npz")), "--workdir", str(tmp_path / "work"),
-                             *extra], cwd=REPO_ROOT, stderr=subprocess.PIPE, env=env)
+                             "--key-file", str(write_key(tmp_path / "device.key")), *extra], cwd=REPO_ROOT,
+                            stderr=subprocess.PIPE, env=env)
 
 
 def test_device_joins_and_exits_cleanly_on_sigterm(embedded_broker, server_endpoint, tmp_path: Path):
     topics = Topics(DEFAULT_TOPIC_PREFIX, "dev_sig")
     device = device_process(embedded_broker.url, "dev_sig", tmp_path, "--memory-budget-mb", "96")
     try:
-        join = decode(next_on(server_endpoint, topics.up), max_bytes=1 << 20)
+        join = read(next_on(server_endpoint, topics.up))
         assert join.type == MessageType.JOIN and join.meta["profile"]["memory_budget_mb"] == 96.0
         assert join.meta["shard"] == {"num_train": 12, "num_test": 4, "input_shape": [1, 28, 28], "num_classes": 10}
         device.send_signal(signal.SIGTERM)
         assert device.wait(WAIT_S) == 0
-        assert next_on(server_endpoint, topics.status) == b"offline"
+        assert not parse_status(read(next_on(server_endpoint, topics.status))).online
     finally:
         device.kill()
         device.wait()
@@ -254,8 +260,7 @@ def test_device_joins_with_its_credentials_from_the_environment(secured_broker, 
                             env={**os.environ, PASSWORD_ENV: "dev-pw"})
     try:
         server.wait_connected(WAIT_S)
-        assert decode(next_on(server, Topics(DEFAULT_TOPIC_PREFIX, "dev_sec").up), max_bytes=1 << 20).type == \
-            MessageType.JOIN
+        assert read(next_on(server, Topics(DEFAULT_TOPIC_PREFIX, "dev_sec").up)).type == MessageType.JOIN
     finally:
         device.terminate()
         device.wait(WAIT_S)
@@ -280,8 +285,11 @@ class RecordingEndpoint:
     def publish(self, topic: str, payload: bytes, msg_id: str, retain: bool = False, **kwargs: object) -> None:
         self.sent.append((topic, payload))
 
+    def set_max_message_bytes(self, max_message_bytes: int) -> None:
+        self.max_message_bytes = max_message_bytes
+
     def messages(self) -> list:
-        return [decode(payload, max_bytes=1 << 28) for _, payload in self.sent]
+        return [read(payload) for _, payload in self.sent]
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +301,7 @@ def dense_artifacts(cache: Path):
 def make_agent(workdir: Path, shard_path: Path) -> tuple[DeviceAgent, RecordingEndpoint]:
     endpoint = RecordingEndpoint()
     agent = DeviceAgent("dev_t", load_shard(shard_path), collect_profile(None, 1), endpoint, Workdir(workdir),
-                        Topics(DEFAULT_TOPIC_PREFIX, "dev_t"))
+                        Topics(DEFAULT_TOPIC_PREFIX, "dev_t"), device_link("dev_t", workdir / "auth"))
     return agent, endpoint
 
 
@@ -302,7 +310,7 @@ def artifact_files(artifacts) -> dict[str, bytes]:
 
 
 def deliver(agent: DeviceAgent, msg) -> None:
-    agent.handle(agent.topics.down, encode(msg))
+    agent.handle(agent.topics.down, seal_down(msg))
 
 
 def dense_task(model, round_index: int = 1) -> Task:
@@ -332,9 +340,11 @@ def test_device_answers_a_repeated_task_with_its_saved_answer(dense_artifacts, t
     task = task_message(dense_task(model), plan_hash=artifacts.hash, device_id="dev_t", run_id="run1")
     deliver(agent, task)
     deliver(agent, task)
-    ack, first, second = endpoint.sent
-    assert decode(ack[1], max_bytes=1 << 20).type == MessageType.ACK
-    assert first == second and decode(first[1], max_bytes=1 << 28).type == MessageType.UPDATE
+    ack, first, second = endpoint.messages()
+    assert ack.type == MessageType.ACK and first.type == second.type == MessageType.UPDATE
+    assert first.meta == second.meta and second.counter > first.counter  # the same answer, sealed afresh
+    for name, value in first.tensors.items():
+        np.testing.assert_array_equal(second.tensors[name], value)
 
 
 def test_restarted_device_lists_its_artifacts_and_keeps_its_head(dense_artifacts, tmp_path: Path):

@@ -97,7 +97,7 @@ cp "$here/DEVICE.md" "$prefix/DEVICE.md"
 cat <<DONE
 Installed the FedARA device runtime in $prefix/venv.
 Next:
-  1. Edit $prefix/fedara-device.env (broker, device id, shard path).
+  1. Edit $prefix/fedara-device.env (broker, device id, shard path, key file from the server's enrollment).
   2. sudo cp $prefix/fedara-device.service /etc/systemd/system/
      sudo systemctl daemon-reload && sudo systemctl enable --now fedara-device
   3. journalctl -u fedara-device -f

@@ -1,0 +1,50 @@
+"""Keys and sealing for tests that speak the protocol directly (scripted servers, devices and impostors)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from device_runtime.auth import CounterSource, Direction, KeyRing
+from device_runtime.link import Link
+from device_runtime.protocol import Message, decode, seal
+
+KEY = bytes(range(32))
+"""The key of every device in these tests, unless a test says otherwise."""
+OPEN_MAX = 1 << 28
+_COUNTERS = CounterSource(int(time.time()))
+
+
+def seal_down(msg: Message, key: bytes = KEY) -> bytes:
+    """``msg`` as the server would send it."""
+    return seal(msg, key, Direction.DOWN, _COUNTERS.next())
+
+
+def seal_up(msg: Message, key: bytes = KEY) -> bytes:
+    """``msg`` as its device would send it."""
+    return seal(msg, key, Direction.UP, _COUNTERS.next())
+
+
+def read(payload: bytes) -> Message:
+    """What a sealed payload says, unverified: for tests inspecting what a peer sent."""
+    return decode(payload, max_bytes=OPEN_MAX, allow_nonfinite=True)
+
+
+def write_key(path: Path, key: bytes = KEY) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(key.hex())
+    return path
+
+
+def enrollment_file(path: Path, device_ids: list[str], key: bytes = KEY) -> Path:
+    """An enrollment file giving every id ``key``."""
+    from server.enrollment import save_enrollment
+
+    return save_enrollment(path, dict.fromkeys(device_ids, key))
+
+
+def device_link(device_id: str, state_dir: Path, key: bytes = KEY) -> Link:
+    return Link.device(device_id, key, state_dir, OPEN_MAX)
+
+
+def server_link(device_ids: list[str], state_dir: Path, key: bytes = KEY) -> Link:
+    return Link.server(KeyRing(dict.fromkeys(device_ids, key)), state_dir, OPEN_MAX)
