@@ -48,8 +48,8 @@ from server.progress import Progress
 from server.rank_assignment import OverrideError, load_overrides, tier_predictor
 from server.report import write_scalars_csv
 from server.robust import norm_bound_from_args
-from server.run_setup import (PlanBook, RunError, RunFolder, device_ids, global_state, initial_personal, load_shards,
-                              run_settings, tiers_from_args)
+from server.run_setup import (PlanBook, RunError, RunFolder, all_models, device_models, global_state, initial_personal,
+                              load_shards, model_names, run_settings, tiers_from_args)
 
 LOG = logging.getLogger("fedara.server")
 PASSWORD_ENV = "FEDARA_MQTT_PASSWORD"
@@ -461,14 +461,16 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
         round_deadline_s=args.round_deadline, min_completion=args.min_completion), run_id)
     for device_id in shards:
         coordinator.register(device_id)
-    plans = PlanBook(model, input_shape, Path(args.cache_dir))
-    personal = initial_personal(model, algorithm)
+    models = all_models(args, model, input_shape)
+    plans = PlanBook(model, input_shape, Path(args.cache_dir), others=models)
+    personal = initial_personal(list(models.values()), algorithm)
     shared = global_state(model, algorithm)
     engine = RoundEngine(algorithm, config, coordinator, plans, shared, personal, tiers=tiers, overrides=overrides,
+                         device_models=device_models(list(shards), model_names(args)),
                          predictor=predictor_for(plans, config.batch_size), norm_bound=norm_bound_from_args(args))
     if saved:
         engine.restore(saved.state["engine"], saved.tensors)
-    personal_bytes = sum(v.nbytes for v in personal.values())
+    personal_bytes = max(sum(v.nbytes for v in p.values()) for p in personal.values())
     local = LocalDevices()
     out.path.mkdir(parents=True, exist_ok=True)
     with broker_url(args) as url, contextlib.ExitStack() as stack:

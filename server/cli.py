@@ -45,7 +45,8 @@ def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
     data.add_argument("--min-samples", type=int, default=40,
                       help="redraw the partition until every client has this many samples")
     data.add_argument("--max-samples", type=int, default=0, help="use a seeded subset of the dataset (0: all of it)")
-    data.add_argument("--model", choices=MODELS, default="fedavgcnn")
+    data.add_argument("--model", default="fedavgcnn",
+                      help=f"one of {', '.join(MODELS)}; with --algo local a comma list, round-robin by device id")
     algo = p.add_argument_group("algorithm (defaults: the paper's)")
     d = FederationConfig()
     algo.add_argument("--algo", choices=tuple(ALGORITHMS), default=d.algo)
@@ -144,6 +145,13 @@ def check_args(args: argparse.Namespace) -> FederationConfig:
         if not (math.isfinite(ratio) and 0 < ratio <= 1):
             flag = "--rank-ratio" if args.rank_ratio is not None else "--rank-tiers"
             raise ValueError(f"{flag}: ratios must be in (0, 1], got {ratio:g}")
+    names = args.model.split(",")
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        raise ValueError(f"--model {args.model!r}: unknown {unknown}; choose from {', '.join(MODELS)}")
+    if len(set(names)) > 1 and config.algo != "local":
+        raise ValueError(f"--model {args.model!r} names several models; only --algo local trains different models "
+                         "per device (the others share one)")
     norm_bound_from_args(args)
     return config
 

@@ -27,7 +27,7 @@ from device_runtime.protocol import Message
 from device_runtime.task import Task, Update, tensor_bytes
 from server.aggregate import StreamingAverage
 from server.algorithms.base import Algorithm
-from server.coordinator import NO_ANSWER, Coordinator, RoundOpen, RoundResult, Verdict
+from server.coordinator import NO_ANSWER, Coordinator, RoundResult, Verdict
 from server.lowrank import ResolvedPlan
 from server.rank_assignment import choose_ratio
 from server.report import evaluation_summary
@@ -51,7 +51,7 @@ class PlanInfo(Protocol):
 
 
 class PlanSource(Protocol):
-    def get(self, ratio: float, kind: str) -> PlanInfo: ...
+    def get(self, ratio: float, kind: str = "default", model: str | None = None) -> PlanInfo: ...
 
 
 Predictor = Callable[[ResourceProfile], Callable[[float], float]]
@@ -92,12 +92,17 @@ class RoundEngine:
     """One run's federation state and rules (see the module docstring)."""
 
     def __init__(self, algorithm: Algorithm, config: FederationConfig, coordinator: Coordinator, plans: PlanSource,
-                 global_state: dict[str, torch.Tensor], initial_personal: dict[str, np.ndarray], *,
+                 global_state: dict[str, torch.Tensor], initial_personal: dict[str, dict[str, np.ndarray]], *,
                  tiers: tuple[float, ...], overrides: dict[str, float] | None = None,
+                 device_models: dict[str, str] | None = None,
                  predictor: Predictor | None = None, norm_bound: NormBound | None = None):
         self.algorithm, self.config, self.coordinator, self.plans = algorithm, config, coordinator, plans
         self.global_state = global_state
-        self.initial_personal = initial_personal
+        self.initial_personal = initial_personal  # model name -> what a device of that model starts from
+        self.device_models = dict(device_models or {})  # device -> its model, where devices differ (local only)
+        if len(set(self.device_models.values())) > 1 and algorithm.aggregates:
+            raise ValueError(f"--model with several models ({', '.join(sorted(set(self.device_models.values())))}) "
+                             f"needs --algo local: {algorithm.name} shares one model")
         self.tiers = tiers if algorithm.factorizes else (DENSE,)
         self.overrides = dict(overrides or {}) if algorithm.factorizes else {}
         self.predictor = predictor
@@ -117,7 +122,7 @@ class RoundEngine:
 
     def plan_info(self, device_id: str) -> PlanInfo:
         record = self.coordinator.devices[device_id]
-        return self.plans.get(record.ratio, self.kinds.get(device_id, "default"))
+        return self.plans.get(record.ratio, self.kinds.get(device_id, "default"), self.device_models.get(device_id))
 
     def _choose_ratio(self, device_id: str, profile: ResourceProfile, budget_mb: float | None) -> float:
         tiers = self.tiers
@@ -143,7 +148,7 @@ class RoundEngine:
         self.kinds[device_id] = kind
         if record.ratio is None or (device_id in self.demoted and record.ratio >= self.demoted[device_id]):
             ratio = self._choose_ratio(device_id, join.profile, record.budget_mb)
-            plan = self.plans.get(ratio, kind)
+            plan = self.plans.get(ratio, kind, self.device_models.get(device_id))
             self.coordinator.assign_plan(device_id, ratio, plan.hash, plan.fe_shapes)
         plan = self.plan_info(device_id)
         # Files already on their way are not sent twice for a repeated JOIN; a device that lost them says so.
@@ -160,7 +165,11 @@ class RoundEngine:
             nbytes = sum(len(f) for f in files.values())
             self._book.bytes_artifacts += nbytes
             self._book.count(tier_label(plan.ratio), "artifacts", nbytes)
-        return Plan(plan.hash, plan.ratio, plan.description, files, self.initial_personal)
+        return Plan(plan.hash, plan.ratio, plan.description, files, self._initial(device_id))
+
+    def _initial(self, device_id: str) -> dict[str, np.ndarray]:
+        model = self.device_models.get(device_id)
+        return self.initial_personal[model] if model else next(iter(self.initial_personal.values()))
 
     def acknowledge(self, device_id: str, plan_hash: str, now: float) -> str | None:
         """A device installed its plan; returns why the ACK does not count, or None."""
@@ -239,7 +248,7 @@ class RoundEngine:
             return {}
         shapes = dict(self.plan_info(device_id).fe_shapes)
         if self.algorithm.shares_head:
-            shapes.update({k: tuple(v.shape) for k, v in self.initial_personal.items()})
+            shapes.update({k: tuple(v.shape) for k, v in self._initial(device_id).items()})
         return shapes
 
     def receive(self, device_id: str, msg: Message, now: float) -> Verdict:

@@ -42,19 +42,37 @@ def device_ids(count: int) -> list[str]:
     return [DEVICE_ID.format(i) for i in range(count)]
 
 
+def model_names(args: argparse.Namespace) -> list[str]:
+    """--model: one model, or (local training in-process) several, assigned round-robin by device id."""
+    return args.model.split(",")  # checked by server.cli.check_args
+
+
 def load_shards(args: argparse.Namespace, count: int) -> tuple[SplitModel, tuple[int, ...], dict[str, Shard]]:
-    """The initial model, its input shape and ``count`` device shards by device id (the same for both drivers
-    given the same flags: a seeded subset of --max-samples, then the partition)."""
+    """The initial model (the first of --model), its input shape and ``count`` device shards by device id (the
+    same for both drivers given the same flags: a seeded subset of --max-samples, then the partition)."""
     data = load_dataset(args.dataset, args.data_dir, seed=args.seed)
     if args.max_samples and args.max_samples < len(data.y):
         keep = np.sort(np.random.default_rng(args.seed).choice(len(data.y), args.max_samples, replace=False))
         data = type(data)(data.x[keep], data.y[keep], data.num_classes, data.name)
-    model = build_model(args.model, data.input_shape, data.num_classes, seed=args.seed)
+    model = build_model(model_names(args)[0], data.input_shape, data.num_classes, seed=args.seed)
     if not count:
         return model, tuple(data.input_shape), {}
     shards = make_client_shards(data, args.partition, count, args.seed, alpha=args.alpha,
                                 classes_per_client=args.classes_per_client, min_samples=args.min_samples)
     return model, tuple(data.input_shape), dict(zip(device_ids(count), shards))
+
+
+def all_models(args: argparse.Namespace, first: SplitModel, input_shape: tuple[int, ...]) -> dict[str, SplitModel]:
+    """Every model --model names, by name, each initialised from --seed (the first is ``first``)."""
+    models = {first.name: first}
+    for name in model_names(args)[1:]:
+        models.setdefault(name, build_model(name, input_shape, first.num_classes, seed=args.seed))
+    return models
+
+
+def device_models(ids: list[str], names: list[str]) -> dict[str, str]:
+    """Models round-robin over the devices in id order (one model: every device has it)."""
+    return {d: names[i % len(names)] for i, d in enumerate(sorted(ids))}
 
 
 def tiers_from_args(args: argparse.Namespace) -> tuple[float, ...]:
@@ -63,7 +81,12 @@ def tiers_from_args(args: argparse.Namespace) -> tuple[float, ...]:
     return check_tiers(parse_tiers(args.rank_tiers) or DEFAULT_TIERS)
 
 
-def initial_personal(model: SplitModel, algorithm: Algorithm) -> dict[str, np.ndarray]:
+def initial_personal(models: list[SplitModel], algorithm: Algorithm) -> dict[str, dict[str, np.ndarray]]:
+    """By model name: :func:`personal_tensors` of that model."""
+    return {m.name: personal_tensors(m, algorithm) for m in models}
+
+
+def personal_tensors(model: SplitModel, algorithm: Algorithm) -> dict[str, np.ndarray]:
     """What every device starts from and keeps to itself: the initial head, and the whole model for local
     training (the server sends it in the PLAN, so no device depends on the weights in its artifact cache)."""
     state = to_numpy(model.state_dict())
@@ -89,6 +112,7 @@ class PlanArtifacts:
     fe_shapes: dict[str, tuple[int, ...]]
     files: dict[str, bytes] = field(default_factory=dict)
     artifacts: ArtifactSet | None = None
+    model: SplitModel | None = None  # the dense model the plan factorizes
 
     @property
     def description(self) -> str:
@@ -96,32 +120,40 @@ class PlanArtifacts:
 
 
 class PlanBook:
-    """Plans per rank ratio, built the first time a device needs one: with ONNX artifacts (in the cache) for
-    onnxruntime devices, or as PyTorch models only for the simulator's reference devices."""
+    """Plans per rank ratio (and model, where devices differ), built the first time a device needs one: with
+    ONNX artifacts (in the cache) for onnxruntime devices, or as PyTorch models only for the simulator's
+    reference devices."""
 
-    def __init__(self, model: SplitModel, input_shape: tuple[int, ...], cache_dir: Path, *, onnx: bool = True):
+    def __init__(self, model: SplitModel, input_shape: tuple[int, ...], cache_dir: Path, *, onnx: bool = True,
+                 others: dict[str, SplitModel] | None = None):
         self.model, self.input_shape, self.cache_dir, self.onnx = model, input_shape, cache_dir, onnx
-        self._plans: dict[tuple[float, str], PlanArtifacts] = {}
+        self.models = {model.name: model, **(others or {})}
+        self._plans: dict[tuple[float, str, str], PlanArtifacts] = {}
 
-    def get(self, ratio: float, kind: str = "default") -> PlanArtifacts:
-        key = (ratio, kind)
+    def get(self, ratio: float, kind: str = "default", model: str | None = None) -> PlanArtifacts:
+        key = (ratio, kind, model or self.model.name)
         if key not in self._plans:
-            resolved = resolve_plan(self.model, RankPlan(ratio))
-            if self.onnx:
-                built = build_artifacts(self.model, resolved.ranks, self.input_shape, self.model.num_classes,
-                                        self.cache_dir)
-                paths = [*built.files.values(), built.directory / MANIFEST_NAME]
-                plan = PlanArtifacts(ratio, resolved, built.hash, dict(built.fe_shapes),
-                                     {p.name: p.read_bytes() for p in paths}, built)
-                LOG.info("plan ratio %g: %s, artifacts %s (%d bytes)", ratio, resolved.describe(), built.hash[:12],
-                         built.total_bytes)
-            else:
-                client = factorize_model(self.model, resolved.ranks)
-                shapes = {k: tuple(v.shape) for k, v in client.state_dict().items() if k.startswith(FE_PREFIX)}
-                digest = hashlib.sha256(json.dumps([self.model.name, sorted(resolved.ranks.items())]).encode())
-                plan = PlanArtifacts(ratio, resolved, digest.hexdigest(), shapes)
-            self._plans[key] = plan
+            return self._build(key)
         return self._plans[key]
+
+    def _build(self, key: tuple[float, str, str]) -> PlanArtifacts:
+        ratio, _, name = key
+        model = self.models[name]
+        resolved = resolve_plan(model, RankPlan(ratio))
+        if self.onnx:
+            built = build_artifacts(model, resolved.ranks, self.input_shape, model.num_classes, self.cache_dir)
+            paths = [*built.files.values(), built.directory / MANIFEST_NAME]
+            plan = PlanArtifacts(ratio, resolved, built.hash, dict(built.fe_shapes),
+                                 {p.name: p.read_bytes() for p in paths}, built, model)
+            LOG.info("plan ratio %g: %s, artifacts %s (%d bytes)", ratio, resolved.describe(), built.hash[:12],
+                     built.total_bytes)
+        else:
+            client = factorize_model(model, resolved.ranks)
+            shapes = {k: tuple(v.shape) for k, v in client.state_dict().items() if k.startswith(FE_PREFIX)}
+            digest = hashlib.sha256(json.dumps([model.name, sorted(resolved.ranks.items())]).encode())
+            plan = PlanArtifacts(ratio, resolved, digest.hexdigest(), shapes, model=model)
+        self._plans[key] = plan
+        return plan
 
 
 class RunFolder:

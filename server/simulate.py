@@ -35,8 +35,8 @@ from server.progress import Progress
 from server.rank_assignment import OverrideError, load_overrides
 from server.report import write_scalars_csv
 from server.robust import norm_bound_from_args
-from server.run_setup import (PlanArtifacts, PlanBook, RunError, RunFolder, global_state, initial_personal,
-                              load_shards, run_settings, tiers_from_args)
+from server.run_setup import (PlanArtifacts, PlanBook, RunError, RunFolder, all_models, device_models, global_state,
+                              initial_personal, load_shards, model_names, run_settings, tiers_from_args)
 from server.torch_trainer import TorchTrainer
 
 log = logging.getLogger("fedara.simulate")
@@ -73,15 +73,15 @@ class InProcessDevice:
 class Trainers:
     """One trainer per plan: the PyTorch reference or the device runtime's onnxruntime trainer."""
 
-    def __init__(self, backend: str, plans: dict[str, PlanArtifacts], model: torch.nn.Module, threads: int):
-        self.backend, self.plans, self.model, self.threads = backend, plans, model, threads
+    def __init__(self, backend: str, plans: dict[str, PlanArtifacts], threads: int):
+        self.backend, self.plans, self.threads = backend, plans, threads
         self._trainers: dict[str, Trainer] = {}
 
     def __call__(self, plan_hash: str) -> Trainer:
         if plan_hash not in self._trainers:
             plan = self.plans[plan_hash]
             if self.backend == "torch":
-                self._trainers[plan_hash] = TorchTrainer(factorize_model(self.model, plan.resolved.ranks))
+                self._trainers[plan_hash] = TorchTrainer(factorize_model(plan.model, plan.resolved.ranks))
             else:
                 self._trainers[plan_hash] = DeviceTrainer(plan.artifacts.directory, threads=self.threads)
         return self._trainers[plan_hash]
@@ -119,18 +119,21 @@ class Simulation:
         self.settings = run_settings(args, config.to_dict(), ("clients",))
         self.saved = out.resume_from(args.resume, self.settings)
         model, input_shape, shards = load_shards(args, args.clients)
-        self.plans = PlanBook(model, input_shape, Path(args.cache_dir), onnx=args.backend == "ort")
+        models = all_models(args, model, input_shape)
+        self.device_models = device_models(list(shards), model_names(args))
+        self.plans = PlanBook(model, input_shape, Path(args.cache_dir), onnx=args.backend == "ort", others=models)
         self.run_id = self.saved.state["run_id"] if self.saved else uuid.uuid4().hex[:16]
         coordinator = Coordinator(CoordinatorConfig(
             input_shape=input_shape, num_classes=model.num_classes, min_devices=1, join_ratio=config.join_ratio,
             seed=config.seed, round_deadline_s=NO_DEADLINE_S, min_completion=args.min_completion), self.run_id)
         self.engine = RoundEngine(self.algorithm, config, coordinator, self.plans, global_state(model, self.algorithm),
-                                  initial_personal(model, self.algorithm), tiers=tiers,
+                                  initial_personal(list(models.values()), self.algorithm), tiers=tiers,
                                   overrides=round_robin_tiers(sorted(shards), tiers, overrides),
+                                  device_models=self.device_models,
                                   norm_bound=norm_bound_from_args(args))
         self.config = config
         self.by_hash: dict[str, PlanArtifacts] = {}
-        self.trainers = Trainers(args.backend, self.by_hash, model, args.threads)
+        self.trainers = Trainers(args.backend, self.by_hash, args.threads)
         self.devices = {d: InProcessDevice(d, shard, self.trainers) for d, shard in shards.items()}
         self.first_round = 1
         if self.saved:
@@ -156,7 +159,7 @@ class Simulation:
             admission = self.engine.join(device_id, Join(profile, ShardInfo.of(device.shard), ()), now)
             if admission.refusal:
                 raise RunError(f"{device_id}: {admission.refusal}")
-            self.by_hash[admission.plan.plan_hash] = self.plans.get(admission.plan.ratio)
+            self.by_hash[admission.plan.plan_hash] = self.engine.plan_info(device_id)
             device.install(admission.plan)
             self.engine.coordinator.acknowledge(device_id, admission.plan.plan_hash, now)
 

@@ -63,11 +63,6 @@ def batch_seed(seed: int, round_index: int, device_id: str) -> int:
     return int(np.random.default_rng([seed, round_index, key]).integers(2**31))
 
 
-def round_lam(config: FederationConfig, round_index: int) -> float:
-    """λ for this round: FedARA's warm-up schedule; 0 for the baselines, which have no anchor term."""
-    return lam_at_round(round_index, config.lam, config.lam_warmup) if config.algo == "fedara" else 0.0
-
-
 def to_numpy(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v.detach().cpu().numpy().astype(np.float32)) for k, v in tensors.items()}
 

@@ -3,7 +3,6 @@ simulator's ``--backend torch`` runs the very local round a device runs, with au
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from device_runtime.trainer import EvalResult, TrainResult
 from server.lowrank import FE_PREFIX
