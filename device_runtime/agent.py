@@ -26,11 +26,13 @@ import shutil
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
+from device_runtime.device_rules import (DeviceState, TaskAction, answered, on_task, starts_new_run,
+                                         takes_initial_tensors)
 from device_runtime.local_round import load_weights, run_task
 from device_runtime.messages import (NO_RUN, ErrorCode, Join, MessageError, ShardInfo, ack_message, check_hash,
                                      error_message, join_message, new_msg_id, parse_error, parse_plan, parse_task,
@@ -60,17 +62,6 @@ class DeviceRefused(RuntimeError):
 
 class Interrupted(BaseException):
     """Raised by the signal handler while the device computes, so a stop request does not wait for a round."""
-
-
-@dataclass
-class DeviceState:
-    """What survives a restart besides the files: the run, the plan and the last round answered."""
-
-    run_id: str = NO_RUN
-    plan_hash: str | None = None
-    answered_round: int = 0
-    answered_evaluation: bool = False  # that answer was an evaluation only (a run extended later trains that round)
-    personal: tuple[str, ...] = ()  # names of the tensors this device keeps to itself in this run
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -147,10 +138,10 @@ class Workdir:
             state = json.loads(path.read_text())
             return DeviceState(**dict(state, personal=tuple(state.get("personal", ()))))
         except FileNotFoundError:
-            return DeviceState()
+            return DeviceState(NO_RUN)
         except (OSError, ValueError, TypeError) as exc:
             LOG.warning("ignoring unreadable %s: %s", path, exc)
-            return DeviceState()
+            return DeviceState(NO_RUN)
 
     def save_state(self, state: DeviceState) -> None:
         _write_atomic(self.root / STATE_FILE, json.dumps(asdict(state)).encode())
@@ -292,7 +283,7 @@ class DeviceAgent:
             code = ErrorCode.ARTIFACTS_CORRUPT if plan.files else ErrorCode.ARTIFACTS_MISSING
             self._send_error(code, f"artifacts {plan.plan_hash}: {exc}", run_id=msg.run_id)
             return
-        if msg.run_id != self.state.run_id:
+        if starts_new_run(self.state, msg.run_id):
             # Only a verified plan of a new run may cost this run's heads.
             LOG.info("run %s starts (was %s): fresh heads", msg.run_id, self.state.run_id)
             self.workdir.forget_run()
@@ -300,7 +291,8 @@ class DeviceAgent:
             self.state = DeviceState(run_id=msg.run_id)
         if self.loaded_hash != plan.plan_hash:
             self._load_plan(plan.plan_hash)
-        if not self.state.personal or self.workdir.committed_head(plan.plan_hash, self.state.answered_round) is None:
+        committed = self.workdir.committed_head(plan.plan_hash, self.state.answered_round) is not None
+        if takes_initial_tensors(self.state, committed):
             try:
                 load_weights(self.trainer, plan.init)  # nothing of this run held yet: start where the server says
             except ValueError as exc:
@@ -331,20 +323,20 @@ class DeviceAgent:
 
     def _on_task(self, msg: Message) -> None:
         plan_hash, task = parse_task(msg)
-        if msg.run_id != self.state.run_id or plan_hash != self.loaded_hash:
+        action = on_task(self.state, self.loaded_hash, msg.run_id, plan_hash, task.round, task.evaluate_only,
+                         self.workdir.load_answer() is not None)
+        if action == TaskAction.UNKNOWN_PLAN:
             self._send_error(ErrorCode.UNKNOWN_PLAN, f"task for run {msg.run_id} plan {plan_hash[:12]}, I hold run "
                              f"{self.state.run_id} plan {(self.loaded_hash or 'none')[:12]}", task.round)
             self.join()
             return
-        if task.round < self.state.answered_round:
+        if action == TaskAction.STALE:
             LOG.warning("ignored a task for round %d: round %d is answered", task.round, self.state.answered_round)
             return
-        if (task.round, task.evaluate_only) == (self.state.answered_round, self.state.answered_evaluation):
-            answer = self.workdir.load_answer()
-            if answer is not None:
-                LOG.info("round %d asked again: re-sending the saved answer", task.round)
-                self.endpoint.publish(self.topics.up, answer, new_msg_id(MessageType.UPDATE))
-                return
+        if action == TaskAction.RESEND:
+            LOG.info("round %d asked again: re-sending the saved answer", task.round)
+            self.endpoint.publish(self.topics.up, self.workdir.load_answer(), new_msg_id(MessageType.UPDATE))
+            return
         try:
             update = self._compute(task)
         except ValueError as exc:  # tensors that do not fit the plan (TensorMismatchError) or unknown names
@@ -357,7 +349,7 @@ class DeviceAgent:
         payload = encode(update_message(update, plan_hash=plan_hash, device_id=self.device_id,
                                         run_id=self.state.run_id))
         self.workdir.save_answer(payload)
-        self.state.answered_round, self.state.answered_evaluation = task.round, task.evaluate_only
+        self.state = answered(self.state, task.round, task.evaluate_only)
         self.workdir.save_state(self.state)
         if not task.evaluate_only:
             self.workdir.drop_heads_before(plan_hash, task.round)
