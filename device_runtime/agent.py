@@ -4,7 +4,8 @@ Workdir layout (everything a restarted device needs):
 
     artifacts/<hash>/    verified artifact sets, kept across runs (a rejoining device lists them and is
                          not sent them again)
-    heads/<hash>-<round>.npz   the personal head trained under a plan of the current run, by round
+    heads/<hash>-<round>.npz   the personal tensors (the head; for local training also the FE) trained under a
+                         plan of the current run, by round
     state.json           run id, plan hash and the last task answered
     last_answer.bin      the encoded answer to that round, re-sent as is if the same task comes again
 
@@ -16,6 +17,7 @@ given the same task), and a kill after it re-sends the saved answer when the tas
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -24,19 +26,23 @@ import shutil
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from device_runtime.local_round import run_task
+import numpy as np
+
+from device_runtime.device_rules import (DeviceState, TaskAction, answered, on_task, starts_new_run,
+                                         takes_initial_tensors)
+from device_runtime.local_round import load_weights, run_task
 from device_runtime.messages import (NO_RUN, ErrorCode, Join, MessageError, ShardInfo, ack_message, check_hash,
-                                     error_message, is_evaluate_only, join_message, new_msg_id, parse_error,
-                                     parse_plan, parse_task, update_message)
+                                     error_message, join_message, new_msg_id, parse_error, parse_plan, parse_task,
+                                     update_message)
 from device_runtime.profile import ResourceProfile
 from device_runtime.link import Link, Refused
 from device_runtime.protocol import Message, MessageType, Topics, envelope_limit
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
-from device_runtime.trainer import ArtifactError, DeviceTrainer, TensorMismatchError, verify_artifacts
+from device_runtime.trainer import ArtifactError, DeviceTrainer, verify_artifacts
 from device_runtime.transport import ConnectTimeoutError, MqttEndpoint
 
 LOG = logging.getLogger("fedara.device")
@@ -48,8 +54,6 @@ TMP_PREFIX = ".tmp-"
 POLL_S = 0.2
 CONNECT_POLL_S = 1.0
 WAITING_LOG_EVERY_S = 10.0
-DEFAULT_MAX_INBOUND_BYTES = 64 * 1024 * 1024
-"""Largest message a device takes before it knows its plan (``--max-inbound-mb``); also its reassembly budget."""
 PLAN_HEADROOM = 8
 """After a plan, the device takes messages up to this many times its plan's artifact files (plus a header): a
 later run's plan may be denser (the smallest default tier, 0.125, stores about 1/8 of a dense layer)."""
@@ -61,16 +65,6 @@ class DeviceRefused(RuntimeError):
 
 class Interrupted(BaseException):
     """Raised by the signal handler while the device computes, so a stop request does not wait for a round."""
-
-
-@dataclass
-class DeviceState:
-    """What survives a restart besides the files: the run, the plan and the last round answered."""
-
-    run_id: str = NO_RUN
-    plan_hash: str | None = None
-    answered_round: int = 0
-    answered_evaluation: bool = False  # that answer was an evaluation only (a run extended later trains that round)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -144,12 +138,13 @@ class Workdir:
     def load_state(self) -> DeviceState:
         path = self.root / STATE_FILE
         try:
-            return DeviceState(**json.loads(path.read_text()))
+            state = json.loads(path.read_text())
+            return DeviceState(**dict(state, personal=tuple(state.get("personal", ()))))
         except FileNotFoundError:
-            return DeviceState()
+            return DeviceState(NO_RUN)
         except (OSError, ValueError, TypeError) as exc:
             LOG.warning("ignoring unreadable %s: %s", path, exc)
-            return DeviceState()
+            return DeviceState(NO_RUN)
 
     def save_state(self, state: DeviceState) -> None:
         _write_atomic(self.root / STATE_FILE, json.dumps(asdict(state)).encode())
@@ -162,6 +157,11 @@ class Workdir:
             return (self.root / ANSWER_FILE).read_bytes()
         except FileNotFoundError:
             return None
+
+    def save_personal(self, path: Path, tensors: dict[str, np.ndarray]) -> None:
+        buffer = io.BytesIO()
+        np.savez(buffer, **tensors)
+        _write_atomic(path, buffer.getvalue())
 
     def forget_run(self) -> None:
         """Drop the heads and the saved answer of an earlier run (the artifact cache stays)."""
@@ -282,7 +282,7 @@ class DeviceAgent:
             code = ErrorCode.ARTIFACTS_CORRUPT if plan.files else ErrorCode.ARTIFACTS_MISSING
             self._send_error(code, f"artifacts {plan.plan_hash}: {exc}", run_id=msg.run_id)
             return
-        if msg.run_id != self.state.run_id:
+        if starts_new_run(self.state, msg.run_id):
             # Only a verified plan of a new run may cost this run's heads.
             LOG.info("run %s starts (was %s): fresh heads", msg.run_id, self.state.run_id)
             self.workdir.forget_run()
@@ -291,6 +291,15 @@ class DeviceAgent:
         if self.loaded_hash != plan.plan_hash:
             self._load_plan(plan.plan_hash)
         self._limit_inbound(plan.plan_hash)
+        committed = self.workdir.committed_head(plan.plan_hash, self.state.answered_round) is not None
+        if takes_initial_tensors(self.state, committed):
+            try:
+                load_weights(self.trainer, plan.init)  # nothing of this run held yet: start where the server says
+            except ValueError as exc:
+                self._send_error(ErrorCode.BAD_TASK, f"plan {plan.plan_hash[:12]}: initial tensors: {exc}",
+                                 run_id=msg.run_id)
+                return
+            self.state.personal = tuple(sorted(plan.init))
         self.state.plan_hash = plan.plan_hash
         self.workdir.save_state(self.state)
         LOG.info("plan %s: ratio %s (%s)", plan.plan_hash[:12], plan.ratio, plan.description)
@@ -308,9 +317,10 @@ class DeviceAgent:
         head = self.workdir.committed_head(plan_hash, self.state.answered_round)
         if head is not None:
             try:
-                self.trainer.load_head(head)
-                LOG.info("restored head of plan %s", plan_hash[:12])
-            except (OSError, ValueError) as exc:
+                with np.load(head, allow_pickle=False) as archive:
+                    load_weights(self.trainer, {name: archive[name] for name in archive.files})
+                LOG.info("restored the personal tensors of plan %s", plan_hash[:12])
+            except (OSError, ValueError, KeyError) as exc:
                 LOG.warning("head %s unusable (%s): starting from the initial head", head, exc)
 
     def _drop_trainer(self) -> None:
@@ -318,33 +328,36 @@ class DeviceAgent:
 
     def _on_task(self, msg: Message) -> None:
         plan_hash, task = parse_task(msg)
-        if msg.run_id != self.state.run_id or plan_hash != self.loaded_hash:
+        action = on_task(self.state, self.loaded_hash, msg.run_id, plan_hash, task.round, task.evaluate_only,
+                         self.workdir.load_answer() is not None)
+        if action == TaskAction.UNKNOWN_PLAN:
             self._send_error(ErrorCode.UNKNOWN_PLAN, f"task for run {msg.run_id} plan {plan_hash[:12]}, I hold run "
                              f"{self.state.run_id} plan {(self.loaded_hash or 'none')[:12]}", task.round)
             self.join()
             return
-        if task.round < self.state.answered_round:
+        if action == TaskAction.STALE:
             LOG.warning("ignored a task for round %d: round %d is answered", task.round, self.state.answered_round)
             return
-        if (task.round, is_evaluate_only(task)) == (self.state.answered_round, self.state.answered_evaluation):
-            answer = self.workdir.load_answer()
-            if answer is not None:
-                LOG.info("round %d asked again: re-sending the saved answer", task.round)
-                self.endpoint.publish(self.topics.up, self.link.reseal(answer), new_msg_id(MessageType.UPDATE))
-                return
+        if action == TaskAction.RESEND:
+            LOG.info("round %d asked again: re-sending the saved answer", task.round)
+            self.endpoint.publish(self.topics.up, self.link.reseal(self.workdir.load_answer()),
+                                  new_msg_id(MessageType.UPDATE))
+            return
         try:
             update = self._compute(task)
-        except TensorMismatchError as exc:
+        except ValueError as exc:  # tensors that do not fit the plan (TensorMismatchError) or unknown names
             self._send_error(ErrorCode.BAD_TASK, str(exc), task.round)
             return
-        if task.epochs:
-            self.trainer.save_head(self.workdir.head_path(plan_hash, task.round))
+        if not task.evaluate_only:
+            held = {**self.trainer.get_fe(), **self.trainer.get_head()}
+            self.workdir.save_personal(self.workdir.head_path(plan_hash, task.round),
+                                       {k: held[k] for k in self.state.personal})
         payload = self.link.seal(update_message(update, plan_hash=plan_hash, device_id=self.device_id,
                                                 run_id=self.state.run_id))
         self.workdir.save_answer(payload)
-        self.state.answered_round, self.state.answered_evaluation = task.round, is_evaluate_only(task)
+        self.state = answered(self.state, task.round, task.evaluate_only)
         self.workdir.save_state(self.state)
-        if task.epochs:
+        if not task.evaluate_only:
             self.workdir.drop_heads_before(plan_hash, task.round)
         self.endpoint.publish(self.topics.up, payload, new_msg_id(MessageType.UPDATE))
 
@@ -355,17 +368,11 @@ class DeviceAgent:
         start = time.perf_counter()
         self.computing = True
         try:
-            if is_evaluate_only(task):
-                self.trainer.set_fe(task.fe)
-                received = self.trainer.evaluate(self.shard.x_test, self.shard.y_test)
-                update = Update(task.round, {}, 0, 0.0, 0.0, dict(
-                    eval_correct=received.correct, eval_total=received.total, eval_loss=received.loss))
-            else:
-                update = run_task(self.trainer, self.shard, task, evaluate_received=True)
+            update = run_task(self.trainer, self.shard, task)
         finally:
             self.computing = False
         update.metrics["seconds"] = time.perf_counter() - start
-        LOG.info("round %d: %s in %.2f s", task.round, "evaluated" if is_evaluate_only(task) else "trained",
+        LOG.info("round %d: %s in %.2f s", task.round, "evaluated" if task.evaluate_only else "trained",
                  update.metrics["seconds"])
         return update
 

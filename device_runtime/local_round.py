@@ -1,30 +1,78 @@
-"""One local round on a device, transport-free: the same function serves the MQTT device and the simulator."""
+"""One local round on a device, transport-free: the same function serves the MQTT device and the simulator.
+
+``Trainer`` is what both the onnxruntime trainers and the simulator's PyTorch reference offer.
+"""
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
-from device_runtime.trainer import DeviceTrainer
 
 
-def run_task(trainer: DeviceTrainer, shard: Shard, task: Task, *, evaluate_received: bool = False) -> Update:
-    """Load the received FE, take anchors from it (when λ > 0), train FE and head, return the FE.
+class Trainer(Protocol):
+    fe_names: tuple[str, ...]
+    head_names: tuple[str, ...]
 
-    The head stays in ``trainer`` (the caller persists it). With ``evaluate_received`` the received FE and
-    the current head are first evaluated on the local test split: that is the personalized model the last
-    aggregation produced, reported as ``metrics['eval_correct'|'eval_total'|'eval_loss']``.
+    def get_fe(self) -> dict[str, np.ndarray]: ...
+    def set_fe(self, tensors: dict[str, np.ndarray]) -> None: ...
+    def get_head(self) -> dict[str, np.ndarray]: ...
+    def set_head(self, tensors: dict[str, np.ndarray]) -> None: ...
+    def compute_anchors(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+    def train(self, x: np.ndarray, y: np.ndarray, **settings) -> object: ...
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> object: ...
+
+
+def load_weights(trainer: Trainer, weights: dict[str, np.ndarray]) -> None:
+    """Write received tensors: the FE when they hold FE names, the head when they hold head names (FedAvg)."""
+    fe = {k: v for k, v in weights.items() if k in trainer.fe_names}
+    head = {k: v for k, v in weights.items() if k in trainer.head_names}
+    unknown = sorted(set(weights) - set(fe) - set(head))
+    if unknown:
+        raise ValueError(f"received tensors the model does not have: {unknown[:5]}")
+    if fe:
+        trainer.set_fe(fe)
+    if head:
+        trainer.set_head(head)
+
+
+def returned_weights(trainer: Trainer, returns: str) -> dict[str, np.ndarray]:
+    """What a task asks back: the FE, FE and head, or nothing."""
+    if returns == "none":
+        return {}
+    fe = trainer.get_fe()
+    return {**fe, **trainer.get_head()} if returns == "all" else fe
+
+
+def evaluate_received(trainer: Trainer, shard: Shard, task: Task) -> dict:
+    """Load the task's weights and evaluate the personalized model they make with this device's head."""
+    load_weights(trainer, task.weights)
+    received = trainer.evaluate(shard.x_test, shard.y_test)
+    return dict(eval_correct=received.correct, eval_total=received.total, eval_loss=received.loss)
+
+
+def run_task(trainer: Trainer, shard: Shard, task: Task) -> Update:
+    """Evaluate the received model, take anchors from it (when λ > 0), train each phase, return what is asked.
+
+    The head (and, for local training, the FE) stays in ``trainer``: the caller persists it. The evaluation is
+    of the personalized model the last aggregation produced, reported as ``metrics['eval_correct'|
+    'eval_total'|'eval_loss']``; an evaluate-only task (no phases) returns just that.
     """
-    trainer.set_fe(task.fe)
-    metrics: dict = {}
-    if evaluate_received:
-        received = trainer.evaluate(shard.x_test, shard.y_test)
-        metrics.update(eval_correct=received.correct, eval_total=received.total, eval_loss=received.loss)
+    metrics = evaluate_received(trainer, shard, task)
+    if task.evaluate_only:
+        return Update(task.round, {}, 0, 0.0, 0.0, metrics)
     anchors = mask = None
     if task.lam > 0:
         anchors, mask = trainer.compute_anchors(shard.x_train, shard.y_train)
-    result = trainer.train(shard.x_train, shard.y_train, anchors=anchors, mask=mask, lam=task.lam, mu=task.mu,
-                           lr=task.lr, epochs=task.epochs, batch_size=task.batch_size,
-                           rng=np.random.default_rng(task.seed))
-    metrics.update(steps=result.steps)
-    return Update(task.round, trainer.get_fe(), result.num_samples, result.loss, result.accuracy, metrics)
+    rng = np.random.default_rng(task.seed)
+    steps, result = 0, None
+    for phase in task.phases:
+        result = trainer.train(shard.x_train, shard.y_train, anchors=anchors, mask=mask, lam=task.lam, mu=task.mu,
+                               lr=task.lr, epochs=phase.epochs, batch_size=task.batch_size, rng=rng,
+                               params=phase.params)
+        steps += result.steps
+    metrics.update(steps=steps)
+    return Update(task.round, returned_weights(trainer, task.returns), result.num_samples, result.loss,
+                  result.accuracy, metrics)

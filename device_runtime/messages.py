@@ -2,10 +2,10 @@
 
 - JOIN (device -> server): resource profile, what its shard holds, the artifact sets it has cached.
 - PLAN (server -> device): the rank plan's artifact hash and ratio; carries the artifact files only when the
-  device lacks that hash.
+  device lacks that hash, and the run's initial personal tensors.
 - ACK (device -> server): the plan's artifacts are installed and verified.
-- TASK (server -> device): one round's Task; ``epochs == 0`` asks for an evaluation only (no training).
-- UPDATE (device -> server): the Update (its FE tensors, none for an evaluation), with the evaluation of the
+- TASK (server -> device): one round's Task; no phases asks for an evaluation only (no training).
+- UPDATE (device -> server): the Update (the tensors its task asked back, none for an evaluation), with the evaluation of the
   received model in ``metrics`` (``eval_correct``, ``eval_total``, ``eval_loss``).
 - ERROR (either way): a code from ErrorCode and a human-readable detail.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -26,14 +26,14 @@ import numpy as np
 from device_runtime.profile import ProfileError, ResourceProfile
 from device_runtime.protocol import MAX_ROUND, Message, MessageType
 from device_runtime.shard import Shard
-from device_runtime.task import Task, Update
+from device_runtime.task import PARAM_GROUPS, RETURNS, Phase, Task, Update
 from device_runtime.trainer import ARTIFACT_FILES, MANIFEST_NAME
 
 DEFAULT_TOPIC_PREFIX = "fedara"
 """Topic prefix shared by the server and its devices unless both are told otherwise."""
 NO_RUN = "none"
 """run_id of a device's messages before any PLAN assigned it to a run."""
-EVALUATE_ONLY_EPOCHS = 0
+MAX_PHASES = 4
 """A TASK with this many epochs asks the device to evaluate the received FE and train nothing."""
 ARTIFACT_BLOBS = frozenset((*ARTIFACT_FILES.values(), MANIFEST_NAME))
 MAX_DETAIL_CHARS = 500
@@ -84,6 +84,9 @@ class Plan:
     ratio: float  # the rank tier r_k
     description: str  # which layers are factorized at which rank (ResolvedPlan.describe())
     files: dict[str, bytes]  # artifact files by name; empty when the device already holds plan_hash
+    init: dict[str, np.ndarray] = field(default_factory=dict)
+    """The run's initial personal tensors (the head; FE and head for local training): a device starts from
+    them when it holds nothing of this run, whatever weights its cached artifacts carry."""
 
 
 @dataclass(frozen=True)
@@ -95,10 +98,6 @@ class ErrorReport:
 def new_msg_id(kind: MessageType) -> str:
     """A fresh message id, e.g. ``task-3f2a...``."""
     return f"{kind.value}-{uuid.uuid4().hex}"
-
-
-def is_evaluate_only(task: Task) -> bool:
-    return task.epochs == EVALUATE_ONLY_EPOCHS
 
 
 # -- field checks -----------------------------------------------------------------------------
@@ -184,7 +183,8 @@ def parse_join(msg: Message) -> Join:
 
 def plan_message(plan: Plan, *, device_id: str, run_id: str) -> Message:
     meta = {"plan_hash": plan.plan_hash, "ratio": plan.ratio, "description": plan.description}
-    return Message(MessageType.PLAN, run_id, 0, device_id, new_msg_id(MessageType.PLAN), meta, blobs=dict(plan.files))
+    return Message(MessageType.PLAN, run_id, 0, device_id, new_msg_id(MessageType.PLAN), meta, blobs=dict(plan.files),
+                   tensors=dict(plan.init))
 
 
 def parse_plan(msg: Message) -> Plan:
@@ -199,7 +199,8 @@ def parse_plan(msg: Message) -> Plan:
     unknown = sorted(set(msg.blobs) - ARTIFACT_BLOBS)
     if unknown or (msg.blobs and set(msg.blobs) != ARTIFACT_BLOBS):
         raise MessageError(f"plan files must be none or exactly {sorted(ARTIFACT_BLOBS)}, got {sorted(msg.blobs)}")
-    return Plan(check_hash(_field(meta, "plan_hash", kind)), ratio, description, dict(msg.blobs))
+    return Plan(check_hash(_field(meta, "plan_hash", kind)), ratio, description, dict(msg.blobs),
+                _float32_tensors(dict(msg.tensors), kind))
 
 
 def ack_message(plan_hash: str, *, device_id: str, run_id: str) -> Message:
@@ -214,10 +215,24 @@ def parse_ack(msg: Message) -> str:
 
 
 def task_message(task: Task, *, plan_hash: str, device_id: str, run_id: str) -> Message:
-    meta = {"plan_hash": plan_hash, "lam": task.lam, "mu": task.mu, "lr": task.lr, "epochs": task.epochs,
+    meta = {"plan_hash": plan_hash, "lam": task.lam, "mu": task.mu, "lr": task.lr,
+            "phases": [[p.params, p.epochs] for p in task.phases], "returns": task.returns,
             "batch_size": task.batch_size, "seed": task.seed, "deadline": task.deadline}
     return Message(MessageType.TASK, run_id, task.round, device_id, new_msg_id(MessageType.TASK), meta,
-                   tensors=dict(task.fe))
+                   tensors=dict(task.weights))
+
+
+def _phases(value: Any) -> tuple[Phase, ...]:
+    """The phases of a TASK: a list of at most MAX_PHASES [params, epochs] pairs."""
+    if not isinstance(value, list) or len(value) > MAX_PHASES:
+        raise MessageError(f"task phases must be a list of at most {MAX_PHASES} [params, epochs] pairs, "
+                           f"got {value!r:.60}")
+    phases = []
+    for entry in value:
+        if not isinstance(entry, list) or len(entry) != 2 or entry[0] not in PARAM_GROUPS:
+            raise MessageError(f"task phase must be [one of {list(PARAM_GROUPS)}, epochs], got {entry!r:.60}")
+        phases.append(Phase(entry[0], _int(entry[1], "phase epochs", 1, 1 << 16)))
+    return tuple(phases)
 
 
 def parse_task(msg: Message) -> tuple[str, Task]:
@@ -225,10 +240,13 @@ def parse_task(msg: Message) -> tuple[str, Task]:
     kind = MessageType.TASK
     meta = _expect(msg, kind)
     deadline = _field(meta, "deadline", kind)
-    task = Task(round=_int(msg.round, "round", 1, MAX_ROUND), fe=_float32_tensors(msg.tensors, kind),
+    returns = _field(meta, "returns", kind)
+    if returns not in RETURNS:
+        raise MessageError(f"task field 'returns' must be one of {list(RETURNS)}, got {returns!r:.40}")
+    task = Task(round=_int(msg.round, "round", 1, MAX_ROUND), weights=_float32_tensors(msg.tensors, kind),
                 lam=_number(_field(meta, "lam", kind), "lam", 0.0), mu=_number(_field(meta, "mu", kind), "mu", 0.0),
                 lr=_number(_field(meta, "lr", kind), "lr", positive=True),
-                epochs=_int(_field(meta, "epochs", kind), "epochs", 0, 1 << 16),
+                phases=_phases(_field(meta, "phases", kind)), returns=returns,
                 batch_size=_int(_field(meta, "batch_size", kind), "batch_size", 1, 1 << 20),
                 seed=_int(_field(meta, "seed", kind), "seed", 0),
                 deadline=None if deadline is None else _number(deadline, "deadline"))
@@ -239,7 +257,7 @@ def update_message(update: Update, *, plan_hash: str, device_id: str, run_id: st
     meta = {"plan_hash": plan_hash, "num_samples": update.num_samples, "train_loss": update.train_loss,
             "train_accuracy": update.train_accuracy, "metrics": dict(update.metrics)}
     return Message(MessageType.UPDATE, run_id, update.round, device_id, new_msg_id(MessageType.UPDATE), meta,
-                   tensors=dict(update.fe))
+                   tensors=dict(update.weights))
 
 
 def parse_update(msg: Message) -> tuple[str, Update]:
@@ -253,7 +271,7 @@ def parse_update(msg: Message) -> tuple[str, Update]:
     accuracy = _number(_field(meta, "train_accuracy", kind), "train_accuracy", 0.0)
     if accuracy > 1:
         raise MessageError(f"train_accuracy must be in [0, 1], got {accuracy}")
-    update = Update(round=_int(msg.round, "round", 1, MAX_ROUND), fe=dict(msg.tensors),
+    update = Update(round=_int(msg.round, "round", 1, MAX_ROUND), weights=dict(msg.tensors),
                     num_samples=_int(_field(meta, "num_samples", kind), "num_samples", 0),
                     train_loss=_number(_field(meta, "train_loss", kind), "train_loss"),
                     train_accuracy=accuracy, metrics=metrics)

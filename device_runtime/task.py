@@ -1,32 +1,68 @@
-"""What a device is asked to do in a round and what it answers: plain data, shared by every transport."""
+"""What a device is asked to do in a round and what it answers: plain data, shared by every transport.
+
+A task names what to train as a sequence of phases (FedRep trains its head, then its FE; FedARA and FedAvg
+train both at once) and which of its tensors the device returns, so the device needs no notion of the
+algorithm: an empty phase list asks only for an evaluation of the received model.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
+PARAM_GROUPS = ("all", "fe", "head")
+"""What a phase trains: every tensor, the feature extractor only, or the head only."""
+RETURNS = ("fe", "all", "none")
+"""What the device sends back: its FE tensors, FE and head, or nothing (local training)."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    """``epochs`` passes over the local training set updating only ``params``."""
+
+    params: str
+    epochs: int
+
+    def __post_init__(self) -> None:
+        if self.params not in PARAM_GROUPS:
+            raise ValueError(f"phase params must be one of {PARAM_GROUPS}, got {self.params!r}")
+        if self.epochs < 1:
+            raise ValueError(f"phase epochs must be >= 1, got {self.epochs}")
+
 
 @dataclass
 class Task:
-    """Round ``round``: start from ``fe`` (factorized at the device's plan), train with these settings."""
+    """Round ``round``: load ``weights`` (the shared tensors, factorized at the device's plan), train ``phases``.
+
+    ``weights`` may be empty (local training: the device keeps its own model)."""
 
     round: int
-    fe: dict[str, np.ndarray]
+    weights: dict[str, np.ndarray]
     lam: float
     mu: float
     lr: float
-    epochs: int
+    phases: tuple[Phase, ...]
     batch_size: int
     seed: int
+    returns: str = "fe"
     deadline: float | None = None
+
+    @property
+    def evaluate_only(self) -> bool:
+        return not self.phases
+
+    @property
+    def epochs(self) -> int:
+        return sum(p.epochs for p in self.phases)
 
 
 @dataclass
 class Update:
-    """The device's answer: its updated FE tensors (never its head), sample count and metrics."""
+    """The device's answer: the tensors its task asked back (never a head unless FedAvg asks), sample count
+    and metrics (``eval_correct``/``eval_total``/``eval_loss`` of the received model)."""
 
     round: int
-    fe: dict[str, np.ndarray]
+    weights: dict[str, np.ndarray]
     num_samples: int
     train_loss: float
     train_accuracy: float

@@ -26,6 +26,7 @@ import numpy as np
 
 from device_runtime.batching import epoch_batches
 from device_runtime.frobenius import factor_pairs, frobenius_decay_step
+from device_runtime.task import PARAM_GROUPS
 
 FORMAT_VERSION = 2  # 2: the Frobenius term and the mu input left the training graph
 MANIFEST_NAME = "manifest.json"
@@ -325,12 +326,16 @@ class DeviceTrainer:
 
     def train(self, x: np.ndarray, y: np.ndarray, *, anchors: np.ndarray | None, mask: np.ndarray | None,
               lam: float, mu: float, lr: float, epochs: int, batch_size: int,
-              rng: np.random.Generator) -> TrainResult:
-        """Plain SGD on FE and head over ``epochs`` shuffled passes (batches from ``epoch_batches(.., rng)``).
+              rng: np.random.Generator, params: str = "all") -> TrainResult:
+        """Plain SGD over ``epochs`` shuffled passes (batches from ``epoch_batches(.., rng)``) on ``params``:
+        FE and head ("all"), or one of them ("fe", "head": the other keeps its values, as if frozen).
 
-        Each step minimises CE + λ·L_FAC; each epoch ends with :meth:`decay_factors` at step size lr × that
-        epoch's step count. ``anchors``/``mask`` None (both) means no anchor term, whatever ``lam``.
+        Each step minimises CE + λ·L_FAC; each epoch that trains the FE ends with :meth:`decay_factors` at step
+        size lr × that epoch's step count. ``anchors``/``mask`` None (both) means no anchor term, whatever ``lam``.
         """
+        if params not in PARAM_GROUPS:
+            raise ValueError(f"params must be one of {PARAM_GROUPS}, got {params!r}")
+        frozen = {"all": (), "fe": self.head_names, "head": self.fe_names}[params]
         self._check_data(x, y)
         _check_positive(epochs=epochs, batch_size=batch_size, lr=lr)
         if not mu >= 0:
@@ -346,12 +351,15 @@ class DeviceTrainer:
                 fetches = self._capi.OrtValueVector()  # a reused vector would pin the first batch's output shapes
                 self._module.lazy_reset_grad()
                 self._module.train_step([x[batch], labels, anchor_values, mask_values, lam_value], fetches)
+                kept = self._read(frozen)  # plain SGD: restoring a group after the step is freezing it
                 self._optimizer.optimizer_step()
+                self._write(kept)
                 total_loss += float(fetches[0].numpy()) * len(batch)
                 correct += int((fetches[1].numpy().argmax(axis=1) == labels).sum())
                 seen += len(batch)
             steps += len(batches)
-            self.decay_factors(mu, lr * len(batches))
+            if params != "head":
+                self.decay_factors(mu, lr * len(batches))
         return TrainResult(len(x), total_loss / seen, correct / seen, steps)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = EVAL_BATCH) -> EvalResult:

@@ -23,6 +23,7 @@ import multiprocessing
 import platform
 import shlex
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
@@ -33,7 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+import server.run_setup as run_setup  # noqa: E402
 import server.simulate as simulate  # noqa: E402
+from server.data import DATASETS  # noqa: E402
+from server.progress import Progress  # noqa: E402
 from server.objective import DEFAULT_LAM_WARMUP  # noqa: E402
 
 PAPER_ROUNDS = 100
@@ -147,29 +151,29 @@ def bench_runs(config: BenchConfig) -> list[RunSpec]:
 def install_dataset_cache() -> Callable[[], None]:
     """Load the dataset once per process instead of once per run; returns the function that undoes it.
 
-    ``simulate.prepare`` reloads and re-standardizes the whole dataset for every run (seconds for
-    Fashion-MNIST, ~5 % of the benchmark); the loaded arrays depend only on the arguments and ``prepare``
+    ``run_setup.load_shards`` reloads and re-standardizes the whole dataset for every run (seconds for
+    Fashion-MNIST, ~5 % of the benchmark); the loaded arrays depend only on the arguments and ``load_shards``
     copies what it keeps, so reusing them changes no number.
     """
-    original = simulate.load_dataset
-    simulate.load_dataset = functools.lru_cache(maxsize=1)(original)
+    original = run_setup.load_dataset
+    run_setup.load_dataset = functools.lru_cache(maxsize=1)(original)
 
     def restore() -> None:
-        simulate.load_dataset = original
+        run_setup.load_dataset = original
 
     return restore
 
 
 def execute(spec: RunSpec, verbose: bool = False) -> dict:
-    """Run one federation in this process; its per-round records and how it was made."""
+    """Run one federation in this process (server.simulate's engine, run folder in a temporary directory);
+    its per-round records and how it was made."""
     args = simulate.build_parser().parse_args(list(spec.argv))
-    federation = simulate.config_from_args(args)
     start = time.perf_counter()
-    clients, global_model = simulate.prepare(args)
-    summary, _ = simulate.run_federation(clients, global_model, federation, simulate.TorchBackend(),
-                                         progress=print if verbose else lambda _: None)
+    with tempfile.TemporaryDirectory() as tmp:
+        progress = Progress(args.rounds, emit=print if verbose else lambda _: None)
+        records = simulate.Simulation(args, run_setup.RunFolder(Path(tmp)), progress).run()
     return dict(setting=spec.setting, algorithm=spec.algorithm, seed=spec.seed, command=spec.command,
-                wall_s=time.perf_counter() - start, **summary)
+                wall_s=time.perf_counter() - start, rounds=records, **simulate.summary(records))
 
 
 def _worker_init(threads: int) -> None:
@@ -397,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-samples", type=_positive, help="seeded subset of the dataset (default 4000)")
     p.add_argument("--local-epochs", type=_positive)
     p.add_argument("--lr", type=float)
-    p.add_argument("--dataset", choices=simulate.DATASETS)
+    p.add_argument("--dataset", choices=DATASETS)
     p.add_argument("--clients", type=_positive)
     p.add_argument("--threads", type=_positive, help="torch threads per run (default 1)")
     p.add_argument("--jobs", type=_positive, help="parallel worker processes (default 2; --quick: 1)")

@@ -180,7 +180,7 @@ def ort_memory_worker(spec: dict) -> dict:
         seconds, update = local_round(batch_size)
         rounds[str(batch_size)] = dict(seconds=seconds, steps=update.metrics["steps"], peak_rss_bytes=peak_rss_bytes())
     wire = seal(Message(MessageType.UPDATE, "bench", ROUND, "bench-device", "bench-update",
-                        dict(num_samples=update.num_samples), update.fe), bytes(32), Direction.UP, 1)
+                        dict(num_samples=update.num_samples), update.weights), bytes(32), Direction.UP, 1)
     anchors, mask = trainer.compute_anchors(shard.x_train, shard.y_train)
     rng = np.random.default_rng(SEED)
     next_batch = itertools.cycle(fixed_batches(shard.x_train, shard.y_train, BATCH)).__next__
@@ -188,7 +188,7 @@ def ort_memory_worker(spec: dict) -> dict:
     return dict(rss_python_bytes=rss_python, rss_import_bytes=rss_import, rss_loaded_bytes=rss_loaded,
                 load_seconds=load_seconds, anchor_seconds=anchor_seconds, first_round_seconds=first_round_seconds,
                 rounds=rounds,
-                upload_tensor_bytes=tensor_bytes(update.fe), upload_wire_bytes=len(wire),
+                upload_tensor_bytes=tensor_bytes(update.weights), upload_wire_bytes=len(wire),
                 step_ms=percentiles_ms(step_times), imported_torch="torch" in sys.modules,
                 imported_onnx="onnx" in sys.modules)
 

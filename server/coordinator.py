@@ -61,7 +61,6 @@ class DeviceRecord:
     """One device as the server knows it."""
 
     device_id: str
-    index: int  # its client index: the batch seed of a round is batch_seed(seed, round, index)
     online: bool = False
     num_train: int = 0
     num_test: int = 0
@@ -77,7 +76,8 @@ class DeviceRecord:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> DeviceRecord:
         """A record restored from a checkpoint: offline until its status says otherwise."""
-        return cls(**dict(state, online=False, artifacts=set(state["artifacts"])))
+        known = {k: v for k, v in state.items() if k in cls.__dataclass_fields__}
+        return cls(**dict(known, online=False, artifacts=set(state["artifacts"])))
 
 
 @dataclass(frozen=True)
@@ -179,10 +179,9 @@ class Coordinator:
     # -- registry -----------------------------------------------------------------------------
 
     def register(self, device_id: str) -> DeviceRecord:
-        """The device's record, created with the next free index when it is new."""
+        """The device's record, created when it is new."""
         if device_id not in self.devices:
-            index = max((d.index for d in self.devices.values()), default=-1) + 1
-            self.devices[device_id] = DeviceRecord(device_id, index)
+            self.devices[device_id] = DeviceRecord(device_id)
         return self.devices[device_id]
 
     def join(self, device_id: str, join: Join, now: float) -> str | None:
@@ -227,9 +226,8 @@ class Coordinator:
         return record is not None
 
     def ready_devices(self) -> list[str]:
-        """Online devices with an acknowledged plan, by index."""
-        ready = [d for d in self.devices.values() if d.online and d.ready and d.plan_hash is not None]
-        return [d.device_id for d in sorted(ready, key=lambda d: d.index)]
+        """Online devices with an acknowledged plan, by device id (never by the order they joined in)."""
+        return sorted(d.device_id for d in self.devices.values() if d.online and d.ready and d.plan_hash is not None)
 
     def can_start(self) -> bool:
         return len(self.ready_devices()) >= self.config.min_devices
@@ -258,10 +256,12 @@ class Coordinator:
         rnd = self._round
         return rnd is not None and device_id in rnd.expected and device_id not in rnd.answered
 
-    def judge(self, topic_device: str, msg: Message, now: float, screen: Screen | None = None) -> Verdict:
+    def judge(self, topic_device: str, msg: Message, now: float, screen: Screen | None = None, *,
+              expected: dict[str, tuple[int, ...]] | None = None) -> Verdict:
         """Accept or reject an UPDATE that arrived on ``topic_device``'s up topic.
 
-        ``screen``, when given, sees a training update once every other check passed: it may refuse it or
+        A training update must carry exactly the tensors ``expected`` (default: its plan's FE tensors); an
+        evaluation carries none. ``screen``, when given, sees a training update once every other check passed: it may refuse it or
         return the update to aggregate in its place."""
         if msg.type != MessageType.UPDATE:
             raise ValueError(f"judge takes UPDATE messages, got {msg.type}")
@@ -281,12 +281,12 @@ class Coordinator:
             return _reject(f"not asked in round {rnd.plan.round}")
         if topic_device in rnd.answered:
             return _reject(f"duplicate update for round {rnd.plan.round}")
-        verdict = self._judge_answer(record, msg, now, rnd, screen)
+        verdict = self._judge_answer(record, msg, now, rnd, screen, expected)
         rnd.answered[topic_device] = verdict.reason
         return verdict
 
     def _judge_answer(self, record: DeviceRecord, msg: Message, now: float, rnd: _OpenRound,
-                      screen: Screen | None) -> Verdict:
+                      screen: Screen | None, expected: dict[str, tuple[int, ...]] | None) -> Verdict:
         """Checks of the one answer a device may give; a rejection here is its answer for the round."""
         if now > rnd.plan.deadline:
             return _reject(f"late: round {rnd.plan.round}'s deadline passed")
@@ -297,7 +297,9 @@ class Coordinator:
         if plan_hash != record.plan_hash:
             return _reject(f"update for plan {plan_hash[:12]}, the device's plan is {(record.plan_hash or 'none')[:12]}")
         training = record.device_id in rnd.plan.train
-        problem = _tensor_problem(update.fe, self.plan_shapes[plan_hash] if training else {})
+        if expected is None:
+            expected = self.plan_shapes[plan_hash]
+        problem = _tensor_problem(update.weights, expected if training else {})
         if problem is not None:
             return _reject(problem)
         expected_samples = record.num_train if training else 0

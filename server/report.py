@@ -56,6 +56,22 @@ def write_metrics(path: str | os.PathLike, records: Sequence[Mapping[str, Any]])
     os.replace(tmp, path)
 
 
+SCALARS_FILE = "metrics.csv"
+
+
+def write_scalars_csv(out_dir: str | os.PathLike, records: Sequence[Mapping[str, Any]]) -> Path:
+    """metrics.csv: one row per round with every scalar of its record (for spreadsheets and other tools)."""
+    path = Path(out_dir) / SCALARS_FILE
+    keys = sorted({k for r in records for k, v in r.items() if v is None or isinstance(v, (int, float, str))})
+    lines = [",".join(keys)]
+    for record in records:
+        lines.append(",".join("" if record.get(k) is None else str(record[k]) for k in keys))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,22 +1,18 @@
-"""The round's decisions, transport-free (Flower-style): who trains, with what, and how results combine.
-
-Nothing here touches a network or a file: the in-process simulator and the MQTT broker loop both call
-these functions, so the two cannot drift apart.
-"""
+"""A run's hyper-parameters and the small seeded rules the round engine applies: who is sampled, each
+device's batch seed, and the global model factorized once per distinct plan. No I/O."""
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
-from device_runtime.task import Task, Update
-from server.aggregate import StreamingAverage
+from server.algorithms import ALGORITHMS
 from server.lowrank import ResolvedPlan, factorize_state
-from server.objective import DEFAULT_LAM_WARMUP, DEFAULT_MU, lam_at_round
-
-ALGORITHMS = ("fedara", "fedavg", "fedrep", "local")
+from server.objective import DEFAULT_LAM_WARMUP, DEFAULT_MU
 
 
 @dataclass(frozen=True)
@@ -36,14 +32,16 @@ class FederationConfig:
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.algo!r}; choose one of {', '.join(ALGORITHMS)}")
+            raise ValueError(f"--algo {self.algo!r} is unknown; choose one of {', '.join(ALGORITHMS)}")
         if not 0.0 < self.join_ratio <= 1.0:
-            raise ValueError(f"join ratio must be in (0, 1], got {self.join_ratio}")
-        for name in ("rounds", "local_epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.lr <= 0 or self.lam < 0 or self.mu < 0:
-            raise ValueError("lr must be positive; lam and mu non-negative")
+            raise ValueError(f"--join-ratio must be in (0, 1], got {self.join_ratio}")
+        for name in ("rounds", "local_epochs", "batch_size", "lam_warmup"):
+            if getattr(self, name) < (0 if name == "lam_warmup" else 1):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be at least {0 if name == 'lam_warmup' else 1}, got {getattr(self, name)}")
+        for flag, value, positive in (("--lr", self.lr, True), ("--lam", self.lam, False), ("--frob", self.mu, False)):
+            if not math.isfinite(value) or value < 0 or (positive and value == 0):
+                raise ValueError(f"{flag} must be {'positive' if positive else 'non-negative'}, got {value:g}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,14 +56,11 @@ def sample_clients(client_ids: list[str], join_ratio: float, round_index: int, s
     return [client_ids[i] for i in sorted(chosen)]
 
 
-def batch_seed(seed: int, round_index: int, client_index: int) -> int:
-    """The seed of a client's batch order in a round: the same for every backend and transport."""
-    return int(np.random.default_rng([seed, round_index, client_index]).integers(2**31))
-
-
-def round_lam(config: FederationConfig, round_index: int) -> float:
-    """λ for this round: FedARA's warm-up schedule; 0 for the baselines, which have no anchor term."""
-    return lam_at_round(round_index, config.lam, config.lam_warmup) if config.algo == "fedara" else 0.0
+def batch_seed(seed: int, round_index: int, device_id: str) -> int:
+    """The seed of a device's batch order in a round: a function of its id (never of when it joined), the same
+    for every backend and transport."""
+    key = int.from_bytes(hashlib.sha256(device_id.encode()).digest()[:8], "big")
+    return int(np.random.default_rng([seed, round_index, key]).integers(2**31))
 
 
 def to_numpy(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -90,29 +85,6 @@ def factorize_per_plan(global_fe: dict[str, torch.Tensor], plans: Iterable[Resol
         if key not in out:
             out[key] = to_numpy(factorize_state(global_fe, plan.ranks, spectra))
     return out
-
-
-def configure_fit(client_fe: dict[str, np.ndarray], factorized: bool, config: FederationConfig,
-                  round_index: int, client_index: int) -> Task:
-    """One client's task: its factorized FE and this round's hyper-parameters (μ only acts on factors)."""
-    return Task(
-        round=round_index,
-        fe=client_fe,
-        lam=round_lam(config, round_index),
-        mu=config.mu if factorized else 0.0,
-        lr=config.lr,
-        epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        seed=batch_seed(config.seed, round_index, client_index),
-    )
-
-
-def aggregate_fit(updates: Iterable[Update], dense_shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """ω^{t+1}: the clients' FEs reconstructed to full rank, averaged by training sample count."""
-    average = StreamingAverage(dense_shapes)
-    for update in updates:
-        average.add(to_torch(update.fe), update.num_samples)
-    return average.result()
 
 
 def weighted_accuracy(correct: list[int], totals: list[int]) -> tuple[float, float]:

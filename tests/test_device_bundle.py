@@ -47,7 +47,7 @@ shard = load_shard(shard_path)
 trainer = DeviceTrainer(artifacts)
 update = run_task(trainer, shard, Task(2, trainer.get_fe(), 1.0, 1e-3, 0.05, 1, batch, 0))
 print(json.dumps(dict(runtime=device_runtime.__file__, steps=update.metrics["steps"], loss=update.train_loss,
-                      fe=sorted(update.fe), heavy=sorted(m for m in ("torch", "onnx") if m in sys.modules))))
+                      fe=sorted(update.weights), heavy=sorted(m for m in ("torch", "onnx") if m in sys.modules))))
 """
 
 

@@ -1,0 +1,175 @@
+"""One definition of the flags both drivers take (``server.simulate`` and ``server.broker_loop``): the same
+names, defaults and help, shown by ``--help``, settable from a TOML file with ``--config``.
+
+A config file holds flag names without the dashes (``local_epochs = 1`` or ``local-epochs = 1``); flags on
+the command line win over the file. Checks here raise ValueError naming the flag, the value and the fix,
+before any data is loaded.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from server.algorithms import ALGORITHMS
+from server.data import DATASETS
+from server.models import MODELS
+from server.objective import DEFAULT_LAM_WARMUP, DEFAULT_MU
+from server.rank_assignment import DEFAULT_TIERS
+from server.robust import add_norm_bound_arguments, norm_bound_from_args
+from server.strategy import FederationConfig
+
+RUNS_DIR = "runs"
+DEFAULT_CACHE_DIR = "artifacts_cache"
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Help with every default shown and the description kept as written."""
+
+
+def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A parser with --config and the shared data, model, algorithm and output flags."""
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=Formatter)
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="read flag values from a TOML file (keys are flag names); the command line wins")
+    data = p.add_argument_group("data and model")
+    data.add_argument("--dataset", choices=DATASETS, default="fmnist")
+    data.add_argument("--data-dir", default=None, help="dataset folder (default: the dataset's standard place)")
+    data.add_argument("--partition", choices=("dirichlet", "pathological"), default="dirichlet")
+    data.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration")
+    data.add_argument("--classes-per-client", type=int, default=2, help="pathological partition")
+    data.add_argument("--min-samples", type=int, default=40,
+                      help="redraw the partition until every client has this many samples")
+    data.add_argument("--max-samples", type=int, default=0, help="use a seeded subset of the dataset (0: all of it)")
+    data.add_argument("--model", default="fedavgcnn",
+                      help=f"one of {', '.join(MODELS)}; with --algo local a comma list, round-robin by device id")
+    algo = p.add_argument_group("algorithm (defaults: the paper's)")
+    d = FederationConfig()
+    algo.add_argument("--algo", choices=tuple(ALGORITHMS), default=d.algo)
+    tiers = algo.add_mutually_exclusive_group()
+    tiers.add_argument("--rank-ratio", type=float, default=None,
+                       help="one rank ratio for every client (1.0 = dense; FedARA* is 0.5)")
+    tiers.add_argument("--rank-tiers", default=None,
+                       help="heterogeneous rank ratios, comma-separated: each device gets the largest predicted "
+                            "to fit its memory (in-process clients without budgets: round-robin by device id) "
+                            f"[default: {','.join(map(str, DEFAULT_TIERS))}]")
+    algo.add_argument("--rank-overrides", default=None, help="JSON file {device_id: ratio}, taking precedence")
+    algo.add_argument("--lam", type=float, default=d.lam, help="anchor-loss weight λ (FedARA)")
+    algo.add_argument("--lam-warmup", type=int, default=DEFAULT_LAM_WARMUP, help="rounds over which λ ramps up")
+    algo.add_argument("--frob", type=float, default=DEFAULT_MU, help="Frobenius decay μ on factorized layers")
+    algo.add_argument("--rounds", type=int, default=d.rounds)
+    algo.add_argument("--local-epochs", type=int, default=d.local_epochs)
+    algo.add_argument("--batch-size", type=int, default=d.batch_size)
+    algo.add_argument("--lr", type=float, default=d.lr)
+    algo.add_argument("--join-ratio", type=float, default=d.join_ratio, help="share of devices sampled per round")
+    algo.add_argument("--seed", type=int, default=d.seed, help="seeds the partition, the model and every batch order")
+    algo.add_argument("--threads", type=int, default=1, help="compute threads, of the server and of each device")
+    algo.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="ONNX artifact cache")
+    add_norm_bound_arguments(algo)
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default=None,
+                     help="run folder: metrics.jsonl, metrics.csv, checkpoint.npz, report.md, logs "
+                          f"(default: a new {RUNS_DIR}/<driver>-<algo>-<time> folder, so a command can be re-run)")
+    out.add_argument("--resume", action="store_true",
+                     help="continue the run in --out from its last completed round (settings must match)")
+    return p
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv`` with --config's values as defaults; exits 2 with one line for a bad config file."""
+    first, _ = parser.parse_known_args(argv)
+    if first.config:
+        try:
+            parser.set_defaults(**read_config(first.config, parser))
+        except ValueError as exc:
+            parser.error(str(exc))
+    return parser.parse_args(argv)
+
+
+def read_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The flag values a TOML file sets, checked against the parser's flags."""
+    try:
+        document = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--config {path}: not valid TOML ({exc})") from None
+    known = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    values = {}
+    for key, value in document.items():
+        dest = key.replace("-", "_")
+        if dest not in known:
+            raise ValueError(f"--config {path}: unknown setting {key!r} (settings are flag names, e.g. local_epochs)")
+        action = known[dest]
+        if action.type is not None and not isinstance(value, bool):
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"--config {path}: {key} = {value!r} is not a valid value") from None
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"--config {path}: {key} = {value!r}; choose one of {', '.join(map(str, action.choices))}")
+        values[dest] = value
+    return values
+
+
+def parse_tiers(text: str | None) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        return [float(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--rank-tiers wants comma-separated ratios such as 1.0,0.5,0.25, got {text!r}") from None
+
+
+def config_from_args(args: argparse.Namespace) -> FederationConfig:
+    return FederationConfig(algo=args.algo, rounds=args.rounds, lam=args.lam, lam_warmup=args.lam_warmup,
+                            mu=args.frob, lr=args.lr, local_epochs=args.local_epochs, batch_size=args.batch_size,
+                            join_ratio=args.join_ratio, seed=args.seed)
+
+
+def check_args(args: argparse.Namespace) -> FederationConfig:
+    """The run's FederationConfig; raises ValueError naming the first flag out of range."""
+    config = config_from_args(args)
+    for flag, value, low in (("--threads", args.threads, 1), ("--min-samples", args.min_samples, 1),
+                             ("--max-samples", args.max_samples, 0), ("--classes-per-client", args.classes_per_client, 1)):
+        if value < low:
+            raise ValueError(f"--{flag.lstrip('-')} must be >= {low}, got {value}")
+    if not (math.isfinite(args.alpha) and args.alpha > 0):
+        raise ValueError(f"--alpha must be a positive number, got {args.alpha:g}")
+    ratios = [args.rank_ratio] if args.rank_ratio is not None else (parse_tiers(args.rank_tiers) or [])
+    for ratio in ratios:
+        if not (math.isfinite(ratio) and 0 < ratio <= 1):
+            flag = "--rank-ratio" if args.rank_ratio is not None else "--rank-tiers"
+            raise ValueError(f"{flag}: ratios must be in (0, 1], got {ratio:g}")
+    names = args.model.split(",")
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        raise ValueError(f"--model {args.model!r}: unknown {unknown}; choose from {', '.join(MODELS)}")
+    if len(set(names)) > 1 and config.algo != "local":
+        raise ValueError(f"--model {args.model!r} names several models; only --algo local trains different models "
+                         "per device (the others share one)")
+    norm_bound_from_args(args)
+    return config
+
+
+def run_folder(args: argparse.Namespace, driver: str) -> Path:
+    """--out, or a new timestamped folder under runs/ (a re-run never collides with an earlier run)."""
+    if args.out:
+        return Path(args.out)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = Path(RUNS_DIR) / f"{driver}-{args.algo}-{stamp}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def fail(message: str) -> int:
+    """Print a user's error once, as one line, and return the exit status for bad input."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return 2

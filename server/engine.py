@@ -1,0 +1,363 @@
+"""The round engine: every decision of a federation, for any algorithm, with no I/O.
+
+It owns the device registry and round state machine (``server.coordinator``), the rank tier of each device,
+the plans it is sent (artifact files only when it lacks them, at most ``MAX_PLAN_RESENDS`` times after it
+says it lost them), the tasks of a round, which updates count, the aggregation, the evaluation bookkeeping
+and each round's record. Every method takes the time ``now`` where time matters and returns what to send;
+the two drivers, in-process devices (``server.simulate``) and MQTT devices (``server.broker_loop``), deliver
+it. So a rule is found once, here, and both drivers run the same federation.
+
+Evaluation is piggy-backed: every task of round t+1 first makes a device evaluate the weights it received
+(round t's model with its own head), so round t's record is completed when round t+1 closes; after the last
+round an evaluate-only round completes it.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from device_runtime.messages import Join, Plan
+from device_runtime.profile import ResourceProfile
+from device_runtime.protocol import Message
+from device_runtime.task import Task, Update, tensor_bytes
+from server.aggregate import StreamingAverage
+from server.algorithms.base import Algorithm
+from server.coordinator import NO_ANSWER, Coordinator, RoundResult, Verdict
+from server.lowrank import ResolvedPlan
+from server.rank_assignment import choose_ratio
+from server.report import evaluation_summary
+from server.robust import NormBound, bound_update, rejection_reason
+from server.strategy import FederationConfig, batch_seed, factorize_per_plan, plan_key, to_numpy, to_torch
+
+LOG = logging.getLogger("fedara.engine")
+MAX_PLAN_RESENDS = 3
+DENSE = 1.0
+
+
+class PlanInfo(Protocol):
+    """A rank tier resolved on the model, with what identifies and carries it to a device."""
+
+    ratio: float
+    resolved: ResolvedPlan
+    hash: str
+    fe_shapes: dict[str, tuple[int, ...]]
+    files: dict[str, bytes]
+    description: str
+
+
+class PlanSource(Protocol):
+    def get(self, ratio: float, kind: str = "default", model: str | None = None) -> PlanInfo: ...
+
+
+Predictor = Callable[[ResourceProfile], Callable[[float], float]]
+"""profile -> (ratio -> predicted peak MiB on that device)."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a JOIN gets: a refusal, or the plan to send (with files or without)."""
+
+    refusal: str | None = None
+    plan: Plan | None = None
+
+
+def tier_label(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:g}"
+
+
+@dataclass
+class _Book:
+    """What a round moved and how its training went."""
+
+    opened_at: float
+    bytes_down: int = 0
+    bytes_down_eval: int = 0
+    bytes_up: int = 0
+    bytes_artifacts: int = 0
+    by_tier: dict[str, dict[str, int]] = field(default_factory=dict)
+    samples: int = 0
+    loss_sum: float = 0.0
+    accuracy_sum: float = 0.0
+
+    def count(self, tier: str, direction: str, nbytes: int) -> None:
+        self.by_tier.setdefault(tier, {"down": 0, "up": 0, "artifacts": 0})[direction] += nbytes
+
+
+class RoundEngine:
+    """One run's federation state and rules (see the module docstring)."""
+
+    def __init__(self, algorithm: Algorithm, config: FederationConfig, coordinator: Coordinator, plans: PlanSource,
+                 global_state: dict[str, torch.Tensor], initial_personal: dict[str, dict[str, np.ndarray]], *,
+                 tiers: tuple[float, ...], overrides: dict[str, float] | None = None,
+                 device_models: dict[str, str] | None = None,
+                 predictor: Predictor | None = None, norm_bound: NormBound | None = None):
+        self.algorithm, self.config, self.coordinator, self.plans = algorithm, config, coordinator, plans
+        self.global_state = global_state
+        self.initial_personal = initial_personal  # model name -> what a device of that model starts from
+        self.device_models = dict(device_models or {})  # device -> its model, where devices differ (local only)
+        if len(set(self.device_models.values())) > 1 and algorithm.aggregates:
+            raise ValueError(f"--model with several models ({', '.join(sorted(set(self.device_models.values())))}) "
+                             f"needs --algo local: {algorithm.name} shares one model")
+        self.tiers = tiers if algorithm.factorizes else (DENSE,)
+        self.overrides = dict(overrides or {}) if algorithm.factorizes else {}
+        self.predictor = predictor
+        self.norm_bound = norm_bound
+        self.dense_shapes = {k: tuple(v.shape) for k, v in global_state.items()}
+        self.records: list[dict[str, Any]] = []
+        self.pending: dict[str, Any] | None = None  # round t's record, awaiting round t+1's evaluations
+        self.kinds: dict[str, str] = {}  # device -> the artifact kind its runtime runs
+        self.demoted: dict[str, float] = {}  # device -> the tier it is held below after it died in a round
+        self._resends: dict[str, int] = {}
+        self._files_sent: dict[str, str] = {}  # device -> plan hash whose files it was last sent
+        self._round_weights: dict[tuple, dict[str, np.ndarray]] = {}
+        self._average: StreamingAverage | None = None
+        self._book = _Book(0.0)
+
+    # -- devices --------------------------------------------------------------------------------
+
+    def plan_info(self, device_id: str) -> PlanInfo:
+        record = self.coordinator.devices[device_id]
+        return self.plans.get(record.ratio, self.kinds.get(device_id, "default"), self.device_models.get(device_id))
+
+    def _choose_ratio(self, device_id: str, profile: ResourceProfile, budget_mb: float | None) -> float:
+        tiers = self.tiers
+        if device_id in self.demoted:
+            lower = tuple(t for t in tiers if t < self.demoted[device_id])
+            tiers = lower or (min(tiers),)
+        if self.predictor is None or len(tiers) == 1:
+            return self.overrides.get(device_id, tiers[0])
+        predict = self.predictor(profile)
+        ratio = choose_ratio(device_id, budget_mb, tiers, predict, self.overrides)
+        if budget_mb is not None and predict(ratio) > budget_mb and device_id not in self.overrides:
+            LOG.warning("%s: no tier fits its %.0f MiB budget; smallest tier %g (predicted %.1f MiB)",
+                        device_id, budget_mb, ratio, predict(ratio))
+        return ratio
+
+    def join(self, device_id: str, join: Join, now: float, kind: str = "default") -> Admission:
+        """Admit a device (or say why not) and give it its plan: its tier is chosen once per run, from its
+        memory budget and the cost model, unless an override names it or it was demoted."""
+        refusal = self.coordinator.join(device_id, join, now)
+        if refusal is not None:
+            return Admission(refusal=refusal)
+        record = self.coordinator.devices[device_id]
+        self.kinds[device_id] = kind
+        if record.ratio is None or (device_id in self.demoted and record.ratio >= self.demoted[device_id]):
+            ratio = self._choose_ratio(device_id, join.profile, record.budget_mb)
+            plan = self.plans.get(ratio, kind, self.device_models.get(device_id))
+            self.coordinator.assign_plan(device_id, ratio, plan.hash, plan.fe_shapes)
+        plan = self.plan_info(device_id)
+        # Files already on their way are not sent twice for a repeated JOIN; a device that lost them says so.
+        send_files = plan.hash not in record.artifacts and self._files_sent.get(device_id) != plan.hash
+        LOG.info("%s joined: budget %s MiB, ratio %g, %d train / %d test samples, artifacts %s", device_id,
+                 record.budget_mb, record.ratio, record.num_train, record.num_test,
+                 "sent" if send_files else "not sent (held or on their way)")
+        return Admission(plan=self._plan(device_id, plan, send_files))
+
+    def _plan(self, device_id: str, plan: PlanInfo, send_files: bool) -> Plan:
+        files = plan.files if send_files else {}
+        if send_files:
+            self._files_sent[device_id] = plan.hash
+            nbytes = sum(len(f) for f in files.values())
+            self._book.bytes_artifacts += nbytes
+            self._book.count(tier_label(plan.ratio), "artifacts", nbytes)
+        return Plan(plan.hash, plan.ratio, plan.description, files, self._initial(device_id))
+
+    def _initial(self, device_id: str) -> dict[str, np.ndarray]:
+        model = self.device_models.get(device_id)
+        return self.initial_personal[model] if model else next(iter(self.initial_personal.values()))
+
+    def acknowledge(self, device_id: str, plan_hash: str, now: float) -> str | None:
+        """A device installed its plan; returns why the ACK does not count, or None."""
+        problem = self.coordinator.acknowledge(device_id, plan_hash, now)
+        if problem is None:
+            self._resends.pop(device_id, None)
+        return problem
+
+    def artifacts_lost(self, device_id: str) -> Plan | None:
+        """The plan with its files again for a device that lost or could not verify them (a bounded number of
+        times per device), or None."""
+        record = self.coordinator.devices.get(device_id)
+        if record is None or record.plan_hash is None:
+            return None
+        record.artifacts.discard(record.plan_hash)
+        sent = self._resends.get(device_id, 0)
+        if sent >= MAX_PLAN_RESENDS:
+            return None
+        self._resends[device_id] = sent + 1
+        return self._plan(device_id, self.plan_info(device_id), send_files=True)
+
+    def lost_in_round(self, device_id: str) -> None:
+        """A device went offline while a round awaited its training answer (e.g. killed for memory): when it
+        joins again it gets a lower tier than the one it died at."""
+        record = self.coordinator.devices.get(device_id)
+        opened = self.coordinator.open
+        if record is None or record.ratio is None or opened is None or device_id not in opened.train:
+            return
+        if self.algorithm.factorizes and self.coordinator.awaits(device_id) and min(self.tiers) < record.ratio:
+            self.demoted[device_id] = record.ratio
+            LOG.warning("%s went offline during round %d at tier %g: it gets a lower tier when it rejoins",
+                        device_id, opened.round, record.ratio)
+
+    # -- rounds ---------------------------------------------------------------------------------
+
+    def open_round(self, round_index: int, now: float, *, train: bool = True) -> dict[str, Task]:
+        """Open a round; returns each asked device's task (trainers train, the others only evaluate)."""
+        opened = self.coordinator.open_round(round_index, now, train=train)
+        self._book.opened_at = now  # artifacts sent since the last round closed count in this one
+        plans = [self.plan_info(d).resolved for d in opened.train + opened.evaluate]
+        self._round_weights = factorize_per_plan(self.global_state, plans) if self.algorithm.aggregates else {}
+        self._average = StreamingAverage(self.dense_shapes) if self.algorithm.aggregates else None
+        return {d: self.task(d) for d in opened.train + opened.evaluate}
+
+    def _weights(self, device_id: str) -> dict[str, np.ndarray]:
+        if not self.algorithm.aggregates:
+            return {}
+        return self._round_weights[plan_key(self.plan_info(device_id).resolved)]
+
+    def task(self, device_id: str, deadline: float | None = None) -> Task:
+        """The open round's task for a device it asked (again, after a reconnect: counted each time sent)."""
+        opened = self.coordinator.open
+        if opened is None or device_id not in opened.train + opened.evaluate:
+            raise ValueError(f"round {'none' if opened is None else opened.round} does not ask {device_id}")
+        plan = self.plan_info(device_id)
+        weights = self._weights(device_id)
+        training = device_id in opened.train
+        algo, config = self.algorithm, self.config
+        task = Task(round=opened.round, weights=weights,
+                    lam=algo.lam(opened.round, config.lam, config.lam_warmup) if training else 0.0,
+                    mu=algo.mu(config.mu, bool(plan.resolved.ranks)) if training else 0.0, lr=config.lr,
+                    phases=algo.phases(config.local_epochs) if training else (), batch_size=config.batch_size,
+                    seed=batch_seed(config.seed, opened.round, device_id) if training else 0,
+                    returns=algo.returns if training else "none", deadline=deadline)
+        nbytes = tensor_bytes(weights)
+        if training:
+            self._book.bytes_down += nbytes
+        else:
+            self._book.bytes_down_eval += nbytes
+        self._book.count(tier_label(plan.ratio), "down", nbytes)
+        return task
+
+    def _expected_shapes(self, device_id: str) -> dict[str, tuple[int, ...]]:
+        """The tensors a training update must carry: the plan's FE, plus the head for FedAvg, none for local."""
+        if not self.algorithm.aggregates:
+            return {}
+        shapes = dict(self.plan_info(device_id).fe_shapes)
+        if self.algorithm.shares_head:
+            shapes.update({k: tuple(v.shape) for k, v in self._initial(device_id).items()})
+        return shapes
+
+    def receive(self, device_id: str, msg: Message, now: float) -> Verdict:
+        """Judge an UPDATE that arrived on ``device_id``'s topic; an accepted training update is folded into
+        the round's average at once (memory: one model, whatever the device count)."""
+        verdict = self.coordinator.judge(device_id, msg, now, expected=self._expected_shapes(device_id),
+                                         screen=self._screen if self.norm_bound else None)
+        if not verdict.accepted or device_id not in self.coordinator.open.train:
+            return verdict
+        update = verdict.update
+        book = self._book
+        if self._average is not None:
+            self._average.add(to_torch(update.weights), update.num_samples)
+        nbytes = tensor_bytes(msg.tensors)  # as sent: a clipped update is aggregated dense
+        book.bytes_up += nbytes
+        book.count(tier_label(self.coordinator.devices[device_id].ratio), "up", nbytes)
+        book.samples += update.num_samples
+        book.loss_sum += update.train_loss * update.num_samples
+        book.accuracy_sum += update.train_accuracy * update.num_samples
+        return verdict
+
+    def _screen(self, device_id: str, update: Update) -> Update | str:
+        """--update-norm-bound: the update to aggregate (clipped where it clips), or why it does not count."""
+        bounded, distance = bound_update(update, self.global_state, self.norm_bound)
+        LOG.info("%s: update %.6g from the global FE (bound %g, %s)", device_id, distance, self.norm_bound.bound,
+                 self.norm_bound.action.value)
+        return rejection_reason(distance, self.norm_bound) if bounded is None else bounded
+
+    def close_round(self, now: float) -> tuple[RoundResult, dict[str, Any] | None]:
+        """Close the open round: aggregate when enough delivered (else keep the model), record it, and
+        complete the previous round's record with the evaluations that came in. Returns the result and the
+        record completed now (None for the first round)."""
+        result = self.coordinator.close_round(now)
+        for device_id, reason in result.dropped.items():
+            if reason == NO_ANSWER:
+                LOG.warning("round %d closed at its deadline without %s's answer", result.round, device_id)
+        completed = self._complete_previous(result)
+        if result.train:
+            self.pending = self._training_record(result, now)
+        else:  # the evaluation after the last round: its downloads belong to the last round's record
+            self._fold_eval_bytes(completed)
+        self._book = _Book(now)
+        return result, completed
+
+    def _training_record(self, result: RoundResult, now: float) -> dict[str, Any]:
+        if result.enough and self._average is not None:
+            self.global_state = self._average.result()
+        elif self.algorithm.aggregates:
+            LOG.warning("round %d: %d of %d updates, below --min-completion %g: the global model is kept",
+                        result.round, len(result.accepted), len(result.train), self.coordinator.config.min_completion)
+        book = self._book
+        tiers = {d: tier_label(self.coordinator.devices[d].ratio) for d in result.train + result.evaluate}
+        return {"round": result.round, "participants": len(result.accepted), "selected": len(result.train),
+                "dropped": result.dropped, "aggregated": result.enough and self.algorithm.aggregates,
+                "closed_by": result.closed_by,
+                "train_loss": book.loss_sum / book.samples if book.samples else None,
+                "train_accuracy": book.accuracy_sum / book.samples if book.samples else None,
+                "bytes_down": book.bytes_down, "bytes_up": book.bytes_up, "bytes_artifacts": book.bytes_artifacts,
+                "bytes_down_eval": book.bytes_down_eval, "bytes_by_tier": book.by_tier, "tiers": tiers,
+                "seconds": now - book.opened_at}
+
+    def _complete_previous(self, result: RoundResult) -> dict[str, Any] | None:
+        """The evaluations that came with this round measure the previous round's model: finish its record."""
+        if self.pending is None:
+            return None
+        tiers = self.pending.pop("tiers")
+        per_device = {d: {"accuracy": e.correct / e.total if e.total else None, "tier": tiers.get(d, "-")}
+                      for d, e in sorted(result.evaluations.items())}
+        record = dict(self.pending, **evaluation_summary(result.evaluations.values()), per_device=per_device,
+                      per_tier=_per_tier(result.evaluations, tiers))
+        self.records.append(record)
+        self.pending = None
+        return record
+
+    def _fold_eval_bytes(self, record: dict[str, Any] | None) -> None:
+        if record is None:
+            return
+        record["bytes_down_eval"] += self._book.bytes_down_eval
+        for tier, counts in self._book.by_tier.items():
+            bucket = record["bytes_by_tier"].setdefault(tier, {"down": 0, "up": 0, "artifacts": 0})
+            for direction, nbytes in counts.items():
+                bucket[direction] += nbytes
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def to_state(self) -> dict[str, Any]:
+        """JSON-able state (the global model is saved beside it as tensors; an open round is not kept)."""
+        return {"registry": self.coordinator.to_state(), "records": self.records, "pending": self.pending,
+                "demoted": self.demoted}
+
+    def restore(self, state: dict[str, Any], global_state: dict[str, np.ndarray]) -> None:
+        self.coordinator.restore(state["registry"])
+        self.records, self.pending = state["records"], state["pending"]
+        self.demoted = dict(state.get("demoted", {}))
+        if global_state:
+            self.global_state = to_torch(global_state)
+
+    def global_arrays(self) -> dict[str, np.ndarray]:
+        return to_numpy(self.global_state)
+
+
+def _per_tier(evaluations: dict, tiers: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Accuracy (Σ correct / Σ total) and device count per rank tier."""
+    out: dict[str, dict[str, Any]] = {}
+    for device_id, e in evaluations.items():
+        bucket = out.setdefault(tiers.get(device_id, "-"), {"correct": 0, "total": 0, "devices": 0})
+        bucket["correct"] += e.correct
+        bucket["total"] += e.total
+        bucket["devices"] += 1
+    return {t: {"accuracy": b["correct"] / b["total"] if b["total"] else None, "devices": b["devices"]}
+            for t, b in sorted(out.items())}
+

@@ -1,0 +1,41 @@
+"""The per-round progress lines both drivers print: training as a round closes, accuracy when the next round
+(or the final evaluation) brings it, and an ETA from the mean round time so far."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class Progress:
+    """Prints one line per closed round and one per completed evaluation."""
+
+    def __init__(self, rounds: int, first_round: int = 1, emit: Callable[[str], None] | None = None):
+        self.rounds, self.first_round = rounds, first_round
+        self.started = time.monotonic()
+        self.emit = emit or (lambda line: print(line, flush=True))
+
+    def _eta(self, round_index: int) -> str:
+        done = round_index - self.first_round + 1
+        if done <= 0:
+            return "–"
+        left = (time.monotonic() - self.started) / done * (self.rounds - round_index)
+        return f"{left / 60:.1f} min" if left >= 120 else f"{left:.0f} s"
+
+    def trained(self, record: dict[str, Any]) -> None:
+        loss = record["train_loss"]
+        self.emit(f"round {record['round']}/{self.rounds}  loss {'–' if loss is None else f'{loss:.4f}'}  "
+                  f"participants {record['participants']}/{record['selected']}  dropped {len(record['dropped'])}  "
+                  f"down {record['bytes_down'] / 1e6:.2f} MB  up {record['bytes_up'] / 1e6:.2f} MB  "
+                  f"artifacts {record['bytes_artifacts'] / 1e6:.2f} MB  {record['seconds']:.1f}s  "
+                  f"ETA {self._eta(record['round'])}")
+
+    def evaluated(self, record: dict[str, Any] | None) -> None:
+        if record is None:
+            return
+        accuracy = record["accuracy"]
+        text = "–" if accuracy is None else f"{accuracy:.4f} ±{record['accuracy_std']:.4f}"
+        tiers = "  ".join(f"{t}: {v['accuracy']:.4f}" for t, v in record.get("per_tier", {}).items()
+                          if v["accuracy"] is not None)
+        self.emit(f"  accuracy after round {record['round']}: {text} ({record['evaluated']} devices)"
+                  + (f"  by tier {tiers}" if len(record.get("per_tier", {})) > 1 else ""))

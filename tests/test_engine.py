@@ -1,0 +1,184 @@
+"""The round engine's rules, driven directly (no transport, explicit ``now``)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from device_runtime.messages import Join, ShardInfo, update_message
+from device_runtime.profile import ResourceProfile
+from device_runtime.task import Phase, Update
+from server.algorithms import get_algorithm
+from server.coordinator import Coordinator, CoordinatorConfig
+from server.engine import MAX_PLAN_RESENDS, RoundEngine
+from server.models import build_model
+from server.run_setup import PlanBook, global_state, initial_personal
+from server.strategy import FederationConfig
+
+SHAPE = (1, 28, 28)
+CLASSES = 10
+PROFILE = ResourceProfile(None, 1, 1, "x86_64", "Linux", None, 1.0)
+RUN = "run0"
+
+
+def make_engine(algo: str = "fedara", *, tiers=(1.0,), predictor=None, min_completion: float = 0.5,
+                rounds: int = 3, join_ratio: float = 1.0) -> RoundEngine:
+    torch.manual_seed(0)
+    model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
+    algorithm = get_algorithm(algo)
+    config = FederationConfig(algo=algo, rounds=rounds, local_epochs=2, join_ratio=join_ratio)
+    coordinator = Coordinator(CoordinatorConfig(SHAPE, CLASSES, join_ratio=join_ratio, round_deadline_s=10.0,
+                                                min_completion=min_completion), RUN)
+    return RoundEngine(algorithm, config, coordinator, PlanBook(model, SHAPE, None, onnx=False),
+                       global_state(model, algorithm), initial_personal([model], algorithm), tiers=tiers,
+                       predictor=predictor)
+
+
+def join(engine: RoundEngine, device_id: str, num_train: int = 50, budget: float | None = None, now: float = 0.0):
+    profile = ResourceProfile(budget, 1, 1, "x86_64", "Linux", None, 1.0)
+    admission = engine.join(device_id, Join(profile, ShardInfo(num_train, 10, SHAPE, CLASSES), ()), now)
+    assert admission.refusal is None
+    assert engine.acknowledge(device_id, admission.plan.plan_hash, now) is None
+    return admission.plan
+
+
+def answer(engine: RoundEngine, device_id: str, task, num_train: int = 50, scale: float = 1.0, now: float = 1.0):
+    weights = {k: v * np.float32(scale) for k, v in task.weights.items()}
+    if task.returns == "none" or task.evaluate_only:
+        weights = {}
+    elif task.returns == "all":
+        weights.update(engine._initial(device_id))
+    update = Update(task.round, weights, 0 if task.evaluate_only else num_train, 1.0, 0.5,
+                    {"eval_correct": 5, "eval_total": 10, "eval_loss": 1.0})
+    msg = update_message(update, plan_hash=engine.plan_info(device_id).hash, device_id=device_id, run_id=RUN)
+    return engine.receive(device_id, msg, now)
+
+
+def test_a_devices_batch_seed_follows_its_id_not_the_order_devices_joined_in():
+    first, second = make_engine(), make_engine()
+    for device_id in ("dev_000", "dev_001", "dev_002"):
+        join(first, device_id)
+    for device_id in ("dev_002", "dev_000", "dev_001"):
+        join(second, device_id)
+    a, b = first.open_round(1, 0.0), second.open_round(1, 0.0)
+    assert {d: t.seed for d, t in a.items()} == {d: t.seed for d, t in b.items()}
+    assert len({t.seed for t in a.values()}) == 3
+
+
+def test_fedrep_trains_its_head_then_its_fe_and_returns_the_fe():
+    engine = make_engine("fedrep")
+    join(engine, "dev_000")
+    task = engine.open_round(1, 0.0)["dev_000"]
+    assert task.phases == (Phase("head", 1), Phase("fe", 2))
+    assert task.returns == "fe" and task.lam == 0.0 and task.mu == 0.0
+    assert all(k.startswith("fe.") for k in task.weights)
+
+
+def test_fedavg_sends_and_expects_the_head_as_well():
+    engine = make_engine("fedavg")
+    join(engine, "dev_000")
+    task = engine.open_round(1, 0.0)["dev_000"]
+    assert task.returns == "all" and any(k.startswith("head.") for k in task.weights)
+    fe_only = Update(1, {k: v for k, v in task.weights.items() if k.startswith("fe.")}, 50, 1.0, 0.5,
+                     {"eval_correct": 5, "eval_total": 10, "eval_loss": 1.0})
+    msg = update_message(fe_only, plan_hash=engine.plan_info("dev_000").hash, device_id="dev_000", run_id=RUN)
+    verdict = engine.receive("dev_000", msg, 1.0)
+    assert not verdict.accepted and "missing" in verdict.reason and "head." in verdict.reason
+
+
+def test_local_training_sends_nothing_and_keeps_no_global_model():
+    engine = make_engine("local")
+    plan = join(engine, "dev_000")
+    assert any(k.startswith("fe.") for k in plan.init)  # the device starts from the initial model, then keeps its own
+    task = engine.open_round(1, 0.0)["dev_000"]
+    assert task.weights == {} and task.returns == "none"
+    assert answer(engine, "dev_000", task).accepted
+    result, _ = engine.close_round(2.0)
+    assert engine.global_state == {} and engine.pending["aggregated"] is False
+
+
+def test_fedara_has_no_anchor_term_in_round_one_and_ramps_lambda_after():
+    engine = make_engine("fedara", rounds=12)
+    join(engine, "dev_000")
+    lams = []
+    for t in (1, 2, 11):
+        task = engine.open_round(t, 0.0)["dev_000"]
+        lams.append(task.lam)
+        answer(engine, "dev_000", task)
+        engine.close_round(1.0)
+    assert lams[0] == 0.0 and 0.0 < lams[1] < lams[2] == pytest.approx(10.0)
+
+
+def test_aggregation_weights_updates_by_training_samples():
+    engine = make_engine("fedavg")
+    join(engine, "dev_000", num_train=30)
+    join(engine, "dev_001", num_train=10)
+    before = {k: v.clone() for k, v in engine.global_state.items()}
+    tasks = engine.open_round(1, 0.0)
+    answer(engine, "dev_000", tasks["dev_000"], num_train=30, scale=1.0)
+    answer(engine, "dev_001", tasks["dev_001"], num_train=10, scale=3.0)
+    engine.close_round(1.0)
+    name = "fe.0.weight" if "fe.0.weight" in before else next(k for k in before if k.startswith("fe."))
+    expected = before[name] * (30 * 1.0 + 10 * 3.0) / 40
+    assert torch.allclose(engine.global_state[name], expected, atol=1e-6)
+
+
+def test_a_round_below_min_completion_keeps_the_global_model():
+    engine = make_engine("fedavg", min_completion=1.0)
+    join(engine, "dev_000")
+    join(engine, "dev_001")
+    before = {k: v.clone() for k, v in engine.global_state.items()}
+    tasks = engine.open_round(1, 0.0)
+    answer(engine, "dev_000", tasks["dev_000"], scale=2.0)
+    result, _ = engine.close_round(20.0)  # past the deadline, dev_001 silent
+    assert not result.enough and engine.pending["aggregated"] is False
+    assert all(torch.equal(engine.global_state[k], v) for k, v in before.items())
+
+
+def test_a_rounds_record_is_completed_by_the_next_rounds_evaluations_with_per_tier_accuracy():
+    engine = make_engine("fedara", tiers=(1.0, 0.5), predictor=lambda profile: (lambda ratio: 100 * ratio))
+    join(engine, "dev_000", budget=200)  # dense fits
+    join(engine, "dev_001", budget=60)  # only 0.5 fits
+    tasks = engine.open_round(1, 0.0)
+    for device_id, task in tasks.items():
+        answer(engine, device_id, task)
+    _, completed = engine.close_round(1.0)
+    assert completed is None and engine.records == []
+    tasks = engine.open_round(2, 2.0)
+    for device_id, task in tasks.items():
+        answer(engine, device_id, task, now=3.0)
+    _, completed = engine.close_round(3.0)
+    assert completed["round"] == 1 and completed["accuracy"] == pytest.approx(0.5)
+    assert set(completed["per_tier"]) == {"1", "0.5"}
+    assert completed["per_device"]["dev_001"]["tier"] == "0.5"
+
+
+def test_a_device_lost_during_its_training_round_rejoins_at_a_lower_tier():
+    engine = make_engine("fedara", tiers=(1.0, 0.5, 0.25), predictor=lambda profile: (lambda ratio: 10 * ratio))
+    join(engine, "dev_000", budget=100)
+    assert engine.coordinator.devices["dev_000"].ratio == 1.0
+    engine.open_round(1, 0.0)
+    engine.lost_in_round("dev_000")
+    engine.coordinator.set_online("dev_000", False, 1.0)
+    engine.close_round(20.0)
+    join(engine, "dev_000", budget=100, now=21.0)
+    assert engine.coordinator.devices["dev_000"].ratio == 0.5
+
+
+def test_artifacts_are_resent_a_bounded_number_of_times():
+    engine = make_engine()
+    join(engine, "dev_000")
+    resent = [engine.artifacts_lost("dev_000") for _ in range(MAX_PLAN_RESENDS + 2)]
+    assert sum(plan is not None for plan in resent) == MAX_PLAN_RESENDS
+
+
+def test_an_update_from_a_device_not_asked_this_round_is_refused_and_changes_nothing():
+    engine = make_engine("fedavg", join_ratio=0.5)
+    join(engine, "dev_000")
+    join(engine, "dev_001")
+    tasks = engine.open_round(1, 0.0)
+    evaluator = next(d for d, t in tasks.items() if t.evaluate_only)
+    trainer = next(d for d, t in tasks.items() if not t.evaluate_only)
+    forged = dict(tasks[trainer].__dict__)
+    verdict = answer(engine, evaluator, type(tasks[trainer])(**forged))
+    assert not verdict.accepted
