@@ -66,7 +66,6 @@ DEFAULT_JOIN_TIMEOUT_S = 300.0
 DEFAULT_MIN_COMPLETION = 0.5
 INBOUND_SLACK_BYTES = 1 << 20
 """Room for headers, metadata and the small messages (JOIN, ACK, ERROR) above the largest update."""
-AUTH_DIR = "auth"
 PENDING_UPDATES_BUDGETED = 4
 """Total reassembly budget of the server, in largest inbound messages (over all topics together)."""
 SHARDS_DIR, DEVICES_DIR = "shards", "devices"
@@ -483,8 +482,8 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
     personal_bytes = max(sum(v.nbytes for v in p.values()) for p in personal.values())
     max_inbound = inbound_limit(shared, personal_bytes)
     out.path.mkdir(parents=True, exist_ok=True)
-    link = Link.server(run_key_ring(args.enroll, args.run_key, list(shards), out.path), out.path / AUTH_DIR,
-                       max_inbound)
+    keys, auth_state = run_key_ring(args.enroll, args.run_key, list(shards), out.path)
+    link = Link.server(keys, auth_state, max_inbound)
     local = LocalDevices()
     with broker_url(args) as url, contextlib.ExitStack() as stack:
         endpoint = MqttEndpoint(f"fedara-server-{args.prefix.replace('/', '_')}", url,

@@ -135,14 +135,18 @@ def key_ring(enroll_arg: str, run_key_file: str | Path | None) -> KeyRing:
 
 LOCAL_ENROLLMENT = "enrollment.json"
 LOCAL_KEYS_DIR = "keys"
+STATE_SUFFIX = ".state"
 
 
 def run_key_ring(enroll_arg: str | None, run_key_file: str | Path | None, local_ids: Iterable[str],
-                 out_dir: Path) -> KeyRing:
-    """The KeyRing of a server run, with a key file for each local device under ``out_dir/keys``.
+                 out_dir: Path) -> tuple[KeyRing, Path]:
+    """The KeyRing of a server run and the directory of its authentication state, with a key file for each
+    local device under ``out_dir/keys``.
 
     Without ``--enroll``, the run's own local devices are enrolled in ``out_dir/enrollment.json`` (created
-    once, kept for --resume) and nobody else is admitted."""
+    once, kept for --resume) and nobody else is admitted. The state (the server's counter epoch and the last
+    counter accepted from each device) lives beside the enrollment or run key file, in ``<file>.state/``: every
+    run of one deployment then refuses what an earlier run accepted (a JOIN captured from last week's run)."""
     local_ids = list(local_ids)
     if enroll_arg is None:
         if not local_ids:
@@ -152,13 +156,14 @@ def run_key_ring(enroll_arg: str | None, run_key_file: str | Path | None, local_
         save_enrollment(path, enroll(load_enrollment(path) if path.exists() else {}, local_ids))
         enroll_arg = str(path)
     ring = key_ring(enroll_arg, run_key_file)
+    key_source = Path(run_key_file if enroll_arg == ENROLL_OPEN else enroll_arg)
     missing = [d for d in local_ids if not ring.enrolled(d)]
     if missing:
         raise EnrollmentError(f"--local-devices {missing} are not enrolled in --enroll {enroll_arg}: add them with "
                               f"python -m server.enrollment add {enroll_arg} ID... --keys-dir DIR")
     for device_id in local_ids:
         write_key_file(out_dir / LOCAL_KEYS_DIR / f"{device_id}{KEY_FILE_SUFFIX}", ring.key_for(device_id))
-    return ring
+    return ring, key_source.with_name(key_source.name + STATE_SUFFIX)
 
 
 def _checked_id(device_id: object, path: Path) -> str:

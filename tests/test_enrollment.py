@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from device_runtime.auth import read_key_file
-from server.enrollment import EnrollmentError, enroll, key_ring, load_enrollment, main, revoke, rotate, save_enrollment
+from server.enrollment import (EnrollmentError, enroll, key_ring, load_enrollment, main, revoke, rotate,
+                               run_key_ring, save_enrollment)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +48,7 @@ def test_a_missing_enrollment_file_names_the_fix(tmp_path):
 
 def test_a_key_of_the_wrong_length_names_the_file_and_the_format(tmp_path):
     (tmp_path / "k").write_text("abcd\n")
-    with pytest.raises(EnrollmentError, match="64 hex digits"):
+    with pytest.raises(ValueError, match="64 hex digits"):
         read_key_file(tmp_path / "k")
 
 
@@ -96,3 +97,21 @@ def test_credentials_command_also_enrolls_its_devices(tmp_path):
     keys = load_enrollment(out / "enroll.json")
     assert set(keys) == {"dev_a", "dev_b"}
     assert read_key_file(out / "keys" / "dev_b.key") == keys["dev_b"]
+
+
+def test_runs_of_one_enrollment_share_their_authentication_state(tmp_path):
+    path = save_enrollment(tmp_path / "enroll.json", enroll({}, ["dev_a"]))
+    _, first = run_key_ring(str(path), None, ["dev_a"], tmp_path / "run1")
+    _, second = run_key_ring(str(path), None, [], tmp_path / "run2")
+    assert first == second == tmp_path / "enroll.json.state"
+    assert read_key_file(tmp_path / "run1" / "keys" / "dev_a.key") == load_enrollment(path)["dev_a"]
+
+
+def test_a_run_without_enrollment_enrolls_its_local_devices_only(tmp_path):
+    ring, state = run_key_ring(None, None, ["dev_000"], tmp_path / "run")
+    assert ring.device_ids == ("dev_000",) and state == tmp_path / "run" / "enrollment.json.state"
+
+
+def test_a_run_without_enrollment_or_local_devices_names_the_flags(tmp_path):
+    with pytest.raises(EnrollmentError, match="--enroll FILE"):
+        run_key_ring(None, None, [], tmp_path / "run")
