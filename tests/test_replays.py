@@ -1,0 +1,254 @@
+"""Replays of captured messages and a frame flood, published with Debian's plain ``mosquitto_pub`` against a run
+on Debian's mosquitto (issue 14): each is refused, every genuine device completes the run, and the final model
+is bit-identical to an unattacked run with the same seed.
+
+Three runs share one enrollment file (so one deployment): a capture run (seed 1, four devices) whose every frame a
+plain MQTT subscriber records; an unattacked run (seed 0, three devices); and the same run attacked after its
+first round with the captured bytes, two forgeries under a wrong key, and frame 0 of a captured update sent to
+1,000 fresh topics.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from device_runtime.messages import ErrorCode, error_message
+from device_runtime.protocol import FRAME_HEADER_BYTES, Message, MessageType, Topics, chunk
+from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.enrollment import enroll, save_enrollment
+from server.mosquitto_config import write_mosquitto_conf
+from tests.conftest import MOSQUITTO_BIN, MosquittoProcess, free_loopback_port
+from tests.sealing import seal_down, seal_up
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MOSQUITTO_PUB = shutil.which("mosquitto_pub")
+PREFIX = "fedara"
+QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
+         "--threads", "1", "--join-timeout", "90", "--round-deadline", "90", "--prefix", PREFIX]
+ROUNDS = 4
+FLOOD_TOPICS = 1000
+RSS_BOUND_MIB = 64
+"""The server's RSS may grow by at most this much during the flood: its reassembly budget
+(4 largest inbound messages, ~21 MiB here) plus allocator slack."""
+WRONG_KEY = bytes([0xEE]) * 32
+
+
+@dataclass
+class Capture:
+    """Every frame seen on ``PREFIX/dev/#`` by a plain paho subscriber: (topic, frame bytes)."""
+
+    frames: list[tuple[str, bytes]] = field(default_factory=list)
+
+    def of(self, topic: str, msg_id_prefix: str) -> list[bytes]:
+        """The frames on ``topic`` of the first message whose msg_id starts with ``msg_id_prefix``, in order."""
+        chosen = None
+        found = []
+        for t, frame in self.frames:
+            ident = frame[6:6 + frame[5]].decode()
+            if t == topic and ident.startswith(msg_id_prefix) and ident == (chosen or ident):
+                chosen = ident
+                found.append(frame)
+        assert found, f"nothing captured on {topic} with a msg_id starting {msg_id_prefix!r}"
+        return found
+
+
+def record(url_port: int, stop: threading.Event, capture: Capture) -> threading.Thread:
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="recorder", protocol=mqtt.MQTTv311)
+    client.on_connect = lambda c, *_: c.subscribe(f"{PREFIX}/dev/#", qos=1)
+    client.on_message = lambda c, u, m: capture.frames.append((m.topic, bytes(m.payload)))
+
+    def run() -> None:
+        client.connect("127.0.0.1", url_port)
+        client.loop_start()
+        stop.wait()
+        client.loop_stop()
+        client.disconnect()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def server(out: Path, url: str, cache: Path, enrollment: Path, devices: int, seed: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "server.broker_loop", *QUICK, "--broker", url, "--out", str(out),
+                             "--cache-dir", str(cache), "--enroll", str(enrollment), "--local-devices", str(devices),
+                             "--seed", str(seed), "--rounds", str(ROUNDS if devices == 3 else 1)],
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_line(proc: subprocess.Popen, text: str, lines: list[str]) -> None:
+    for line in proc.stdout:
+        lines.append(line)
+        if text in line:
+            return
+    raise AssertionError(f"the server ended without printing {text!r}:\n{''.join(lines[-30:])}")
+
+
+def finish(proc: subprocess.Popen, lines: list[str], timeout: float = 300) -> None:
+    lines.extend(proc.stdout)
+    assert proc.wait(timeout) == 0, "".join(lines[-40:])
+
+
+def publish(port: int, topic: str, frame: bytes, path: Path) -> None:
+    """One frame through ``mosquitto_pub -f`` (QoS 1), as anyone on an open broker can."""
+    path.write_bytes(frame)
+    subprocess.run([MOSQUITTO_PUB, "-h", "127.0.0.1", "-p", str(port), "-q", "1", "-t", topic, "-f", str(path)],
+                   check=True, capture_output=True)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+@dataclass
+class Runs:
+    clean: Path
+    attacked: Path
+    server_log: str
+    device_logs: dict[str, str]
+    rss_before: float
+    rss_after: float
+    lines: list[str]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    if not MOSQUITTO_BIN.exists() or MOSQUITTO_PUB is None:
+        reason = "needs Debian's mosquitto and mosquitto-clients (scripts/setup.sh installs both)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    base = tmp_path_factory.mktemp("replays")
+    port = free_loopback_port()
+    conf = write_mosquitto_conf(base / "mosquitto.conf", port, 256 * 1024,
+                                run_as_user="root" if os.geteuid() == 0 else None)
+    broker = MosquittoProcess(conf, port, base / "mosquitto.log")
+    broker.start()
+    try:
+        return attack(base, broker, port)
+    finally:
+        broker.stop()
+
+
+def attack(base: Path, broker: MosquittoProcess, port: int) -> Runs:
+    cache = base / "cache"
+    enrollment = save_enrollment(base / "enroll.json", enroll({}, [f"dev_{i:03d}" for i in range(4)]))
+    capture, stop = Capture(), threading.Event()
+    recorder = record(port, stop, capture)
+    time.sleep(0.5)
+    lines: list[str] = []
+    finish(server(base / "capture", broker.url, cache, enrollment, 4, seed=1), lines)
+    time.sleep(1.0)
+    stop.set()
+    recorder.join(10)
+
+    finish(server(base / "clean", broker.url, cache, enrollment, 3, seed=0), lines)
+
+    dev = {i: Topics(PREFIX, f"dev_{i:03d}") for i in range(4)}
+    replays = [
+        *[(dev[0].up, f) for f in capture.of(dev[0].up, "join-")],  # 1. an earlier run's JOIN of dev_000
+        *[(dev[1].status, f) for f in capture.of(dev[1].status, "offline-")],  # 2. a captured offline frame
+        *[(dev[2].down, f) for f in capture.of(dev[2].down, "plan-")],  # 3. an old run's PLAN, with its files
+        *[(dev[3].up, f) for f in capture.of(dev[3].up, "join-")],  # 4. JOIN + ACK of an id not in this run
+        *[(dev[3].up, f) for f in capture.of(dev[3].up, "ack-")],
+    ]
+    forgeries = [  # built with the project's encoder, but under a key the attacker made up
+        (dev[1].up, chunk(seal_up(Message(MessageType.JOIN, "none", 0, "dev_001", "join-forged", {}), WRONG_KEY),
+                          256 * 1024, "join-forged")[0]),  # malformed: once answered with a REFUSED
+        (dev[1].down, chunk(seal_down(error_message(ErrorCode.REFUSED, "you are refused", device_id="dev_001"),
+                                      WRONG_KEY), 256 * 1024, "error-forged")[0]),
+    ]
+    first_update_frame = capture.of(dev[0].up, "update-")[0]
+    assert len(first_update_frame) > FRAME_HEADER_BYTES + 200 * 1024, "frame 0 of an update should be a full frame"
+
+    proc = server(base / "attacked", broker.url, cache, enrollment, 3, seed=0)
+    wait_for_line(proc, "round 1/", lines)
+    for i, (topic, frame) in enumerate(replays + forgeries):
+        publish(port, topic, frame, base / f"frame-{i}.bin")
+    time.sleep(1.0)
+    rss_before = rss_mib(proc.pid)
+    flood = base / "flood.bin"
+    flood.write_bytes(first_update_frame)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: subprocess.run(
+            [MOSQUITTO_PUB, "-h", "127.0.0.1", "-p", str(port), "-q", "1", "-t", f"{PREFIX}/dev/x{i:04d}/up",
+             "-f", str(flood)], check=True, capture_output=True), range(FLOOD_TOPICS)))
+    time.sleep(2.0)
+    rss_after = rss_mib(proc.pid)
+    finish(proc, lines)
+    attacked = base / "attacked"
+    return Runs(base / "clean", attacked, (attacked / "server.log").read_text(),
+                {d.name.removesuffix(".log"): d.read_text() for d in (attacked / "devices").glob("*.log")},
+                rss_before, rss_after, lines)
+
+
+def refusals(log: str, where: str) -> list[str]:
+    return [line for line in log.splitlines() if f"dropped a message on {where}" in line or
+            (where == "device" and "dropped a message:" in line)]
+
+
+def test_an_earlier_runs_join_replayed_is_refused(runs: Runs):
+    (line,) = refusals(runs.server_log, f"{PREFIX}/dev/dev_000/up")
+    assert ": join join-" in line and line.endswith("[replay]")
+
+
+def test_a_captured_offline_frame_does_not_mark_a_live_device_offline(runs: Runs):
+    (line,) = refusals(runs.server_log, f"{PREFIX}/dev/dev_001/status")
+    assert ": status status-offline-" in line and line.endswith("[stale_connection]")
+
+
+def test_an_old_runs_plan_does_not_switch_a_device_to_that_run(runs: Runs):
+    log = runs.device_logs["dev_002"]
+    (line,) = [line for line in refusals(log, "device") if ": plan plan-" in line]
+    assert line.endswith("[replay]")
+    assert log.count("fresh heads") <= 1  # only the attacked run's own first plan
+
+
+def test_a_join_and_ack_of_a_device_not_in_this_run_admit_nothing(runs: Runs):
+    join, ack = refusals(runs.server_log, f"{PREFIX}/dev/dev_003/up")
+    assert ": join join-" in join and join.endswith("[replay]")
+    assert ": ack ack-" in ack and ack.endswith("[wrong_run]")
+    assert "dev_003 joined" not in runs.server_log and "dev_003 is ready" not in runs.server_log
+
+
+def test_forgeries_under_a_wrong_key_are_dropped_and_the_device_carries_on(runs: Runs):
+    (join,) = refusals(runs.server_log, f"{PREFIX}/dev/dev_001/up")
+    assert ": join join-forged" in join and join.endswith("[bad_tag]")
+    log = runs.device_logs["dev_001"]
+    (refused,) = [line for line in refusals(log, "device") if ": error error-" in line]
+    assert refused.endswith("[bad_tag]") and "refused this device" not in log
+
+
+def test_every_genuine_device_completes_every_round(runs: Runs):
+    rounds = [l for l in runs.lines if l.startswith("round ")]
+    attacked = rounds[-ROUNDS:]
+    assert all("participants 3/3" in l and "dropped 0" in l for l in attacked), attacked
+
+
+def test_the_attacked_runs_final_model_is_bit_identical_to_the_clean_run(runs: Runs):
+    clean = load_checkpoint(runs.clean / CHECKPOINT_NAME).tensors
+    attacked = load_checkpoint(runs.attacked / CHECKPOINT_NAME).tensors
+    assert clean.keys() == attacked.keys()
+    for name in clean:
+        np.testing.assert_array_equal(attacked[name], clean[name], err_msg=name)
+
+
+def test_a_flood_of_1000_topics_keeps_server_rss_within_its_bound(runs: Runs):
+    print(f"server RSS {runs.rss_before:.0f} MiB before the flood, {runs.rss_after:.0f} MiB after")
+    assert runs.rss_after - runs.rss_before <= RSS_BOUND_MIB
