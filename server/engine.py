@@ -138,10 +138,10 @@ class RoundEngine:
                         device_id, budget_mb, ratio, predict(ratio))
         return ratio
 
-    def join(self, device_id: str, join: Join, now: float, kind: str = "default") -> Admission:
+    def join(self, device_id: str, join: Join, kind: str = "default") -> Admission:
         """Admit a device (or say why not) and give it its plan: its tier is chosen once per run, from its
         memory budget and the cost model, unless an override names it or it was demoted."""
-        refusal = self.coordinator.join(device_id, join, now)
+        refusal = self.coordinator.join(device_id, join)
         if refusal is not None:
             return Admission(refusal=refusal)
         record = self.coordinator.devices[device_id]
@@ -171,9 +171,9 @@ class RoundEngine:
         model = self.device_models.get(device_id)
         return self.initial_personal[model] if model else next(iter(self.initial_personal.values()))
 
-    def acknowledge(self, device_id: str, plan_hash: str, now: float) -> str | None:
+    def acknowledge(self, device_id: str, plan_hash: str) -> str | None:
         """A device installed its plan; returns why the ACK does not count, or None."""
-        problem = self.coordinator.acknowledge(device_id, plan_hash, now)
+        problem = self.coordinator.acknowledge(device_id, plan_hash)
         if problem is None:
             self._resends.pop(device_id, None)
         return problem
