@@ -321,6 +321,7 @@ class RoundEngine:
         tiers = {d: tier_label(self.coordinator.devices[d].ratio) for d in result.train + result.evaluate}
         return {"round": result.round, "participants": len(result.accepted), "selected": len(result.train),
                 "dropped": result.dropped, "aggregated": result.enough and self.algorithm.aggregates,
+                "algorithm": self.algorithm.name, "aggregate": self.config.aggregate,
                 "closed_by": result.closed_by,
                 "train_loss": book.loss_sum / book.samples if book.samples else None,
                 "train_accuracy": book.accuracy_sum / book.samples if book.samples else None,
