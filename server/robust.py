@@ -72,13 +72,13 @@ def bound_update(update: Update, global_fe: dict[str, torch.Tensor],
 
     Within the bound the update is returned as sent; clipped, it carries the dense, clipped FE."""
     shapes = {k: tuple(v.shape) for k, v in global_fe.items()}
-    dense = reconstruct_state(to_torch(update.fe), shapes)
+    dense = reconstruct_state(to_torch(update.weights), shapes)
     distance = fe_distance(dense, global_fe)
     if distance <= rule.bound:
         return update, distance
     if rule.action == NormAction.REJECT:
         return None, distance
-    return replace(update, fe=to_numpy(clip_to_bound(dense, global_fe, rule.bound))), distance
+    return replace(update, weights=to_numpy(clip_to_bound(dense, global_fe, rule.bound))), distance
 
 
 def rejection_reason(distance: float, rule: NormBound) -> str:
