@@ -1,8 +1,6 @@
 """Sample-weighted aggregation of client FEs, streaming: memory stays one model whatever the client count."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
 from server.lowrank import reconstruct_state
@@ -32,10 +30,3 @@ class StreamingAverage:
             raise ValueError("no client update to aggregate")
         return {k: (s / self.total_weight).to(dtype) for k, s in self._sums.items()}
 
-
-def aggregate(updates: Iterable[tuple[dict[str, torch.Tensor], int]], dense_shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """Weighted mean of client FEs by training sample count, reconstructed to full rank."""
-    average = StreamingAverage(dense_shapes)
-    for client_fe, num_samples in updates:
-        average.add(client_fe, num_samples)
-    return average.result()
