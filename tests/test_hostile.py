@@ -2,9 +2,10 @@
 
 Server side, the path under test is the broker loop's own inbound path, in process: a message's bytes and
 topic go to ``Federation._handle`` (what the loop does with every reassembled message: decode with the
-inbound size limit, parse, let the Coordinator judge, aggregate what it accepts). Every malformed, forged or
-replayed message must be refused with a logged reason and leave the global FE, the running average, the
-registry and the plan bookkeeping as they were, bit for bit. Chunk-level faults go through a real
+inbound size limit, parse, hand it to the RoundEngine, which judges it and folds what it accepts into the
+round's average). Every malformed, forged or replayed message must be refused with a logged reason and leave
+the global FE, the running average, the round's byte book, the registry and the plan bookkeeping as they
+were, bit for bit. Chunk-level faults go through a real
 MqttEndpoint. Device side, tampered artifacts and malformed tasks are refused by the agent.
 """
 from __future__ import annotations
