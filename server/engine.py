@@ -243,8 +243,12 @@ class RoundEngine:
         self._book.count(tier_label(plan.ratio), "down", nbytes)
         return task
 
-    def _expected_shapes(self, device_id: str) -> dict[str, tuple[int, ...]]:
-        """The tensors a training update must carry: the plan's FE, plus the head for FedAvg, none for local."""
+    def _expected_shapes(self, device_id: str) -> dict[str, tuple[int, ...]] | None:
+        """The tensors a training update must carry: the plan's FE, plus the head for FedAvg, none for local.
+        None for a device without a plan (unknown, or joined without one): the coordinator refuses its update."""
+        record = self.coordinator.devices.get(device_id)
+        if record is None or record.plan_hash is None:
+            return None
         if not self.algorithm.aggregates:
             return {}
         shapes = dict(self.plan_info(device_id).fe_shapes)
