@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from device_runtime.atomic_file import TMP_PREFIX, write_atomic
 from device_runtime.device_rules import (DeviceState, TaskAction, answered, on_task, starts_new_run,
                                          takes_initial_tensors)
 from device_runtime.local_round import load_weights, run_task
@@ -50,7 +51,6 @@ ARTIFACTS_DIR = "artifacts"
 HEADS_DIR = "heads"
 STATE_FILE = "state.json"
 ANSWER_FILE = "last_answer.bin"
-TMP_PREFIX = ".tmp-"
 POLL_S = 0.2
 CONNECT_POLL_S = 1.0
 WAITING_LOG_EVERY_S = 10.0
@@ -65,12 +65,6 @@ class DeviceRefused(RuntimeError):
 
 class Interrupted(BaseException):
     """Raised by the signal handler while the device computes, so a stop request does not wait for a round."""
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 class Workdir:
@@ -147,10 +141,10 @@ class Workdir:
             return DeviceState(NO_RUN)
 
     def save_state(self, state: DeviceState) -> None:
-        _write_atomic(self.root / STATE_FILE, json.dumps(asdict(state)).encode())
+        write_atomic(self.root / STATE_FILE, json.dumps(asdict(state)).encode())
 
     def save_answer(self, payload: bytes) -> None:
-        _write_atomic(self.root / ANSWER_FILE, payload)
+        write_atomic(self.root / ANSWER_FILE, payload)
 
     def load_answer(self) -> bytes | None:
         try:
@@ -161,7 +155,7 @@ class Workdir:
     def save_personal(self, path: Path, tensors: dict[str, np.ndarray]) -> None:
         buffer = io.BytesIO()
         np.savez(buffer, **tensors)
-        _write_atomic(path, buffer.getvalue())
+        write_atomic(path, buffer.getvalue())
 
     def forget_run(self) -> None:
         """Drop the heads and the saved answer of an earlier run (the artifact cache stays)."""

@@ -17,10 +17,3 @@ def epoch_batches(num_samples: int, batch_size: int, rng: np.random.Generator) -
     order = rng.permutation(num_samples)
     return [order[start:start + batch_size] for start in range(0, num_samples, batch_size)]
 
-
-def local_epochs_batches(num_samples: int, batch_size: int, epochs: int,
-                         rng: np.random.Generator) -> list[list[np.ndarray]]:
-    """``epochs`` consecutive calls of :func:`epoch_batches` on the same ``rng`` (one list per epoch)."""
-    if epochs < 1:
-        raise ValueError(f"epochs must be >= 1, got {epochs}")
-    return [epoch_batches(num_samples, batch_size, rng) for _ in range(epochs)]

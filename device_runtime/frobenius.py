@@ -21,12 +21,6 @@ def _check_factors(u: np.ndarray, v: np.ndarray) -> None:
         raise ValueError(f"factors must be U (m×r) and V (n×r) of one rank r, got U{u.shape} and V{v.shape}")
 
 
-def frobenius_norm_sq(u: np.ndarray, v: np.ndarray) -> float:
-    """‖U Vᵀ‖²_F = Σ (UᵀU) ⊙ (VᵀV): O((m+n)·r²) through the Gram matrices, never forming the m×n product."""
-    _check_factors(u, v)
-    return float(((u.T @ u) * (v.T @ v)).sum())
-
-
 def frobenius_decay_step(u: np.ndarray, v: np.ndarray, mu: float, step: float) -> tuple[np.ndarray, np.ndarray]:
     """(U − s·2μ·U(VᵀV), V − s·2μ·V(UᵀU)) with s = ``step``: one SGD step on μ‖U Vᵀ‖²_F, both from the inputs.
 

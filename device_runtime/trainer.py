@@ -13,6 +13,7 @@ step on the factors at the end of each local epoch (``device_runtime.frobenius``
 from __future__ import annotations
 
 import hashlib
+import io
 import importlib.machinery
 import importlib.util
 import json
@@ -27,6 +28,8 @@ import numpy as np
 from device_runtime.batching import epoch_batches
 from device_runtime.frobenius import factor_pairs, frobenius_decay_step
 from device_runtime.task import PARAM_GROUPS
+from device_runtime.tensor_check import TensorMismatchError, check_tensors  # noqa: F401 (TensorMismatchError: part of this API)
+from device_runtime.atomic_file import write_atomic
 
 FORMAT_VERSION = 2  # 2: the Frobenius term and the mu input left the training graph
 MANIFEST_NAME = "manifest.json"
@@ -42,7 +45,6 @@ LOSS, LOGITS, FEATURES = "loss", "logits", "features"
 TRAINING_OUTPUTS = (LOSS, LOGITS)
 EVAL_INPUTS = (INPUT,)
 EVAL_OUTPUTS = (LOGITS, FEATURES)
-PARAM_DTYPE = np.float32
 LABEL_DTYPE = np.int64
 ANCHOR_BATCH = EVAL_BATCH = 64  # forward-only batches: peak RSS grows ~0.15 MB per sample (FedAvgCNN 28×28)
 ORT_ERROR_SEVERITY = 3
@@ -51,10 +53,6 @@ _CAPI_MODULE = "onnxruntime.capi.onnxruntime_pybind11_state"
 
 class ArtifactError(ValueError):
     """An artifact directory that is missing files, corrupt, or not the one expected."""
-
-
-class TensorMismatchError(ValueError):
-    """Tensors that do not fit the artifacts: unknown or missing names, wrong shapes or dtypes."""
 
 
 @dataclass(frozen=True)
@@ -155,21 +153,6 @@ def cross_entropy_sum(logits: np.ndarray, labels: np.ndarray) -> float:
     return float((log_norm - z[np.arange(len(labels)), labels]).sum())
 
 
-def check_tensors(kind: str, tensors: dict[str, np.ndarray], expected: dict[str, tuple[int, ...]]) -> None:
-    """Raise TensorMismatchError naming the first tensor whose name, shape or dtype does not fit ``expected``."""
-    missing = [n for n in expected if n not in tensors]
-    unknown = [n for n in tensors if n not in expected]
-    if missing or unknown:
-        raise TensorMismatchError(f"{kind} tensors do not match the artifacts: missing {missing}, unknown {unknown}")
-    for name, shape in expected.items():
-        value = tensors[name]
-        if not isinstance(value, np.ndarray) or value.dtype != PARAM_DTYPE:
-            got = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
-            raise TensorMismatchError(f"{kind} tensor {name}: dtype {got}, expected {np.dtype(PARAM_DTYPE)}")
-        if value.shape != shape:
-            raise TensorMismatchError(f"{kind} tensor {name}: shape {value.shape}, expected {shape}")
-
-
 def _check_positive(**values: float) -> None:
     for name, value in values.items():
         if not value > 0:
@@ -261,12 +244,10 @@ class DeviceTrainer:
         self._write(tensors)
 
     def save_head(self, path: str | os.PathLike) -> None:
-        """Write the head to an ``.npz`` atomically (temp file then rename): it must survive restarts intact."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, **self.get_head())
-        os.replace(tmp, path)
+        """Write the head to an ``.npz`` atomically: it must survive restarts intact."""
+        buffer = io.BytesIO()
+        np.savez(buffer, **self.get_head())
+        write_atomic(path, buffer.getvalue())
 
     def load_head(self, path: str | os.PathLike) -> None:
         """Restore a head saved by :meth:`save_head` (checked like :meth:`set_head`)."""

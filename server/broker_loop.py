@@ -312,7 +312,7 @@ class Federation:
         now = time.monotonic()
         if not online:
             self.engine.lost_in_round(device_id)
-        if self.coordinator.set_online(device_id, online, now):
+        if self.coordinator.set_online(device_id, online):
             LOG.info("%s is %s", device_id, "online" if online else "offline")
         record = self.coordinator.devices.get(device_id)
         if online and (record is None or record.plan_hash is None):
@@ -333,7 +333,7 @@ class Federation:
         except MessageError as exc:
             self._refuse(device_id, f"malformed join: {exc}")
             return
-        admission = self.engine.join(device_id, join, time.monotonic())
+        admission = self.engine.join(device_id, join)
         if admission.refusal is not None:
             self._refuse(device_id, admission.refusal)
             return
@@ -345,7 +345,7 @@ class Federation:
                                             run_id=self.coordinator.run_id))
 
     def _on_ack(self, device_id: str, msg: Message) -> None:
-        problem = self.engine.acknowledge(device_id, parse_ack(msg), time.monotonic())
+        problem = self.engine.acknowledge(device_id, parse_ack(msg))
         if problem is not None:
             LOG.warning("ignored an ACK from %s: %s", device_id, problem)
             return

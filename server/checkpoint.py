@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from device_runtime.atomic_file import write_atomic
 
 STATE_KEY = "__state__"
 CHECKPOINT_NAME = "checkpoint.npz"
@@ -38,12 +39,7 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> int:
     meta = json.dumps(dict(checkpoint.state, round=checkpoint.round)).encode()
     buffer = io.BytesIO()
     np.savez(buffer, **{STATE_KEY: np.frombuffer(meta, dtype=np.uint8)}, **checkpoint.tensors)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(buffer.getbuffer())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, buffer.getvalue())
     return buffer.getbuffer().nbytes
 
 

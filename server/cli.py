@@ -21,7 +21,7 @@ from server.models import MODELS
 from server.objective import DEFAULT_LAM_WARMUP, DEFAULT_MU
 from server.rank_assignment import DEFAULT_TIERS
 from server.robust import add_norm_bound_arguments, norm_bound_from_args
-from server.strategy import FederationConfig
+from server.strategy import AGGREGATION_RULES, FederationConfig
 
 RUNS_DIR = "runs"
 DEFAULT_CACHE_DIR = "artifacts_cache"
@@ -58,6 +58,10 @@ def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
                             "to fit its memory (in-process clients without budgets: round-robin by device id) "
                             f"[default: {','.join(map(str, DEFAULT_TIERS))}]")
     algo.add_argument("--rank-overrides", default=None, help="JSON file {device_id: ratio}, taking precedence")
+    algo.add_argument("--aggregate", choices=AGGREGATION_RULES, default=d.aggregate,
+                      help="weights: average the clients' reconstructed weights (the paper's rule); updates: add "
+                           "the average of what each client changed to the global model, which keeps what "
+                           "low-rank clients cannot represent (same bytes on the wire)")
     algo.add_argument("--lam", type=float, default=d.lam, help="anchor-loss weight λ (FedARA)")
     algo.add_argument("--lam-warmup", type=int, default=DEFAULT_LAM_WARMUP, help="rounds over which λ ramps up")
     algo.add_argument("--frob", type=float, default=DEFAULT_MU, help="Frobenius decay μ on factorized layers")
@@ -128,7 +132,7 @@ def parse_tiers(text: str | None) -> list[float] | None:
 def config_from_args(args: argparse.Namespace) -> FederationConfig:
     return FederationConfig(algo=args.algo, rounds=args.rounds, lam=args.lam, lam_warmup=args.lam_warmup,
                             mu=args.frob, lr=args.lr, local_epochs=args.local_epochs, batch_size=args.batch_size,
-                            join_ratio=args.join_ratio, seed=args.seed)
+                            join_ratio=args.join_ratio, seed=args.seed, aggregate=args.aggregate)
 
 
 def check_args(args: argparse.Namespace) -> FederationConfig:

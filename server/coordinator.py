@@ -16,11 +16,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from device_runtime.messages import Join, MessageError, parse_update
 from device_runtime.protocol import Message, MessageType
 from device_runtime.task import Update
+from device_runtime.tensor_check import tensor_problem
 from server.strategy import sample_clients
 
 ALL_ANSWERED = "all answered"
@@ -149,23 +148,6 @@ def _evaluation(metrics: dict[str, Any], num_test: int) -> Evaluation | str:
     return Evaluation(correct, total, float(loss))
 
 
-def _tensor_problem(tensors: dict[str, np.ndarray], expected: dict[str, tuple[int, ...]]) -> str | None:
-    """Why ``tensors`` are not exactly the float32, finite tensors of ``expected``, or None."""
-    missing = sorted(set(expected) - set(tensors))
-    unknown = sorted(set(tensors) - set(expected))
-    if missing or unknown:
-        return f"tensors do not match the plan: missing {missing[:5]}, unknown {unknown[:5]}"
-    for name, shape in expected.items():
-        value = tensors[name]
-        if value.dtype != np.float32:
-            return f"tensor {name}: dtype {value.dtype}, expected float32"
-        if value.shape != tuple(shape):
-            return f"tensor {name}: shape {value.shape}, expected {tuple(shape)}"
-        if not np.isfinite(value).all():
-            return f"tensor {name} holds NaN or infinity"
-    return None
-
-
 class Coordinator:
     """Device registry and round state machine of one run."""
 
@@ -184,7 +166,7 @@ class Coordinator:
             self.devices[device_id] = DeviceRecord(device_id)
         return self.devices[device_id]
 
-    def join(self, device_id: str, join: Join, now: float) -> str | None:
+    def join(self, device_id: str, join: Join) -> str | None:
         """Record a JOIN; returns why the device cannot take part (its shard does not fit the model), or None.
 
         A joining device is online and not ready until it acknowledges its plan again."""
@@ -207,7 +189,7 @@ class Coordinator:
         record.ratio, record.plan_hash = ratio, plan_hash
         self.plan_shapes[plan_hash] = {name: tuple(shape) for name, shape in shapes.items()}
 
-    def acknowledge(self, device_id: str, plan_hash: str, now: float) -> str | None:
+    def acknowledge(self, device_id: str, plan_hash: str) -> str | None:
         """A device installed its plan's artifacts; returns why the ACK does not count, or None."""
         record = self.devices.get(device_id)
         if record is None:
@@ -218,7 +200,7 @@ class Coordinator:
         record.artifacts.add(plan_hash)
         return None
 
-    def set_online(self, device_id: str, online: bool, now: float) -> bool:
+    def set_online(self, device_id: str, online: bool) -> bool:
         """Track a device's status (its last will says offline); returns whether the device is known."""
         record = self.devices.get(device_id)
         if record is not None:
@@ -299,7 +281,7 @@ class Coordinator:
         training = record.device_id in rnd.plan.train
         if expected is None:
             expected = self.plan_shapes[plan_hash]
-        problem = _tensor_problem(update.weights, expected if training else {})
+        problem = tensor_problem(update.weights, expected if training else {}, finite=True)
         if problem is not None:
             return _reject(problem)
         expected_samples = record.num_train if training else 0

@@ -138,10 +138,10 @@ class RoundEngine:
                         device_id, budget_mb, ratio, predict(ratio))
         return ratio
 
-    def join(self, device_id: str, join: Join, now: float, kind: str = "default") -> Admission:
+    def join(self, device_id: str, join: Join, kind: str = "default") -> Admission:
         """Admit a device (or say why not) and give it its plan: its tier is chosen once per run, from its
         memory budget and the cost model, unless an override names it or it was demoted."""
-        refusal = self.coordinator.join(device_id, join, now)
+        refusal = self.coordinator.join(device_id, join)
         if refusal is not None:
             return Admission(refusal=refusal)
         record = self.coordinator.devices[device_id]
@@ -171,9 +171,9 @@ class RoundEngine:
         model = self.device_models.get(device_id)
         return self.initial_personal[model] if model else next(iter(self.initial_personal.values()))
 
-    def acknowledge(self, device_id: str, plan_hash: str, now: float) -> str | None:
+    def acknowledge(self, device_id: str, plan_hash: str) -> str | None:
         """A device installed its plan; returns why the ACK does not count, or None."""
-        problem = self.coordinator.acknowledge(device_id, plan_hash, now)
+        problem = self.coordinator.acknowledge(device_id, plan_hash)
         if problem is None:
             self._resends.pop(device_id, None)
         return problem
@@ -212,6 +212,7 @@ class RoundEngine:
         plans = [self.plan_info(d).resolved for d in opened.train + opened.evaluate]
         self._round_weights = factorize_per_plan(self.global_state, plans) if self.algorithm.aggregates else {}
         self._average = StreamingAverage(self.dense_shapes) if self.algorithm.aggregates else None
+        self._sent_weight: dict[tuple, float] = {}  # plan -> Σ samples of its accepted updates (the updates rule)
         return {d: self.task(d) for d in opened.train + opened.evaluate}
 
     def _weights(self, device_id: str) -> dict[str, np.ndarray]:
@@ -242,8 +243,12 @@ class RoundEngine:
         self._book.count(tier_label(plan.ratio), "down", nbytes)
         return task
 
-    def _expected_shapes(self, device_id: str) -> dict[str, tuple[int, ...]]:
-        """The tensors a training update must carry: the plan's FE, plus the head for FedAvg, none for local."""
+    def _expected_shapes(self, device_id: str) -> dict[str, tuple[int, ...]] | None:
+        """The tensors a training update must carry: the plan's FE, plus the head for FedAvg, none for local.
+        None for a device without a plan (unknown, or joined without one): the coordinator refuses its update."""
+        record = self.coordinator.devices.get(device_id)
+        if record is None or record.plan_hash is None:
+            return None
         if not self.algorithm.aggregates:
             return {}
         shapes = dict(self.plan_info(device_id).fe_shapes)
@@ -262,6 +267,8 @@ class RoundEngine:
         book = self._book
         if self._average is not None:
             self._average.add(to_torch(update.weights), update.num_samples)
+            key = plan_key(self.plan_info(device_id).resolved)
+            self._sent_weight[key] = self._sent_weight.get(key, 0.0) + update.num_samples
         nbytes = tensor_bytes(msg.tensors)  # as sent: a clipped update is aggregated dense
         book.bytes_up += nbytes
         book.count(tier_label(self.coordinator.devices[device_id].ratio), "up", nbytes)
@@ -293,9 +300,24 @@ class RoundEngine:
         self._book = _Book(now)
         return result, completed
 
+    def _aggregate(self) -> dict[str, torch.Tensor]:
+        """The new global model from the round's accepted updates, under --aggregate.
+
+        weights: Σ p_k W_k, each client's tensors reconstructed to full rank. updates: ω + Σ p_k (W_k − S_k),
+        S_k what client k was sent (its plan's factorization of ω); a dense client's S_k is ω itself, so dense
+        layers and dense clients aggregate the same under both rules. Only one factor set per plan is kept."""
+        mean = self._average.result(torch.float64)
+        if self.config.aggregate == "weights":
+            return {k: v.float() for k, v in mean.items()}
+        sent = StreamingAverage(self.dense_shapes)
+        for key, weight in self._sent_weight.items():
+            sent.add(to_torch(self._round_weights[key]), weight)
+        sent_mean = sent.result(torch.float64)
+        return {k: (self.global_state[k].double() + mean[k] - sent_mean[k]).float() for k in mean}
+
     def _training_record(self, result: RoundResult, now: float) -> dict[str, Any]:
         if result.enough and self._average is not None:
-            self.global_state = self._average.result()
+            self.global_state = self._aggregate()
         elif self.algorithm.aggregates:
             LOG.warning("round %d: %d of %d updates, below --min-completion %g: the global model is kept",
                         result.round, len(result.accepted), len(result.train), self.coordinator.config.min_completion)
@@ -303,6 +325,7 @@ class RoundEngine:
         tiers = {d: tier_label(self.coordinator.devices[d].ratio) for d in result.train + result.evaluate}
         return {"round": result.round, "participants": len(result.accepted), "selected": len(result.train),
                 "dropped": result.dropped, "aggregated": result.enough and self.algorithm.aggregates,
+                "algorithm": self.algorithm.name, "aggregate": self.config.aggregate,
                 "closed_by": result.closed_by,
                 "train_loss": book.loss_sum / book.samples if book.samples else None,
                 "train_accuracy": book.accuracy_sum / book.samples if book.samples else None,

@@ -92,11 +92,6 @@ def reconstruct(u: torch.Tensor, v: torch.Tensor, shape: tuple[int, ...]) -> tor
     return from_matrix(u @ v.T, shape)
 
 
-def gram_frobenius(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """‖U Vᵀ‖²_F = Σ (UᵀU) ⊙ (VᵀV): O((m+n)·r²) instead of forming the m×n product."""
-    return ((u.T @ u) * (v.T @ v)).sum()
-
-
 class FactorizedLinear(nn.Module):
     """Linear in→r (weight Vᵀ, no bias) then r→out (weight U, bias)."""
 

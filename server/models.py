@@ -25,9 +25,6 @@ class SplitModel(nn.Module):
         self.feature_dim = feature_dim
         self.num_classes = num_classes
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fe(x)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.fe(x))
 

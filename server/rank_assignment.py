@@ -26,7 +26,7 @@ from server.lowrank import FactorizedConv2d, FactorizedLinear, RankPlan, factori
 DEFAULT_TIERS = (1.0, 0.75, 0.5, 0.25, 0.125)
 RUNTIME_BASE_MB = 60.0
 """Resident memory of the device runtime before any model: onnxruntime's C bindings, numpy and Python
-(56 MB measured after import, DESIGN.md)."""
+(56 MB measured after import, docs/benchmarks.md)."""
 BYTES_PER_FLOAT = 4
 COPIES_PER_PARAMETER = 2  # the value and its gradient
 COPIES_PER_ACTIVATION = 2  # the stored output and its gradient

@@ -16,6 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from device_runtime.atomic_file import write_atomic
 from server.coordinator import Evaluation
 from server.strategy import weighted_accuracy
 
@@ -50,10 +51,7 @@ def evaluation_summary(evaluations: Iterable[Evaluation]) -> dict[str, Any]:
 
 def write_metrics(path: str | os.PathLike, records: Sequence[Mapping[str, Any]]) -> None:
     """Write every round's record as one JSON line, atomically (a resumed run rewrites the file)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode())
 
 
 SCALARS_FILE = "metrics.csv"
@@ -66,9 +64,7 @@ def write_scalars_csv(out_dir: str | os.PathLike, records: Sequence[Mapping[str,
     lines = [",".join(keys)]
     for record in records:
         lines.append(",".join("" if record.get(k) is None else str(record[k]) for k in keys))
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, ("\n".join(lines) + "\n").encode())
     return path
 
 

@@ -153,15 +153,14 @@ class Simulation:
 
     def _admit(self) -> None:
         """Every device joins and installs its plan (a resumed device keeps its personal tensors)."""
-        now = time.monotonic()
         profile = ResourceProfile(None, self.args.threads, 1, "in-process", sys.platform, None, 1.0)
         for device_id, device in self.devices.items():
-            admission = self.engine.join(device_id, Join(profile, ShardInfo.of(device.shard), ()), now)
+            admission = self.engine.join(device_id, Join(profile, ShardInfo.of(device.shard), ()))
             if admission.refusal:
                 raise RunError(f"{device_id}: {admission.refusal}")
             self.by_hash[admission.plan.plan_hash] = self.engine.plan_info(device_id)
             device.install(admission.plan)
-            self.engine.coordinator.acknowledge(device_id, admission.plan.plan_hash, now)
+            self.engine.coordinator.acknowledge(device_id, admission.plan.plan_hash)
 
     def _round(self, round_index: int, train: bool = True) -> None:
         engine = self.engine

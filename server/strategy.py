@@ -15,6 +15,10 @@ from server.lowrank import ResolvedPlan, factorize_state
 from server.objective import DEFAULT_LAM_WARMUP, DEFAULT_MU
 
 
+AGGREGATION_RULES = ("weights", "updates")
+"""weights: ω ← Σ p_k U_k V_kᵀ (the paper's); updates: ω ← ω + Σ p_k (U_k V_kᵀ − U_k⁰ V_k⁰ᵀ), what was sent subtracted."""
+
+
 @dataclass(frozen=True)
 class FederationConfig:
     """Hyper-parameters of a run; defaults are the paper's (homogeneous λ = 10, lr 5e-3, batch 16, E = 5)."""
@@ -29,10 +33,13 @@ class FederationConfig:
     batch_size: int = 16
     join_ratio: float = 1.0
     seed: int = 0
+    aggregate: str = "weights"
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
             raise ValueError(f"--algo {self.algo!r} is unknown; choose one of {', '.join(ALGORITHMS)}")
+        if self.aggregate not in AGGREGATION_RULES:
+            raise ValueError(f"--aggregate {self.aggregate!r} is unknown; choose one of {', '.join(AGGREGATION_RULES)}")
         if not 0.0 < self.join_ratio <= 1.0:
             raise ValueError(f"--join-ratio must be in (0, 1], got {self.join_ratio}")
         for name in ("rounds", "local_epochs", "batch_size", "lam_warmup"):

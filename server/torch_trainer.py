@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from device_runtime.tensor_check import check_tensors
 from device_runtime.trainer import EvalResult, TrainResult
 from server.lowrank import FE_PREFIX
 from server.models import SplitModel
@@ -29,11 +30,7 @@ class TorchTrainer:
 
     def _write(self, tensors: dict[str, np.ndarray], names: tuple[str, ...], kind: str) -> None:
         state = self.model.state_dict()
-        if set(tensors) != set(names):
-            raise ValueError(f"{kind} tensors {sorted(tensors)[:5]} differ from the model's {sorted(names)[:5]}")
-        for name, value in tensors.items():
-            if tuple(value.shape) != tuple(state[name].shape):
-                raise ValueError(f"{name}: shape {tuple(value.shape)} != model's {tuple(state[name].shape)}")
+        check_tensors(kind, tensors, {k: tuple(state[k].shape) for k in names})
         self.model.load_state_dict(to_torch(tensors), strict=False)
 
     def get_fe(self) -> dict[str, np.ndarray]:

@@ -1,10 +1,12 @@
 """Shared test set-up: one compute thread per test process, and the broker fixtures (a mosquitto
-subprocess restartable on its port, and the embedded amqtt broker)."""
+subprocess restartable on its port, and the embedded amqtt broker).
+
+Nothing here imports torch or the server's dependencies at load time, so the device-only tests also run on
+a device-only install (numpy, onnxruntime, paho-mqtt)."""
 
 from __future__ import annotations
 
-import torch
-
+import importlib.util
 import os
 import socket
 import subprocess
@@ -15,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from device_runtime.protocol import DEFAULT_MAX_FRAME_BYTES
-from server.embedded_broker import EmbeddedBroker
 from server.mosquitto_config import TlsFiles, write_mosquitto_conf
 
 MOSQUITTO_BIN = Path("/usr/sbin/mosquitto")
@@ -23,8 +24,11 @@ BROKER_START_TIMEOUT_S = 10.0
 BROKER_STOP_TIMEOUT_S = 5.0
 ACCEPT_POLL_S = 0.02
 
-# Multi-threaded MKL spins under load: on 2 shared cores one thread is both faster and repeatable.
-torch.set_num_threads(1)
+if importlib.util.find_spec("torch") is not None:  # a server or dev install
+    import torch
+
+    # Multi-threaded MKL spins under load: on 2 shared cores one thread is both faster and repeatable.
+    torch.set_num_threads(1)
 
 
 def free_loopback_port() -> int:
@@ -117,8 +121,10 @@ def mosquitto_broker(start_mosquitto: Callable[..., MosquittoProcess]) -> Mosqui
 
 
 @pytest.fixture
-def embedded_broker() -> Iterator[EmbeddedBroker]:
+def embedded_broker() -> Iterator[object]:
     """A running in-process amqtt broker on a free loopback port; `.url`."""
+    from server.embedded_broker import EmbeddedBroker  # amqtt: a server dependency
+
     with EmbeddedBroker() as broker:
         yield broker
 

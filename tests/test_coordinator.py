@@ -46,12 +46,34 @@ def update(device_id: str = "dev_000", round_index: int = 1, tensors=None, num_s
 # -- registry -------------------------------------------------------------------------------------
 
 
-def test_devices_get_indices_in_registration_order_and_keep_them_on_rejoin():
-    coordinator = make_coordinator(0)
-    for device_id in ("dev_b", "dev_a"):
+def join_in_order(device_ids: list[str], **config) -> Coordinator:
+    """A coordinator whose devices registered, joined and acknowledged PLAN in this order."""
+    coordinator = make_coordinator(0, **config)
+    for device_id in device_ids:
         coordinator.register(device_id)
-    coordinator.join("dev_a", Join(PROFILE, SHARD, ()), now=1.0)
-    assert [coordinator.devices[d].index for d in ("dev_b", "dev_a")] == [0, 1]
+    for device_id in device_ids:
+        coordinator.join(device_id, Join(PROFILE, SHARD, ()), now=1.0)
+        coordinator.assign_plan(device_id, 1.0, PLAN, SHAPES)
+        coordinator.acknowledge(device_id, PLAN, now=1.0)
+    return coordinator
+
+
+def test_ready_devices_are_listed_by_id_never_by_the_order_they_came_in():
+    assert join_in_order(["dev_c", "dev_a", "dev_b"]).ready_devices() == ["dev_a", "dev_b", "dev_c"]
+
+
+def test_who_trains_does_not_depend_on_the_order_devices_joined_in():
+    ids = [f"dev_{i:03d}" for i in range(8)]
+    rounds = [join_in_order(order, join_ratio=0.5, seed=3).open_round(2, now=1.0) for order in (ids, ids[::-1])]
+    assert rounds[0] == rounds[1] and len(rounds[0].train) == 4
+
+
+def test_rejoining_device_keeps_its_plan_and_must_acknowledge_it_again():
+    coordinator = make_coordinator(1)
+    coordinator.join("dev_000", Join(PROFILE, SHARD, (PLAN,)), now=1.0)
+    record = coordinator.devices["dev_000"]
+    assert (record.ratio, record.plan_hash, record.ready, record.online) == (1.0, PLAN, False, True)
+    assert coordinator.ready_devices() == []
 
 
 def test_shard_that_does_not_fit_the_model_is_refused():
@@ -85,8 +107,9 @@ def test_registry_survives_a_checkpoint_with_every_device_offline():
     coordinator = make_coordinator(2)
     restored = make_coordinator(0)
     restored.restore(coordinator.to_state())
-    assert {d: (r.index, r.plan_hash, r.ready, r.online) for d, r in restored.devices.items()} == \
-        {"dev_000": (0, PLAN, True, False), "dev_001": (1, PLAN, True, False)}
+    assert {d: (r.ratio, r.plan_hash, r.ready, r.online, r.num_train, r.artifacts)
+            for d, r in restored.devices.items()} == \
+        {"dev_000": (1.0, PLAN, True, False, 30, {PLAN}), "dev_001": (1.0, PLAN, True, False, 30, {PLAN})}
     assert restored.plan_shapes == {PLAN: SHAPES}
 
 
@@ -180,6 +203,44 @@ def test_evaluation_answer_carries_no_tensors():
     assert coordinator.judge("dev_000", update(round_index=4, tensors={}, num_samples=0), now=1.0).accepted
     result = coordinator.close_round(now=1.0)
     assert result.accepted == () and result.evaluations == {"dev_000": Evaluation(7, 10, 0.5)}
+
+
+HEAD = {"head.w": (10, 2)}
+
+
+def test_expected_tensors_replace_the_plans_for_a_training_update():
+    """FedAvg's devices send their head too: the engine passes the tensors a training update must carry."""
+    coordinator = make_coordinator(1)
+    coordinator.open_round(1, now=0.0)
+    verdict = coordinator.judge("dev_000", update(), now=1.0, expected={**SHAPES, **HEAD})
+    assert not verdict.accepted and "missing ['head.w']" in verdict.reason
+
+
+def test_update_carrying_exactly_the_expected_tensors_is_accepted():
+    coordinator = make_coordinator(1)
+    coordinator.open_round(1, now=0.0)
+    tensors = fe(**{"head.w": np.ones((10, 2), np.float32)})
+    verdict = coordinator.judge("dev_000", update(tensors=tensors), now=1.0, expected={**SHAPES, **HEAD})
+    assert verdict.accepted and set(verdict.update.weights) == {"fe.w", "fe.b", "head.w"}
+
+
+def test_nothing_expected_means_a_training_update_carries_no_tensors():
+    """Local training: the update reports its samples and evaluation, and no tensor."""
+    coordinator = make_coordinator(2)
+    coordinator.open_round(1, now=0.0)
+    assert coordinator.judge("dev_000", update(tensors={}), now=1.0, expected={}).accepted
+    verdict = coordinator.judge("dev_001", update(device_id="dev_001"), now=1.0, expected={})
+    assert not verdict.accepted and "unknown ['fe.b', 'fe.w']" in verdict.reason
+
+
+def test_an_evaluation_answer_carries_no_tensors_whatever_is_expected_of_training():
+    coordinator = make_coordinator(2)
+    coordinator.open_round(4, now=0.0, train=False)
+    assert coordinator.judge("dev_000", update(round_index=4, tensors={}, num_samples=0), now=1.0,
+                             expected=SHAPES).accepted
+    verdict = coordinator.judge("dev_001", update(device_id="dev_001", round_index=4, num_samples=0), now=1.0,
+                                expected=SHAPES)
+    assert not verdict.accepted and "unknown ['fe.b', 'fe.w']" in verdict.reason
 
 
 def test_judge_takes_only_updates():

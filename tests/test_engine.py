@@ -34,11 +34,11 @@ def make_engine(algo: str = "fedara", *, tiers=(1.0,), predictor=None, min_compl
                        predictor=predictor)
 
 
-def join(engine: RoundEngine, device_id: str, num_train: int = 50, budget: float | None = None, now: float = 0.0):
+def join(engine: RoundEngine, device_id: str, num_train: int = 50, budget: float | None = None):
     profile = ResourceProfile(budget, 1, 1, "x86_64", "Linux", None, 1.0)
-    admission = engine.join(device_id, Join(profile, ShardInfo(num_train, 10, SHAPE, CLASSES), ()), now)
+    admission = engine.join(device_id, Join(profile, ShardInfo(num_train, 10, SHAPE, CLASSES), ()))
     assert admission.refusal is None
-    assert engine.acknowledge(device_id, admission.plan.plan_hash, now) is None
+    assert engine.acknowledge(device_id, admission.plan.plan_hash) is None
     return admission.plan
 
 
@@ -159,9 +159,9 @@ def test_a_device_lost_during_its_training_round_rejoins_at_a_lower_tier():
     assert engine.coordinator.devices["dev_000"].ratio == 1.0
     engine.open_round(1, 0.0)
     engine.lost_in_round("dev_000")
-    engine.coordinator.set_online("dev_000", False, 1.0)
+    engine.coordinator.set_online("dev_000", False)
     engine.close_round(20.0)
-    join(engine, "dev_000", budget=100, now=21.0)
+    join(engine, "dev_000", budget=100)
     assert engine.coordinator.devices["dev_000"].ratio == 0.5
 
 

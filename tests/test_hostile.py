@@ -2,9 +2,10 @@
 
 Server side, the path under test is the broker loop's own inbound path, in process: a message's bytes and
 topic go to ``Federation._handle`` (what the loop does with every reassembled message: decode with the
-inbound size limit, parse, let the Coordinator judge, aggregate what it accepts). Every malformed, forged or
-replayed message must be refused with a logged reason and leave the global FE, the running average, the
-registry and the plan bookkeeping as they were, bit for bit. Chunk-level faults go through a real
+inbound size limit, parse, hand it to the RoundEngine, which judges it and folds what it accepts into the
+round's average). Every malformed, forged or replayed message must be refused with a logged reason and leave
+the global FE, the running average, the round's byte book, the registry and the plan bookkeeping as they
+were, bit for bit. Chunk-level faults go through a real
 MqttEndpoint. Device side, tampered artifacts and malformed tasks are refused by the agent.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from unittest import mock
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,19 +34,22 @@ from device_runtime.profile import ResourceProfile, collect_profile
 from device_runtime.protocol import (FRAME_HEADER_BYTES, Message, MessageType, ProtocolError, Topics, chunk, decode,
                                      encode, server_subscriptions)
 from device_runtime.shard import Shard
-from device_runtime.task import Task, Update
+from device_runtime.task import Phase, Task, Update
 from device_runtime.trainer import MANIFEST_NAME
 from device_runtime.transport import STAT_KEYS, MqttEndpoint
-from server import broker_loop
-from server.aggregate import StreamingAverage
-from server.broker_loop import Federation, LocalDevices, PlanBook, inbound_limit
+from server import broker_loop, simulate
+from server.algorithms import get_algorithm
+from server.broker_loop import Federation, LocalDevices, inbound_limit
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from server.coordinator import Coordinator, CoordinatorConfig
-from server.lowrank import fe_state
+from server.cli import config_from_args
+from server.coordinator import Coordinator, CoordinatorConfig, RoundResult
+from server import engine as engine_module
+from server.engine import RoundEngine
 from server.models import build_model
+from server.progress import Progress
 from server.report import METRICS_FILE, read_metrics
-from server.simulate import build_parser as simulate_parser
-from server.simulate import config_from_args, make_backend, prepare, run_federation
+from server.robust import norm_bound_from_args
+from server.run_setup import PlanBook, RunFolder, global_state, initial_personal
 from server.strategy import factorize_per_plan, plan_key
 from tests.mqtt_peer import MqttPeer
 
@@ -81,23 +86,32 @@ class StubEndpoint:
         self.sent.append((topic, payload))
 
 
+ALGORITHM = get_algorithm("fedara")
+"""Factorizes and sends back the FE only: the plans' FE tensors are exactly what an update must carry."""
+
+
 @dataclass(frozen=True)
 class World:
-    """What every in-process server shares: the model, its global FE, the plans' artifacts, round 1's FEs."""
+    """What every in-process server shares: the global FE, the initial head, the plans' artifacts, round 1's
+    FEs (as the engine factorizes them), and the largest message the server takes."""
 
     global_fe: dict[str, torch.Tensor]
+    personal: dict[str, np.ndarray]
     plans: PlanBook
     round_fe: dict[tuple, dict[str, np.ndarray]]
+    max_inbound: int
     local: LocalDevices
-    out: Path
+    out: RunFolder
 
 
 def build_world(directory: Path) -> World:
     model = build_model("fedavgcnn", INPUT_SHAPE, CLASSES, seed=0)
     plans = PlanBook(model, INPUT_SHAPE, directory / "cache")
-    global_fe = fe_state(model)
+    global_fe = global_state(model, ALGORITHM)
+    personal = initial_personal(model, ALGORITHM)
     round_fe = factorize_per_plan(global_fe, [plans.get(r).resolved for r in (DENSE, LOW_RANK)])
-    return World(global_fe, plans, round_fe, LocalDevices(), directory / "out")
+    max_inbound = inbound_limit(global_fe, sum(v.nbytes for v in personal.values()))
+    return World(global_fe, personal, plans, round_fe, max_inbound, LocalDevices(), RunFolder(directory / "out"))
 
 
 @pytest.fixture(scope="module")
@@ -108,26 +122,39 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
 @functools.lru_cache(maxsize=None)
 def server_args(out: Path, *flags: str) -> argparse.Namespace:
     """The broker loop's command line (parsed once per set of flags: servers only read it)."""
-    return broker_loop.build_parser().parse_args(["--out", str(out), "--rank-tiers", str(DENSE), *flags])
+    return broker_loop.build_parser().parse_args(["--out", str(out), "--rank-tiers", f"{DENSE},{LOW_RANK}", *flags])
+
+
+def open_engine(world: World, *flags: str) -> RoundEngine:
+    """A RoundEngine with TRAINER (dense plan) and FACTORED (low-rank plan) joined through it and ready,
+    UNASSIGNED joined without a plan, and round 1 open."""
+    args = server_args(world.out.path, *flags)
+    coordinator = Coordinator(CoordinatorConfig(INPUT_SHAPE, CLASSES, round_deadline_s=DEADLINE_S), RUN)
+    engine = RoundEngine(ALGORITHM, config_from_args(args), coordinator, world.plans, world.global_fe, world.personal,
+                         tiers=(DENSE, LOW_RANK), overrides={TRAINER: DENSE, FACTORED: LOW_RANK},
+                         norm_bound=norm_bound_from_args(args))
+    now = time.monotonic()
+    for device_id in (TRAINER, FACTORED):
+        plan = world.plans.get(ratio_of(device_id))
+        admission = engine.join(device_id, Join(PROFILE, SHARD, (plan.hash,)), now)
+        assert admission.plan.plan_hash == plan.hash and admission.plan.files == {}  # it holds them already
+        assert engine.acknowledge(device_id, plan.hash, now) is None
+    assert coordinator.join(UNASSIGNED, Join(PROFILE, SHARD, ()), now) is None
+    with mock.patch.object(engine_module, "factorize_per_plan", functools.partial(round_one_fe, world)):
+        engine.open_round(ROUND, now)
+    return engine
+
+
+def round_one_fe(world: World, global_fe: dict[str, torch.Tensor], plans: list) -> dict[tuple, dict[str, np.ndarray]]:
+    """``factorize_per_plan`` for round 1, computed once per world (the fuzz tests open 11,000 servers)."""
+    assert global_fe is world.global_fe and {plan_key(p) for p in plans} <= set(world.round_fe)
+    return world.round_fe
 
 
 def open_server(world: World, *flags: str) -> Federation:
-    """A broker-loop Federation with TRAINER and FACTORED ready, UNASSIGNED joined without a plan, round 1 open."""
-    args = server_args(world.out, *flags)
-    coordinator = Coordinator(CoordinatorConfig(INPUT_SHAPE, CLASSES, round_deadline_s=DEADLINE_S), RUN)
-    now = time.monotonic()
-    for device_id, ratio in ((TRAINER, DENSE), (FACTORED, LOW_RANK)):
-        plan = world.plans.get(ratio)
-        coordinator.join(device_id, Join(PROFILE, SHARD, (plan.hash,)), now)
-        coordinator.assign_plan(device_id, ratio, plan.hash, plan.artifacts.fe_shapes)
-        coordinator.acknowledge(device_id, plan.hash, now)
-    coordinator.join(UNASSIGNED, Join(PROFILE, SHARD, ()), now)
-    server = Federation(args, config_from_args(args), coordinator, StubEndpoint(), world.plans, world.global_fe,
-                        world.out, world.local, {}, (DENSE,))
-    coordinator.open_round(ROUND, now)
-    server.round_fe = world.round_fe
-    server.average = StreamingAverage(server.dense_shapes)
-    return server
+    """The broker loop's Federation over ``open_engine``'s engine, with a stub endpoint."""
+    args = server_args(world.out.path, *flags)
+    return Federation(args, open_engine(world, *flags), StubEndpoint(), world.out, world.local, {}, world.max_inbound)
 
 
 def up(device_id: str) -> str:
@@ -153,13 +180,22 @@ def genuine_update(world: World, device_id: str = TRAINER, *, round_index: int =
                           run_id=run_id)
 
 
+def aggregated(server: Federation) -> int:
+    """How many updates the open round's running average holds."""
+    return server.engine._average.count
+
+
 def server_state(server: Federation) -> tuple:
-    """What a refused message must leave as it was: the global FE's bytes, the running average, the
-    registry, and which plans the server re-sent or still asks for."""
-    return ({name: value.numpy().tobytes() for name, value in server.global_fe.items()},
-            (server.average.count, server.average.total_weight),
+    """What a refused message must leave as it was: the global FE's bytes, the running average, the round's
+    byte and training book, the registry, and which plans the server sent, re-sent or still asks for."""
+    engine = server.engine
+    return ({name: value.numpy().tobytes() for name, value in engine.global_state.items()},
+            (engine._average.count, engine._average.total_weight,
+             {name: value.numpy().tobytes() for name, value in engine._average._sums.items()}),
+            repr(engine._book),
             json.dumps(server.coordinator.to_state(), sort_keys=True),
-            (dict(server.plan_resends), dict(server.files_sent), dict(server.unjoined)))
+            (dict(engine._resends), dict(engine._files_sent), dict(engine.kinds), dict(engine.demoted),
+             dict(server.unjoined)))
 
 
 def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -177,8 +213,9 @@ def refused(server: Federation, topic: str, payload: bytes, caplog: pytest.LogCa
     return reason
 
 
-def close(server: Federation):
-    return server.coordinator.close_round(time.monotonic())
+def close(server: Federation) -> RoundResult:
+    result, _ = server.engine.close_round(time.monotonic())
+    return result
 
 
 # -- the control: genuine updates count ------------------------------------------------------------
@@ -188,7 +225,7 @@ def test_genuine_updates_of_both_plans_are_averaged(world: World):
     server = open_server(world)
     for device_id in (TRAINER, FACTORED):
         server._handle(up(device_id), encode(genuine_update(world, device_id)))
-    assert server.average.count == 2
+    assert aggregated(server) == 2
     result = close(server)
     assert result.accepted == (TRAINER, FACTORED) and result.enough
 
@@ -286,7 +323,7 @@ def test_update_replayed_in_the_same_round_is_refused(world: World, caplog):
     server = open_server(world)
     payload = encode(genuine_update(world))
     server._handle(up(TRAINER), payload)
-    assert server.average.count == 1
+    assert aggregated(server) == 1
     assert "duplicate update for round 1" in refused(server, up(TRAINER), payload, caplog)
 
 
@@ -295,8 +332,7 @@ def test_update_replayed_in_a_later_round_is_refused(world: World, caplog):
     payload = encode(genuine_update(world))
     server._handle(up(TRAINER), payload)
     close(server)
-    server.coordinator.open_round(ROUND + 1, time.monotonic())
-    server.average = StreamingAverage(server.dense_shapes)
+    server.engine.open_round(ROUND + 1, time.monotonic())
     assert "stale: update for round 1, round 2 is open" in refused(server, up(TRAINER), payload, caplog)
 
 
@@ -400,7 +436,7 @@ SMALL_FRAME = 16 * 1024
 def server_endpoint(embedded_broker, world: World) -> Iterator[MqttEndpoint]:
     """An endpoint set up as the broker loop sets up its own (size limit, subscriptions), on small frames."""
     endpoint = MqttEndpoint("hostile-test-server", embedded_broker.url, subscriptions=server_subscriptions(PREFIX),
-                            max_message_bytes=inbound_limit(world.global_fe), max_frame_bytes=SMALL_FRAME,
+                            max_message_bytes=world.max_inbound, max_frame_bytes=SMALL_FRAME,
                             clean_session=True)
     endpoint.start()
     endpoint.wait_connected(WAIT_S)
@@ -470,7 +506,7 @@ def test_broken_chunks_never_reach_the_server(world: World, server_endpoint, emb
 
 
 def test_chunks_announcing_an_oversize_message_are_refused(world: World, server_endpoint, embedded_broker, caplog):
-    limit = inbound_limit(world.global_fe)
+    limit = world.max_inbound
     first_frame = chunk(bytes(limit + 1), SMALL_FRAME, "huge")[0]
     with caplog.at_level(logging.WARNING, logger="fedara.transport"):
         publish_frames(embedded_broker.url, up(TRAINER), [first_frame])
@@ -514,7 +550,8 @@ def deliver(agent: DeviceAgent, payload: bytes) -> None:
 
 def plan_with(world: World, files: dict[str, bytes], ratio: float = DENSE) -> bytes:
     plan = world.plans.get(ratio)
-    return encode(plan_message(Plan(plan.hash, ratio, "dense", files), device_id=TRAINER, run_id=RUN))
+    return encode(plan_message(Plan(plan.hash, ratio, plan.description, files, world.personal), device_id=TRAINER,
+                               run_id=RUN))
 
 
 def flipped(data: bytes, position: int) -> bytes:
@@ -581,10 +618,11 @@ def ready_device(world: World, tmp_path: Path) -> tuple[DeviceAgent, RecordingEn
 
 def task_payload(world: World, *, fe: dict[str, np.ndarray] | None = None, device_id: str = TRAINER,
                  **meta: object) -> bytes:
-    """A dense-plan TASK for round 1, with ``fe`` and meta fields as given (None deletes a field)."""
+    """A dense-plan TASK for round 1 (one epoch of everything, FE sent back), with ``fe`` as its weights and meta
+    fields as given (None deletes a field)."""
     start = world.round_fe[plan_key(world.plans.get(DENSE).resolved)]
-    task = Task(round=ROUND, fe=dict(start) if fe is None else fe, lam=0.0, mu=0.0, lr=0.05, epochs=1,
-                batch_size=4, seed=1)
+    task = Task(round=ROUND, weights=dict(start) if fe is None else fe, lam=0.0, mu=0.0, lr=0.05,
+                phases=(Phase("all", 1),), batch_size=4, seed=1, returns="fe")
     msg = task_message(task, plan_hash=world.plans.get(DENSE).hash, device_id=device_id, run_id=RUN)
     for key, value in meta.items():
         if value is None:
@@ -613,7 +651,11 @@ def device_state(agent: DeviceAgent) -> tuple:
 @pytest.mark.parametrize("make, expected", [
     (lambda w: task_payload(w, fe=dense_fe(w, "fe.conv1.bias", np.zeros(32, np.float64))), "is float64"),
     (lambda w: task_payload(w, lr=0), "lr must be a finite number > 0"),
-    (lambda w: task_payload(w, epochs=-1), "epochs must be an integer"),
+    (lambda w: task_payload(w, phases=[["all", -1]]), "phase epochs must be an integer"),
+    (lambda w: task_payload(w, phases=[["bias", 1]]), "task phase must be [one of ['all', 'fe', 'head']"),
+    (lambda w: task_payload(w, phases="all"), "task phases must be a list"),
+    (lambda w: task_payload(w, phases=None), "lacks meta field 'phases'"),
+    (lambda w: task_payload(w, returns="head"), "task field 'returns' must be one of"),
     (lambda w: task_payload(w, batch_size=0), "batch_size must be an integer"),
     (lambda w: task_payload(w, seed=None), "lacks meta field 'seed'"),
     (lambda w: task_payload(w, lam="2"), "lam must be a finite number"),
@@ -621,7 +663,7 @@ def device_state(agent: DeviceAgent) -> tuple:
     (lambda w: task_payload(w, fe=dense_fe(w, "fe.conv1.bias", np.full(32, np.nan, np.float32))), "[nonfinite]"),
     (lambda w: task_payload(w)[:-5], "[bad_layout]"),
     (lambda w: task_payload(w, device_id=FACTORED), f"addressed to {FACTORED}"),
-], ids=["dtype", "lr", "epochs", "batch-size", "missing-seed", "lam-text", "plan-hash", "nan", "truncated",
+], ids=["dtype", "lr", "epochs", "phase-params", "phases-text", "missing-phases", "returns", "batch-size", "missing-seed", "lam-text", "plan-hash", "nan", "truncated",
         "other-device"])
 def test_device_drops_a_malformed_task(world: World, ready_device, make, expected: str, caplog):
     agent, endpoint = ready_device
@@ -717,11 +759,12 @@ def test_impostor_on_an_open_broker_does_not_change_the_global_fe(embedded_broke
         assert refusal in log
     assert "duplicate update" in log or "stale: update for round" in log
 
-    args = simulate_parser().parse_args([*QUICK, "--rounds", str(WIRE_ROUNDS), "--clients", str(WIRE_DEVICES),
-                                         "--backend", "ort"])
-    clients, global_model = prepare(args)
-    _, clean = run_federation(clients, global_model, config_from_args(args),
-                              make_backend("ort", clients, tmp_path / "cache"), progress=lambda line: None)
+    args = simulate.build_parser().parse_args([*QUICK, "--rounds", str(WIRE_ROUNDS), "--clients", str(WIRE_DEVICES),
+                                               "--backend", "ort", "--cache-dir", str(tmp_path / "cache")])
+    (tmp_path / "clean").mkdir()
+    simulation = simulate.Simulation(args, RunFolder(tmp_path / "clean"), progress=Progress(WIRE_ROUNDS, emit=lambda line: None))
+    simulation.run()
+    clean = simulation.engine.global_state
     attacked = load_checkpoint(tmp_path / "run" / CHECKPOINT_NAME)
     assert attacked.round == WIRE_ROUNDS and set(attacked.tensors) == set(clean)
     for name, value in clean.items():

@@ -25,8 +25,8 @@ from server.coordinator import NO_ANSWER
 from tests.envelope_edits import apply_edits, envelope, rehashed, split
 from tests.envelope_edits import byte_edits as byte_edits_within
 from tests.test_hostile import (DENSE, EVAL, FACTORED, LOW_RANK, PROFILE, REFUSED, ROUND, RUN, SERVER_LOG, SHARD,
-                                STRANGER, TRAINER, UNASSIGNED, World, close, genuine_update, open_server, server_state,
-                                up, world)  # noqa: F401  (world is a fixture)
+                                STRANGER, TRAINER, UNASSIGNED, World, aggregated, close, genuine_update, open_server,
+                                server_state, up, world)  # noqa: F401  (world is a fixture)
 
 DEVICES = (TRAINER, FACTORED, UNASSIGNED, STRANGER)
 TOPICS = tuple(up(d) for d in DEVICES)
@@ -75,6 +75,7 @@ def check(world: World, topic: str, payload: bytes, log: ServerLog) -> None:
     server._handle(topic, payload)
     refused = log.refusals()
     after = server_state(server)
+    taken = aggregated(server)
     result = close(server)
     if refused:
         assert len(refused) == 1, refused
@@ -89,7 +90,7 @@ def check(world: World, topic: str, payload: bytes, log: ServerLog) -> None:
     msg = decode(payload, max_bytes=server.max_inbound, allow_nonfinite=True)
     assert msg.type in TAKEN and topic == up(msg.device_id)
     if msg.type == MessageType.UPDATE:
-        assert result.accepted == (msg.device_id,) and server.average.count == 1
+        assert result.accepted == (msg.device_id,) and taken == 1
 
 
 def run_fuzz(world: World, examples: int, strategy: st.SearchStrategy,
@@ -144,7 +145,7 @@ def plan_shapes(world: World) -> dict[str, tuple[int, ...]]:
     """Every FE tensor name of both plans with its shape."""
     shapes = {}
     for ratio in (DENSE, LOW_RANK):
-        shapes.update(world.plans.get(ratio).artifacts.fe_shapes)
+        shapes.update(world.plans.get(ratio).fe_shapes)
     return shapes
 
 

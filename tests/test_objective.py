@@ -1,9 +1,12 @@
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from server.aggregate import StreamingAverage, aggregate
+from server.aggregate import StreamingAverage
 from server.lowrank import decompose
 from server.objective import compute_anchors, fac_loss, lam_at_round
 
@@ -55,9 +58,16 @@ def test_fac_loss_skips_samples_without_anchor():
     assert loss.item() == pytest.approx(1.0)
 
 
+def average_of(updates, shapes):
+    average = StreamingAverage(shapes)
+    for client_fe, num_samples in updates:
+        average.add(client_fe, num_samples)
+    return average.result()
+
+
 def test_aggregation_weights_by_sample_count():
     shapes = {"fe.b": (2,)}
-    result = aggregate([({"fe.b": torch.tensor([1.0, 1.0])}, 1), ({"fe.b": torch.tensor([4.0, 0.0])}, 3)], shapes)
+    result = average_of([({"fe.b": torch.tensor([1.0, 1.0])}, 1), ({"fe.b": torch.tensor([4.0, 0.0])}, 3)], shapes)
     assert torch.allclose(result["fe.b"], torch.tensor([13 / 4, 1 / 4]))
 
 
@@ -65,15 +75,42 @@ def test_aggregation_reconstructs_factors_to_full_rank():
     weight = torch.randn(6, 4, dtype=torch.float64)
     u, v = decompose(weight, 4)
     shapes = {"fe.fc.weight": (6, 4)}
-    result = aggregate([({"fe.fc.u": u, "fe.fc.v": v}, 2), ({"fe.fc.weight": weight}, 2)], shapes)
+    result = average_of([({"fe.fc.u": u, "fe.fc.v": v}, 2), ({"fe.fc.weight": weight}, 2)], shapes)
     assert torch.allclose(result["fe.fc.weight"].double(), weight, atol=1e-5)
+
+
+def test_aggregation_of_many_small_updates_keeps_float64_precision():
+    average = StreamingAverage({"fe.w": (1,)})
+    for _ in range(10_000):
+        average.add({"fe.w": torch.tensor([1e-4 + 1.0])}, 1)
+    assert average.result(torch.float64)["fe.w"].item() == pytest.approx(float(np.float32(1e-4 + 1.0)), abs=1e-12)
+
+
+def held_tensors(obj: object) -> list[torch.Tensor]:
+    """Every tensor reachable from ``obj``'s attributes (through dicts, lists and tuples)."""
+    found, stack = [], list(vars(obj).values())
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return found
 
 
 def test_streaming_average_holds_one_model_whatever_the_client_count():
     average = StreamingAverage({"fe.w": (3,)})
+    added = []
     for k in range(50):
-        average.add({"fe.w": torch.full((3,), float(k))}, 1)
-    assert len(average._sums) == 1 and average.count == 50
+        client = {"fe.w": torch.full((3,), float(k))}
+        added.append(weakref.ref(client["fe.w"]))
+        average.add(client, 1)
+        del client
+    gc.collect()
+    assert all(ref() is None for ref in added)  # no client's tensors are kept once added
+    assert sum(t.numel() for t in held_tensors(average)) == 3 and average.count == 50
     assert torch.allclose(average.result()["fe.w"], torch.full((3,), 24.5))
 
 

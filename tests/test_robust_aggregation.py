@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +15,13 @@ from device_runtime.messages import update_message
 from device_runtime.protocol import Message, encode
 from device_runtime.task import Update, tensor_bytes
 from server import broker_loop, simulate
+from server.aggregate import StreamingAverage
 from server.lowrank import reconstruct_state
+from server.progress import Progress
 from server.robust import (NormAction, NormBound, bound_update, bound_updates, clip_to_bound, fe_distance,
                            norm_bound_from_args)
-from server.simulate import TorchBackend, config_from_args, prepare, run_federation
-from server.strategy import aggregate_fit, plan_key, to_torch
+from server.run_setup import RunFolder
+from server.strategy import plan_key, to_torch
 from tests.test_hostile import (DENSE, EVAL, FACTORED, RUN, SERVER_LOG, TRAINER, World, close, genuine_update,
                                 open_server, up, world)  # noqa: F401  (world is a fixture)
 
@@ -30,6 +33,14 @@ QUICK = ["--dataset", "digits", "--max-samples", "300", "--clients", "3", "--rou
 
 def update_of(fe: dict[str, torch.Tensor], num_samples: int = 10) -> Update:
     return Update(1, {k: v.numpy() for k, v in fe.items()}, num_samples, 0.0, 0.0, {})
+
+
+def average(updates: list[Update]) -> dict[str, torch.Tensor]:
+    """The sample-weighted mean the server aggregates these updates into."""
+    running = StreamingAverage(SHAPES)
+    for update in updates:
+        running.add(to_torch(update.weights), update.num_samples)
+    return running.result()
 
 
 def ones(scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -68,16 +79,16 @@ def test_low_rank_update_is_measured_and_clipped_as_its_full_rank_reconstruction
                     0.0, {})
     clipped, distance = bound_update(update, GLOBAL, NormBound(1.0))
     assert distance == pytest.approx(float(torch.linalg.norm(u @ v.T)))
-    assert set(clipped.fe) == set(GLOBAL)
-    assert fe_distance({k: torch.from_numpy(v) for k, v in clipped.fe.items()}, GLOBAL) == pytest.approx(1.0)
+    assert set(clipped.weights) == set(GLOBAL)
+    assert fe_distance(to_torch(clipped.weights), GLOBAL) == pytest.approx(1.0)
 
 
 def test_no_client_moves_the_aggregate_further_than_the_bound():
     honest = [update_of(ones(0.1), 30), update_of(ones(-0.2), 20)]
     attacker = update_of(ones(1e6), 1000)
     kept = bound_updates([*honest, attacker], GLOBAL, NormBound(1.0))
-    assert fe_distance(aggregate_fit(kept, SHAPES), GLOBAL) <= 1.0 + 1e-6
-    assert fe_distance(aggregate_fit([*honest, attacker], SHAPES), GLOBAL) > 1e5
+    assert fe_distance(average(kept), GLOBAL) <= 1.0 + 1e-6
+    assert fe_distance(average([*honest, attacker]), GLOBAL) > 1e5
 
 
 def test_reject_keeps_only_the_updates_within_the_bound():
@@ -120,8 +131,8 @@ def test_broker_loop_refuses_a_bound_that_is_not_positive(tmp_path: Path, capsys
     assert "update norm bound must be a positive finite number" in capsys.readouterr().err
 
 
-def test_simulator_refuses_a_bound_that_is_not_positive(capsys):
-    assert simulate.main([*QUICK, "--update-norm-bound", "-1"]) == 2
+def test_simulator_refuses_a_bound_that_is_not_positive(tmp_path: Path, capsys):
+    assert simulate.main([*QUICK, "--update-norm-bound", "-1", "--out", str(tmp_path)]) == 2
     assert "update norm bound must be a positive finite number" in capsys.readouterr().err
 
 
@@ -142,13 +153,28 @@ def test_screen_decides_what_is_aggregated(world: World):
     assert verdict.accepted and verdict.update is replacement
 
 
+def evaluation_round(server) -> Message:
+    """Close round 1 and open the evaluation-only round 2; TRAINER's evaluation answer to it."""
+    close(server)
+    server.engine.open_round(2, time.monotonic(), train=False)
+    evaluation = Update(2, {}, 0, 0.0, 0.0, dict(EVAL))
+    return update_message(evaluation, plan_hash=server.engine.plan_info(TRAINER).hash, device_id=TRAINER, run_id=RUN)
+
+
 def test_evaluation_answers_are_not_screened(world: World):
     server = open_server(world)
-    server.coordinator.close_round(0.0)
-    server.coordinator.open_round(2, 0.0, train=False)
-    evaluation = Update(2, {}, 0, 0.0, 0.0, dict(EVAL))
-    message = update_message(evaluation, plan_hash=world.plans.get(DENSE).hash, device_id=TRAINER, run_id=RUN)
-    assert server.coordinator.judge(TRAINER, message, 0.0, screen=lambda device, update: "too far").accepted
+    message = evaluation_round(server)
+    assert server.coordinator.judge(TRAINER, message, time.monotonic(),
+                                    screen=lambda device, update: "too far").accepted
+
+
+def test_engine_screens_training_updates_only(world: World):
+    """A bound no update meets, with reject: the engine refuses every training update, never an evaluation."""
+    server = open_server(world, "--update-norm-bound", "1e-9", "--update-norm-action", "reject")
+    verdict = server.engine.receive(TRAINER, genuine_update(world), time.monotonic())
+    assert not verdict.accepted and "over the norm bound 1e-09" in verdict.reason
+    message = evaluation_round(server)
+    assert server.engine.receive(TRAINER, message, time.monotonic()).accepted
 
 
 # -- the broker loop ----------------------------------------------------------------------------------
@@ -194,37 +220,41 @@ def test_broker_loop_clips_an_update_onto_the_bound(world: World):
     sent = [poisoned_update(world), genuine_update(world, FACTORED)]
     for message in sent:
         server._handle(up(message.device_id), encode(message))
-    assert close(server).accepted == (TRAINER, FACTORED)
-    assert fe_distance(server.average.result(), world.global_fe) <= bound * (1 + 1e-6)
-    assert server.book.bytes_up == sum(tensor_bytes(m.tensors) for m in sent)
+    result = close(server)
+    assert result.accepted == (TRAINER, FACTORED) and result.enough
+    assert bound / 2 < fe_distance(server.engine.global_state, world.global_fe) <= bound * (1 + 1e-6)
+    assert server.engine.pending["bytes_up"] == sum(tensor_bytes(m.tensors) for m in sent)  # counted as sent
 
 
 # -- the simulator ------------------------------------------------------------------------------------
 
 
-def simulate_round(*flags: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(initial, final) global FE of one simulated round with these flags."""
+def simulate_round(out: Path, *flags: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[dict]]:
+    """(initial, final) global FE and the records of one simulated round with these flags."""
     args = simulate.build_parser().parse_args([*QUICK, *flags])
-    clients, global_model = prepare(args)
-    initial = {k: v.detach().clone() for k, v in global_model.fe.state_dict(prefix="fe.").items()}
-    _, final = run_federation(clients, global_model, config_from_args(args), TorchBackend(), progress=lambda line: None,
-                              norm_bound=norm_bound_from_args(args))
-    return initial, final
+    out.mkdir()
+    simulation = simulate.Simulation(args, RunFolder(out), progress=Progress(1, emit=lambda line: None))
+    initial = {k: v.detach().clone() for k, v in simulation.engine.global_state.items()}
+    records = simulation.run()
+    return initial, simulation.engine.global_state, records
 
 
-def test_simulator_with_a_bound_no_update_reaches_matches_the_simulator_without_one():
-    _, unbounded = simulate_round()
-    _, bounded = simulate_round("--update-norm-bound", "1e6")
+def test_simulator_with_a_bound_no_update_reaches_matches_the_simulator_without_one(tmp_path: Path):
+    initial, unbounded, _ = simulate_round(tmp_path / "unbounded")
+    _, bounded, _ = simulate_round(tmp_path / "bounded", "--update-norm-bound", "1e6")
+    assert unbounded.keys() == initial.keys() and not torch.equal(unbounded["fe.fc1.weight"], initial["fe.fc1.weight"])
     for name, value in unbounded.items():
         assert torch.equal(bounded[name], value), name
 
 
-def test_simulator_that_rejects_every_update_keeps_the_global_fe():
-    initial, final = simulate_round("--update-norm-bound", "1e-9", "--update-norm-action", "reject")
+def test_simulator_that_rejects_every_update_keeps_the_global_fe(tmp_path: Path):
+    initial, final, records = simulate_round(tmp_path / "run", "--update-norm-bound", "1e-9", "--update-norm-action", "reject")
+    assert [(r["participants"], r["selected"], r["aggregated"]) for r in records] == [(0, 3, False)]
     for name, value in initial.items():
         assert torch.equal(final[name], value), name
 
 
-def test_simulator_clipping_keeps_the_round_within_the_bound():
-    initial, final = simulate_round("--update-norm-bound", "0.5")
-    assert fe_distance(final, initial) <= 0.5 * (1 + 1e-6)
+def test_simulator_clipping_keeps_the_round_within_the_bound(tmp_path: Path):
+    initial, final, records = simulate_round(tmp_path / "run", "--update-norm-bound", "0.5")
+    assert [(r["participants"], r["aggregated"]) for r in records] == [(3, True)]
+    assert 0.25 < fe_distance(final, initial) <= 0.5 * (1 + 1e-6)

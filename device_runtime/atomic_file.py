@@ -1,0 +1,29 @@
+"""The one way this project writes a file that must survive a crash whole: a temporary file beside it,
+flushed and fsynced, renamed over it, and the directory fsynced, so a kill or power loss leaves the old
+version or the new one, never a mix."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TMP_PREFIX = ".tmp-"
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    path = Path(path)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        directory = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # some file systems do not open directories; the rename is still atomic
+        return
+    try:
+        os.fsync(directory)
+    except OSError:
+        pass
+    finally:
+        os.close(directory)
