@@ -9,10 +9,12 @@ from pathlib import Path
 TMP_PREFIX = ".tmp-"
 
 
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes, mode: int = 0o666) -> None:
+    """``mode`` (before the umask) is the new file's: 0o600 for keys and authentication state."""
     path = Path(path)
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    with open(tmp, "wb") as f:
+    tmp.unlink(missing_ok=True)  # a leftover would keep its own mode
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

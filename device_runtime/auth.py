@@ -47,6 +47,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Protocol
 
+from device_runtime.atomic_file import write_atomic
+
 KEY_BYTES = 32
 TAG_BYTES = 32
 NONCE_BYTES = 16
@@ -327,14 +329,8 @@ def _read_json(path: Path, default: dict[str, object]) -> dict[str, object]:
     return data
 
 
-def write_json_atomic(path: Path, data: object, mode: int = 0o600) -> None:
-    """Write ``data`` as JSON to a temporary file, fsync it and rename it over ``path``."""
+def write_json_atomic(path: Path, data: object) -> None:
+    """Write ``data`` as JSON, atomically and readable by its owner only (keys and counters are secrets)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data).encode(), mode=0o600)
 

@@ -31,6 +31,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from device_runtime.atomic_file import write_atomic
 from device_runtime.auth import KeyRing, new_key, parse_key, read_key_file, write_json_atomic
 from device_runtime.protocol import check_device_id
 
@@ -93,10 +94,7 @@ def write_key_file(path: str | Path, key: bytes) -> Path:
     """Write one key file (64 hex digits, mode 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.touch(mode=0o600)
-    tmp.write_text(key.hex() + "\n")
-    tmp.replace(path)
+    write_atomic(path, (key.hex() + "\n").encode(), mode=0o600)
     return path
 
 
