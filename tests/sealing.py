@@ -48,3 +48,13 @@ def device_link(device_id: str, state_dir: Path, key: bytes = KEY) -> Link:
 
 def server_link(device_ids: list[str], state_dir: Path, key: bytes = KEY) -> Link:
     return Link.server(KeyRing(dict.fromkeys(device_ids, key)), state_dir, OPEN_MAX)
+
+
+def memory_server_link(device_ids: list[str], max_inbound: int, key: bytes = KEY) -> Link:
+    """A server Link that keeps its state in memory only: for tests that build thousands of servers."""
+    from device_runtime.auth import Verifier
+    from device_runtime.link import SERVER_RUN_FREE
+
+    keys = KeyRing(dict.fromkeys(device_ids, key))
+    return Link(keys, CounterSource(1), Direction.DOWN, Verifier(keys, {Direction.UP, Direction.STATUS}),
+                SERVER_RUN_FREE, max_inbound, allow_nonfinite=True)

@@ -32,7 +32,7 @@ from device_runtime.messages import (DEFAULT_TOPIC_PREFIX, ErrorCode, Join, Plan
                                      update_message)
 from device_runtime.profile import ResourceProfile, collect_profile
 from device_runtime.protocol import (FRAME_HEADER_BYTES, Message, MessageType, ProtocolError, Topics, chunk, decode,
-                                     encode, server_subscriptions)
+                                     server_subscriptions)
 from device_runtime.shard import Shard
 from device_runtime.task import Phase, Task, Update
 from device_runtime.trainer import MANIFEST_NAME
@@ -52,6 +52,8 @@ from server.robust import norm_bound_from_args
 from server.run_setup import PlanBook, RunFolder, global_state, initial_personal
 from server.strategy import factorize_per_plan, plan_key
 from tests.mqtt_peer import MqttPeer
+from tests.sealing import memory_server_link
+from tests.sealing import seal_up as encode  # every message as its device would seal it, with a fresh counter
 
 RUN = "run1"
 PREFIX = DEFAULT_TOPIC_PREFIX
@@ -154,7 +156,8 @@ def round_one_fe(world: World, global_fe: dict[str, torch.Tensor], plans: list) 
 def open_server(world: World, *flags: str) -> Federation:
     """The broker loop's Federation over ``open_engine``'s engine, with a stub endpoint."""
     args = server_args(world.out.path, *flags)
-    return Federation(args, open_engine(world, *flags), StubEndpoint(), world.out, world.local, {}, world.max_inbound)
+    return Federation(args, open_engine(world, *flags), StubEndpoint(), world.out, world.local, {}, world.max_inbound,
+                      memory_server_link([TRAINER, FACTORED, UNASSIGNED, STRANGER], world.max_inbound))
 
 
 def up(device_id: str) -> str:
