@@ -187,6 +187,7 @@ class RunFolder:
 
     def save(self, round_index: int, tensors: dict[str, np.ndarray], state: dict[str, Any],
              records: list[dict[str, Any]]) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
         write_metrics(self.path / METRICS_FILE, records)
         save_checkpoint(self.checkpoint_path, Checkpoint(round_index, tensors, state))
 

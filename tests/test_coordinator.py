@@ -26,9 +26,9 @@ def make_coordinator(devices: int = 3, **config) -> Coordinator:
                                                 round_deadline_s=DEADLINE_S, **config), RUN)
     for i in range(devices):
         device_id = f"dev_{i:03d}"
-        assert coordinator.join(device_id, Join(PROFILE, SHARD, ()), now=0.0) is None
+        assert coordinator.join(device_id, Join(PROFILE, SHARD, ())) is None
         coordinator.assign_plan(device_id, 1.0, PLAN, SHAPES)
-        assert coordinator.acknowledge(device_id, PLAN, now=0.0) is None
+        assert coordinator.acknowledge(device_id, PLAN) is None
     return coordinator
 
 
@@ -52,9 +52,9 @@ def join_in_order(device_ids: list[str], **config) -> Coordinator:
     for device_id in device_ids:
         coordinator.register(device_id)
     for device_id in device_ids:
-        coordinator.join(device_id, Join(PROFILE, SHARD, ()), now=1.0)
+        coordinator.join(device_id, Join(PROFILE, SHARD, ()))
         coordinator.assign_plan(device_id, 1.0, PLAN, SHAPES)
-        coordinator.acknowledge(device_id, PLAN, now=1.0)
+        coordinator.acknowledge(device_id, PLAN)
     return coordinator
 
 
@@ -70,7 +70,7 @@ def test_who_trains_does_not_depend_on_the_order_devices_joined_in():
 
 def test_rejoining_device_keeps_its_plan_and_must_acknowledge_it_again():
     coordinator = make_coordinator(1)
-    coordinator.join("dev_000", Join(PROFILE, SHARD, (PLAN,)), now=1.0)
+    coordinator.join("dev_000", Join(PROFILE, SHARD, (PLAN,)))
     record = coordinator.devices["dev_000"]
     assert (record.ratio, record.plan_hash, record.ready, record.online) == (1.0, PLAN, False, True)
     assert coordinator.ready_devices() == []
@@ -78,23 +78,23 @@ def test_rejoining_device_keeps_its_plan_and_must_acknowledge_it_again():
 
 def test_shard_that_does_not_fit_the_model_is_refused():
     coordinator = make_coordinator(0)
-    refusal = coordinator.join("dev_x", Join(PROFILE, ShardInfo(30, 10, (3, 32, 32), 10), ()), now=0.0)
+    refusal = coordinator.join("dev_x", Join(PROFILE, ShardInfo(30, 10, (3, 32, 32), 10), ()))
     assert "does not fit the model" in refusal and "dev_x" not in coordinator.devices
 
 
 def test_device_is_ready_only_once_it_acknowledged_its_plan():
     coordinator = make_coordinator(0)
-    coordinator.join("dev_000", Join(PROFILE, SHARD, ()), now=0.0)
+    coordinator.join("dev_000", Join(PROFILE, SHARD, ()))
     coordinator.assign_plan("dev_000", 0.5, PLAN, SHAPES)
     assert coordinator.ready_devices() == []
-    assert "its plan is" in coordinator.acknowledge("dev_000", OTHER_PLAN, now=0.0)
-    coordinator.acknowledge("dev_000", PLAN, now=0.0)
+    assert "its plan is" in coordinator.acknowledge("dev_000", OTHER_PLAN)
+    coordinator.acknowledge("dev_000", PLAN)
     assert coordinator.ready_devices() == ["dev_000"]
 
 
 def test_offline_device_is_not_ready():
     coordinator = make_coordinator(2)
-    coordinator.set_online("dev_001", False, now=1.0)
+    coordinator.set_online("dev_001", False)
     assert coordinator.ready_devices() == ["dev_000"]
 
 
@@ -192,7 +192,7 @@ def test_update_for_a_closed_round_is_stale():
 def test_device_joined_after_the_round_opened_was_not_asked():
     coordinator = make_coordinator(1)
     coordinator.open_round(1, now=0.0)
-    coordinator.join("dev_new", Join(PROFILE, SHARD, ()), now=1.0)
+    coordinator.join("dev_new", Join(PROFILE, SHARD, ()))
     coordinator.assign_plan("dev_new", 1.0, PLAN, SHAPES)
     assert coordinator.judge("dev_new", update(device_id="dev_new"), now=2.0).reason == "not asked in round 1"
 

@@ -110,9 +110,9 @@ def build_world(directory: Path) -> World:
     model = build_model("fedavgcnn", INPUT_SHAPE, CLASSES, seed=0)
     plans = PlanBook(model, INPUT_SHAPE, directory / "cache")
     global_fe = global_state(model, ALGORITHM)
-    personal = initial_personal(model, ALGORITHM)
+    personal = initial_personal([model], ALGORITHM)
     round_fe = factorize_per_plan(global_fe, [plans.get(r).resolved for r in (DENSE, LOW_RANK)])
-    max_inbound = inbound_limit(global_fe, sum(v.nbytes for v in personal.values()))
+    max_inbound = inbound_limit(global_fe, max(sum(v.nbytes for v in p.values()) for p in personal.values()))
     return World(global_fe, personal, plans, round_fe, max_inbound, LocalDevices(), RunFolder(directory / "out"))
 
 
@@ -138,10 +138,10 @@ def open_engine(world: World, *flags: str) -> RoundEngine:
     now = time.monotonic()
     for device_id in (TRAINER, FACTORED):
         plan = world.plans.get(ratio_of(device_id))
-        admission = engine.join(device_id, Join(PROFILE, SHARD, (plan.hash,)), now)
+        admission = engine.join(device_id, Join(PROFILE, SHARD, (plan.hash,)))
         assert admission.plan.plan_hash == plan.hash and admission.plan.files == {}  # it holds them already
-        assert engine.acknowledge(device_id, plan.hash, now) is None
-    assert coordinator.join(UNASSIGNED, Join(PROFILE, SHARD, ()), now) is None
+        assert engine.acknowledge(device_id, plan.hash) is None
+    assert coordinator.join(UNASSIGNED, Join(PROFILE, SHARD, ())) is None
     with mock.patch.object(engine_module, "factorize_per_plan", functools.partial(round_one_fe, world)):
         engine.open_round(ROUND, now)
     return engine
@@ -553,7 +553,7 @@ def deliver(agent: DeviceAgent, payload: bytes) -> None:
 
 def plan_with(world: World, files: dict[str, bytes], ratio: float = DENSE) -> bytes:
     plan = world.plans.get(ratio)
-    return encode(plan_message(Plan(plan.hash, ratio, plan.description, files, world.personal), device_id=TRAINER,
+    return encode(plan_message(Plan(plan.hash, ratio, plan.description, files, world.personal["fedavgcnn"]), device_id=TRAINER,
                                run_id=RUN))
 
 
