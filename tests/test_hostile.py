@@ -52,7 +52,7 @@ from server.robust import norm_bound_from_args
 from server.run_setup import PlanBook, RunFolder, global_state, initial_personal
 from server.strategy import factorize_per_plan, plan_key
 from tests.mqtt_peer import MqttPeer
-from tests.sealing import memory_server_link
+from tests.sealing import device_link, memory_server_link, seal_down
 from tests.sealing import seal_up as encode  # every message as its device would seal it, with a fresh counter
 
 RUN = "run1"
@@ -298,7 +298,7 @@ def test_oversize_body_is_refused_before_it_is_parsed(world: World, caplog):
 def test_truncated_envelope_is_refused(world: World, cut: int, caplog):
     payload = encode(genuine_update(world))
     reason = refused(open_server(world), up(TRAINER), payload[:max(len(payload) - cut, 6)], caplog)
-    assert reason.startswith(f"dropped a message from {TRAINER}") and \
+    assert reason.startswith(f"dropped a message on {up(TRAINER)}") and \
         ("[bad_layout]" in reason or "[truncated]" in reason)
 
 
@@ -310,8 +310,8 @@ def test_body_that_does_not_match_its_hash_is_refused(world: World, caplog):
 
 
 def test_header_naming_another_protocol_version_is_refused(world: World, caplog):
-    payload = encode(genuine_update(world)).replace(b'"version":1', b'"version":2', 1)
-    assert "protocol version 2" in refused(open_server(world), up(TRAINER), payload, caplog)
+    payload = encode(genuine_update(world)).replace(b'"version":2', b'"version":3', 1)
+    assert "protocol version 3" in refused(open_server(world), up(TRAINER), payload, caplog)
 
 
 def test_message_on_a_topic_outside_the_device_tree_is_refused(world: World, caplog):
@@ -327,7 +327,9 @@ def test_update_replayed_in_the_same_round_is_refused(world: World, caplog):
     payload = encode(genuine_update(world))
     server._handle(up(TRAINER), payload)
     assert aggregated(server) == 1
-    assert "duplicate update for round 1" in refused(server, up(TRAINER), payload, caplog)
+    assert refused(server, up(TRAINER), payload, caplog).endswith("[replay]")  # the same bytes: the same counter
+    resent = encode(genuine_update(world))  # the device's own re-send carries a fresh counter
+    assert "duplicate update for round 1" in refused(server, up(TRAINER), resent, caplog)
 
 
 def test_update_replayed_in_a_later_round_is_refused(world: World, caplog):
@@ -336,7 +338,9 @@ def test_update_replayed_in_a_later_round_is_refused(world: World, caplog):
     server._handle(up(TRAINER), payload)
     close(server)
     server.engine.open_round(ROUND + 1, time.monotonic())
-    assert "stale: update for round 1, round 2 is open" in refused(server, up(TRAINER), payload, caplog)
+    assert refused(server, up(TRAINER), payload, caplog).endswith("[replay]")
+    resent = encode(genuine_update(world))
+    assert "stale: update for round 1, round 2 is open" in refused(server, up(TRAINER), resent, caplog)
 
 
 def test_update_replayed_between_rounds_is_refused(world: World, caplog):
@@ -344,12 +348,13 @@ def test_update_replayed_between_rounds_is_refused(world: World, caplog):
     payload = encode(genuine_update(world))
     server._handle(up(TRAINER), payload)
     close(server)
-    assert "no round is open" in refused(server, up(TRAINER), payload, caplog)
+    assert refused(server, up(TRAINER), payload, caplog).endswith("[replay]")
+    assert "no round is open" in refused(server, up(TRAINER), encode(genuine_update(world)), caplog)
 
 
 def test_update_of_another_run_is_refused(world: World, caplog):
     reason = refused(open_server(world), up(TRAINER), encode(genuine_update(world, run_id="run0")), caplog)
-    assert "update of run run0, this run is run1" in reason
+    assert reason.endswith("run 'run0' is not this run [wrong_run]")
 
 
 # -- identities ------------------------------------------------------------------------------------
@@ -369,7 +374,7 @@ def test_update_sent_for_another_device_is_refused_and_does_not_use_up_its_turn(
     server = open_server(world)
     forged = genuine_update(world, TRAINER)
     reason = refused(server, up(FACTORED), encode(forged), caplog)
-    assert f"device id mismatch: topic of {FACTORED}, header says {TRAINER}" in reason
+    assert f"a message of {TRAINER!r} on a topic of {FACTORED!r} [bad_topic]" in reason
     server._handle(up(TRAINER), encode(genuine_update(world, TRAINER)))
     server._handle(up(FACTORED), encode(genuine_update(world, FACTORED)))
     assert close(server).accepted == (TRAINER, FACTORED)
@@ -382,10 +387,16 @@ def test_update_sent_for_another_device_is_refused_and_does_not_use_up_its_turn(
 ], ids=["join", "ack", "error"])
 def test_other_messages_sent_for_another_device_are_refused(world: World, make, caplog):
     reason = refused(open_server(world), up(FACTORED), encode(make(world)), caplog)
-    assert f"on {FACTORED}'s topic claiming to be from {TRAINER}" in reason
+    assert f"a message of {TRAINER!r} on a topic of {FACTORED!r} [bad_topic]" in reason
 
 
-@pytest.mark.parametrize("kind", [MessageType.PLAN, MessageType.TASK, MessageType.STATUS])
+def test_status_frame_on_the_up_topic_is_refused(world: World, caplog):
+    msg = Message(MessageType.STATUS, RUN, ROUND, TRAINER, "m1", {})
+    assert "a status message on the message topic [bad_topic]" in refused(open_server(world), up(TRAINER),
+                                                                          encode(msg), caplog)
+
+
+@pytest.mark.parametrize("kind", [MessageType.PLAN, MessageType.TASK])
 def test_server_bound_topic_refuses_message_types_devices_do_not_send(world: World, kind, caplog):
     msg = Message(kind, RUN, ROUND, TRAINER, "m1", {})
     assert f"dropped an unexpected {kind.value} from {TRAINER}" in refused(open_server(world), up(TRAINER),
@@ -529,6 +540,9 @@ class RecordingEndpoint:
     def publish(self, topic: str, payload: bytes, msg_id: str, retain: bool = False, **kwargs: object) -> None:
         self.sent.append(payload)
 
+    def set_max_message_bytes(self, max_message_bytes: int) -> None:
+        self.max_message_bytes = max_message_bytes
+
     def messages(self) -> list[Message]:
         return [decode(payload, max_bytes=1 << 26) for payload in self.sent]
 
@@ -541,9 +555,10 @@ def tiny_shard() -> Shard:
 
 
 def make_device(directory: Path) -> tuple[DeviceAgent, RecordingEndpoint]:
+    """A device agent in ``directory/work``; its authentication state is kept beside it, in ``directory/auth``."""
     endpoint = RecordingEndpoint()
-    agent = DeviceAgent(TRAINER, tiny_shard(), collect_profile(None, 1), endpoint, Workdir(directory),
-                        Topics(PREFIX, TRAINER))
+    agent = DeviceAgent(TRAINER, tiny_shard(), collect_profile(None, 1), endpoint, Workdir(directory / "work"),
+                        Topics(PREFIX, TRAINER), device_link(TRAINER, directory / "auth"))
     return agent, endpoint
 
 
@@ -553,8 +568,8 @@ def deliver(agent: DeviceAgent, payload: bytes) -> None:
 
 def plan_with(world: World, files: dict[str, bytes], ratio: float = DENSE) -> bytes:
     plan = world.plans.get(ratio)
-    return encode(plan_message(Plan(plan.hash, ratio, plan.description, files, world.personal["fedavgcnn"]), device_id=TRAINER,
-                               run_id=RUN))
+    return seal_down(plan_message(Plan(plan.hash, ratio, plan.description, files, world.personal["fedavgcnn"]),
+                                  device_id=TRAINER, run_id=RUN))
 
 
 def flipped(data: bytes, position: int) -> bytes:
@@ -632,7 +647,7 @@ def task_payload(world: World, *, fe: dict[str, np.ndarray] | None = None, devic
             del msg.meta[key]
         else:
             msg.meta[key] = value
-    return encode(msg)
+    return seal_down(msg)
 
 
 def dense_fe(world: World, name: str, value: np.ndarray | None) -> dict[str, np.ndarray]:
@@ -665,7 +680,7 @@ def device_state(agent: DeviceAgent) -> tuple:
     (lambda w: task_payload(w, plan_hash="not-a-hash"), "plan_hash must be 64 lowercase hex digits"),
     (lambda w: task_payload(w, fe=dense_fe(w, "fe.conv1.bias", np.full(32, np.nan, np.float32))), "[nonfinite]"),
     (lambda w: task_payload(w)[:-5], "[bad_layout]"),
-    (lambda w: task_payload(w, device_id=FACTORED), f"addressed to {FACTORED}"),
+    (lambda w: task_payload(w, device_id=FACTORED), f"a message of {FACTORED!r} on a topic of {TRAINER!r} [bad_topic]"),
 ], ids=["dtype", "lr", "epochs", "phase-params", "phases-text", "missing-phases", "returns", "batch-size", "missing-seed", "lam-text", "plan-hash", "nan", "truncated",
         "other-device"])
 def test_device_drops_a_malformed_task(world: World, ready_device, make, expected: str, caplog):
@@ -756,11 +771,13 @@ def test_impostor_on_an_open_broker_does_not_change_the_global_fe(embedded_broke
     records = read_metrics(tmp_path / "run" / METRICS_FILE)
     assert all(r["participants"] == r["selected"] == WIRE_DEVICES and r["dropped"] == {} for r in records)
     log = (tmp_path / "run" / broker_loop.SERVER_LOG).read_text()
-    for refusal in (f"fedara-server-{PREFIX}: dropped frame on {up(TRAINER)}", f"dropped a message from {TRAINER}",
-                    f"device id mismatch: topic of {IMPOSTOR_ID}, header says {TRAINER}", "unknown device",
-                    "update of run run0"):
+    for refusal in (f"fedara-server-{PREFIX}: dropped frame on {up(TRAINER)}",
+                    f"dropped a message on {up(TRAINER)}: protocol version 1 envelope",
+                    f"a message of {TRAINER!r} on a topic of {IMPOSTOR_ID!r} [bad_topic]",
+                    f"device {IMPOSTOR_ID!r} is not enrolled [unknown_device]",
+                    f"tag does not verify under the key of {TRAINER!r} [bad_tag]",  # the update of run0
+                    "[replay]"):  # the device's own updates, replayed byte for byte
         assert refusal in log
-    assert "duplicate update" in log or "stale: update for round" in log
 
     args = simulate.build_parser().parse_args([*QUICK, "--rounds", str(WIRE_ROUNDS), "--clients", str(WIRE_DEVICES),
                                                "--backend", "ort", "--cache-dir", str(tmp_path / "cache")])
