@@ -7,6 +7,9 @@ import struct
 
 from hypothesis import strategies as st
 
+from device_runtime.auth import compute_tag
+from tests.sealing import KEY
+
 EDIT_OPS = ("flip", "delete", "insert", "truncate")
 NEAR_START_BYTES = 1024
 
@@ -43,8 +46,10 @@ def split(data: bytes) -> tuple[bytes, bytes]:
     return data[PREFIX_BYTES:PREFIX_BYTES + header_len], data[PREFIX_BYTES + header_len:]
 
 
-def envelope(header: bytes, body: bytes, tag: bytes = bytes(32)) -> bytes:
-    """An envelope of ``header`` and ``body`` (with an all-zero tag unless given one)."""
+def envelope(header: bytes, body: bytes, key: bytes = KEY) -> bytes:
+    """An envelope of ``header`` and ``body``, tagged under ``key``: what a holder of the device's key could send,
+    so the edits reach the checks behind the tag."""
+    tag = compute_tag(key, hashlib.sha256(header).digest())
     return b"FAR2" + struct.pack("<I", len(header)) + tag + header + body
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from device_runtime.messages import update_message
-from device_runtime.protocol import Message, encode
+from device_runtime.protocol import Message
 from device_runtime.task import Update, tensor_bytes
 from server import broker_loop, simulate
 from server.aggregate import StreamingAverage
@@ -24,6 +24,7 @@ from server.run_setup import RunFolder
 from server.strategy import plan_key, to_torch
 from tests.test_hostile import (DENSE, EVAL, FACTORED, RUN, SERVER_LOG, TRAINER, World, close, genuine_update,
                                 open_server, up, world)  # noqa: F401  (world is a fixture)
+from tests.sealing import seal_up as encode  # as the device would seal it
 
 GLOBAL = {"fe.fc.weight": torch.zeros(3, 4), "fe.fc.bias": torch.zeros(3)}
 SHAPES = {k: tuple(v.shape) for k, v in GLOBAL.items()}
