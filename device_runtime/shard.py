@@ -82,13 +82,6 @@ def _check_split(split: str, x: object, y: object, num_classes: int) -> None:
         )
 
 
-def shard_filename(client: int) -> str:
-    """File name of a client's shard inside a shard directory (client_000.npz, ...)."""
-    if client < 0:
-        raise ShardError(f"client index must be non-negative, got {client}")
-    return SHARD_FILENAME.format(client)
-
-
 def save_shard(path: str | Path, shard: Shard) -> None:
     """Write ``shard`` to exactly ``path`` as an uncompressed, pickle-free .npz."""
     with open(path, "wb") as handle:

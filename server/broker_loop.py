@@ -55,6 +55,7 @@ from server.rank_assignment import (DEFAULT_TIERS, OverrideError, check_tiers, c
                                     tier_predictor)
 from server.report import METRICS_FILE, evaluation_summary, write_metrics, write_report
 from server.robust import add_norm_bound_arguments, bound_update, norm_bound_from_args, rejection_reason
+from server.shards import DEVICE_ID
 from server.simulate import config_from_args, parse_tiers, prepare
 from server.strategy import FederationConfig, configure_fit, factorize_per_plan, plan_key, to_numpy, to_torch
 
@@ -75,7 +76,6 @@ INBOUND_SLACK_BYTES = 1 << 20
 """Room for headers, metadata and the small messages (JOIN, ACK, ERROR) above the largest update."""
 SHARDS_DIR, DEVICES_DIR = "shards", "devices"
 SERVER_LOG = "server.log"
-DEVICE_ID = "dev_{:03d}"
 PR_SET_PDEATHSIG = 1
 RESUME_IGNORED = ("rounds",)
 """Settings a resumed run may change (a run can be extended); every other setting must match."""

@@ -21,12 +21,12 @@ import torch
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update, tensor_bytes
 from device_runtime.trainer import EvalResult
-from server.data import DATASETS, load_dataset
+from server.data import DATASETS
 from server.lowrank import RankPlan, ResolvedPlan, factorize_model, fe_state, resolve_plan
 from server.models import MODELS, SplitModel, build_model
 from server.objective import compute_anchors
-from server.partition import make_client_shards
 from server.robust import NormBound, add_norm_bound_arguments, bound_updates, norm_bound_from_args
+from server.shards import shards_from_args
 from server.strategy import (FederationConfig, aggregate_fit, configure_fit, factorize_per_plan, plan_key,
                              sample_clients, to_numpy, to_torch, weighted_accuracy)
 from server.training import evaluate, train_local
@@ -216,13 +216,8 @@ def config_from_args(args: argparse.Namespace) -> FederationConfig:
 
 def prepare(args: argparse.Namespace) -> tuple[list[SimClient], SplitModel]:
     """Data, partition and clients for the parsed arguments."""
-    data = load_dataset(args.dataset, args.data_dir, seed=args.seed)
-    if args.max_samples and args.max_samples < len(data.y):
-        keep = np.sort(np.random.default_rng(args.seed).choice(len(data.y), args.max_samples, replace=False))
-        data = type(data)(data.x[keep], data.y[keep], data.num_classes, data.name)
-    shards = make_client_shards(data, args.partition, args.clients, args.seed, alpha=args.alpha,
-                                classes_per_client=args.classes_per_client, min_samples=args.min_samples)
-    return build_clients(shards, args.model.split(","), data.input_shape, args.algo, args.rank_ratio,
+    shards = shards_from_args(args)
+    return build_clients(shards, args.model.split(","), shards[0].input_shape, args.algo, args.rank_ratio,
                          parse_tiers(args.rank_tiers), args.seed)
 
 

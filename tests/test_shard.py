@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_runtime.shard import Shard, ShardError, load_shard, save_shard, shard_filename
+from device_runtime.shard import Shard, ShardError, load_shard, save_shard
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVER_ONLY = {"torch", "onnx", "scipy", "sklearn"}
@@ -44,10 +44,6 @@ def test_save_then_load_returns_identical_arrays(tmp_path):
 def test_save_writes_exactly_the_given_path(tmp_path):
     save_shard(tmp_path / "shard.bin", Shard(**_arrays()))
     assert [p.name for p in tmp_path.iterdir()] == ["shard.bin"]
-
-
-def test_shard_filename_is_zero_padded():
-    assert shard_filename(7) == "client_007.npz"
 
 
 def test_load_rejects_missing_key(tmp_path):
