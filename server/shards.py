@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from device_runtime.help_format import DefaultsHelpFormatter
 from device_runtime.shard import Shard
 from server.data import DATASETS, DatasetFormatError, DatasetUnavailable, LabeledData, load_dataset
 from server.partition import MIN_SAMPLES, PARTITIONS, PartitionError, make_client_shards, write_shards
@@ -61,16 +62,16 @@ def describe(path: Path, shard: Shard) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m server.shards", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dataset", choices=DATASETS, default="fmnist")
-    p.add_argument("--data-dir", default=None, help="dataset folder (None: the dataset's standard place)")
-    p.add_argument("--partition", choices=PARTITIONS, default="dirichlet")
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--dataset", choices=DATASETS, default="fmnist", help="read from local files, never downloaded")
+    p.add_argument("--data-dir", default=None, help="dataset folder (default: the dataset's standard place)")
+    p.add_argument("--partition", choices=PARTITIONS, default="dirichlet", help="how labels are spread over devices")
     p.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration (smaller: more skewed)")
     p.add_argument("--classes-per-client", type=int, default=2, help="classes per device (pathological partition)")
     p.add_argument("--min-samples", type=int, default=MIN_SAMPLES,
                    help="redraw the partition until every device has this many samples")
     p.add_argument("--max-samples", type=int, default=None,
-                   help="use a seeded subset of this many samples (None: all); the server's --max-samples")
+                   help="use a seeded subset of this many samples (default: all); the server's --max-samples")
     p.add_argument("--clients", type=int, default=20, help="how many devices (dev_000 ...)")
     p.add_argument("--seed", type=int, default=0, help="the server's --seed")
     p.add_argument("--out", required=True, type=Path, help="folder for dev_NNN.npz")

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_runtime.shard import Shard, ShardError, load_shard, save_shard
+from device_runtime.shard import ZIP_MAGIC, Shard, ShardError, load_shard, save_shard
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVER_ONLY = {"torch", "onnx", "scipy", "sklearn"}
@@ -91,7 +91,25 @@ def test_load_rejects_pickled_object_array(tmp_path):
 def test_load_rejects_a_file_that_is_not_npz(tmp_path):
     path = tmp_path / "s.npz"
     path.write_text("not an archive")
-    with pytest.raises(ShardError, match="not a pickle-free .npz"):
+    with pytest.raises(ShardError, match=r"s\.npz is not a \.npz archive: it starts with b'not '"):
+        load_shard(path)
+
+
+def test_load_reports_a_shard_damaged_in_the_middle_as_corrupt(tmp_path):
+    path = tmp_path / "s.npz"
+    save_shard(path, Shard(**_arrays()))
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(ZIP_MAGIC, 1) - 1] ^= 0xFF  # the last data byte of the first member (x_train.npy)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ShardError, match=r"s\.npz is corrupt \(Bad CRC-32"):
+        load_shard(path)
+
+
+def test_load_reports_a_truncated_shard_as_corrupt(tmp_path):
+    path = tmp_path / "s.npz"
+    save_shard(path, Shard(**_arrays()))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ShardError, match=r"s\.npz is corrupt"):
         load_shard(path)
 
 
