@@ -53,7 +53,8 @@ from server.models import MODELS, SplitModel, build_model
 from server.partition import write_shards
 from server.rank_assignment import (DEFAULT_TIERS, OverrideError, check_tiers, choose_ratio, load_overrides,
                                     tier_predictor)
-from server.report import METRICS_FILE, evaluation_summary, write_metrics, write_report
+from server.report import (EVAL_DIRECTION, METRICS_FILE, TIER_DIRECTIONS, evaluation_summary, write_metrics,
+                           write_report)
 from server.robust import add_norm_bound_arguments, bound_update, norm_bound_from_args, rejection_reason
 from server.shards import DEVICE_ID
 from server.simulate import config_from_args, parse_tiers, prepare
@@ -318,7 +319,7 @@ class RoundBook:
     accuracy_sum: float = 0.0
 
     def count(self, tier: str, direction: str, nbytes: int) -> None:
-        bucket = self.by_tier.setdefault(tier, {"down": 0, "up": 0, "artifacts": 0})
+        bucket = self.by_tier.setdefault(tier, dict.fromkeys((*TIER_DIRECTIONS, EVAL_DIRECTION), 0))
         bucket[direction] += nbytes
 
 
@@ -572,9 +573,11 @@ class Federation:
         nbytes = tensor_bytes(task.fe)
         if task.epochs:
             self.book.bytes_down += nbytes
+            direction = "down"
         else:
             self.book.bytes_down_eval += nbytes
-        self.book.count(tier_label(plan.ratio), "down", nbytes)
+            direction = EVAL_DIRECTION
+        self.book.count(tier_label(plan.ratio), direction, nbytes)
 
     # -- rounds -----------------------------------------------------------------------------
 
