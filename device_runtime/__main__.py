@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory training may use (default: no limit); the server picks the largest rank tier "
                         "predicted to fit")
     p.add_argument("--threads", type=int, default=1, help="compute threads")
-    p.add_argument("--prefix", default=None, help="MQTT topic prefix, the server's --prefix (default: both sides' default)")
+    p.add_argument("--prefix", default=None,
+                   help="MQTT topic prefix, the server's --prefix (default: both sides' default)")
     p.add_argument("--username", default=None,
                    help="MQTT username (default: the user in --broker's URL, else --device-id)")
     p.add_argument("--password", default=None,

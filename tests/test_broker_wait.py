@@ -37,4 +37,5 @@ def test_a_listener_that_speaks_no_mqtt_is_told_apart_from_a_missing_broker():
 
 
 def test_an_unknown_host_is_named():
-    assert unreachable_reason("no-such-host.invalid", 1883).startswith("cannot resolve the broker host 'no-such-host.invalid'")
+    reason = unreachable_reason("no-such-host.invalid", 1883)
+    assert reason.startswith("cannot resolve the broker host 'no-such-host.invalid'")

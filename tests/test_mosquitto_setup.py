@@ -121,7 +121,8 @@ def test_two_devices_federate_through_the_setup_and_a_wrong_password_is_refused(
     try:
         assert _uid_of(broker) == pwd.getpwnam("mosquitto").pw_uid
         devices = [subprocess.Popen([sys.executable, "-m", "device_runtime", "--broker", broker.url,
-                                     "--device-id", device_id, "--data", str(reachable_dir / "shards" / f"{device_id}.npz"),
+                                     "--device-id", device_id,
+                                     "--data", str(reachable_dir / "shards" / f"{device_id}.npz"),
                                      "--workdir", str(reachable_dir / device_id)],
                                     cwd=REPO_ROOT, env={**os.environ, PASSWORD_ENV: passwords[device_id]},
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
