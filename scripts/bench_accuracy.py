@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+import server.shards as shards  # noqa: E402
 import server.simulate as simulate  # noqa: E402
 from server.objective import DEFAULT_LAM_WARMUP  # noqa: E402
 
@@ -147,15 +148,15 @@ def bench_runs(config: BenchConfig) -> list[RunSpec]:
 def install_dataset_cache() -> Callable[[], None]:
     """Load the dataset once per process instead of once per run; returns the function that undoes it.
 
-    ``simulate.prepare`` reloads and re-standardizes the whole dataset for every run (seconds for
-    Fashion-MNIST, ~5 % of the benchmark); the loaded arrays depend only on the arguments and ``prepare``
-    copies what it keeps, so reusing them changes no number.
+    ``simulate.prepare`` (through ``server.shards.dataset_shards``) reloads and re-standardizes the whole
+    dataset for every run (seconds for Fashion-MNIST, ~5 % of the benchmark); the loaded arrays depend only on
+    the arguments and the shards copy what they keep, so reusing them changes no number.
     """
-    original = simulate.load_dataset
-    simulate.load_dataset = functools.lru_cache(maxsize=1)(original)
+    original = shards.load_dataset
+    shards.load_dataset = functools.lru_cache(maxsize=1)(original)
 
     def restore() -> None:
-        simulate.load_dataset = original
+        shards.load_dataset = original
 
     return restore
 
