@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from device_runtime.atomic_file import TMP_PREFIX, write_atomic
+from device_runtime.broker_wait import wait_for_broker
 from device_runtime.device_rules import (DeviceState, TaskAction, answered, on_task, starts_new_run,
                                          takes_initial_tensors)
 from device_runtime.local_round import load_weights, run_task
@@ -43,7 +44,7 @@ from device_runtime.protocol import Message, MessageType, ProtocolError, Topics,
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
 from device_runtime.trainer import ArtifactError, DeviceTrainer, verify_artifacts
-from device_runtime.transport import DEFAULT_MAX_MESSAGE_BYTES, ConnectTimeoutError, MqttEndpoint
+from device_runtime.transport import DEFAULT_MAX_MESSAGE_BYTES, MqttEndpoint
 
 LOG = logging.getLogger("fedara.device")
 ARTIFACTS_DIR = "artifacts"
@@ -51,8 +52,6 @@ HEADS_DIR = "heads"
 STATE_FILE = "state.json"
 ANSWER_FILE = "last_answer.bin"
 POLL_S = 0.2
-CONNECT_POLL_S = 1.0
-WAITING_LOG_EVERY_S = 10.0
 OFFLINE_STATUS = b"offline"
 
 
@@ -166,7 +165,8 @@ class DeviceAgent:
 
     def __init__(self, device_id: str, shard: Shard, profile: ResourceProfile, endpoint: MqttEndpoint,
                  workdir: Workdir, topics: Topics, *, threads: int = 1,
-                 max_inbound_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_inbound_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 connect_timeout_s: float = 0.0):
         self.device_id = device_id
         self.shard = shard
         self.profile = profile
@@ -175,6 +175,7 @@ class DeviceAgent:
         self.topics = topics
         self.threads = threads
         self.max_inbound_bytes = max_inbound_bytes
+        self.connect_timeout_s = connect_timeout_s  # 0: wait for the broker for ever
         self.state = workdir.load_state()
         self.trainer: DeviceTrainer | None = None
         self.loaded_hash: str | None = None
@@ -183,7 +184,8 @@ class DeviceAgent:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        """Connect, join and serve until ``stop`` is set. Raises BrokerRefusedError or DeviceRefused."""
+        """Connect, join and serve until ``stop`` is set. Raises BrokerRefusedError, BrokerUnreachableError or
+        DeviceRefused."""
         self.endpoint.start()
         try:
             if not self._wait_connected(stop):
@@ -199,16 +201,7 @@ class DeviceAgent:
             self.endpoint.stop()
 
     def _wait_connected(self, stop: threading.Event) -> bool:
-        next_log = time.monotonic() + WAITING_LOG_EVERY_S
-        while not stop.is_set():
-            try:
-                self.endpoint.wait_connected(CONNECT_POLL_S)
-                return True
-            except ConnectTimeoutError:
-                if time.monotonic() >= next_log:
-                    next_log += WAITING_LOG_EVERY_S
-                    LOG.info("waiting for broker %s:%d", self.endpoint.url.host, self.endpoint.url.port)
-        return False
+        return wait_for_broker(self.endpoint, stop, self.connect_timeout_s)
 
     def restore_plan(self) -> None:
         """Reload the plan of the state file if its artifacts are still here, so queued tasks can be served."""
