@@ -1,12 +1,14 @@
 """python -m device_runtime: one FedARA device, training on its local shard for a server over MQTT.
 
-    python -m device_runtime --broker mqtt://HOST:1883 --device-id dev_000 --data client_000.npz \\
-        --workdir /var/lib/fedara [--memory-budget-mb 256] [--threads 1] \\
-        [--username dev_000 --password P --tls-ca ca.pem]
+    python -m device_runtime --broker mqtt://HOST:1883 --device-id dev_000 --data dev_000.npz \\
+        --workdir /var/lib/fedara [--memory-budget-mb 256] [--threads 1] [--tls-ca ca.pem]
 
-The device reconnects on its own, resumes from its workdir after a restart, and exits cleanly on SIGTERM
-(exit status 0; 1: the broker refused the connection; 2: bad arguments, an unreadable shard, or the server
-refused this device).
+The MQTT username is the device id unless --username says otherwise; the password comes from
+$FEDARA_MQTT_PASSWORD. The device reconnects on its own, resumes from its workdir after a restart, and exits
+cleanly on SIGTERM. At start-up it waits up to --connect-timeout seconds for the broker (0: for ever), saying
+why it cannot connect every 10 s. Exit status: 0 after SIGTERM; 2 for everything that a restart would not
+heal: bad arguments, an unreadable or corrupt shard, a workdir it cannot write, credentials the broker
+refused, no broker within --connect-timeout, or the server refused this device.
 """
 from __future__ import annotations
 
@@ -17,25 +19,32 @@ import signal
 import sys
 import threading
 
+from device_runtime.help_format import DefaultsHelpFormatter
+
 PASSWORD_ENV = "FEDARA_MQTT_PASSWORD"
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-EXIT_OK, EXIT_BROKER_REFUSED, EXIT_REFUSED = 0, 1, 2
+EXIT_OK, EXIT_BAD_INPUT = 0, 2
+DEFAULT_CONNECT_TIMEOUT_S = 300.0
 DEFAULT_MAX_INBOUND_MB = 64.0
 AUTH_DIR = "auth"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m device_runtime", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m device_runtime", description=__doc__.splitlines()[0],
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--broker", required=True, help="mqtt://[user[:pass]@]host[:port] or mqtts://... (TLS)")
     p.add_argument("--device-id", required=True, help="this device's id: its MQTT client id and topic level")
-    p.add_argument("--data", required=True, help="the device's shard (.npz written by the server's partitioner)")
+    p.add_argument("--data", required=True, help="the device's shard (.npz written by python -m server.shards)")
     p.add_argument("--workdir", required=True, help="cached artifacts, heads and state survive restarts here")
     p.add_argument("--memory-budget-mb", type=float, default=None,
-                   help="memory training may use; the server picks the largest rank tier predicted to fit")
+                   help="memory training may use (default: no limit); the server picks the largest rank tier "
+                        "predicted to fit")
     p.add_argument("--threads", type=int, default=1, help="compute threads")
-    p.add_argument("--prefix", default=None, help="MQTT topic prefix, the server's --prefix (default: both sides' default)")
-    p.add_argument("--username", default=None)
-    p.add_argument("--password", default=os.environ.get(PASSWORD_ENV),
+    p.add_argument("--prefix", default=None,
+                   help="MQTT topic prefix, the server's --prefix (default: both sides' default)")
+    p.add_argument("--username", default=None,
+                   help="MQTT username (default: the user in --broker's URL, else --device-id)")
+    p.add_argument("--password", default=None,
                    help=f"MQTT password (default: ${PASSWORD_ENV}, which keeps it out of the process list)")
     p.add_argument("--tls-ca", default=None, help="CA certificate to verify an mqtts:// broker")
     p.add_argument("--key-file", required=True,
@@ -44,15 +53,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest message taken before a plan sets a model-sized limit (also the reassembly budget)")
     p.add_argument("--max-message-bytes", type=int, default=256 * 1024,
                    help="largest MQTT publish; longer messages travel as chunks (the broker's limit or less)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT_S,
+                   help="seconds to wait for the broker at start-up before exiting with status 2 (0: for ever)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log verbosity")
     return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the first flag whose value cannot work (the rest is checked where it is used)."""
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.memory_budget_mb is not None and not args.memory_budget_mb > 0:
+        raise ValueError(f"--memory-budget-mb must be positive, got {args.memory_budget_mb:g}")
+    if args.tls_ca is not None and not os.path.isfile(args.tls_ca):
+        raise ValueError(f"--tls-ca {args.tls_ca}: no such file")
+    if not args.connect_timeout >= 0:
+        raise ValueError(f"--connect-timeout must be >= 0 (0: wait for ever), got {args.connect_timeout:g}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.threads < 1:
-        print("error: --threads must be >= 1", file=sys.stderr)
-        return EXIT_REFUSED
+    try:
+        check_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     for name in THREAD_ENV_VARS:  # before numpy loads its BLAS
         os.environ.setdefault(name, str(args.threads))
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
@@ -60,31 +85,42 @@ def main(argv: list[str] | None = None) -> int:
 
     from device_runtime.agent import DeviceAgent, DeviceRefused, Interrupted, Workdir
     from device_runtime.auth import read_key_file
+    from device_runtime.broker_wait import BrokerUnreachableError
     from device_runtime.link import Link
     from device_runtime.messages import DEFAULT_TOPIC_PREFIX
     from device_runtime.profile import ProfileError, collect_profile
     from device_runtime.protocol import ProtocolError, Topics
     from device_runtime.shard import ShardError, load_shard
-    from device_runtime.transport import BrokerRefusedError, MqttEndpoint
+    from device_runtime.transport import BrokerRefusedError, BrokerURL, MqttEndpoint
 
+    flag = "--device-id/--prefix"
     try:
         topics = Topics(args.prefix or DEFAULT_TOPIC_PREFIX, args.device_id)
+        flag = "--data"
         shard = load_shard(args.data)
+        flag = "--memory-budget-mb"
         profile = collect_profile(args.memory_budget_mb, args.threads)
+        flag = "--max-inbound-mb"
         if args.max_inbound_mb <= 0:
-            raise ValueError(f"--max-inbound-mb must be positive, got {args.max_inbound_mb}")
+            raise ValueError(f"must be positive, got {args.max_inbound_mb}")
         max_inbound = int(args.max_inbound_mb * 1024 * 1024)
+        flag = "--key-file"
         link = Link.device(args.device_id, read_key_file(args.key_file), os.path.join(args.workdir, AUTH_DIR),
                            max_inbound)
+        flag = "--broker"
+        username = args.username or BrokerURL.parse(args.broker).username or args.device_id
         endpoint = MqttEndpoint(args.device_id, args.broker, subscriptions=[topics.down],
-                                status=(topics.status, link.status_signer(args.device_id)), username=args.username,
-                                password=args.password, tls_ca=args.tls_ca, max_frame_bytes=args.max_message_bytes,
-                                max_message_bytes=max_inbound, clean_session=False)
+                                status=(topics.status, link.status_signer(args.device_id)), username=username,
+                                password=args.password or os.environ.get(PASSWORD_ENV), tls_ca=args.tls_ca,
+                                max_frame_bytes=args.max_message_bytes, max_message_bytes=max_inbound,
+                                clean_session=False)
+        flag = "--workdir"
         workdir = Workdir(args.workdir)
     except (ProtocolError, ShardError, ProfileError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
-    agent = DeviceAgent(args.device_id, shard, profile, endpoint, workdir, topics, link, threads=args.threads)
+        print(f"error: {flag}: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    agent = DeviceAgent(args.device_id, shard, profile, endpoint, workdir, topics, link, threads=args.threads,
+                        connect_timeout_s=args.connect_timeout)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -99,11 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted:
         pass
     except BrokerRefusedError as exc:
-        logging.getLogger("fedara.device").error("%s", exc)
-        return EXIT_BROKER_REFUSED
+        print(f"error: {exc} (check --username and the password in ${PASSWORD_ENV} or --password)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokerUnreachableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except DeviceRefused as exc:
-        logging.getLogger("fedara.device").error("the server refused this device: %s", exc)
-        return EXIT_REFUSED
+        print(f"error: the server refused this device: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     return EXIT_OK
 
 

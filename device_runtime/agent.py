@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from device_runtime.atomic_file import TMP_PREFIX, write_atomic
+from device_runtime.broker_wait import wait_for_broker
 from device_runtime.device_rules import (DeviceState, TaskAction, answered, on_task, starts_new_run,
                                          takes_initial_tensors)
 from device_runtime.local_round import load_weights, run_task
@@ -44,7 +45,7 @@ from device_runtime.protocol import Message, MessageType, Topics, envelope_limit
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
 from device_runtime.trainer import ArtifactError, DeviceTrainer, verify_artifacts
-from device_runtime.transport import ConnectTimeoutError, MqttEndpoint
+from device_runtime.transport import MqttEndpoint
 
 LOG = logging.getLogger("fedara.device")
 ARTIFACTS_DIR = "artifacts"
@@ -52,8 +53,6 @@ HEADS_DIR = "heads"
 STATE_FILE = "state.json"
 ANSWER_FILE = "last_answer.bin"
 POLL_S = 0.2
-CONNECT_POLL_S = 1.0
-WAITING_LOG_EVERY_S = 10.0
 PLAN_HEADROOM = 8
 """After a plan, the device takes messages up to this many times its plan's artifact files (plus a header): a
 later run's plan may be denser (the smallest default tier, 0.125, stores about 1/8 of a dense layer)."""
@@ -168,7 +167,7 @@ class DeviceAgent:
     """One device: answers the server's PLAN, TASK and ERROR messages on its down topic."""
 
     def __init__(self, device_id: str, shard: Shard, profile: ResourceProfile, endpoint: MqttEndpoint,
-                 workdir: Workdir, topics: Topics, link: Link, *, threads: int = 1):
+                 workdir: Workdir, topics: Topics, link: Link, *, threads: int = 1, connect_timeout_s: float = 0.0):
         self.device_id = device_id
         self.shard = shard
         self.profile = profile
@@ -177,6 +176,7 @@ class DeviceAgent:
         self.topics = topics
         self.threads = threads
         self.link = link
+        self.connect_timeout_s = connect_timeout_s  # 0: wait for the broker for ever
         self.state = workdir.load_state()
         self.trainer: DeviceTrainer | None = None
         self.loaded_hash: str | None = None
@@ -185,7 +185,8 @@ class DeviceAgent:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        """Connect, join and serve until ``stop`` is set. Raises BrokerRefusedError or DeviceRefused."""
+        """Connect, join and serve until ``stop`` is set. Raises BrokerRefusedError, BrokerUnreachableError or
+        DeviceRefused."""
         self.endpoint.start()
         try:
             if not self._wait_connected(stop):
@@ -201,16 +202,7 @@ class DeviceAgent:
             self.endpoint.stop()
 
     def _wait_connected(self, stop: threading.Event) -> bool:
-        next_log = time.monotonic() + WAITING_LOG_EVERY_S
-        while not stop.is_set():
-            try:
-                self.endpoint.wait_connected(CONNECT_POLL_S)
-                return True
-            except ConnectTimeoutError:
-                if time.monotonic() >= next_log:
-                    next_log += WAITING_LOG_EVERY_S
-                    LOG.info("waiting for broker %s:%d", self.endpoint.url.host, self.endpoint.url.port)
-        return False
+        return wait_for_broker(self.endpoint, stop, self.connect_timeout_s)
 
     def restore_plan(self) -> None:
         """Reload the plan of the state file if its artifacts are still here, so queued tasks can be served."""

@@ -8,6 +8,7 @@ The server writes shards; the device loads its own. The format is a plain
 from __future__ import annotations
 
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ SHARD_KEYS = ("x_train", "y_train", "x_test", "y_test", "num_classes")
 FEATURE_DTYPE = np.float32
 LABEL_DTYPE = np.int64
 SHARD_FILENAME = "client_{:03d}.npz"
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 class ShardError(ValueError):
@@ -82,13 +84,6 @@ def _check_split(split: str, x: object, y: object, num_classes: int) -> None:
         )
 
 
-def shard_filename(client: int) -> str:
-    """File name of a client's shard inside a shard directory (client_000.npz, ...)."""
-    if client < 0:
-        raise ShardError(f"client index must be non-negative, got {client}")
-    return SHARD_FILENAME.format(client)
-
-
 def save_shard(path: str | Path, shard: Shard) -> None:
     """Write ``shard`` to exactly ``path`` as an uncompressed, pickle-free .npz."""
     with open(path, "wb") as handle:
@@ -103,21 +98,29 @@ def save_shard(path: str | Path, shard: Shard) -> None:
 
 
 def load_shard(path: str | Path) -> Shard:
-    """Read and validate a shard written by ``save_shard``; raise ShardError if malformed."""
+    """Read and validate a shard written by ``save_shard``; raise ShardError naming the file and its problem.
+
+    A file that is not a zip archive is refused by its first bytes (numpy would read a text file as a pickle and
+    blame ``allow_pickle``); a damaged archive (truncated, bad CRC) is reported as corrupt, in one line.
+    """
+    with open(path, "rb") as handle:
+        head = handle.read(len(ZIP_MAGIC))
+    if head != ZIP_MAGIC:
+        what = "is empty" if not head else f"starts with {head!r}"
+        raise ShardError(f"{path} is not a .npz archive: it {what}, not a zip header (a shard is written by "
+                         f"python -m server.shards)")
     try:
-        archive = np.load(path, allow_pickle=False)
-    except (ValueError, EOFError, zipfile.BadZipFile) as error:
-        raise ShardError(f"{path} is not a pickle-free .npz archive: {error}") from error
-    if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise ShardError(f"{path} holds a single array, not a .npz archive of {list(SHARD_KEYS)}")
-    with archive:
-        missing = [key for key in SHARD_KEYS if key not in archive.files]
-        if missing:
-            raise ShardError(f"shard {path} lacks keys {missing}; expected {list(SHARD_KEYS)}")
-        try:
+        with np.load(path, allow_pickle=False) as archive:
+            missing = [key for key in SHARD_KEYS if key not in archive.files]
+            if missing:
+                raise ShardError(f"shard {path} lacks keys {missing}; expected {list(SHARD_KEYS)}")
             arrays = {key: archive[key] for key in SHARD_KEYS}
-        except ValueError as error:
-            raise ShardError(f"shard {path} holds an array that needs pickle: {error}") from error
+    except ShardError:
+        raise
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as error:
+        raise ShardError(f"shard {path} is corrupt ({error}); write it again") from error
+    except ValueError as error:
+        raise ShardError(f"shard {path} holds an array that is not a plain numpy array: {error}") from error
     num_classes = arrays.pop("num_classes")
     if num_classes.shape != () or not np.issubdtype(num_classes.dtype, np.integer):
         raise ShardError(

@@ -49,10 +49,10 @@ from server.enrollment import LOCAL_KEYS_DIR, run_key_ring
 from server.partition import write_shards
 from server.progress import Progress
 from server.rank_assignment import OverrideError, load_overrides, tier_predictor
-from server.report import write_scalars_csv
 from server.robust import norm_bound_from_args
 from server.run_setup import (PlanBook, RunError, RunFolder, all_models, device_models, global_state, initial_personal,
                               load_shards, model_names, run_settings, tiers_from_args)
+from server.shards import DEVICE_SHARD_FILENAME
 
 LOG = logging.getLogger("fedara.server")
 PASSWORD_ENV = "FEDARA_MQTT_PASSWORD"
@@ -498,7 +498,7 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
         LOG.info("run %s on %s, prefix %s, algorithm %s", run_id, url, args.prefix, algorithm.name)
         print(f"run {run_id}: {algorithm.name} on {url}, run folder {out.path}", flush=True)
         if shards:
-            shard_paths = write_shards(list(shards.values()), out.path / SHARDS_DIR)
+            shard_paths = write_shards(list(shards.values()), out.path / SHARDS_DIR, filename=DEVICE_SHARD_FILENAME)
             stack.callback(local.stop)
             for i, (device_id, shard_path) in enumerate(zip(shards, shard_paths)):
                 workdir = out.path / DEVICES_DIR / device_id
@@ -515,7 +515,6 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
             federation.run(first, Progress(config.rounds, first))
     report = out.report(engine.records, dict(settings, run_id=run_id, broker=args.broker or "embedded",
                                              driver="broker_loop"))
-    write_scalars_csv(out.path, engine.records)
     print(f"wrote {out.path / 'metrics.jsonl'}, metrics.csv and {report}", flush=True)
 
 

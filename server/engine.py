@@ -30,7 +30,7 @@ from server.algorithms.base import Algorithm
 from server.coordinator import NO_ANSWER, Coordinator, RoundResult, Verdict
 from server.lowrank import ResolvedPlan
 from server.rank_assignment import choose_ratio
-from server.report import evaluation_summary
+from server.report import EVAL_DIRECTION, TIER_DIRECTIONS, evaluation_summary
 from server.robust import NormBound, bound_update, rejection_reason
 from server.strategy import FederationConfig, batch_seed, factorize_per_plan, plan_key, to_numpy, to_torch
 
@@ -85,7 +85,7 @@ class _Book:
     accuracy_sum: float = 0.0
 
     def count(self, tier: str, direction: str, nbytes: int) -> None:
-        self.by_tier.setdefault(tier, {"down": 0, "up": 0, "artifacts": 0})[direction] += nbytes
+        self.by_tier.setdefault(tier, dict.fromkeys((*TIER_DIRECTIONS, EVAL_DIRECTION), 0))[direction] += nbytes
 
 
 class RoundEngine:
@@ -240,7 +240,7 @@ class RoundEngine:
             self._book.bytes_down += nbytes
         else:
             self._book.bytes_down_eval += nbytes
-        self._book.count(tier_label(plan.ratio), "down", nbytes)
+        self._book.count(tier_label(plan.ratio), "down" if training else EVAL_DIRECTION, nbytes)
         return task
 
     def _expected_shapes(self, device_id: str) -> dict[str, tuple[int, ...]] | None:
@@ -351,7 +351,7 @@ class RoundEngine:
             return
         record["bytes_down_eval"] += self._book.bytes_down_eval
         for tier, counts in self._book.by_tier.items():
-            bucket = record["bytes_by_tier"].setdefault(tier, {"down": 0, "up": 0, "artifacts": 0})
+            bucket = record["bytes_by_tier"].setdefault(tier, dict.fromkeys((*TIER_DIRECTIONS, EVAL_DIRECTION), 0))
             for direction, nbytes in counts.items():
                 bucket[direction] += nbytes
 

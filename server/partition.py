@@ -13,14 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from device_runtime.shard import Shard, save_shard, shard_filename
+from device_runtime.shard import SHARD_FILENAME, Shard, save_shard
 from server.data import LabeledData
 
 PARTITIONS = ("dirichlet", "pathological")
 MIN_SAMPLES = 40
 MAX_DRAWS = 1000
 TRAIN_FRACTION = 0.75
-SHARD_FILE_PATTERN = re.compile(r"client_\d{3,}\.npz")
 
 
 class PartitionError(ValueError):
@@ -213,22 +212,29 @@ def make_client_shards(
     return shards
 
 
-def write_shards(shards: Sequence[Shard], directory: str | Path) -> list[Path]:
-    """Write client_000.npz, client_001.npz, ... into ``directory``; return their paths.
+def write_shards(shards: Sequence[Shard], directory: str | Path, *, filename: str = SHARD_FILENAME) -> list[Path]:
+    """Write shard i to ``directory / filename.format(i)`` (client_000.npz, ...); return their paths.
 
-    Shard files left from an earlier, larger run are removed so the directory holds
-    exactly this partition.
+    Shard files of the same name pattern left from an earlier, larger run are removed so the
+    directory holds exactly this partition.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    paths = [directory / shard_filename(client) for client in range(len(shards))]
+    paths = [directory / filename.format(client) for client in range(len(shards))]
     written = set(paths)
+    stale_pattern = _index_pattern(filename)
     for stale in directory.iterdir():
-        if SHARD_FILE_PATTERN.fullmatch(stale.name) and stale not in written:
+        if stale_pattern.fullmatch(stale.name) and stale not in written:
             stale.unlink()
     for path, shard in zip(paths, shards):
         save_shard(path, shard)
     return paths
+
+
+def _index_pattern(filename: str) -> re.Pattern[str]:
+    """The names ``filename.format(i)`` gives for any i >= 0, e.g. client_\\d+\\.npz for client_{:03d}.npz."""
+    before, _, after = re.split(r"(\{[^}]*\})", filename, maxsplit=1)
+    return re.compile(re.escape(before) + r"\d+" + re.escape(after))
 
 
 def partition_summary(shards: Sequence[Shard]) -> dict:

@@ -2,9 +2,18 @@
 (or the final evaluation) brings it, and an ETA from the mean round time so far."""
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
+
+LOG = logging.getLogger("fedara.progress")
+
+
+def print_and_log(line: str) -> None:
+    """On the terminal, and in the run's log file (server.log) where one is attached."""
+    print(line, flush=True)
+    LOG.info(line)
 
 
 class Progress:
@@ -13,7 +22,7 @@ class Progress:
     def __init__(self, rounds: int, first_round: int = 1, emit: Callable[[str], None] | None = None):
         self.rounds, self.first_round = rounds, first_round
         self.started = time.monotonic()
-        self.emit = emit or (lambda line: print(line, flush=True))
+        self.emit = emit or print_and_log
 
     def _eta(self, round_index: int) -> str:
         done = round_index - self.first_round + 1

@@ -1,11 +1,15 @@
-"""What a broker-loop run leaves in its output folder: metrics.jsonl, report.md and two PNG plots.
+"""What a broker-loop run leaves in its output folder: metrics.jsonl, metrics.csv, report.md and PNG plots.
 
 metrics.jsonl holds one JSON object per round with the simulator's keys (round, accuracy, accuracy_std,
 train_loss, bytes_down, bytes_up, seconds, participants) and the federation's own: who was dropped and
-why, and the bytes per rank tier. Plots are drawn with matplotlib's Agg canvas (no display, no pyplot state).
+why, the bytes per rank tier and, where the run recorded it, each device's accuracy and tier (``per_device``).
+metrics.csv holds the scalar fields of the same records, one row per round, for spreadsheets and plotting
+tools. Plots are drawn with matplotlib's Agg canvas (no display, no pyplot state).
 """
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,10 +25,15 @@ from server.coordinator import Evaluation
 from server.strategy import weighted_accuracy
 
 METRICS_FILE = "metrics.jsonl"
+METRICS_CSV = "metrics.csv"
 REPORT_FILE = "report.md"
 ACCURACY_PLOT = "accuracy.png"
 BYTES_PLOT = "bytes_by_tier.png"
+DEVICE_PLOT = "accuracy_by_device.png"
 TIER_DIRECTIONS = ("down", "up", "artifacts")
+"""The training traffic of a tier, what the table's down/up/artifacts columns and the summary count."""
+EVAL_DIRECTION = "eval"
+"""Evaluation-only downloads (the task after the last round, devices not selected for training): counted apart."""
 PLOT_SIZE_IN = (6.0, 3.6)
 PLOT_DPI = 110
 MB = 1e6
@@ -54,23 +63,33 @@ def write_metrics(path: str | os.PathLike, records: Sequence[Mapping[str, Any]])
     write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode())
 
 
-SCALARS_FILE = "metrics.csv"
-
-
-def write_scalars_csv(out_dir: str | os.PathLike, records: Sequence[Mapping[str, Any]]) -> Path:
-    """metrics.csv: one row per round with every scalar of its record (for spreadsheets and other tools)."""
-    path = Path(out_dir) / SCALARS_FILE
-    keys = sorted({k for r in records for k, v in r.items() if v is None or isinstance(v, (int, float, str))})
-    lines = [",".join(keys)]
-    for record in records:
-        lines.append(",".join("" if record.get(k) is None else str(record[k]) for k in keys))
-    write_atomic(path, ("\n".join(lines) + "\n").encode())
-    return path
-
-
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _csv_cell(value: Any) -> str | int | float:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value
+
+
+def write_metrics_csv(path: str | os.PathLike, records: Sequence[Mapping[str, Any]]) -> None:
+    """Write the records' scalar fields as CSV, one row per round, atomically: ``round`` first, then every
+    scalar key any record has, sorted; an empty cell where a record lacks it or holds None."""
+    keys = sorted({k for r in records for k, v in r.items() if k != "round" and _is_scalar(v)})
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["round", *keys])
+    for r in records:
+        writer.writerow([r["round"], *(_csv_cell(r.get(k)) if _is_scalar(r.get(k)) else "" for k in keys)])
+    write_atomic(path, text.getvalue().encode())
 
 
 def _save(figure: Figure, path: Path) -> None:
@@ -81,43 +100,113 @@ def _save(figure: Figure, path: Path) -> None:
     figure.savefig(path, dpi=PLOT_DPI)
 
 
-def plot_accuracy(records: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
-    """Accuracy (with its std over devices as a band) against the round."""
+def accuracy_figure(records: Sequence[Mapping[str, Any]]) -> Figure:
+    """Accuracy against the round, with its std over devices as a band; both named in the legend."""
     points = [(r["round"], r["accuracy"], r["accuracy_std"] or 0.0) for r in records if r.get("accuracy") is not None]
     figure = Figure(figsize=PLOT_SIZE_IN)
     ax = figure.add_subplot()
     if points:
         rounds, acc, std = zip(*points)
-        ax.plot(rounds, acc, marker="o")
-        ax.fill_between(rounds, [a - s for a, s in zip(acc, std)], [a + s for a, s in zip(acc, std)], alpha=0.2)
+        ax.plot(rounds, acc, marker="o", label="accuracy: Σ correct / Σ test samples")
+        ax.fill_between(rounds, [a - s for a, s in zip(acc, std)], [a + s for a, s in zip(acc, std)], alpha=0.2,
+                        label="± 1 std of the devices' accuracies")
+        ax.legend(loc="lower right")
+    ax.set_title("Personalized accuracy after each round (all devices)")
     ax.set_xlabel("round")
-    ax.set_ylabel("accuracy (personalized, all devices)")
+    ax.set_ylabel("accuracy")
     ax.set_ylim(0.0, 1.0)
     ax.grid(alpha=0.3)
-    _save(figure, Path(path))
+    return figure
+
+
+def plot_accuracy(records: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
+    """Save ``accuracy_figure`` as a PNG."""
+    _save(accuracy_figure(records), Path(path))
+
+
+def _tier_order(tier: str) -> tuple[int, float, str]:
+    """Largest ratio first; a tier that is not a number goes last."""
+    try:
+        return (0, -float(tier), tier)
+    except ValueError:
+        return (1, 0.0, tier)
 
 
 def tiers_of(records: Sequence[Mapping[str, Any]]) -> list[str]:
     """Every tier that moved bytes in some round, largest ratio first."""
-    return sorted({t for r in records for t in r.get("bytes_by_tier", {})}, key=float, reverse=True)
+    return sorted({t for r in records for t in r.get("bytes_by_tier", {})}, key=_tier_order)
+
+
+def training_mb_by_tier(records: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
+    """Per tier (largest ratio first), the MB of training traffic (TIER_DIRECTIONS) in each record."""
+    return {tier: [sum(r.get("bytes_by_tier", {}).get(tier, {}).get(k, 0) for k in TIER_DIRECTIONS) / MB
+                   for r in records] for tier in tiers_of(records)}
 
 
 def plot_bytes_by_tier(records: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
-    """Stacked bars: MB moved per round (down + up + artifacts) by rank tier."""
+    """Stacked bars: MB of training traffic per round (down + up + artifacts, as in the table) by rank tier;
+    evaluation-only downloads are left out, as the table's and summary's totals leave them out."""
     figure = Figure(figsize=PLOT_SIZE_IN)
     ax = figure.add_subplot()
     rounds = [r["round"] for r in records]
     bottom = [0.0] * len(records)
-    for tier in tiers_of(records):
-        heights = [sum(r.get("bytes_by_tier", {}).get(tier, {}).get(k, 0) for k in TIER_DIRECTIONS) / MB
-                   for r in records]
+    for tier, heights in training_mb_by_tier(records).items():
         ax.bar(rounds, heights, bottom=bottom, label=f"ratio {tier}")
         bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_title("Training traffic per round by rank tier (evaluation-only downloads not shown)", fontsize=9)
     ax.set_xlabel("round")
     ax.set_ylabel("MB (down + up + artifacts)")
     if records:
-        ax.legend()
+        ax.set_ylim(0.0, max(max(bottom) * 1.3, 1e-3))  # room for the legend above the bars
+        ax.legend(loc="upper center", ncol=max(1, len(tiers_of(records))), fontsize=8)
     ax.grid(axis="y", alpha=0.3)
+    _save(figure, Path(path))
+
+
+def device_accuracies(records: Sequence[Mapping[str, Any]]) -> dict[str, tuple[str, list[tuple[int, float]]]]:
+    """Each device's tier (its latest) and (round, accuracy) points, from the records that carry ``per_device``."""
+    devices: dict[str, tuple[str, list[tuple[int, float]]]] = {}
+    for r in records:
+        for device_id, entry in (r.get("per_device") or {}).items():
+            if entry.get("accuracy") is None:
+                continue
+            _, points = devices.get(device_id, ("", []))
+            devices[device_id] = (str(entry["tier"]), [*points, (r["round"], entry["accuracy"])])
+    return dict(sorted(devices.items()))
+
+
+def tier_accuracy(records: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """Per tier, (round, mean accuracy of the tier's devices evaluated that round), largest ratio first."""
+    sums: dict[str, dict[int, list[float]]] = {}
+    for r in records:
+        for entry in (r.get("per_device") or {}).values():
+            if entry.get("accuracy") is not None:
+                sums.setdefault(str(entry["tier"]), {}).setdefault(r["round"], []).append(entry["accuracy"])
+    return {tier: [(t, sum(a) / len(a)) for t, a in sorted(sums[tier].items())]
+            for tier in sorted(sums, key=_tier_order)}
+
+
+def plot_device_accuracy(records: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
+    """One thin line per device and one thick line per tier (the mean of its devices), coloured by tier."""
+    figure = Figure(figsize=PLOT_SIZE_IN)
+    ax = figure.add_subplot()
+    devices = device_accuracies(records)
+    colours = {tier: f"C{i}" for i, tier in enumerate(tier_accuracy(records))}
+    for tier, points in tier_accuracy(records).items():
+        count = sum(1 for t, _ in devices.values() if t == tier)
+        rounds, acc = zip(*points)
+        ax.plot(rounds, acc, color=colours[tier], linewidth=2.5, marker="o",
+                label=f"ratio {tier}: mean of {count} device{'s' if count != 1 else ''}")
+    for tier, points in devices.values():
+        rounds, acc = zip(*points)
+        ax.plot(rounds, acc, color=colours[tier], linewidth=0.8, alpha=0.45)
+    ax.set_title("Accuracy per device (thin lines) and per rank tier (thick)", fontsize=10)
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy on the device's test split")
+    ax.set_ylim(0.0, 1.0)
+    ax.grid(alpha=0.3)
+    if devices:
+        ax.legend(loc="lower right", fontsize=8)
     _save(figure, Path(path))
 
 
@@ -125,8 +214,27 @@ def _fmt(value: Any, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def device_section(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """report.md lines: each tier's and each device's accuracy at its last evaluated round; [] without data."""
+    devices = device_accuracies(records)
+    if not devices:
+        return []
+    lines = ["## Accuracy per rank tier and device", "",
+             "At each device's last evaluated round; a tier's accuracy is the mean over its devices.", "",
+             "| tier | devices | mean | min | max |", "| --- | --- | --- | --- | --- |"]
+    for tier in tier_accuracy(records):
+        final = [points[-1][1] for t, points in devices.values() if t == tier]
+        lines.append(f"| {tier} | {len(final)} | {sum(final) / len(final):.4f} | {min(final):.4f} | "
+                     f"{max(final):.4f} |")
+    lines += ["", "| device | tier | accuracy | round |", "| --- | --- | --- | --- |"]
+    lines += [f"| {device_id} | {tier} | {points[-1][1]:.4f} | {points[-1][0]} |"
+              for device_id, (tier, points) in devices.items()]
+    return [*lines, "", f"![accuracy per device and tier]({DEVICE_PLOT})", ""]
+
+
 def report_markdown(records: Sequence[Mapping[str, Any]], settings: Mapping[str, Any]) -> str:
-    """report.md's text: settings, summary, per-round table, the evaluation note, the plots."""
+    """report.md's text: settings, summary, per-round table, per-tier and per-device accuracy, the
+    evaluation note, the plots."""
     evaluated = [r for r in records if r.get("accuracy") is not None]
     lines = ["# FedARA federation report", "", "## Settings", "", "| setting | value |", "| --- | --- |"]
     lines += [f"| {key} | {value} |" for key, value in settings.items()]
@@ -138,32 +246,40 @@ def report_markdown(records: Sequence[Mapping[str, Any]], settings: Mapping[str,
     else:
         lines.append("- no round was evaluated")
     total = sum(r.get("bytes_down", 0) + r.get("bytes_up", 0) + r.get("bytes_artifacts", 0) for r in records)
-    lines += [f"- rounds: {len(records)}; bytes moved (FE down + up + artifacts): {total / MB:.2f} MB",
+    eval_total = sum(r.get("bytes_down_eval", 0) for r in records)
+    lines += [f"- rounds: {len(records)}; bytes moved (FE down + up + artifacts): {total / MB:.2f} MB, "
+              f"and {eval_total / MB:.2f} MB of evaluation-only downloads",
               f"- updates dropped: {sum(len(r.get('dropped', {})) for r in records)}", "",
               "## Rounds", "",
-              "| round | accuracy | ± std | train loss | participants | dropped | down MB | up MB | artifacts MB | s |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| round | accuracy | ± std | train loss | participants | dropped | down MB | up MB | artifacts MB "
+              "| eval-only down MB | s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         lines.append(
             f"| {r['round']} | {_fmt(r.get('accuracy'), '.4f')} | {_fmt(r.get('accuracy_std'), '.4f')} | "
             f"{_fmt(r.get('train_loss'), '.4f')} | {r.get('participants', 0)}/{r.get('selected', 0)} | "
             f"{len(r.get('dropped', {}))} | {r.get('bytes_down', 0) / MB:.2f} | {r.get('bytes_up', 0) / MB:.2f} | "
-            f"{r.get('bytes_artifacts', 0) / MB:.2f} | {r.get('seconds', 0.0):.1f} |")
+            f"{r.get('bytes_artifacts', 0) / MB:.2f} | {r.get('bytes_down_eval', 0) / MB:.2f} | "
+            f"{r.get('seconds', 0.0):.1f} |")
     dropped = [(r["round"], d, why) for r in records for d, why in sorted(r.get("dropped", {}).items())]
     if dropped:
         lines += ["", "Dropped answers:", ""] + [f"- round {t}, {d}: {why}" for t, d, why in dropped]
-    lines += ["", "## How accuracy is measured", "", EVALUATION_NOTE, "",
+    lines += ["", *device_section(records)]
+    lines += ["## How accuracy is measured", "", EVALUATION_NOTE, "",
               "## Plots", "", f"![accuracy per round]({ACCURACY_PLOT})", "",
-              f"![bytes per round by tier]({BYTES_PLOT})", ""]
+              f"![training traffic per round by tier]({BYTES_PLOT})", ""]
     return "\n".join(lines)
 
 
 def write_report(out_dir: str | os.PathLike, records: Sequence[Mapping[str, Any]],
                  settings: Mapping[str, Any]) -> Path:
-    """Write report.md and its two plots into ``out_dir``; returns report.md's path."""
+    """Write report.md and its plots into ``out_dir`` (the per-device plot only when records carry
+    ``per_device``); returns report.md's path."""
     out_dir = Path(out_dir)
     plot_accuracy(records, out_dir / ACCURACY_PLOT)
     plot_bytes_by_tier(records, out_dir / BYTES_PLOT)
+    if device_accuracies(records):
+        plot_device_accuracy(records, out_dir / DEVICE_PLOT)
     path = out_dir / REPORT_FILE
     path.write_text(report_markdown(records, settings))
     return path

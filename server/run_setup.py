@@ -25,11 +25,11 @@ from server.lowrank import FE_PREFIX, RankPlan, ResolvedPlan, factorize_model, r
 from server.models import SplitModel, build_model
 from server.partition import make_client_shards
 from server.rank_assignment import DEFAULT_TIERS, check_tiers
-from server.report import METRICS_FILE, write_metrics, write_report
+from server.report import METRICS_CSV, METRICS_FILE, write_metrics, write_metrics_csv, write_report
+from server.shards import DEVICE_ID, subset
 from server.strategy import to_numpy
 
 LOG = logging.getLogger("fedara.setup")
-DEVICE_ID = "dev_{:03d}"
 RESUME_IGNORED = ("rounds",)
 """Settings a resumed run may change (a run can be extended); every other setting must match."""
 
@@ -50,10 +50,7 @@ def model_names(args: argparse.Namespace) -> list[str]:
 def load_shards(args: argparse.Namespace, count: int) -> tuple[SplitModel, tuple[int, ...], dict[str, Shard]]:
     """The initial model (the first of --model), its input shape and ``count`` device shards by device id (the
     same for both drivers given the same flags: a seeded subset of --max-samples, then the partition)."""
-    data = load_dataset(args.dataset, args.data_dir, seed=args.seed)
-    if args.max_samples and args.max_samples < len(data.y):
-        keep = np.sort(np.random.default_rng(args.seed).choice(len(data.y), args.max_samples, replace=False))
-        data = type(data)(data.x[keep], data.y[keep], data.num_classes, data.name)
+    data = subset(load_dataset(args.dataset, args.data_dir, seed=args.seed), args.max_samples, args.seed)
     model = build_model(model_names(args)[0], data.input_shape, data.num_classes, seed=args.seed)
     if not count:
         return model, tuple(data.input_shape), {}
@@ -189,6 +186,7 @@ class RunFolder:
              records: list[dict[str, Any]]) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         write_metrics(self.path / METRICS_FILE, records)
+        write_metrics_csv(self.path / METRICS_CSV, records)
         save_checkpoint(self.checkpoint_path, Checkpoint(round_index, tensors, state))
 
     def report(self, records: list[dict[str, Any]], settings: dict[str, Any]) -> Path:

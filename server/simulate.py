@@ -33,7 +33,6 @@ from server.engine import RoundEngine
 from server.lowrank import factorize_model
 from server.progress import Progress
 from server.rank_assignment import OverrideError, load_overrides
-from server.report import write_scalars_csv
 from server.robust import norm_bound_from_args
 from server.run_setup import (PlanArtifacts, PlanBook, RunError, RunFolder, all_models, device_models, global_state,
                               initial_personal, load_shards, model_names, run_settings, tiers_from_args)
@@ -217,10 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(exc))
     settings = dict(simulation.settings, run_id=simulation.run_id, driver="simulate", backend=args.backend)
     report = out.report(records, settings)
-    csv = write_scalars_csv(out.path, records)
     result = summary(records)
     final = "–" if result["final_accuracy"] is None else f"{result['final_accuracy']:.4f}"
-    print(f"final accuracy {final}; wrote {out.path / 'metrics.jsonl'}, {csv.name} and {report}", flush=True)
+    print(f"final accuracy {final}; wrote {out.path / 'metrics.jsonl'}, metrics.csv and {report}", flush=True)
     return 0
 
 

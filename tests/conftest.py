@@ -57,6 +57,11 @@ class MosquittoProcess:
     def url(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The running mosquitto's process id (None when stopped)."""
+        return None if self._proc is None else self._proc.pid
+
     def start(self) -> None:
         """Launch mosquitto and return once its port accepts TCP connections."""
         with open(self.log, "ab") as log:

@@ -267,9 +267,9 @@ def test_device_joins_with_its_credentials_from_the_environment(secured_broker, 
         server.stop()
 
 
-def test_device_with_a_wrong_password_exits_with_status_1(secured_broker, tmp_path: Path):
+def test_device_with_a_wrong_password_exits_with_status_2(secured_broker, tmp_path: Path):
     device = device_process(secured_broker.url, "dev_sec", tmp_path, "--username", "dev_sec", "--password", "nope")
-    assert device.wait(WAIT_S) == 1
+    assert device.wait(WAIT_S) == 2
     assert b"refused the connection" in device.stderr.read()
 
 

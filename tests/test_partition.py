@@ -163,6 +163,15 @@ def test_write_shards_removes_shard_files_of_an_earlier_larger_run(tmp_path):
     assert names == ["client_000.npz", "client_001.npz", "notes.txt"]
 
 
+def test_write_shards_with_another_name_pattern_removes_only_files_of_that_pattern(tmp_path):
+    shards = make_client_shards(_data(), "pathological", num_clients=5, seed=0, min_samples=40)
+    write_shards(shards[:1], tmp_path)
+    write_shards(shards, tmp_path, filename="dev_{:03d}.npz")
+    write_shards(shards[:2], tmp_path, filename="dev_{:03d}.npz")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["client_000.npz", "dev_000.npz", "dev_001.npz"]
+
+
 def test_partition_summary_counts_samples_per_class():
     shards = make_client_shards(_data(), "pathological", num_clients=5, seed=0, min_samples=40)
     summary = partition_summary(shards)

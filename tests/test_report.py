@@ -1,11 +1,14 @@
 """Run outputs: metrics.jsonl lines, the accuracy summary, report.md and its PNG plots."""
 from __future__ import annotations
 
+import csv
+
 import pytest
 
 from server.coordinator import Evaluation
-from server.report import (ACCURACY_PLOT, BYTES_PLOT, EVALUATION_NOTE, evaluation_summary, read_metrics, tiers_of,
-                           write_metrics, write_report)
+from server.report import (ACCURACY_PLOT, BYTES_PLOT, DEVICE_PLOT, EVALUATION_NOTE, METRICS_CSV, accuracy_figure,
+                           device_accuracies, evaluation_summary, read_metrics, tier_accuracy, tiers_of,
+                           training_mb_by_tier, write_metrics, write_metrics_csv, write_report)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -61,3 +64,70 @@ def test_report_has_settings_rounds_evaluation_note_and_plots(tmp_path):
 
 def test_report_of_a_run_without_evaluations_says_so(tmp_path):
     assert "no round was evaluated" in write_report(tmp_path, [record(1, None)], {}).read_text()
+
+
+def test_the_bytes_plot_counts_training_traffic_as_the_table_does_without_evaluation_downloads():
+    last = record(3, bytes_down_eval=700_000,
+                  bytes_by_tier={"1": {"down": 600_000, "up": 300_000, "artifacts": 0, "eval": 400_000},
+                                 "0.25": {"down": 400_000, "up": 200_000, "artifacts": 0, "eval": 300_000}})
+    heights = training_mb_by_tier([record(1), last])
+    assert heights == {"1": [0.9, 0.9], "0.25": [0.6, 0.6]}
+    assert sum(h[1] for h in heights.values()) == pytest.approx((last["bytes_down"] + last["bytes_up"]) / 1e6)
+
+
+def test_the_report_names_evaluation_only_downloads_apart(tmp_path):
+    text = write_report(tmp_path, [record(1), record(2, bytes_down_eval=700_000)], {}).read_text()
+    assert "3.00 MB, and 0.70 MB of evaluation-only downloads" in text
+    assert "| 1.00 | 0.50 | 0.00 | 0.70 | 2.0 |" in text
+
+
+def test_the_accuracy_plot_has_a_title_and_a_legend_that_explains_the_band():
+    ax = accuracy_figure([record(1, 0.4), record(2, 0.6)]).axes[0]
+    assert ax.get_title()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "accuracy: Σ correct / Σ test samples", "± 1 std of the devices' accuracies"]
+
+
+def per_device(**accuracies: tuple[float, str]) -> dict:
+    return {"per_device": {d: {"accuracy": a, "tier": t} for d, (a, t) in accuracies.items()}}
+
+
+DEVICE_RECORDS = [record(1, 0.5, **per_device(dev_000=(0.4, "1"), dev_001=(0.6, "0.25"), dev_002=(0.5, "0.25"))),
+                  record(2, 0.7, **per_device(dev_000=(0.8, "1"), dev_001=(0.7, "0.25"))),
+                  record(3, None)]
+
+
+def test_device_accuracies_follow_each_device_over_the_rounds_it_was_evaluated():
+    assert device_accuracies(DEVICE_RECORDS) == {"dev_000": ("1", [(1, 0.4), (2, 0.8)]),
+                                                 "dev_001": ("0.25", [(1, 0.6), (2, 0.7)]),
+                                                 "dev_002": ("0.25", [(1, 0.5)])}
+
+
+def test_tier_accuracy_is_the_mean_over_the_tiers_devices_each_round_largest_ratio_first():
+    tiers = tier_accuracy(DEVICE_RECORDS)
+    assert list(tiers) == ["1", "0.25"]
+    assert tiers["0.25"] == [(1, pytest.approx(0.55)), (2, pytest.approx(0.7))]
+
+
+def test_the_report_tabulates_tiers_and_devices_and_plots_them(tmp_path):
+    text = write_report(tmp_path, DEVICE_RECORDS, {}).read_text()
+    assert "| 0.25 | 2 | 0.6000 | 0.5000 | 0.7000 |" in text
+    assert "| dev_002 | 0.25 | 0.5000 | 1 |" in text
+    assert f"]({DEVICE_PLOT})" in text
+    assert (tmp_path / DEVICE_PLOT).read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_run_without_per_device_records_has_no_device_section_or_plot(tmp_path):
+    text = write_report(tmp_path, [record(1)], {}).read_text()
+    assert DEVICE_PLOT not in text and not (tmp_path / DEVICE_PLOT).exists()
+
+
+def test_metrics_csv_holds_one_row_per_round_of_the_scalar_fields(tmp_path):
+    path = tmp_path / METRICS_CSV
+    write_metrics_csv(path, [record(1, aggregated=True), record(2, None)])
+    rows = list(csv.DictReader(path.open()))
+    assert [r["round"] for r in rows] == ["1", "2"]
+    assert rows[0]["accuracy"] == "0.5" and rows[1]["accuracy"] == "" and rows[0]["aggregated"] == "true"
+    assert rows[1]["aggregated"] == "" and float(rows[0]["bytes_down"]) == 1_000_000
+    assert "bytes_by_tier" not in rows[0] and "dropped" not in rows[0]
+    assert next(iter(rows[0])) == "round"

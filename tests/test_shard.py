@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_runtime.shard import Shard, ShardError, load_shard, save_shard, shard_filename
+from device_runtime.shard import ZIP_MAGIC, Shard, ShardError, load_shard, save_shard
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVER_ONLY = {"torch", "onnx", "scipy", "sklearn"}
@@ -44,10 +44,6 @@ def test_save_then_load_returns_identical_arrays(tmp_path):
 def test_save_writes_exactly_the_given_path(tmp_path):
     save_shard(tmp_path / "shard.bin", Shard(**_arrays()))
     assert [p.name for p in tmp_path.iterdir()] == ["shard.bin"]
-
-
-def test_shard_filename_is_zero_padded():
-    assert shard_filename(7) == "client_007.npz"
 
 
 def test_load_rejects_missing_key(tmp_path):
@@ -95,7 +91,25 @@ def test_load_rejects_pickled_object_array(tmp_path):
 def test_load_rejects_a_file_that_is_not_npz(tmp_path):
     path = tmp_path / "s.npz"
     path.write_text("not an archive")
-    with pytest.raises(ShardError, match="not a pickle-free .npz"):
+    with pytest.raises(ShardError, match=r"s\.npz is not a \.npz archive: it starts with b'not '"):
+        load_shard(path)
+
+
+def test_load_reports_a_shard_damaged_in_the_middle_as_corrupt(tmp_path):
+    path = tmp_path / "s.npz"
+    save_shard(path, Shard(**_arrays()))
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(ZIP_MAGIC, 1) - 1] ^= 0xFF  # the last data byte of the first member (x_train.npy)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ShardError, match=r"s\.npz is corrupt \(Bad CRC-32"):
+        load_shard(path)
+
+
+def test_load_reports_a_truncated_shard_as_corrupt(tmp_path):
+    path = tmp_path / "s.npz"
+    save_shard(path, Shard(**_arrays()))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ShardError, match=r"s\.npz is corrupt"):
         load_shard(path)
 
 

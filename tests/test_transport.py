@@ -21,7 +21,6 @@ from device_runtime import transport
 from device_runtime.protocol import Topics, chunk, server_subscriptions
 from device_runtime.transport import (BrokerRefusedError, BrokerURL, ConnectTimeoutError, FrameTooLargeError,
                                       MqttEndpoint, PublishError)
-from scripts.mosquitto_credentials import main as credentials_cli
 from server.mosquitto_config import TlsFiles, acl_text, mosquitto_password_hash, write_mosquitto_auth
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -254,14 +253,6 @@ def test_acl_grants_each_device_only_its_own_topics() -> None:
     device_block = acl_text(PREFIX, "server", ["dev1"]).split("\n\n")[1]
     assert device_block.splitlines() == [
         "user dev1", f"topic write {DEV1.up}", f"topic write {DEV1.status}", f"topic read {DEV1.down}"]
-
-
-def test_credentials_cli_writes_passwd_and_acl(tmp_path: Path) -> None:
-    credentials_cli(["--out", str(tmp_path), "--prefix", PREFIX, "--server-user", "server",
-                     "--server-password", "s3", "--device", "dev1:pw1", "--device", "dev2:pw2"])
-    users = [line.split(":")[0] for line in (tmp_path / "passwd").read_text().splitlines()]
-    assert users == ["server", "dev1", "dev2"]
-    assert f"topic write {DEV2.down}" in (tmp_path / "acl").read_text()
 
 
 @pytest.fixture

@@ -1,0 +1,77 @@
+"""Waiting for the broker when a device starts: say why it is not reachable, at a bounded rate, and give up
+after ``--connect-timeout`` seconds (0: never) instead of printing "waiting" forever.
+
+paho retries in its network thread and keeps the reason of a failed attempt to itself, so the reason comes
+from ``unreachable_reason``: one plain TCP connection to the broker's address. The decisions (report now?
+give up?) are plain functions of the clock.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from device_runtime.transport import ConnectTimeoutError, MqttEndpoint
+
+LOG = logging.getLogger("fedara.device")
+REPORT_EVERY_S = 10.0
+POLL_S = 1.0
+PROBE_TIMEOUT_S = 3.0
+
+
+class BrokerUnreachableError(RuntimeError):
+    """No connection to the broker within the connect timeout; the message says why."""
+
+
+def report_due(last_report: float | None, now: float, every_s: float = REPORT_EVERY_S) -> bool:
+    """Whether to say again why the broker is unreachable: at the first failure, then every ``every_s``."""
+    return last_report is None or now - last_report >= every_s
+
+
+def timed_out(started: float, now: float, timeout_s: float) -> bool:
+    """Whether the wait that began at ``started`` is over (``timeout_s`` 0: it never is)."""
+    return timeout_s > 0 and now - started >= timeout_s
+
+
+def unreachable_reason(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> str:
+    """Why an MQTT connection to host:port does not come up, in words an operator can act on."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except ConnectionRefusedError:
+        return f"connection refused (is the broker running at {host}:{port}?)"
+    except socket.gaierror as exc:
+        return f"cannot resolve the broker host {host!r}: {exc.strerror}"
+    except TimeoutError:
+        return f"no answer from {host}:{port} within {timeout_s:g} s (wrong host, or a firewall?)"
+    except OSError as exc:
+        return f"cannot reach {host}:{port}: {exc.strerror or exc}"
+    return (f"{host}:{port} accepts TCP connections but no MQTT session comes up (mqtts:// against a plain "
+            f"listener, mqtt:// against a TLS one, or a --tls-ca that did not sign the broker's certificate?)")
+
+
+def wait_for_broker(endpoint: MqttEndpoint, stop: threading.Event, timeout_s: float, *,
+                    clock: Callable[[], float] = time.monotonic,
+                    reason: Callable[[str, int], str] = unreachable_reason) -> bool:
+    """Block until ``endpoint`` is connected (True) or ``stop`` is set (False), logging why it is not at most
+    every REPORT_EVERY_S; raise BrokerUnreachableError after ``timeout_s`` (0: wait for ever).
+
+    BrokerRefusedError (the broker answered and refused these credentials) passes through.
+    """
+    host, port = endpoint.url.host, endpoint.url.port
+    started, last_report = clock(), None
+    while not stop.is_set():
+        try:
+            endpoint.wait_connected(POLL_S)
+            return True
+        except ConnectTimeoutError:
+            now = clock()
+            if timed_out(started, now, timeout_s):
+                raise BrokerUnreachableError(f"no broker at {host}:{port} after --connect-timeout {timeout_s:g} s: "
+                                             f"{reason(host, port)}") from None
+            if report_due(last_report, now):
+                last_report = now
+                LOG.warning("%s; retrying", reason(host, port))
+    return False
