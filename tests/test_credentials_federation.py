@@ -16,7 +16,7 @@ import pytest
 
 from device_runtime.__main__ import PASSWORD_ENV
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX, parse_task, update_message
-from device_runtime.protocol import MessageType, Topics, decode, encode
+from device_runtime.protocol import MessageType, Topics, decode
 from device_runtime.task import Update
 from device_runtime.transport import BrokerRefusedError, MqttEndpoint
 from server import broker_loop
@@ -25,13 +25,21 @@ from server.partition import write_shards
 from server.report import METRICS_FILE, read_metrics
 from server.simulate import build_parser as simulate_parser
 from server.simulate import prepare
+from server.enrollment import save_enrollment
 from tests.mqtt_peer import MqttPeer
+from tests.sealing import seal_up, write_key
 from tests.test_transport import tls_files  # noqa: F401  (a fixture: the test CA and the broker's certificate)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFIX = DEFAULT_TOPIC_PREFIX
 VICTIM, IMPOSTOR = "dev_000", "dev_001"
 PASSWORDS = {VICTIM: "victim-pw", IMPOSTOR: "impostor-pw"}
+KEYS = {VICTIM: bytes([1]) * 32, IMPOSTOR: bytes([2]) * 32}
+"""Each device's own key: the impostor holds dev_001's, never dev_000's."""
+
+
+def enrolled(path: Path) -> Path:
+    return save_enrollment(path, KEYS)
 SERVER_USER, SERVER_PASSWORD = "server", "server-pw"
 QUICK = ["--dataset", "digits", "--max-samples", "300", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
          "--lam", "2", "--lam-warmup", "1", "--threads", "1"]
@@ -53,7 +61,8 @@ def start_devices(url: str, ca: Path, directory: Path) -> list[subprocess.Popen]
     shards = write_shards([c.shard for c in clients], directory / "shards")
     return [subprocess.Popen([sys.executable, "-m", "device_runtime", "--broker", url, "--device-id", device_id,
                               "--username", device_id, "--tls-ca", str(ca), "--data", str(shard),
-                              "--workdir", str(directory / device_id)],
+                              "--workdir", str(directory / device_id),
+                              "--key-file", str(write_key(directory / "keys" / f"{device_id}.key", KEYS[device_id]))],
                              cwd=REPO_ROOT, env={**os.environ, PASSWORD_ENV: PASSWORDS[device_id]},
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for device_id, shard in zip(PASSWORDS, shards)]
@@ -82,7 +91,7 @@ class Impostor(MqttPeer):
         nan_fe = {name: np.full_like(value, np.nan) for name, value in task.fe.items()}
         forged = update_message(Update(task.round, nan_fe, 1, 0.0, 0.0, dict(EVAL)), plan_hash=plan_hash,
                                 device_id=VICTIM, run_id=task_msg.run_id)
-        for topic, payload in ((self.victim.up, encode(forged)), (self.victim.up, b"not an envelope"),
+        for topic, payload in ((self.victim.up, seal_up(forged, KEYS[IMPOSTOR])), (self.victim.up, b"not an envelope"),
                                (self.own.up, b"not an envelope")):
             self.endpoint.publish(topic, payload, f"impostor-{uuid.uuid4().hex}", wait=True)
         self.attacks += 1
@@ -97,7 +106,8 @@ def test_device_cannot_write_or_read_another_devices_topics_during_a_federation(
                                      "--broker", secured_broker.url, "--username", SERVER_USER,
                                      "--password", SERVER_PASSWORD, "--tls-ca", str(tls_files.cafile),
                                      "--join-timeout", "60", "--round-deadline", "60",
-                                     "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")]) == 0
+                                     "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"),
+                                     "--enroll", str(enrolled(tmp_path / "enroll.json"))]) == 0
     finally:
         for device in devices:
             device.terminate()
@@ -108,7 +118,7 @@ def test_device_cannot_write_or_read_another_devices_topics_during_a_federation(
     assert [r["participants"] for r in records] == [len(PASSWORDS)] * ROUNDS
     assert all(r["dropped"] == {} for r in records)
     log = (tmp_path / "run" / broker_loop.SERVER_LOG).read_text()
-    assert f"dropped a message from {IMPOSTOR}" in log
+    assert f"dropped a message on {impostor.own.up}" in log
     assert f"from {VICTIM}:" not in log and f"on {impostor.victim.up}" not in log
     assert f"dropped an update from {VICTIM}" not in log
 

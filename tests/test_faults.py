@@ -29,7 +29,7 @@ import pytest
 from device_runtime.agent import HEADS_DIR, STATE_FILE, DeviceAgent, Workdir
 from device_runtime.messages import ARTIFACT_BLOBS, DEFAULT_TOPIC_PREFIX, Plan, parse_update, plan_message, task_message
 from device_runtime.profile import collect_profile
-from device_runtime.protocol import Message, Topics, decode, encode
+from device_runtime.protocol import Message, Topics, decode
 from device_runtime.shard import Shard
 from device_runtime.task import Task
 from export.artifacts import build_artifacts
@@ -41,7 +41,10 @@ from server.partition import write_shards
 from server.report import METRICS_FILE, read_metrics
 from server.simulate import build_clients, build_parser, config_from_args, make_backend, prepare, run_federation
 
+from tests.sealing import device_link, enrollment_file, seal_down, write_key
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
          "--lam", "2", "--lam-warmup", "1", "--threads", "1"]
 DEVICES = [f"dev_{i:03d}" for i in range(5)]
@@ -90,7 +93,8 @@ class FederationProcesses:
         command = [sys.executable, "-m", "server.broker_loop", *QUICK, "--rounds", str(ROUNDS), "--rank-ratio",
                    str(RATIO), "--broker", self.broker_url, "--min-devices", str(len(DEVICES)),
                    "--round-deadline", str(deadline_s), "--join-timeout", str(RUN_TIMEOUT_S),
-                   "--cache-dir", str(self.cache), "--out", str(self.out), *extra]
+                   "--cache-dir", str(self.cache), "--out", str(self.out),
+                   "--enroll", str(enrollment_file(self.out / "enrollment.json", DEVICES)), *extra]
         self.server = self._spawn(command, self.out / SERVER_OUT)
         self.wait(lambda: self.server_log().count(SERVER_LISTENS) > started, "the server listening")
 
@@ -103,7 +107,7 @@ class FederationProcesses:
     def start_device(self, device_id: str) -> None:
         command = [sys.executable, "-m", "device_runtime", "--broker", self.broker_url, "--device-id", device_id,
                    "--data", str(self.shard_paths[device_id]), "--workdir", str(self.workdir(device_id)),
-                   "--threads", "1"]
+                   "--threads", "1", "--key-file", str(write_key(self.out / "keys" / f"{device_id}.key"))]
         self.devices[device_id] = self._spawn(command, self.device_log(device_id))
 
     def _spawn(self, command: list[str], log_path: Path) -> subprocess.Popen:
@@ -330,14 +334,14 @@ class Outbox:
 def device_agent(workdir: Path, shard: Shard) -> tuple[DeviceAgent, Outbox]:
     outbox = Outbox()
     agent = DeviceAgent("dev_c", shard, collect_profile(None, 1), outbox, Workdir(workdir),
-                        Topics(DEFAULT_TOPIC_PREFIX, "dev_c"))
+                        Topics(DEFAULT_TOPIC_PREFIX, "dev_c"), device_link("dev_c", workdir.parent / f"{workdir.name}-auth"))
     agent.restore_plan()
     return agent, outbox
 
 
 def serve(agent: DeviceAgent, *messages: Message) -> None:
     for msg in messages:
-        agent.handle(agent.topics.down, encode(msg))
+        agent.handle(agent.topics.down, seal_down(msg))
 
 
 def test_device_killed_before_committing_a_round_trains_it_again_from_its_committed_head(
