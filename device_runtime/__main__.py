@@ -105,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"must be positive, got {args.max_inbound_mb}")
         max_inbound = int(args.max_inbound_mb * 1024 * 1024)
         flag = "--key-file"
-        link = Link.device(args.device_id, read_key_file(args.key_file), os.path.join(args.workdir, AUTH_DIR),
-                           max_inbound)
+        key = read_key_file(args.key_file, "file")
+        flag = "--workdir"
+        workdir = Workdir(args.workdir)
+        link = Link.device(args.device_id, key, os.path.join(args.workdir, AUTH_DIR), max_inbound)
         flag = "--broker"
         username = args.username or BrokerURL.parse(args.broker).username or args.device_id
         endpoint = MqttEndpoint(args.device_id, args.broker, subscriptions=[topics.down],
@@ -114,8 +116,6 @@ def main(argv: list[str] | None = None) -> int:
                                 password=args.password or os.environ.get(PASSWORD_ENV), tls_ca=args.tls_ca,
                                 max_frame_bytes=args.max_message_bytes, max_message_bytes=max_inbound,
                                 clean_session=False)
-        flag = "--workdir"
-        workdir = Workdir(args.workdir)
     except (ProtocolError, ShardError, ProfileError, ValueError, OSError) as exc:
         print(f"error: {flag}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

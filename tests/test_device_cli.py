@@ -15,6 +15,7 @@ from device_runtime.__main__ import PASSWORD_ENV
 from device_runtime.shard import ZIP_MAGIC, Shard, save_shard
 from server.mosquitto_config import write_mosquitto_auth
 from tests.conftest import free_loopback_port
+from tests.sealing import write_key
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEVICE_ID = "dev_000"
@@ -34,7 +35,8 @@ def shard_path(tmp_path: Path) -> Path:
 
 def device_args(data: Path, workdir: Path, broker: str = "mqtt://127.0.0.1:1", *extra: str) -> list[str]:
     return [sys.executable, "-m", "device_runtime", "--broker", broker, "--device-id", DEVICE_ID,
-            "--data", str(data), "--workdir", str(workdir), *extra]
+            "--data", str(data), "--workdir", str(workdir),
+            "--key-file", str(write_key(workdir.parent / f"{DEVICE_ID}.key")), *extra]
 
 
 def run_device(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -79,6 +81,14 @@ def test_a_missing_shard_names_the_flag(tmp_path: Path):
 
 def test_a_workdir_that_is_a_file_names_the_flag(shard_path: Path, tmp_path: Path):
     assert_bad_input(run_device(*device_args(shard_path, shard_path)), "error: --workdir:")
+
+
+def test_a_key_file_that_is_not_a_key_names_the_flag_and_the_format(shard_path: Path, tmp_path: Path):
+    (tmp_path / "bad.key").write_text("not a key\n")
+    args = device_args(shard_path, tmp_path / "work")
+    args[args.index("--key-file") + 1] = str(tmp_path / "bad.key")
+    assert_bad_input(run_device(*args), "error: --key-file: file")
+    assert "64 hex digits" in run_device(*args).stderr
 
 
 @pytest.mark.parametrize("flag, value, message", [

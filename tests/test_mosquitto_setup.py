@@ -123,7 +123,8 @@ def test_two_devices_federate_through_the_setup_and_a_wrong_password_is_refused(
         devices = [subprocess.Popen([sys.executable, "-m", "device_runtime", "--broker", broker.url,
                                      "--device-id", device_id,
                                      "--data", str(reachable_dir / "shards" / f"{device_id}.npz"),
-                                     "--workdir", str(reachable_dir / device_id)],
+                                     "--workdir", str(reachable_dir / device_id),
+                                     "--key-file", str(setup / "keys" / f"{device_id}.key")],
                                     cwd=REPO_ROOT, env={**os.environ, PASSWORD_ENV: passwords[device_id]},
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                    for device_id in ("dev_000", "dev_001")]
@@ -131,7 +132,7 @@ def test_two_devices_federate_through_the_setup_and_a_wrong_password_is_refused(
         assert broker_loop.main([*DATA, *TRAINING, "--rounds", str(ROUNDS), "--min-devices", "2",
                                  "--broker", broker.url, "--username", "server", "--join-timeout", "60",
                                  "--round-deadline", "60", "--cache-dir", str(reachable_dir / "cache"),
-                                 "--out", str(reachable_dir / "run")]) == 0
+                                 "--out", str(reachable_dir / "run"), "--enroll", str(setup / "enrollment.json")]) == 0
         intruder = MqttEndpoint("dev_001", broker.url, username="dev_001", password="wrong")
         intruder.start()
         try:
