@@ -26,6 +26,7 @@ from server.embedded_broker import EmbeddedBroker
 from server.lowrank import RankPlan, resolve_plan
 from server.models import build_model
 from server.partition import make_client_shards, write_shards
+from tests.sealing import enrollment_file, write_key
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "build_device_bundle.py"
@@ -160,10 +161,12 @@ def test_installed_device_joins_a_federation_over_a_local_broker_and_trains(pref
         server = subprocess.Popen([sys.executable, "-m", "server.broker_loop", "--dataset", "digits", "--broker", url,
                                    "--min-devices", "1", "--rounds", "1", "--batch-size", "64", "--max-samples", "0",
                                    "--rank-ratio", "0.25", "--round-deadline", "120", "--join-timeout", "120",
-                                   "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
+                                   "--cache-dir", str(tmp_path / "cache"), "--out", str(out),
+                                   "--enroll", str(enrollment_file(tmp_path / "enroll.json", ["dev_000"]))],
                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         device = subprocess.Popen([venv_python(prefix), "-m", "device_runtime", "--broker", url, "--device-id", "dev_000",
-                                   "--data", str(shard_path), "--workdir", str(tmp_path / "device")],
+                                   "--data", str(shard_path), "--workdir", str(tmp_path / "device"),
+                                   "--key-file", str(write_key(tmp_path / "dev_000.key"))],
                                   cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True)
         try:
