@@ -214,6 +214,7 @@ class DeviceAgent:
             LOG.warning("plan %s cannot be restored: %s", self.state.plan_hash[:12], exc)
             return
         self._load_plan(self.state.plan_hash)
+        self._limit_inbound(self.state.plan_hash)
 
     def join(self) -> None:
         """Announce this device: its resource profile, what its shard holds, the artifact sets it caches."""

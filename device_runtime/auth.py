@@ -323,7 +323,8 @@ def _read_json(path: Path, default: dict[str, object]) -> dict[str, object]:
     except FileNotFoundError:
         return default
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: unreadable ({exc}); delete it only if this sender's key is rotated too") from None
+        raise ValueError(f"{path}: unreadable ({exc}); restore it from a backup or remove it (its counters then "
+                         "restart from the clock)") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return data

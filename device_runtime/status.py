@@ -11,10 +11,9 @@ import re
 from dataclasses import dataclass
 
 from device_runtime.auth import NONCE_BYTES, STATUS_OFFLINE, STATUS_ONLINE, CounterSource, Direction
+from device_runtime.messages import NO_RUN
 from device_runtime.protocol import Message, MessageType, seal
 
-STATUS_RUN = "none"
-"""run_id of status frames: a connection outlives runs, so status frames belong to none."""
 _NONCE_RE = re.compile(r"[0-9a-f]{%d}" % (2 * NONCE_BYTES))
 
 
@@ -33,8 +32,8 @@ class Status:
 
 
 def status_message(status: Status, *, device_id: str) -> Message:
-    """The STATUS message saying ``status`` for ``device_id``."""
-    return Message(MessageType.STATUS, STATUS_RUN, 0, device_id, f"status-{status.state}-{status.nonce}",
+    """The STATUS message saying ``status`` for ``device_id``; of no run, as a connection outlives runs."""
+    return Message(MessageType.STATUS, NO_RUN, 0, device_id, f"status-{status.state}-{status.nonce}",
                    {"state": status.state, "nonce": status.nonce})
 
 
