@@ -61,3 +61,13 @@ def test_report_has_settings_rounds_evaluation_note_and_plots(tmp_path):
 
 def test_report_of_a_run_without_evaluations_says_so(tmp_path):
     assert "no round was evaluated" in write_report(tmp_path, [record(1, None)], {}).read_text()
+
+
+def test_scalars_csv_has_one_row_per_round_with_every_scalar(tmp_path):
+    from server.report import write_scalars_csv
+    path = write_scalars_csv(tmp_path, [record(1, 0.4), record(2, None)])
+    header, first, second = path.read_text().splitlines()
+    keys = header.split(",")
+    assert "accuracy" in keys and "bytes_up" in keys and "bytes_by_tier" not in keys and "dropped" not in keys
+    assert dict(zip(keys, first.split(",")))["accuracy"] == "0.4"
+    assert dict(zip(keys, second.split(",")))["accuracy"] == ""
