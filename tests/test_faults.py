@@ -272,7 +272,7 @@ def test_device_killed_mid_round_is_dropped_at_the_deadline_and_rejoins_with_its
     assert (faulty["participants"], faulty["selected"], faulty["aggregated"]) == (4, 5, True)
     assert (after["participants"], after["selected"], after["dropped"], after["bytes_artifacts"]) == (5, 5, {}, 0)
     log = federation.device_log(SLOW).read_text()
-    assert log.count("installed artifacts") == 1 and log.count("restored head of plan") == 1
+    assert log.count("installed artifacts") == 1 and log.count("restored the personal tensors of plan") == 1
     heads = [p.name for p in (federation.workdir(SLOW) / HEADS_DIR).iterdir()]
     assert len(heads) == 1 and heads[0].endswith(f"-{FAULT_ROUND + 1}.npz")  # trained the round after its restart
 
