@@ -356,7 +356,8 @@ def test_device_killed_before_committing_a_round_trains_it_again_from_its_commit
     artifacts = build_artifacts(model, {}, shard.input_shape, shard.num_classes, cache)
     files = {name: (artifacts.directory / name).read_bytes() for name in ARTIFACT_BLOBS}
     fe = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if k.startswith("fe.")}
-    plan = plan_message(Plan(artifacts.hash, 1.0, "dense", files), device_id="dev_c", run_id="run")
+    head = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if k.startswith("head.")}
+    plan = plan_message(Plan(artifacts.hash, 1.0, "dense", files, head), device_id="dev_c", run_id="run")
     first, second = (task_message(Task(round=r, weights=fe, lam=0.0, mu=0.0, lr=0.05, phases=(Phase("all", 1),),
                                        batch_size=16, seed=r),
                                   plan_hash=artifacts.hash, device_id="dev_c", run_id="run") for r in (1, 2))

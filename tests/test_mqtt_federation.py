@@ -356,8 +356,13 @@ def dense_task(model, round_index: int = 1) -> Task:
                 seed=round_index)
 
 
-def plan_for(artifacts, files: dict[str, bytes]) -> Plan:
-    return Plan(artifacts.hash, 1.0, "dense", files)
+def initial_head(model) -> dict[str, np.ndarray]:
+    """What the server's PLAN says a device keeps to itself (FedARA: the head)."""
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if k.startswith("head.")}
+
+
+def plan_for(artifacts, files: dict[str, bytes], model=None) -> Plan:
+    return Plan(artifacts.hash, 1.0, "dense", files, {} if model is None else initial_head(model))
 
 
 def test_device_refuses_artifacts_that_fail_verification(dense_artifacts, tmp_path: Path):
@@ -374,7 +379,8 @@ def test_device_refuses_artifacts_that_fail_verification(dense_artifacts, tmp_pa
 def test_device_answers_a_repeated_task_with_its_saved_answer(dense_artifacts, tmp_path: Path):
     model, artifacts = dense_artifacts
     agent, endpoint = make_agent(tmp_path / "work", tiny_shard(tmp_path / "shard.npz"))
-    deliver(agent, plan_message(plan_for(artifacts, artifact_files(artifacts)), device_id="dev_t", run_id="run1"))
+    deliver(agent, plan_message(plan_for(artifacts, artifact_files(artifacts), model), device_id="dev_t",
+                                run_id="run1"))
     task = task_message(dense_task(model), plan_hash=artifacts.hash, device_id="dev_t", run_id="run1")
     deliver(agent, task)
     deliver(agent, task)
@@ -387,13 +393,20 @@ def test_restarted_device_lists_its_artifacts_and_keeps_its_head(dense_artifacts
     model, artifacts = dense_artifacts
     shard = tiny_shard(tmp_path / "shard.npz")
     agent, _ = make_agent(tmp_path / "work", shard)
-    deliver(agent, plan_message(plan_for(artifacts, artifact_files(artifacts)), device_id="dev_t", run_id="run1"))
+    deliver(agent, plan_message(plan_for(artifacts, artifact_files(artifacts), model), device_id="dev_t",
+                                run_id="run1"))
     deliver(agent, task_message(dense_task(model), plan_hash=artifacts.hash, device_id="dev_t", run_id="run1"))
     trained_head = agent.trainer.get_head()
     restarted, endpoint = make_agent(tmp_path / "work", shard)
     restarted.restore_plan()
     restarted.join()
     assert parse_join(endpoint.messages()[0]).artifacts == (artifacts.hash,)
+    for name, value in trained_head.items():
+        np.testing.assert_array_equal(restarted.trainer.get_head()[name], value)
+    # The server answers its JOIN with the plan and the run's initial head: a device that holds a trained head
+    # of this run keeps it.
+    deliver(restarted, plan_message(plan_for(artifacts, {}, model), device_id="dev_t", run_id="run1"))
+    assert endpoint.messages()[-1].type == MessageType.ACK
     for name, value in trained_head.items():
         np.testing.assert_array_equal(restarted.trainer.get_head()[name], value)
 
