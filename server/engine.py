@@ -340,7 +340,9 @@ class RoundEngine:
         tiers = self.pending.pop("tiers")
         per_device = {d: {"accuracy": e.correct / e.total if e.total else None, "tier": tiers.get(d, "-")}
                       for d, e in sorted(result.evaluations.items())}
-        record = dict(self.pending, **evaluation_summary(result.evaluations.values()), per_device=per_device,
+        # In device-id order, not arrival order: the std and mean loss (float sums) must not depend on timing.
+        ordered = [result.evaluations[d] for d in sorted(result.evaluations)]
+        record = dict(self.pending, **evaluation_summary(ordered), per_device=per_device,
                       per_tier=_per_tier(result.evaluations, tiers))
         self.records.append(record)
         self.pending = None
