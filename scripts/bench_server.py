@@ -14,6 +14,7 @@ subprocess measures, with ``--threads`` torch threads (default 2: both cores):
 - the FLOP floor: Σ_k Σ_layers r_k·m·n multiply-adds of the factor products, against the float32 GEMM rate
   measured in the same worker on the fold's shape.
 - checkpoint: ``save_checkpoint`` of the new global FE with per-device bookkeeping (bytes, seconds).
+- bytes: each tier's task FE, and the round's task bytes for K clients.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from device_runtime.task import tensor_bytes  # noqa: E402
 from server.aggregate import DEFAULT_FOLD_COLUMNS, StreamingAverage  # noqa: E402
 from server.checkpoint import CHECKPOINT_NAME, Checkpoint, save_checkpoint  # noqa: E402
 from server.lowrank import (RankPlan, ResolvedPlan, fe_state, matrix_shape, reconstruct_state, resolve_plan,  # noqa: E402
@@ -256,6 +258,8 @@ def run_configuration(input_shape: tuple[int, int, int], num_clients: int, per_c
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = measure_checkpoint(new_fe, plans, num_clients, samples, Path(tmp))
     return dict(input_shape=shape_name(input_shape), clients=num_clients, plans=[p.describe() for p in plans],
+                plan_task_bytes=[tensor_bytes(per_plan[plan_key(p)]) for p in plans],
+                tasks_total_bytes=sum(tensor_bytes(per_plan[plan_key(p)]) for p in client_plans),
                 factorize=factorize, batched=batched, per_client=per_client,
                 per_client_over_batched=per_client["scaled_seconds"] / batched["seconds"],
                 floor=dict(multiply_adds=multiply_adds, gemm_shape=[rows, fold_columns, cols],
