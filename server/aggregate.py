@@ -18,8 +18,8 @@ import torch
 from server.lowrank import FACTOR_SUFFIXES, from_matrix, matrix_shape
 
 DEFAULT_FOLD_COLUMNS = 2048
-"""Inner dimension Σ r_k of one fold: wide enough for BLAS to run near peak (measured: 85 vs 50 GFLOP/s at 512
-on 2 cores), small enough that the buffer stays ~17 MiB for FedAvgCNN's 512×1600 fc1 in float32."""
+"""Inner dimension Σ r_k of one fold: several clients per product (5 of FedAvgCNN's r = 384 tier, 32 of r = 64),
+while the buffer stays ~17 MiB for its 512×1600 fc1 in float32 (try others: bench_server.py --fold-columns)."""
 DEFAULT_DENSE_FOLD_CLIENTS = 8
 """Dense updates summed in ``product_dtype`` before each float64 add: 8 float32 terms keep ~1e-7 relative error."""
 
@@ -73,9 +73,9 @@ class _FactorFold:
 class _DenseFold:
     """One dense tensor's float64 Σ n_k·W_k, fed through a float32 sum of at most ``clients`` updates.
 
-    A weighted add of a float32 update into float64 converts the update first (one extra copy per add; measured
-    2.5 ms for FedAvgCNN's 512×1600 fc1 on one thread); a float32 sum of a few updates (relative error ~1e-7) is
-    added to float64 once per fold instead.
+    A weighted add of a float32 update into float64 converts the update first (one extra copy per add, seen as an
+    aten::_to_copy per add in torch's profiler); a float32 sum of a few updates (relative error ~1e-7) is added
+    to float64 once per fold instead.
     """
 
     def __init__(self, shape: tuple[int, ...], clients: int, dtype: torch.dtype):
