@@ -155,7 +155,7 @@ def ort_memory_worker(spec: dict) -> dict:
     from device_runtime.auth import Direction
     from device_runtime.protocol import Message, MessageType, seal
     from device_runtime.shard import load_shard
-    from device_runtime.task import Task, tensor_bytes
+    from device_runtime.task import Phase, Task, tensor_bytes
     from device_runtime.trainer import DeviceTrainer, load_ort_capi
     load_ort_capi()
     rss_import = rss_bytes()
@@ -169,7 +169,7 @@ def ort_memory_worker(spec: dict) -> dict:
     trainer.compute_anchors(shard.x_train, shard.y_train)
     anchor_seconds = time.perf_counter() - start
     def local_round(batch_size: int):
-        task = Task(ROUND, trainer.get_fe(), LAM, MU, LR, 1, batch_size, SEED)
+        task = Task(ROUND, trainer.get_fe(), LAM, MU, LR, (Phase("all", 1),), batch_size, SEED)
         start = time.perf_counter()
         update = run_task(trainer, shard, task)
         return time.perf_counter() - start, update

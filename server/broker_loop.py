@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="mqtt://host:port or mqtts://... (default: an embedded broker on 127.0.0.1, free port)")
     mqtt.add_argument("--prefix", default=DEFAULT_TOPIC_PREFIX, help="MQTT topic prefix")
     mqtt.add_argument("--username", default=None)
-    mqtt.add_argument("--password", default=os.environ.get(PASSWORD_ENV), help=f"default: ${PASSWORD_ENV}")
+    mqtt.add_argument("--password", default=None, help=f"default: ${PASSWORD_ENV} (never shown here)")
     mqtt.add_argument("--tls-ca", default=None, help="CA certificate to verify an mqtts:// broker")
     mqtt.add_argument("--tls-cert", default=None, help="client certificate (with --tls-key)")
     mqtt.add_argument("--tls-key", default=None)
@@ -454,6 +454,7 @@ def predictor_for(plans: PlanBook, batch_size: int) -> Callable[[ResourceProfile
 
 def run(args: argparse.Namespace, out: RunFolder) -> None:
     """Set the run up (or resume it), connect, spawn the local devices, federate, report."""
+    args.password = args.password or os.environ.get(PASSWORD_ENV)
     config = check_args(args)
     check_broker_args(args)
     algorithm = get_algorithm(config.algo)

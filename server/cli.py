@@ -15,6 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from device_runtime.help_format import DefaultsHelpFormatter
 from server.algorithms import ALGORITHMS
 from server.data import DATASETS
 from server.models import MODELS
@@ -27,7 +28,7 @@ RUNS_DIR = "runs"
 DEFAULT_CACHE_DIR = "artifacts_cache"
 
 
-class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+class Formatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Help with every default shown and the description kept as written."""
 
 
@@ -37,9 +38,10 @@ def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, metavar="FILE.toml",
                    help="read flag values from a TOML file (keys are flag names); the command line wins")
     data = p.add_argument_group("data and model")
-    data.add_argument("--dataset", choices=DATASETS, default="fmnist")
+    data.add_argument("--dataset", choices=DATASETS, default="fmnist", help="read from files on this machine, never downloaded")
     data.add_argument("--data-dir", default=None, help="dataset folder (default: the dataset's standard place)")
-    data.add_argument("--partition", choices=("dirichlet", "pathological"), default="dirichlet")
+    data.add_argument("--partition", choices=("dirichlet", "pathological"), default="dirichlet",
+                      help="label skew across clients")
     data.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration")
     data.add_argument("--classes-per-client", type=int, default=2, help="pathological partition")
     data.add_argument("--min-samples", type=int, default=40,
@@ -49,7 +51,7 @@ def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
                       help=f"one of {', '.join(MODELS)}; with --algo local a comma list, round-robin by device id")
     algo = p.add_argument_group("algorithm (defaults: the paper's)")
     d = FederationConfig()
-    algo.add_argument("--algo", choices=tuple(ALGORITHMS), default=d.algo)
+    algo.add_argument("--algo", choices=tuple(ALGORITHMS), default=d.algo, help="one file each in server/algorithms/")
     tiers = algo.add_mutually_exclusive_group()
     tiers.add_argument("--rank-ratio", type=float, default=None,
                        help="one rank ratio for every client (1.0 = dense; FedARA* is 0.5)")
@@ -65,10 +67,10 @@ def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
     algo.add_argument("--lam", type=float, default=d.lam, help="anchor-loss weight λ (FedARA)")
     algo.add_argument("--lam-warmup", type=int, default=DEFAULT_LAM_WARMUP, help="rounds over which λ ramps up")
     algo.add_argument("--frob", type=float, default=DEFAULT_MU, help="Frobenius decay μ on factorized layers")
-    algo.add_argument("--rounds", type=int, default=d.rounds)
-    algo.add_argument("--local-epochs", type=int, default=d.local_epochs)
-    algo.add_argument("--batch-size", type=int, default=d.batch_size)
-    algo.add_argument("--lr", type=float, default=d.lr)
+    algo.add_argument("--rounds", type=int, default=d.rounds, help="federated rounds")
+    algo.add_argument("--local-epochs", type=int, default=d.local_epochs, help="passes over a client's data per round")
+    algo.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per SGD step")
+    algo.add_argument("--lr", type=float, default=d.lr, help="plain-SGD learning rate")
     algo.add_argument("--join-ratio", type=float, default=d.join_ratio, help="share of devices sampled per round")
     algo.add_argument("--seed", type=int, default=d.seed, help="seeds the partition, the model and every batch order")
     algo.add_argument("--threads", type=int, default=1, help="compute threads, of the server and of each device")

@@ -36,6 +36,8 @@ from server.strategy import FederationConfig, batch_seed, factorize_per_plan, pl
 
 LOG = logging.getLogger("fedara.engine")
 MAX_PLAN_RESENDS = 3
+MAX_HELD_BYTES = 256 << 20
+"""Accepted updates that may wait for a slower, lower-id device before being folded (order-independence)."""
 DENSE = 1.0
 
 
@@ -116,6 +118,10 @@ class RoundEngine:
         self._files_sent: dict[str, str] = {}  # device -> plan hash whose files it was last sent
         self._round_weights: dict[tuple, dict[str, np.ndarray]] = {}
         self._average: StreamingAverage | None = None
+        self._fold_order: list[str] = []
+        self._next = 0
+        self._held: dict[str, tuple[Update, int]] = {}
+        self._held_bytes = 0
         self._book = _Book(0.0)
 
     # -- devices --------------------------------------------------------------------------------
@@ -213,6 +219,9 @@ class RoundEngine:
         self._round_weights = factorize_per_plan(self.global_state, plans) if self.algorithm.aggregates else {}
         self._average = StreamingAverage(self.dense_shapes) if self.algorithm.aggregates else None
         self._sent_weight: dict[tuple, float] = {}  # plan -> Σ samples of its accepted updates (the updates rule)
+        self._fold_order, self._next = sorted(self.coordinator.open.train), 0
+        self._held: dict[str, tuple[Update, int]] = {}  # accepted, waiting for a lower id to be folded first
+        self._held_bytes = 0
         return {d: self.task(d) for d in opened.train + opened.evaluate}
 
     def _weights(self, device_id: str) -> dict[str, np.ndarray]:
@@ -258,24 +267,47 @@ class RoundEngine:
 
     def receive(self, device_id: str, msg: Message, now: float) -> Verdict:
         """Judge an UPDATE that arrived on ``device_id``'s topic; an accepted training update is folded into
-        the round's average at once (memory: one model, whatever the device count)."""
+        the round's average in device-id order (see :meth:`_fold_ready`)."""
         verdict = self.coordinator.judge(device_id, msg, now, expected=self._expected_shapes(device_id),
                                          screen=self._screen if self.norm_bound else None)
         if not verdict.accepted or device_id not in self.coordinator.open.train:
             return verdict
-        update = verdict.update
+        nbytes = tensor_bytes(msg.tensors)  # as sent: a clipped update is aggregated dense
+        self._held[device_id] = (verdict.update, nbytes)
+        self._held_bytes += tensor_bytes(verdict.update.weights)
+        self._fold_ready()
+        return verdict
+
+    def _fold_ready(self, *, closing: bool = False) -> None:
+        """Fold held updates into the average in device-id order, never in arrival order: float sums depend on
+        their order, and a run must not depend on which device answered first. An update waits only for the
+        training devices before it that may still answer; past ``MAX_HELD_BYTES`` of waiting updates they are
+        folded at once (in id order among themselves) and the run says so."""
+        order = self._fold_order
+        while self._next < len(order):
+            device_id = order[self._next]
+            if device_id in self._held:
+                self._fold(device_id)
+            elif not (closing or self._held_bytes > MAX_HELD_BYTES) and self.coordinator.awaits(device_id):
+                break
+            self._next += 1
+        if self._held_bytes > MAX_HELD_BYTES:
+            LOG.warning("%d updates wait for a slower device: folded now, in id order among themselves",
+                        len(self._held))
+
+    def _fold(self, device_id: str) -> None:
+        update, nbytes = self._held.pop(device_id)
+        self._held_bytes -= tensor_bytes(update.weights)
         book = self._book
         if self._average is not None:
             self._average.add(to_torch(update.weights), update.num_samples)
             key = plan_key(self.plan_info(device_id).resolved)
             self._sent_weight[key] = self._sent_weight.get(key, 0.0) + update.num_samples
-        nbytes = tensor_bytes(msg.tensors)  # as sent: a clipped update is aggregated dense
         book.bytes_up += nbytes
         book.count(tier_label(self.coordinator.devices[device_id].ratio), "up", nbytes)
         book.samples += update.num_samples
         book.loss_sum += update.train_loss * update.num_samples
         book.accuracy_sum += update.train_accuracy * update.num_samples
-        return verdict
 
     def _screen(self, device_id: str, update: Update) -> Update | str:
         """--update-norm-bound: the update to aggregate (clipped where it clips), or why it does not count."""
@@ -288,6 +320,7 @@ class RoundEngine:
         """Close the open round: aggregate when enough delivered (else keep the model), record it, and
         complete the previous round's record with the evaluations that came in. Returns the result and the
         record completed now (None for the first round)."""
+        self._fold_ready(closing=True)
         result = self.coordinator.close_round(now)
         for device_id, reason in result.dropped.items():
             if reason == NO_ANSWER:
@@ -340,7 +373,9 @@ class RoundEngine:
         tiers = self.pending.pop("tiers")
         per_device = {d: {"accuracy": e.correct / e.total if e.total else None, "tier": tiers.get(d, "-")}
                       for d, e in sorted(result.evaluations.items())}
-        record = dict(self.pending, **evaluation_summary(result.evaluations.values()), per_device=per_device,
+        # In device-id order, not arrival order: the std and mean loss (float sums) must not depend on timing.
+        ordered = [result.evaluations[d] for d in sorted(result.evaluations)]
+        record = dict(self.pending, **evaluation_summary(ordered), per_device=per_device,
                       per_tier=_per_tier(result.evaluations, tiers))
         self.records.append(record)
         self.pending = None

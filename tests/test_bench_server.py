@@ -24,7 +24,8 @@ def load_script():
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     """(JSON report, stdout) of a --quick run on one input shape."""
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--input-shape", QUICK_SHAPE, "--out", str(out)],
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--input-shape", QUICK_SHAPE,
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(out.read_text()), done.stdout
@@ -35,30 +36,43 @@ def test_quick_run_reports_every_client_count_and_phase(quick_run):
     bench = load_script()
     assert [(r["input_shape"], r["clients"]) for r in report["results"]] == [(QUICK_SHAPE, k) for k in bench.QUICK_CLIENTS]
     for result in report["results"]:
-        assert set(result) >= {"decompose", "aggregate", "checkpoint", "process_peak_rss_bytes", "plans"}
+        assert set(result) >= {"factorize", "batched", "per_client", "floor", "checkpoint", "process_peak_rss_bytes"}
         assert len(result["plans"]) == len(bench.TIERS)
 
 
-def test_quick_run_measures_positive_seconds_and_bytes(quick_run):
+def test_quick_run_measures_positive_seconds_bytes_and_rates(quick_run):
     report, _ = quick_run
     for result in report["results"]:
-        d, a, c = result["decompose"], result["aggregate"], result["checkpoint"]
-        for value in (d["naive_seconds"], d["cached_seconds"], d["shared_svd_seconds"], a["seconds"],
-                      a["tracemalloc_peak_bytes"], a["updates_total_bytes"], c["seconds"], c["bytes"],
-                      result["process_peak_rss_bytes"]):
+        f, b, p, fl, c = (result[k] for k in ("factorize", "batched", "per_client", "floor", "checkpoint"))
+        for value in (f["seconds"], f["svd_seconds"], b["seconds"], p["seconds"], b["updates_total_bytes"],
+                      fl["multiply_adds"], fl["gemm_flops_per_second"], fl["fraction_reached"], c["seconds"],
+                      c["bytes"], result["process_peak_rss_bytes"]):
             assert value > 0
 
 
-def test_quick_run_scales_naive_decompose_beyond_the_limit(quick_run):
+def test_quick_run_factorizes_with_one_svd_per_factorized_layer(quick_run):
+    report, _ = quick_run
+    assert all(r["factorize"]["svd_layers"] == 2 for r in report["results"])  # FedAvgCNN: conv2 and fc1
+
+
+def test_quick_run_scales_the_per_client_path_beyond_the_limit(quick_run):
     report, _ = quick_run
     bench = load_script()
-    measured = [r["decompose"]["naive_measured_clients"] for r in report["results"]]
-    assert measured == [min(k, bench.QUICK_NAIVE_LIMIT) for k in bench.QUICK_CLIENTS]
+    measured = [r["per_client"]["clients"] for r in report["results"]]
+    assert measured == [min(k, bench.QUICK_PER_CLIENT_LIMIT) for k in bench.QUICK_CLIENTS]
 
 
-def test_aggregation_tracemalloc_peak_does_not_grow_with_clients(quick_run):
+def test_batched_and_per_client_paths_agree_where_both_saw_every_update(quick_run):
     report, _ = quick_run
-    assert report["flatness"][QUICK_SHAPE]["tracemalloc_peak_ratio"] < 1.1
+    compared = [r["per_client"]["max_relative_difference"] for r in report["results"]
+                if r["per_client"]["clients"] == r["clients"]]
+    assert compared and max(compared) < 1e-6
+
+
+def test_batched_path_traces_far_less_than_the_updates_it_folds(quick_run):
+    report, _ = quick_run
+    for result in report["results"]:
+        assert result["batched"]["tracemalloc_peak_bytes"] < result["batched"]["updates_total_bytes"] / 10
 
 
 def test_quick_run_prints_markdown_tables(quick_run):

@@ -23,8 +23,8 @@ from server import broker_loop
 from server.mosquitto_config import TlsFiles, write_mosquitto_auth
 from server.partition import write_shards
 from server.report import METRICS_FILE, read_metrics
+from server.run_setup import load_shards
 from server.simulate import build_parser as simulate_parser
-from server.simulate import prepare
 from server.enrollment import save_enrollment
 from tests.mqtt_peer import MqttPeer
 from tests.sealing import seal_up, write_key
@@ -57,8 +57,9 @@ def secured_broker(tmp_path: Path, start_mosquitto, tls_files: TlsFiles):  # noq
 def start_devices(url: str, ca: Path, directory: Path) -> list[subprocess.Popen]:
     """The two devices as their own processes, on the shards the server would make, each logged in as itself."""
     args = simulate_parser().parse_args([*QUICK, "--clients", str(len(PASSWORDS))])
-    clients, _ = prepare(args)
-    shards = write_shards([c.shard for c in clients], directory / "shards")
+    _, _, by_device = load_shards(args, len(PASSWORDS))
+    assert list(by_device) == list(PASSWORDS)
+    shards = write_shards(list(by_device.values()), directory / "shards")
     return [subprocess.Popen([sys.executable, "-m", "device_runtime", "--broker", url, "--device-id", device_id,
                               "--username", device_id, "--tls-ca", str(ca), "--data", str(shard),
                               "--workdir", str(directory / device_id),
@@ -88,7 +89,7 @@ class Impostor(MqttPeer):
 
     def _attack(self, task_msg) -> None:
         plan_hash, task = parse_task(task_msg)
-        nan_fe = {name: np.full_like(value, np.nan) for name, value in task.fe.items()}
+        nan_fe = {name: np.full_like(value, np.nan) for name, value in task.weights.items()}
         forged = update_message(Update(task.round, nan_fe, 1, 0.0, 0.0, dict(EVAL)), plan_hash=plan_hash,
                                 device_id=VICTIM, run_id=task_msg.run_id)
         for topic, payload in ((self.victim.up, seal_up(forged, KEYS[IMPOSTOR])), (self.victim.up, b"not an envelope"),

@@ -40,13 +40,13 @@ import json, sys
 import device_runtime
 from device_runtime.local_round import run_task
 from device_runtime.shard import load_shard
-from device_runtime.task import Task
+from device_runtime.task import Phase, Task
 from device_runtime.trainer import DeviceTrainer
 
 artifacts, shard_path, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 shard = load_shard(shard_path)
 trainer = DeviceTrainer(artifacts)
-update = run_task(trainer, shard, Task(2, trainer.get_fe(), 1.0, 1e-3, 0.05, 1, batch, 0))
+update = run_task(trainer, shard, Task(2, trainer.get_fe(), 1.0, 1e-3, 0.05, (Phase("all", 1),), batch, 0))
 print(json.dumps(dict(runtime=device_runtime.__file__, steps=update.metrics["steps"], loss=update.train_loss,
                       fe=sorted(update.weights), heavy=sorted(m for m in ("torch", "onnx") if m in sys.modules))))
 """

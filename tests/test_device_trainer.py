@@ -7,22 +7,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_runtime.batching import epoch_batches, local_epochs_batches
-from device_runtime.frobenius import factor_pairs, frobenius_decay_step, frobenius_norm_sq
+from device_runtime.batching import epoch_batches
+from device_runtime.frobenius import factor_pairs, frobenius_decay_step
 from device_runtime.trainer import (MANIFEST_NAME, ArtifactError, DeviceTrainer, TensorMismatchError, class_means,
                                     cross_entropy_sum, verify_artifacts)
 from export.artifacts import build_artifacts
-from server.lowrank import RankPlan, resolve_plan
+from server.lowrank import RankPlan, factorize_model, resolve_plan
 from server.models import build_model
+from server.torch_trainer import TorchTrainer
 
 SHAPE, CLASSES, FEATURES = (1, 28, 28), 10, 512
 TRAIN = dict(anchors=None, mask=None, lam=0.0, mu=1e-3, lr=0.05, epochs=1, batch_size=4)
 
 
 @pytest.fixture(scope="module")
-def artifact_dir(tmp_path_factory) -> Path:
+def model_and_ranks():
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
-    ranks = resolve_plan(model, RankPlan(0.5)).ranks
+    return model, resolve_plan(model, RankPlan(0.5)).ranks
+
+
+@pytest.fixture(scope="module")
+def artifact_dir(tmp_path_factory, model_and_ranks) -> Path:
+    model, ranks = model_and_ranks
     return build_artifacts(model, ranks, SHAPE, CLASSES, tmp_path_factory.getbasetemp() / "artifact-cache").directory
 
 
@@ -49,13 +55,6 @@ def test_epoch_batches_follow_the_generator():
     first = epoch_batches(10, 4, np.random.default_rng(5))
     again = epoch_batches(10, 4, np.random.default_rng(5))
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
-
-
-def test_local_epochs_draw_one_permutation_per_epoch_from_the_same_generator():
-    rng = np.random.default_rng(3)
-    sequential = [epoch_batches(7, 3, rng) for _ in range(2)]
-    epochs = local_epochs_batches(7, 3, 2, np.random.default_rng(3))
-    assert [[b.tolist() for b in e] for e in epochs] == [[b.tolist() for b in e] for e in sequential]
 
 
 def test_batch_size_must_be_positive():
@@ -235,18 +234,12 @@ def test_a_manifest_of_another_format_version_is_refused(artifact_dir, tmp_path)
 
 # Frobenius decay
 
-def test_frobenius_norm_sq_equals_the_norm_of_the_product():
-    rng = np.random.default_rng(0)
-    u, v = rng.standard_normal((30, 4)), rng.standard_normal((20, 4))
-    assert frobenius_norm_sq(u, v) == pytest.approx(np.linalg.norm(u @ v.T) ** 2)
-
-
 def test_decay_step_shrinks_the_norm_and_leaves_its_inputs_alone():
     rng = np.random.default_rng(1)
     u, v = rng.standard_normal((30, 4)).astype(np.float32), rng.standard_normal((20, 4)).astype(np.float32)
     u0, v0 = u.copy(), v.copy()
     new_u, new_v = frobenius_decay_step(u, v, 1e-3, 0.5)
-    assert frobenius_norm_sq(new_u, new_v) < frobenius_norm_sq(u, v)
+    assert np.linalg.norm(new_u @ new_v.T) < np.linalg.norm(u @ v.T)
     assert np.array_equal(u, u0) and np.array_equal(v, v0)
     assert new_u.dtype == new_v.dtype == np.float32
 
@@ -303,3 +296,60 @@ def test_train_rejects_a_negative_mu(trainer):
     x, y = _data(4)
     with pytest.raises(ValueError, match="mu must be >= 0"):
         trainer.train(x, y, rng=np.random.default_rng(0), **{**TRAIN, "mu": -1.0})
+
+
+# parameter groups (FedRep trains its head, then its FE)
+
+def _perturbed(trainer: DeviceTrainer, seed: int = 4) -> None:
+    """Weights unlike the artifact's initial ones, so a group left alone by mistake cannot pass by chance."""
+    rng = np.random.default_rng(seed)
+    trainer.set_fe({k: v + 0.01 * rng.standard_normal(v.shape).astype(np.float32) for k, v in trainer.get_fe().items()})
+    trainer.set_head({k: v + 0.01 * rng.standard_normal(v.shape).astype(np.float32)
+                      for k, v in trainer.get_head().items()})
+
+
+def test_a_head_only_step_leaves_the_fe_bit_identical_and_matches_pytorch(artifact_dir, model_and_ranks):
+    model, ranks = model_and_ranks
+    device = DeviceTrainer(artifact_dir)
+    _perturbed(device)
+    reference = TorchTrainer(factorize_model(model, ranks))
+    reference.set_fe(device.get_fe())
+    reference.set_head(device.get_head())
+    fe, head = device.get_fe(), device.get_head()
+    x, y = _data(10)
+    settings = {**TRAIN, "mu": 0.5, "epochs": 2}  # a decay step on the factors would show: the head phase has none
+    result = device.train(x, y, rng=np.random.default_rng(0), params="head", **settings)
+    expected = reference.train(x, y, rng=np.random.default_rng(0), params="head", **settings)
+    assert result.steps == expected.steps == 6
+    for name, value in device.get_fe().items():
+        np.testing.assert_array_equal(value, fe[name], err_msg=name)
+    trained = device.get_head()
+    assert not np.array_equal(trained["head.weight"], head["head.weight"])
+    for name, value in reference.get_head().items():
+        np.testing.assert_allclose(trained[name], value, atol=1e-6, err_msg=name)
+    assert result.loss == pytest.approx(expected.loss, abs=1e-5)
+
+
+def test_an_fe_only_step_leaves_the_head_bit_identical_and_matches_pytorch(artifact_dir, model_and_ranks):
+    model, ranks = model_and_ranks
+    device = DeviceTrainer(artifact_dir)
+    _perturbed(device)
+    reference = TorchTrainer(factorize_model(model, ranks))
+    reference.set_fe(device.get_fe())
+    reference.set_head(device.get_head())
+    fe, head = device.get_fe(), device.get_head()
+    x, y = _data(10)
+    device.train(x, y, rng=np.random.default_rng(0), params="fe", **{**TRAIN, "mu": 0.5})
+    reference.train(x, y, rng=np.random.default_rng(0), params="fe", **{**TRAIN, "mu": 0.5})
+    for name, value in device.get_head().items():
+        np.testing.assert_array_equal(value, head[name], err_msg=name)
+    trained, expected = device.get_fe(), reference.get_fe()
+    assert all(not np.array_equal(trained[k], fe[k]) for k in fe)
+    for name, value in expected.items():
+        np.testing.assert_allclose(trained[name], value, atol=1e-5, err_msg=name)
+
+
+def test_train_rejects_an_unknown_parameter_group(trainer):
+    x, y = _data(4)
+    with pytest.raises(ValueError, match="params must be one of"):
+        trainer.train(x, y, rng=np.random.default_rng(0), params="bias", **TRAIN)

@@ -182,3 +182,19 @@ def test_an_update_from_a_device_not_asked_this_round_is_refused_and_changes_not
     forged = dict(tasks[trainer].__dict__)
     verdict = answer(engine, evaluator, type(tasks[trainer])(**forged))
     assert not verdict.accepted
+
+
+def test_the_new_model_is_bit_identical_whatever_order_the_updates_arrive_in():
+    def run(order: list[str]) -> dict[str, torch.Tensor]:
+        engine = make_engine("fedavg")
+        for device_id in ("dev_000", "dev_001", "dev_002"):
+            join(engine, device_id, num_train=37)
+        tasks = engine.open_round(1, 0.0)
+        scales = {"dev_000": 1.1, "dev_001": 0.3, "dev_002": 7.7}
+        for device_id in order:
+            answer(engine, device_id, tasks[device_id], num_train=37, scale=scales[device_id])
+        engine.close_round(1.0)
+        return engine.global_state, engine.pending["train_loss"]
+
+    (a, loss_a), (b, loss_b) = run(["dev_000", "dev_001", "dev_002"]), run(["dev_002", "dev_000", "dev_001"])
+    assert all(torch.equal(a[k], b[k]) for k in a) and loss_a == loss_b

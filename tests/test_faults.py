@@ -8,9 +8,9 @@ while the others have answered a round it is still computing: that is when a fau
 server's checkpoint, metrics.jsonl and log, and each device's state.json.
 
 Where nothing may be lost, the final global FE is compared with the in-process reference federation
-(server.simulate's onnxruntime backend) on the same shards, seeds and client indices: the uninterrupted run
-with the same updates. Devices take their client index in the order they first join, so the reference reads
-the indices from the run's checkpoint. The last test kills the device agent in-process at a chosen point of
+(server.simulate's Simulation with --backend ort) on the same shards and seeds: the uninterrupted run with the
+same updates. Batch seeds follow the device id, never the order devices join in, so the reference needs nothing
+from the run but its flags. The last test kills the device agent in-process at a chosen point of
 its commit, which no timing of a real SIGKILL could hit reliably.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from device_runtime.messages import ARTIFACT_BLOBS, DEFAULT_TOPIC_PREFIX, Plan, 
 from device_runtime.profile import collect_profile
 from device_runtime.protocol import Message, Topics, decode
 from device_runtime.shard import Shard
-from device_runtime.task import Task
+from device_runtime.task import Phase, Task
 from export.artifacts import build_artifacts
 from server import broker_loop
 from server.checkpoint import CHECKPOINT_NAME, STATE_KEY, load_checkpoint
@@ -39,7 +39,8 @@ from server.coordinator import DEADLINE, NO_ANSWER
 from server.models import build_model
 from server.partition import write_shards
 from server.report import METRICS_FILE, read_metrics
-from server.simulate import build_clients, build_parser, config_from_args, make_backend, prepare, run_federation
+from server import simulate
+from server.run_setup import RunFolder, load_shards
 
 from tests.sealing import device_link, enrollment_file, seal_down, write_key
 
@@ -187,16 +188,17 @@ class FederationProcesses:
 # -- data and the reference --------------------------------------------------------------------
 
 
-def sim_args() -> argparse.Namespace:
-    return build_parser().parse_args([*QUICK, "--clients", str(len(DEVICES)), "--rounds", str(ROUNDS),
-                                      "--rank-ratio", str(RATIO), "--backend", "ort"])
+def sim_args(cache: Path) -> argparse.Namespace:
+    return simulate.build_parser().parse_args([*QUICK, "--clients", str(len(DEVICES)), "--rounds", str(ROUNDS),
+                                               "--rank-ratio", str(RATIO), "--backend", "ort", "--cache-dir",
+                                               str(cache)])
 
 
 @pytest.fixture(scope="module")
-def shards() -> dict[str, Shard]:
+def shards(cache: Path) -> dict[str, Shard]:
     """The partition server.broker_loop --local-devices would make, with SLOW's training set repeated."""
-    clients, _ = prepare(sim_args())
-    by_device = {d: c.shard for d, c in zip(DEVICES, clients)}
+    _, _, by_device = load_shards(sim_args(cache), len(DEVICES))
+    assert list(by_device) == DEVICES
     slow = by_device[SLOW]
     by_device[SLOW] = Shard(np.tile(slow.x_train, (SLOW_REPEAT, 1, 1, 1)), np.tile(slow.y_train, SLOW_REPEAT),
                             slow.x_test, slow.y_test, slow.num_classes)
@@ -221,17 +223,21 @@ def federation(mosquitto_broker, tmp_path: Path, cache: Path,
     processes.stop()
 
 
-def reference_fe(shards: dict[str, Shard], out: Path, cache: Path) -> dict[str, np.ndarray]:
-    """The in-process federation's final global FE, each device at the client index the run gave it."""
-    registry = load_checkpoint(out / CHECKPOINT_NAME).state["registry"]["devices"]
-    order = [d["device_id"] for d in sorted(registry, key=lambda d: d["index"])]
-    assert sorted(order) == DEVICES
-    args = sim_args()
-    clients, global_model = build_clients([shards[d] for d in order], [args.model], shards[SLOW].input_shape,
-                                          args.algo, RATIO, None, args.seed)
-    _, fe = run_federation(clients, global_model, config_from_args(args), make_backend("ort", clients, cache),
-                           progress=lambda line: None)
-    return {k: v.numpy() for k, v in fe.items()}
+def reference_fe(shards: dict[str, Shard], out: Path, cache: Path, monkeypatch: pytest.MonkeyPatch,
+                 ) -> dict[str, np.ndarray]:
+    """The in-process federation's final global FE on the run's shards (SLOW's repeated one included)."""
+    registry = load_checkpoint(out / CHECKPOINT_NAME).state["engine"]["registry"]["devices"]
+    assert sorted(d["device_id"] for d in registry) == DEVICES
+    args = sim_args(cache)
+    model, input_shape, _ = load_shards(args, 0)
+    with monkeypatch.context() as patch:
+        patch.setattr(simulate, "load_shards", lambda _args, count: (model, input_shape, dict(shards)))
+        folder = out.parent / "reference"
+        folder.mkdir()
+        simulation = simulate.Simulation(args, RunFolder(folder))
+        records = simulation.run()
+    assert [r["participants"] for r in records] == [len(DEVICES)] * ROUNDS
+    return simulation.engine.global_arrays()
 
 
 def assert_final_fe_is(out: Path, expected: dict[str, np.ndarray]) -> None:
@@ -270,7 +276,7 @@ def test_device_killed_mid_round_is_dropped_at_the_deadline_and_rejoins_with_its
     assert (faulty["participants"], faulty["selected"], faulty["aggregated"]) == (4, 5, True)
     assert (after["participants"], after["selected"], after["dropped"], after["bytes_artifacts"]) == (5, 5, {}, 0)
     log = federation.device_log(SLOW).read_text()
-    assert log.count("installed artifacts") == 1 and log.count("restored head of plan") == 1
+    assert log.count("installed artifacts") == 1 and log.count("restored the personal tensors of plan") == 1
     heads = [p.name for p in (federation.workdir(SLOW) / HEADS_DIR).iterdir()]
     assert len(heads) == 1 and heads[0].endswith(f"-{FAULT_ROUND + 1}.npz")  # trained the round after its restart
 
@@ -279,7 +285,8 @@ def test_device_killed_mid_round_is_dropped_at_the_deadline_and_rejoins_with_its
 
 
 def test_broker_restart_mid_round_loses_no_update_and_counts_none_twice(
-        federation: FederationProcesses, mosquitto_broker, shards: dict[str, Shard], cache: Path):
+        federation: FederationProcesses, mosquitto_broker, shards: dict[str, Shard], cache: Path,
+        monkeypatch: pytest.MonkeyPatch):
     """mosquitto (no persistence: sessions, queued and retained messages die with it) stops in round 2 and stays
     down while SLOW finishes and publishes its answer. Everyone reconnects, every round counts all five devices
     once, and the final FE is the reference's: no update lost, none counted twice."""
@@ -292,14 +299,14 @@ def test_broker_restart_mid_round_loses_no_update_and_counts_none_twice(
 
     assert "reconnected to the broker" in federation.server_log()
     assert_every_round_once_with_every_device(federation.out)
-    assert_final_fe_is(federation.out, reference_fe(shards, federation.out, cache))
+    assert_final_fe_is(federation.out, reference_fe(shards, federation.out, cache, monkeypatch))
 
 
 # -- 3. the server killed mid-round, then --resume -------------------------------------------------
 
 
 def test_server_killed_mid_round_resumes_to_the_uninterrupted_global_fe(
-        federation: FederationProcesses, shards: dict[str, Shard], cache: Path):
+        federation: FederationProcesses, shards: dict[str, Shard], cache: Path, monkeypatch: pytest.MonkeyPatch):
     """The server is SIGKILLed in round 2 (four answers in, SLOW computing); the devices run on. --resume re-runs
     round 2 from the round-1 checkpoint with the same tasks; the devices that answered re-send their saved answers,
     the dead server's queued copies are dropped as stale, and the final FE is the uninterrupted reference's."""
@@ -311,7 +318,7 @@ def test_server_killed_mid_round_resumes_to_the_uninterrupted_global_fe(
     federation.finish()
 
     assert_every_round_once_with_every_device(federation.out)
-    assert_final_fe_is(federation.out, reference_fe(shards, federation.out, cache))
+    assert_final_fe_is(federation.out, reference_fe(shards, federation.out, cache, monkeypatch))
 
 
 # -- the device's commit, without a broker -----------------------------------------------------------
@@ -353,8 +360,10 @@ def test_device_killed_before_committing_a_round_trains_it_again_from_its_commit
     artifacts = build_artifacts(model, {}, shard.input_shape, shard.num_classes, cache)
     files = {name: (artifacts.directory / name).read_bytes() for name in ARTIFACT_BLOBS}
     fe = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if k.startswith("fe.")}
-    plan = plan_message(Plan(artifacts.hash, 1.0, "dense", files), device_id="dev_c", run_id="run")
-    first, second = (task_message(Task(round=r, fe=fe, lam=0.0, mu=0.0, lr=0.05, epochs=1, batch_size=16, seed=r),
+    head = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if k.startswith("head.")}
+    plan = plan_message(Plan(artifacts.hash, 1.0, "dense", files, head), device_id="dev_c", run_id="run")
+    first, second = (task_message(Task(round=r, weights=fe, lam=0.0, mu=0.0, lr=0.05, phases=(Phase("all", 1),),
+                                       batch_size=16, seed=r),
                                   plan_hash=artifacts.hash, device_id="dev_c", run_id="run") for r in (1, 2))
     control, control_out = device_agent(tmp_path / "control", shard)
     serve(control, plan, first, second)
@@ -372,7 +381,7 @@ def test_device_killed_before_committing_a_round_trains_it_again_from_its_commit
 
     (_, expected), (_, got) = (parse_update(decode(out.sent[-1], max_bytes=1 << 28))
                                for out in (control_out, restarted_out))
-    for name, value in expected.fe.items():
-        np.testing.assert_array_equal(got.fe[name], value, err_msg=name)
+    for name, value in expected.weights.items():
+        np.testing.assert_array_equal(got.weights[name], value, err_msg=name)
     for name, value in control.trainer.get_head().items():
         np.testing.assert_array_equal(restarted.trainer.get_head()[name], value, err_msg=name)

@@ -203,3 +203,18 @@ def test_reconstruct_state_rejects_missing_and_unexpected_tensors():
         reconstruct_state({}, shapes)
     with pytest.raises(ValueError, match="unexpected"):
         reconstruct_state({"fe.fc1.weight": torch.zeros(4, 6), "fe.other": torch.zeros(1)}, shapes)
+
+
+def test_every_tier_truncates_one_svd_per_layer(monkeypatch):
+    import server.lowrank as lowrank
+    from server.strategy import factorize_per_plan, plan_key
+    model = build_model("fedavgcnn", (1, 28, 28), 10)
+    plans = [resolve_plan(model, RankPlan(ratio)) for ratio in (1.0, 0.75, 0.5, 0.25, 0.125)]
+    svds = []
+    real_spectrum = lowrank.spectrum
+    monkeypatch.setattr(lowrank, "spectrum", lambda weight: svds.append(weight.shape) or real_spectrum(weight))
+    per_plan = factorize_per_plan(fe_state(model), plans)
+    assert len(svds) == len({layer for plan in plans for layer in plan.ranks}) == 2
+    low = plans[-1]
+    expected = factorize_state(fe_state(model), low.ranks)
+    assert all(np.allclose(per_plan[plan_key(low)][k], expected[k].numpy()) for k in expected)

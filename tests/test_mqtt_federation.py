@@ -26,7 +26,7 @@ from device_runtime.profile import collect_profile
 from device_runtime.protocol import MessageType, Topics, server_subscriptions
 from device_runtime.shard import Shard, load_shard, save_shard
 from device_runtime.status import parse_status
-from device_runtime.task import Task
+from device_runtime.task import Phase, Task
 from device_runtime.transport import MqttEndpoint
 from export.artifacts import build_artifacts
 from server import broker_loop
@@ -35,7 +35,8 @@ from server.cost_model import predict
 from server.mosquitto_config import write_mosquitto_auth
 from server.models import build_model
 from server.report import ACCURACY_PLOT, BYTES_PLOT, METRICS_FILE, REPORT_FILE, read_metrics
-from server.simulate import build_parser, config_from_args, make_backend, prepare, run_federation
+from server import simulate
+from server.run_setup import RunFolder
 from tests.mqtt_peer import MqttPeer
 from tests.sealing import device_link, enrollment_file, read, seal_down, write_key
 
@@ -101,18 +102,62 @@ def test_five_device_processes_federate_over_mosquitto_in_chunks(start_mosquitto
 # -- transport must not change the math ------------------------------------------------------
 
 
-def test_mqtt_run_ends_with_the_in_process_ort_runs_global_fe(embedded_run: Path, cache: Path):
-    args = build_parser().parse_args([*QUICK, "--rounds", str(ROUNDS), "--clients", str(DEVICES), "--rank-tiers",
-                                      ",".join(map(str, TIERS)), "--backend", "ort"])
-    clients, global_model = prepare(args)
-    summary, expected = run_federation(clients, global_model, config_from_args(args),
-                                       make_backend("ort", clients, cache), progress=lambda line: None)
+def simulate_ort(out: Path, cache: Path, *flags: str) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """``python -m server.simulate --backend ort`` in this process: its records and final global model."""
+    args = simulate.build_parser().parse_args([*QUICK, "--backend", "ort", "--cache-dir", str(cache),
+                                               "--out", str(out), *flags])
+    out.mkdir(parents=True)
+    simulation = simulate.Simulation(args, RunFolder(out))
+    return simulation.run(), simulation.engine.global_arrays()
+
+
+UNTIMED = ("seconds", "wire_bytes_out", "wire_bytes_in")
+"""What a record measures of the machine, not of the federation."""
+ARRIVAL_ORDERED = ("train_loss", "train_accuracy")
+"""Float sums over the updates in the order they arrive: equal up to the last bits."""
+
+
+def comparable(records: list[dict], expected: bool = False) -> list[dict]:
+    return [{k: pytest.approx(v, rel=1e-12) if expected and k in ARRIVAL_ORDERED else v for k, v in r.items()
+             if k not in UNTIMED} for r in records]
+
+
+def test_mqtt_run_ends_with_the_in_process_ort_runs_global_fe(embedded_run: Path, cache: Path, tmp_path: Path):
+    records, expected = simulate_ort(tmp_path / "sim", cache, "--rounds", str(ROUNDS), "--clients", str(DEVICES),
+                                     "--rank-tiers", ",".join(map(str, TIERS)))
     got = load_checkpoint(embedded_run / CHECKPOINT_NAME)
     assert got.round == ROUNDS and set(got.tensors) == set(expected)
     for name, value in expected.items():
-        np.testing.assert_allclose(got.tensors[name], value.numpy(), atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(got.tensors[name], value, rtol=0, atol=1e-5, err_msg=name)
     mqtt_accuracy = [r["accuracy"] for r in read_metrics(embedded_run / METRICS_FILE)]
-    assert mqtt_accuracy == pytest.approx([r["accuracy"] for r in summary["rounds"]], abs=1e-6)
+    assert mqtt_accuracy == pytest.approx([r["accuracy"] for r in records], abs=1e-6)
+
+
+ALGO_DEVICES, ALGO_ROUNDS = 3, 2
+
+
+@pytest.mark.parametrize("algo", ["fedara", "fedavg", "fedrep", "local"])
+def test_each_algorithm_over_mqtt_is_the_in_process_ort_run_exactly(algo: str, tmp_path: Path, cache: Path):
+    """Same seed and flags, three device processes: the MQTT run's final global model is bit-identical to
+    ``server.simulate --backend ort``'s (local training has none: its per-device accuracies are compared), and
+    every record matches round by round (what was measured in seconds aside)."""
+    flags = ("--algo", algo, "--rounds", str(ALGO_ROUNDS), "--rank-ratio", "0.5")
+    mqtt = federate(tmp_path / "mqtt", cache, *flags, "--local-devices", str(ALGO_DEVICES))
+    records, expected = simulate_ort(tmp_path / "sim", cache, *flags, "--clients", str(ALGO_DEVICES))
+    assert [r["round"] for r in mqtt] == list(range(1, ALGO_ROUNDS + 1))
+    assert all(r["participants"] == ALGO_DEVICES and r["evaluated"] == ALGO_DEVICES for r in mqtt)
+    got = load_checkpoint(tmp_path / "mqtt" / CHECKPOINT_NAME)
+    assert got.round == ALGO_ROUNDS and set(got.tensors) == set(expected)
+    if algo == "local":
+        assert expected == {}
+        per_device = [{d: e["accuracy"] for d, e in r["per_device"].items()} for r in mqtt]
+        assert per_device == [{d: e["accuracy"] for d, e in r["per_device"].items()} for r in records]
+        assert all(len(p) == ALGO_DEVICES for p in per_device)
+    else:
+        assert any(k.startswith("head.") for k in expected) == (algo == "fedavg")
+        for name, value in expected.items():
+            np.testing.assert_array_equal(got.tensors[name], value, err_msg=name)
+    assert comparable(mqtt) == comparable(records, expected=True)
 
 
 # -- artifacts travel once per device and plan ------------------------------------------------
@@ -315,11 +360,17 @@ def deliver(agent: DeviceAgent, msg) -> None:
 
 def dense_task(model, round_index: int = 1) -> Task:
     fe = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if k.startswith("fe.")}
-    return Task(round=round_index, fe=fe, lam=0.0, mu=0.0, lr=0.05, epochs=1, batch_size=4, seed=round_index)
+    return Task(round=round_index, weights=fe, lam=0.0, mu=0.0, lr=0.05, phases=(Phase("all", 1),), batch_size=4,
+                seed=round_index)
 
 
-def plan_for(artifacts, files: dict[str, bytes]) -> Plan:
-    return Plan(artifacts.hash, 1.0, "dense", files)
+def initial_head(model) -> dict[str, np.ndarray]:
+    """What the server's PLAN says a device keeps to itself (FedARA: the head)."""
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if k.startswith("head.")}
+
+
+def plan_for(artifacts, files: dict[str, bytes], model=None) -> Plan:
+    return Plan(artifacts.hash, 1.0, "dense", files, {} if model is None else initial_head(model))
 
 
 def test_device_refuses_artifacts_that_fail_verification(dense_artifacts, tmp_path: Path):
@@ -336,7 +387,8 @@ def test_device_refuses_artifacts_that_fail_verification(dense_artifacts, tmp_pa
 def test_device_answers_a_repeated_task_with_its_saved_answer(dense_artifacts, tmp_path: Path):
     model, artifacts = dense_artifacts
     agent, endpoint = make_agent(tmp_path / "work", tiny_shard(tmp_path / "shard.npz"))
-    deliver(agent, plan_message(plan_for(artifacts, artifact_files(artifacts)), device_id="dev_t", run_id="run1"))
+    deliver(agent, plan_message(plan_for(artifacts, artifact_files(artifacts), model), device_id="dev_t",
+                                run_id="run1"))
     task = task_message(dense_task(model), plan_hash=artifacts.hash, device_id="dev_t", run_id="run1")
     deliver(agent, task)
     deliver(agent, task)
@@ -351,13 +403,20 @@ def test_restarted_device_lists_its_artifacts_and_keeps_its_head(dense_artifacts
     model, artifacts = dense_artifacts
     shard = tiny_shard(tmp_path / "shard.npz")
     agent, _ = make_agent(tmp_path / "work", shard)
-    deliver(agent, plan_message(plan_for(artifacts, artifact_files(artifacts)), device_id="dev_t", run_id="run1"))
+    deliver(agent, plan_message(plan_for(artifacts, artifact_files(artifacts), model), device_id="dev_t",
+                                run_id="run1"))
     deliver(agent, task_message(dense_task(model), plan_hash=artifacts.hash, device_id="dev_t", run_id="run1"))
     trained_head = agent.trainer.get_head()
     restarted, endpoint = make_agent(tmp_path / "work", shard)
     restarted.restore_plan()
     restarted.join()
     assert parse_join(endpoint.messages()[0]).artifacts == (artifacts.hash,)
+    for name, value in trained_head.items():
+        np.testing.assert_array_equal(restarted.trainer.get_head()[name], value)
+    # The server answers its JOIN with the plan and the run's initial head: a device that holds a trained head
+    # of this run keeps it.
+    deliver(restarted, plan_message(plan_for(artifacts, {}, model), device_id="dev_t", run_id="run1"))
+    assert endpoint.messages()[-1].type == MessageType.ACK
     for name, value in trained_head.items():
         np.testing.assert_array_equal(restarted.trainer.get_head()[name], value)
 
@@ -396,7 +455,7 @@ def test_devices_get_the_largest_tier_the_cost_model_fits_in_their_memory_budget
                  for r in (1.0, 0.75, 0.5, 0.25, 0.125)}
     tight = predicted[0.125]
     federate(tmp_path / "run", cache, "--local-devices", "2", "--rounds", "1", "--local-memory-mb", f"10000,{tight}")
-    registry = load_checkpoint(tmp_path / "run" / CHECKPOINT_NAME).state["registry"]["devices"]
+    registry = load_checkpoint(tmp_path / "run" / CHECKPOINT_NAME).state["engine"]["registry"]["devices"]
     ratios = {d["device_id"]: d["ratio"] for d in registry}
     assert ratios["dev_000"] == 1.0
     assert ratios["dev_001"] < 1.0 and predicted[ratios["dev_001"]] <= tight
