@@ -15,10 +15,12 @@ and the body's SHA-256, so the tag also covers the body). A receiver believes a 
   an old run's PLAN or JOIN has a lower counter than anything the sender said since.
 
 Status frames (``Direction.STATUS``) follow their own rule: an ``online`` frame must be fresh and makes its
-per-connection nonce current; an ``offline`` frame is believed only when it names the current nonce. The
-MQTT last will is minted at CONNECT, before the ``online`` that follows it, so its counter is older; the nonce,
-not the counter, ties it to its connection, and a will or ``offline`` captured from an earlier connection is
-refused as ``STALE_CONNECTION``.
+per-connection nonce current; an ``offline`` frame is believed only when it names the current nonce, and closes
+that connection. The MQTT last will is minted at CONNECT, before the ``online`` that follows it, so its counter is
+older; the nonce, not the counter, ties it to its connection, and a will or ``offline`` captured from an earlier
+connection is refused as ``STALE_CONNECTION``. The broker retains the last ``online`` and hands it to every new
+subscriber (a restarted server): the very frame last accepted is taken again while its connection is open, and
+changes nothing; once that connection's ``offline`` arrived, it is a replay.
 
 Counters are ``epoch << SEQ_BITS | seq``. The epoch is fixed at process start as
 ``max(last persisted epoch + 1, unix time in seconds)`` and persisted before the first message goes out; seq
@@ -242,6 +244,7 @@ class Verifier:
             raise ValueError("verifier state must hold 'counters' and 'nonces' objects")
         self._last: dict[str, int] = {k: v for k, v in counters.items() if is_counter(v)}
         self._nonce: dict[str, str] = {k: v for k, v in nonces.items() if isinstance(v, str)}
+        self._closed: set[str] = {d for d in state.get("closed", []) if isinstance(d, str)}  # current connection ended
 
     def last_counter(self, device_id: str, direction: Direction) -> int:
         """The last counter accepted from (device, direction); 0 when none was."""
@@ -274,19 +277,24 @@ class Verifier:
             if nonce is None or nonce != current:
                 return Verdict(False, Refusal.STALE_CONNECTION,
                                f"offline of connection {str(nonce)[:8]}, current is {str(current)[:8]}")
+            self._closed.add(msg.device_id)
             return ACCEPTED
         slot = _slot(msg.device_id, msg.direction)
         last = self._last.get(slot, 0)
+        if (msg.direction == Direction.STATUS and msg.counter == last and nonce == self._nonce.get(msg.device_id)
+                and msg.device_id not in self._closed):
+            return ACCEPTED  # the retained online of the open connection, handed to a new subscriber again
         if msg.counter <= last:
             return Verdict(False, Refusal.REPLAY, f"counter {msg.counter} is not above the last accepted {last}")
         self._last[slot] = msg.counter
         if msg.direction == Direction.STATUS and nonce is not None:
             self._nonce[msg.device_id] = nonce
+            self._closed.discard(msg.device_id)
         return ACCEPTED
 
     def to_state(self) -> dict[str, object]:
         """The state as JSON-ready data, for ``Verifier(keys, accepts, state)``."""
-        return {"counters": dict(self._last), "nonces": dict(self._nonce)}
+        return {"counters": dict(self._last), "nonces": dict(self._nonce), "closed": sorted(self._closed)}
 
 
 def _slot(device_id: str, direction: Direction) -> str:

@@ -124,7 +124,7 @@ def test_a_refused_message_changes_no_state():
     verifier = server_verifier()
     verifier.check(sealed(key=KEY_B, counter=99), {RUN})
     verifier.check(sealed(run_id=OTHER_RUN, counter=99), {RUN})
-    assert verifier.to_state() == {"counters": {}, "nonces": {}}
+    assert verifier.to_state() == {"counters": {}, "nonces": {}, "closed": []}
     assert verifier.check(sealed(counter=98), {RUN}).accepted
 
 
@@ -206,6 +206,23 @@ def test_replayed_online_cannot_make_an_old_connection_current():
     check_status(verifier, status_frame(True, new, (1 << SEQ_BITS) + 4))
     assert check_status(verifier, old_online).reason == Refusal.REPLAY
     assert verifier.current_nonce("dev_a") == new
+
+
+def test_the_retained_online_of_the_open_connection_is_taken_again_by_a_restarted_server(tmp_path):
+    verifier, nonce = server_verifier(), new_nonce()
+    online = status_frame(True, nonce, (1 << SEQ_BITS) + 2)
+    check_status(verifier, online)
+    save_verifier_state(tmp_path, verifier)
+    restarted = server_verifier(**load_verifier_state(tmp_path))
+    assert check_status(restarted, online).accepted
+
+
+def test_the_online_of_a_connection_that_went_offline_is_a_replay():
+    verifier, nonce = server_verifier(), new_nonce()
+    online = status_frame(True, nonce, (1 << SEQ_BITS) + 2)
+    check_status(verifier, online)
+    assert check_status(verifier, status_frame(False, nonce, (1 << SEQ_BITS) + 1)).accepted
+    assert check_status(verifier, online).reason == Refusal.REPLAY
 
 
 def test_status_under_a_wrong_key_is_refused():
