@@ -129,10 +129,6 @@ def tag_matches(key: bytes, signed_digest: bytes, tag: bytes) -> bool:
     return hmac.compare_digest(compute_tag(key, signed_digest), tag)
 
 
-def counter_epoch(counter: int) -> int:
-    return counter >> SEQ_BITS
-
-
 def is_counter(value: object) -> bool:
     """Whether ``value`` is a valid counter: an int in 1..MAX_COUNTER (bools are not)."""
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_COUNTER
@@ -204,11 +200,6 @@ class KeyRing:
             _check_key(shared_key, "shared run key")
         self._keys = dict(keys)
         self.shared_key = shared_key
-
-    @property
-    def open(self) -> bool:
-        """Whether any device id is admitted (under the shared key)."""
-        return self.shared_key is not None
 
     def key_for(self, device_id: str) -> bytes | None:
         """The key of ``device_id``, or None when it is not enrolled (and the ring is not open)."""

@@ -90,13 +90,14 @@ def test_cli_refuses_a_bad_id_with_exit_2_and_no_traceback(tmp_path, capsys):
 
 def test_credentials_command_also_enrolls_its_devices(tmp_path):
     out = tmp_path / "auth"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "mosquitto_credentials.py"), "--out", str(out),
-                    "--prefix", "fedara", "--server-user", "server", "--server-password", "s",
-                    "--device", "dev_a:p1", "--device", "dev_b:p2", "--enroll-file", str(out / "enroll.json")],
-                   check=True, capture_output=True)
-    keys = load_enrollment(out / "enroll.json")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "mosquitto_credentials.py"), "--out", str(out),
+                           "--device-id", "dev_a", "--device-id", "dev_b", "--bind", "127.0.0.1", "--user", "root"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    keys = load_enrollment(out / "enrollment.json")
     assert set(keys) == {"dev_a", "dev_b"}
     assert read_key_file(out / "keys" / "dev_b.key") == keys["dev_b"]
+    assert f"--enroll {out / 'enrollment.json'}" in done.stdout and f"--key-file {out / 'keys' / 'dev_a.key'}" in done.stdout
 
 
 def test_runs_of_one_enrollment_share_their_authentication_state(tmp_path):
