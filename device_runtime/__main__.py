@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="the device's shard (.npz written by the server's partitioner)")
     p.add_argument("--workdir", required=True, help="cached artifacts, heads and state survive restarts here")
     p.add_argument("--memory-budget-mb", type=float, default=None,
-                   help="memory training may use; the server picks the largest rank tier predicted to fit")
+                   help="memory this device process may use (default: its cgroup's memory limit, else MemAvailable); "
+                        "the server picks the largest rank tier predicted to fit")
     p.add_argument("--threads", type=int, default=1, help="compute threads")
     p.add_argument("--prefix", default=None, help="MQTT topic prefix, the server's --prefix (default: both sides' default)")
     p.add_argument("--username", default=None)
