@@ -38,6 +38,7 @@ import itertools
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -582,6 +583,10 @@ def run_in_group(kind: str, spec: dict, limit_mb: int, timeout_s: float) -> dict
             proc.kill()
             out, err = proc.communicate()
             timed_out = True
+        except BaseException:  # interrupted: leave no worker behind, so the group can go
+            proc.kill()
+            proc.wait()
+            raise
         seconds = time.perf_counter() - start
         evidence = group.evidence()
     finally:
@@ -648,7 +653,8 @@ def floor_tables(floors: list[dict]) -> str:
 
 def with_floors(document: dict, floors: list[dict], command: str) -> dict:
     """The cost-model document with each device runtime's floors set on its entries (``floor_mb`` by batch size,
-    ``floor_runtime``, ``floor_generated_by``); KeyError names a (model, input, ratio) the document lacks."""
+    ``floor_samples``: the samples of the shard they were measured with, ``floor_runtime``, ``floor_generated_by``);
+    KeyError names a (model, input, ratio) the document lacks."""
     entries = {(e["model"], tuple(e["input_shape"]), e["ratio"]): e for e in document["entries"]}
     for f in floors:
         if f["runtime"] not in DEVICE_RUNTIMES:
@@ -661,7 +667,8 @@ def with_floors(document: dict, floors: list[dict], command: str) -> dict:
                                f"{f['model']}:{shape_name(f['input_shape'])} --cost-model PATH)")
             entry = entries[key]
             entry["floor_mb"] = dict(entry.get("floor_mb", {}), **{str(f["batch_size"]): f["floor_mb"]})
-            entry.update(floor_runtime=f["runtime"], floor_generated_by=command)
+            entry.update(floor_samples=FLOOR_TRAIN_SAMPLES + TEST_SAMPLES, floor_runtime=f["runtime"],
+                         floor_generated_by=command)
     return document
 
 
@@ -684,6 +691,7 @@ def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -
     if why_not is not None:
         print(f"error: --memory-floor needs memory cgroups: {why_not}", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwind: workers and groups go
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as shard_dir:
         plans = prepare_plans(configs, ratios, args.cache_dir, Path(shard_dir), FLOOR_TRAIN_SAMPLES)

@@ -128,12 +128,13 @@ class MemoryGroup:
         return [int(p) for p in _read(self.procs_file).split()]
 
     def evidence(self) -> MemoryEvidence:
-        """OOM kills, limit hits and peak usage so far (v1: memory.oom_control, memory.failcnt,
-        memory.max_usage_in_bytes; v2: memory.events oom_kill and max, memory.peak where the kernel has it)."""
+        """OOM kills, limit hits and peak usage so far (v1: memory.oom_control, memory.failcnt or, with swap
+        accounting, memory.memsw.failcnt, memory.max_usage_in_bytes; v2: memory.events oom_kill and max,
+        memory.peak where the kernel has it)."""
         if self.version == 1:
             peak = _read(self.path / "memory.max_usage_in_bytes").strip()
-            return MemoryEvidence(_counter(_read(self.path / "memory.oom_control"), "oom_kill"),
-                                  int(_read(self.path / "memory.failcnt").strip() or 0),
+            hits = max(int(_read(self.path / name).strip() or 0) for name in ("memory.failcnt", "memory.memsw.failcnt"))
+            return MemoryEvidence(_counter(_read(self.path / "memory.oom_control"), "oom_kill"), hits,
                                   int(peak) / MIB if peak else None)
         events = _read(self.path / "memory.events")
         peak = _read(self.path / "memory.peak").strip()

@@ -133,13 +133,17 @@ def test_the_shipped_cost_model_has_floors_for_every_tier_of_the_28x28_models():
         assert all(16 in e.floor_mb for e in shipped.entries[(model, SHAPE)])
 
 
+FLOOR_SAMPLES = 80
+SAMPLE_MB = 28 * 28 * 4 / 2**20
+
+
 def with_floors(floors: dict[float, float]) -> object:
-    """MODEL with a floor at batch 16 for each ratio in ``floors``."""
+    """MODEL with a floor at batch 16, measured on an 80-sample shard, for each ratio in ``floors``."""
     entries = [entry(0.25, 100.0, 140.0, 10.0, 34.0), entry(0.5, 120.0, 180.0, 20.0, 68.0),
                entry(1.0, 160.0, 260.0, 40.0, 136.0)]
     for e in entries:
         if e["ratio"] in floors:
-            e["floor_mb"] = {"16": floors[e["ratio"]]}
+            e.update(floor_mb={"16": floors[e["ratio"]]}, floor_samples=FLOOR_SAMPLES)
     return parse_cost_model(document(*entries))
 
 
@@ -163,13 +167,29 @@ def test_a_floor_grows_with_the_batch_as_the_peak_does():
     assert predict("fedavgcnn", SHAPE, 0.25, 40, Device(), FLOORED).floor_mb == 60.0 + (120.0 - 100.0)
 
 
+def test_a_floor_grows_by_the_bytes_of_a_larger_shard():
+    floor = predict("fedavgcnn", SHAPE, 0.25, 16, Device(), FLOORED, shard_samples=FLOOR_SAMPLES + 1000).floor_mb
+    assert floor == pytest.approx(60.0 + 1000 * SAMPLE_MB)
+
+
+def test_a_smaller_shard_does_not_lower_a_floor():
+    assert predict("fedavgcnn", SHAPE, 0.25, 16, Device(), FLOORED, shard_samples=10).floor_mb == 60.0
+
+
+def test_floors_without_their_shard_size_are_refused():
+    bad = entry(0.5, 1, 2, 3, 4)
+    bad["floor_mb"] = {"16": 50}
+    with pytest.raises(CostModelError, match="floor_samples"):
+        parse_cost_model(document(bad))
+
+
 def test_floors_on_only_some_ratios_are_not_used():
     assert predict("fedavgcnn", SHAPE, 0.5, 16, Device(), with_floors({0.5: 80.0})).floor_mb is None
 
 
 def test_a_non_positive_floor_is_refused_by_name():
     bad = entry(0.5, 1, 2, 3, 4)
-    bad["floor_mb"] = {"16": 0}
+    bad.update(floor_mb={"16": 0}, floor_samples=FLOOR_SAMPLES)
     with pytest.raises(CostModelError, match=r"floor_mb\[16\]"):
         parse_cost_model(document(bad))
 
