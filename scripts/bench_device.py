@@ -687,6 +687,10 @@ def merge_cost_model(old: dict | None, new: dict) -> dict:
 def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -> int:
     """--memory-floor: floors of every plan on every runtime, the tables, and the cost model's floors."""
     from server.cgroups import available
+    if args.shard and args.cost_model:
+        print("error: --shard with --cost-model: the cost model's floors are measured on the synthetic shard "
+              "(its size is recorded with them); drop one of the two", file=sys.stderr)
+        return 2
     why_not = available()
     if why_not is not None:
         print(f"error: --memory-floor needs memory cgroups: {why_not}", file=sys.stderr)
@@ -695,6 +699,8 @@ def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as shard_dir:
         plans = prepare_plans(configs, ratios, args.cache_dir, Path(shard_dir), FLOOR_TRAIN_SAMPLES)
+        if args.shard:
+            plans = [dict(plan, shard=str(args.shard)) for plan in plans]
         floors = []
         for plan in plans:
             for runtime in args.runtimes:
@@ -703,6 +709,7 @@ def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -
                       f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     tables = floor_tables(floors)
     report = dict(command=command, settings=dict(train_samples=FLOOR_TRAIN_SAMPLES, rounds=FLOOR_ROUNDS,
+                                                 shard=str(args.shard) if args.shard else "synthetic",
                                                  repeats=FLOOR_REPEATS,
                                                  batch=BATCH, resolution_mb=FLOOR_RESOLUTION_MB,
                                                  time_factor=FLOOR_TIME_FACTOR, time_slack_s=FLOOR_TIME_SLACK_S),
@@ -905,6 +912,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure memory floors instead: the smallest cgroup limit (to 4 MiB) at which a fresh device "
                         f"process completes {FLOOR_ROUNDS} rounds (needs root; default configs "
                         f"{', '.join(f'{m}:{shape_name(s)}' for m, s in FLOOR_CONFIGS)}, ratios {FLOOR_RATIOS})")
+    p.add_argument("--shard", type=Path, default=None,
+                   help="with --memory-floor: measure on this device shard (.npz) instead of a small synthetic one; "
+                        "the floors then describe that shard and are not written into a cost model")
     p.add_argument("--runtimes", type=parse_runtimes, default=tuple(FLOOR_WORKERS),
                    help=f"with --memory-floor: comma-separated runtimes (default and choices: {','.join(FLOOR_WORKERS)})")
     p.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
