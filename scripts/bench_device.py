@@ -22,14 +22,16 @@ worker processes, so that no worker inherits another's memory:
 The parent writes bench_device.json, bench_device.md (tables) and bench_device.png into ``--out-dir`` and, with
 ``--cost-model``, the data file that ``server.cost_model`` reads (entries it does not re-measure are kept).
 
-    sudo .venv/bin/python scripts/bench_device.py --memory-floor --out-dir docs --cost-model device_runtime/cost_model.json
+    sudo .venv/bin/python scripts/bench_device.py --memory-floor --out-dir docs \\
+        --cost-model device_runtime/cost_model.json
 
 measures memory floors instead (root and a writable memory cgroup controller, server/cgroups.py): for each plan and
 runtime (``--runtimes``, default the onnxruntime-training device and a PyTorch client), the smallest cgroup limit, to
 4 MiB, under which FLOOR_REPEATS fresh processes in a row each complete FLOOR_ROUNDS local rounds on a small
 synthetic shard (bisection from above the charged peak of a run in an open group); into memory_floor.{md,json},
-and as ``floor_mb`` into the device runtime's cost-model entries, which the server's tier choice then prefers. Only the stdlib and numpy are imported at the
-top of this file: a worker must not carry torch unless it is the one measuring torch.
+and as ``floor_mb`` into the device runtime's cost-model entries, which the server's tier choice then prefers.
+Only the stdlib and numpy are imported at the top of this file: a worker must not carry torch unless it is the one
+measuring torch.
 """
 from __future__ import annotations
 
@@ -628,7 +630,8 @@ def measure_floor(plan: dict, runtime: str, batch_size: int, rounds: int) -> dic
 def floor_tables(floors: list[dict]) -> str:
     """One row per (model, input, ratio): the floor of each runtime, and its reference run's peaks."""
     runtimes = sorted({f["runtime"] for f in floors}, key=lambda r: (r not in DEVICE_RUNTIMES, r))
-    by_key = {(f["model"], shape_name(f["input_shape"]), ratio, f["runtime"]): f for f in floors for ratio in f["ratios"]}
+    by_key = {(f["model"], shape_name(f["input_shape"]), ratio, f["runtime"]): f
+              for f in floors for ratio in f["ratios"]}
     rows = sorted({key[:3] for key in by_key}, key=lambda k: (k[0], k[1], -k[2]))
     header = ["model", "input", "ratio", "plan"]
     for runtime in runtimes:
@@ -636,7 +639,8 @@ def floor_tables(floors: list[dict]) -> str:
                    f"{runtime} s at floor / open"]
     lines = ["| " + " | ".join(header) + " |", "|---|---|---:|---|" + "---:|" * (3 * len(runtimes))]
     for model, shape, ratio in rows:
-        cells = [model, shape, f"{ratio:g}", next(f["plan"] for k, f in by_key.items() if k[:3] == (model, shape, ratio))]
+        plan = next(f["plan"] for k, f in by_key.items() if k[:3] == (model, shape, ratio))
+        cells = [model, shape, f"{ratio:g}", plan]
         for runtime in runtimes:
             f = by_key.get((model, shape, ratio, runtime))
             if f is None:
@@ -916,7 +920,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --memory-floor: measure on this device shard (.npz) instead of a small synthetic one; "
                         "the floors then describe that shard and are not written into a cost model")
     p.add_argument("--runtimes", type=parse_runtimes, default=tuple(FLOOR_WORKERS),
-                   help=f"with --memory-floor: comma-separated runtimes (default and choices: {','.join(FLOOR_WORKERS)})")
+                   help="with --memory-floor: comma-separated runtimes "
+                        f"(default and choices: {','.join(FLOOR_WORKERS)})")
     p.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     return p
 
