@@ -167,7 +167,12 @@ def create_group(name: str, limit_mb: float, hierarchy: Hierarchy | None = None)
         raise CgroupError("this machine has no memory cgroup controller (neither cgroup v2 with 'memory' in "
                           f"{CGROUP_ROOT}/cgroup.controllers nor v1 at {CGROUP_ROOT}/memory)")
     if found.version == 2 and "memory" not in _read(found.parent / "cgroup.subtree_control").split():
-        _write(found.parent / "cgroup.subtree_control", "+memory")
+        try:
+            _write(found.parent / "cgroup.subtree_control", "+memory")
+        except CgroupError as exc:
+            raise CgroupError(f"{exc} (cgroup v2 lets a group hand controllers to child groups only while it holds no "
+                              "process: run the server in a delegated group of its own, e.g. "
+                              "systemd-run --scope -p Delegate=yes ...)") from None
     path = found.parent / f"{GROUP_PREFIX}-{os.getpid()}-{name}"
     try:
         path.mkdir()
