@@ -389,7 +389,7 @@ def ort_training_floor_worker(spec: dict) -> dict:
     from device_runtime.local_round import run_task
     from device_runtime.protocol import Message, MessageType, Reassembler, chunk, decode, encode
     from device_runtime.shard import load_shard
-    from device_runtime.task import Task
+    from device_runtime.task import Phase, Task
     from device_runtime.trainer import DeviceTrainer
     shard = load_shard(spec["shard"])
     sent: list[bytes] = []
@@ -407,16 +407,16 @@ def ort_training_floor_worker(spec: dict) -> dict:
             reassembler = Reassembler(2 * sum(len(f) for f in frames), timeout_s=60.0, max_pending=1)
             payload = [p for f in frames if (p := reassembler.feed(f, now=0.0)) is not None][0]
             del frames
-            task = Task(round_index, decode(payload, max_bytes=len(payload)).tensors, LAM, MU, LR, 1,
-                        spec["batch_size"], SEED)
+            task = Task(round_index, decode(payload, max_bytes=len(payload)).tensors, LAM, MU, LR,
+                        (Phase("all", 1),), spec["batch_size"], SEED)
             del payload
-            update = run_task(trainer, shard, task, evaluate_received=True)
+            update = run_task(trainer, shard, task)
             trainer.save_head(Path(workdir) / "head.npz")
             answer = encode(Message(MessageType.UPDATE, "bench", round_index, "bench-device", "bench-update",
-                                    dict(num_samples=update.num_samples), update.fe))
+                                    dict(num_samples=update.num_samples), update.weights))
             (Path(workdir) / "last_answer.bin").write_bytes(answer)
             sent = chunk(answer, FRAME_BYTES, "bench-update")
-            fe = update.fe
+            fe = update.weights
             del task, answer, update
     return dict(peak_rss_bytes=peak_rss_bytes(), frames=len(sent), imported_torch="torch" in sys.modules)
 

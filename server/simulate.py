@@ -205,7 +205,8 @@ def summary(records: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse(build_parser(), argv)
     torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        force=True)  # onnxruntime.training installs a chatty root handler on import
     out = RunFolder(run_folder(args, "simulate"))
     try:
         simulation = Simulation(args, out)

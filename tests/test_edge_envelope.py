@@ -140,3 +140,25 @@ def test_a_device_forced_above_its_floor_is_oom_killed_and_the_group_shows_the_k
     assert status == -9  # SIGKILL from the kernel's OOM killer
     evidence = device.group.evidence()
     assert evidence.oom_killed and evidence.peak_mb == pytest.approx(LIMIT_MB, abs=1)
+
+
+def test_over_mqtt_a_device_killed_above_its_floor_rejoins_lower_and_the_run_loses_nothing(tmp_path: Path):
+    """The whole federation: two CNN1 devices in 128 MiB groups without budget flags. dev_001 reads its limit
+    and gets a tier that fits; dev_000 is forced dense, is OOM-killed in round 1, restarted by the server, and
+    rejoins at a lower tier; both rounds close with every device's update, and the log says what happened."""
+    overrides = tmp_path / "dense.json"
+    overrides.write_text(json.dumps({DEVICE_ID: 1.0}))
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "server.broker_loop", "--dataset", "fmnist", "--model", MODEL, "--local-devices", "2",
+         "--rounds", str(ROUNDS), "--local-epochs", "1", "--max-samples", "3000", "--local-memory-limit-mb",
+         str(LIMIT_MB), "--rank-overrides", str(overrides), "--round-deadline", "180", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S * 2)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["participants"], r["dropped"]) for r in records] == [(1, 2, {}), (2, 2, {})]
+    tiers = {d: float(v["tier"]) for d, v in records[-1]["per_device"].items()}
+    assert tiers[DEVICE_ID] < 1.0 and tiers["dev_001"] < 1.0
+    log = (out / "server.log").read_text()
+    assert f"local device {DEVICE_ID} was killed at its {LIMIT_MB} MiB memory limit" in log
+    assert f"{DEVICE_ID} went offline during round 1 at tier 1" in log

@@ -398,11 +398,8 @@ def test_restarted_device_lists_its_artifacts_and_keeps_its_head(dense_artifacts
     deliver(agent, task_message(dense_task(model), plan_hash=artifacts.hash, device_id="dev_t", run_id="run1"))
     trained_head = agent.trainer.get_head()
     restarted, endpoint = make_agent(tmp_path / "work", shard)
-    restarted.restore_plan()
     restarted.join()
     assert parse_join(endpoint.messages()[0]).artifacts == (artifacts.hash,)
-    for name, value in trained_head.items():
-        np.testing.assert_array_equal(restarted.trainer.get_head()[name], value)
     # The server answers its JOIN with the plan and the run's initial head: a device that holds a trained head
     # of this run keeps it.
     deliver(restarted, plan_message(plan_for(artifacts, {}, model), device_id="dev_t", run_id="run1"))
