@@ -39,7 +39,7 @@ from device_runtime.transport import STATUS_ONLINE, MqttEndpoint, TransportError
 from server import cgroups
 from server.algorithms import get_algorithm
 from server.checkpoint import CheckpointError
-from server.cli import check_args, fail, new_parser, parse, run_folder
+from server.cli import check_args, console_logging, fail, new_parser, parse, run_folder
 from server.coordinator import Coordinator, CoordinatorConfig
 from server.cost_model import CostModelError, peak_predictor
 from server.embedded_broker import EmbeddedBroker
@@ -563,8 +563,7 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(build_parser(), argv)
     torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        force=True)  # onnxruntime.training installs a chatty root handler on import
+    console_logging()
     out = RunFolder(run_folder(args, "broker_loop"))
     try:
         check_args(args)
