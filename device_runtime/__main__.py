@@ -37,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="the device's shard (.npz written by python -m server.shards)")
     p.add_argument("--workdir", required=True, help="cached artifacts, heads and state survive restarts here")
     p.add_argument("--memory-budget-mb", type=float, default=None,
-                   help="memory training may use (default: no limit); the server picks the largest rank tier "
-                        "predicted to fit")
+                   help="memory this device process may use (default: its cgroup's memory limit, else "
+                        "MemAvailable); the server picks the largest rank tier predicted to fit")
     p.add_argument("--threads", type=int, default=1, help="compute threads")
     p.add_argument("--prefix", default=None,
                    help="MQTT topic prefix, the server's --prefix (default: both sides' default)")
@@ -119,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ProtocolError, ShardError, ProfileError, ValueError, OSError) as exc:
         print(f"error: {flag}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if profile.memory_limit_mb is not None and profile.memory_budget_mb > profile.memory_limit_mb:
+        logging.getLogger("fedara.device").warning(
+            "--memory-budget-mb %g is above this process's memory limit %.0f MiB (%s): a tier chosen for the budget "
+            "may be killed at the limit", profile.memory_budget_mb, profile.memory_limit_mb,
+            profile.memory_limit_source)
     agent = DeviceAgent(args.device_id, shard, profile, endpoint, workdir, topics, link, threads=args.threads,
                         connect_timeout_s=args.connect_timeout)
     stop = threading.Event()

@@ -191,7 +191,6 @@ class DeviceAgent:
         try:
             if not self._wait_connected(stop):
                 return
-            self.restore_plan()
             self.join()
             while not stop.is_set():
                 item = self.endpoint.get(POLL_S)
@@ -204,20 +203,11 @@ class DeviceAgent:
     def _wait_connected(self, stop: threading.Event) -> bool:
         return wait_for_broker(self.endpoint, stop, self.connect_timeout_s)
 
-    def restore_plan(self) -> None:
-        """Reload the plan of the state file if its artifacts are still here, so queued tasks can be served."""
-        if self.state.plan_hash is None:
-            return
-        try:
-            verify_artifacts(self.workdir.artifact_dir(self.state.plan_hash), self.state.plan_hash)
-        except ArtifactError as exc:
-            LOG.warning("plan %s cannot be restored: %s", self.state.plan_hash[:12], exc)
-            return
-        self._load_plan(self.state.plan_hash)
-        self._limit_inbound(self.state.plan_hash)
-
     def join(self) -> None:
-        """Announce this device: its resource profile, what its shard holds, the artifact sets it caches."""
+        """Announce this device: its resource profile, what its shard holds, the artifact sets it caches.
+
+        After a restart too, it serves tasks only once the server's PLAN answers (a task before that gets
+        UNKNOWN_PLAN and a JOIN), so a device killed for memory never reloads the plan that killed it."""
         join = Join(self.profile, ShardInfo.of(self.shard), self.workdir.held_artifacts())
         self._send(join_message(join, device_id=self.device_id, run_id=self.state.run_id))
         LOG.info("joined with %d cached artifact set(s)", len(join.artifacts))

@@ -1,4 +1,4 @@
-"""The resource profile a device reports when it joins: its memory budget, threads, CPU and a short probe.
+"""The resource profile a device reports when it joins: its memory budget and limit, threads, CPU and a short probe.
 
 The server picks the device's rank tier from it (server/rank_assignment.py). The probe is
 ``device_runtime.probe``'s, the score the device benchmark records, so the server's cost model can scale a
@@ -12,6 +12,7 @@ import platform
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from device_runtime.memory_limit import SOURCE_NONE, MemoryLimit, read_memory_limit
 from device_runtime.probe import probe_gflops
 
 MAX_FIELD_CHARS = 64
@@ -26,13 +27,15 @@ class ProfileError(ValueError):
 class ResourceProfile:
     """What a device can spend on training and how fast it computes."""
 
-    memory_budget_mb: float | None  # training may use this much; None: the device set no limit
+    memory_budget_mb: float | None  # the whole device process may use this much: --memory-budget-mb, else the limit
     threads: int  # compute threads it will train with
     cpu_count: int  # logical CPUs the OS reports
     machine: str  # platform.machine(), e.g. x86_64, aarch64
     system: str  # platform.system()
     total_memory_mb: float | None  # physical memory, where the OS tells
     probe_gflops: float  # one core's float32 matmul score, measured at start (device_runtime.probe)
+    memory_limit_mb: float | None = None  # what the OS enforces (device_runtime.memory_limit); None: unknown
+    memory_limit_source: str = SOURCE_NONE  # where that limit was read, e.g. "cgroup1 memory.limit_in_bytes"
 
     def to_meta(self) -> dict[str, Any]:
         """The profile as plain JSON for a JOIN message."""
@@ -48,7 +51,9 @@ class ResourceProfile:
                    threads=_positive_int(meta, "threads"), cpu_count=_positive_int(meta, "cpu_count"),
                    machine=_short_text(meta, "machine"), system=_short_text(meta, "system"),
                    total_memory_mb=_optional_positive(meta, "total_memory_mb"),
-                   probe_gflops=_positive(meta, "probe_gflops"))
+                   probe_gflops=_positive(meta, "probe_gflops"),
+                   memory_limit_mb=_optional_positive(meta, "memory_limit_mb"),
+                   memory_limit_source=_short_text(meta, "memory_limit_source"))
 
 
 def _positive(meta: dict, key: str) -> float:
@@ -84,13 +89,17 @@ def total_memory_mb() -> float | None:
         return None
 
 
-def collect_profile(memory_budget_mb: float | None, threads: int) -> ResourceProfile:
-    """This machine's profile with the given budget and thread count (runs the probe)."""
+def collect_profile(memory_budget_mb: float | None, threads: int, limit: MemoryLimit | None = None) -> ResourceProfile:
+    """This machine's profile with the given thread count (runs the probe). Its budget is ``memory_budget_mb``
+    (the --memory-budget-mb flag) where given, else the memory ``limit`` (None: read it from the OS now)."""
     if memory_budget_mb is not None and not memory_budget_mb > 0:
         raise ProfileError(f"memory budget must be positive, got {memory_budget_mb}")
     if threads < 1:
         raise ProfileError(f"threads must be >= 1, got {threads}")
-    return ResourceProfile(memory_budget_mb=memory_budget_mb, threads=threads, cpu_count=os.cpu_count() or 1,
+    limit = read_memory_limit() if limit is None else limit
+    budget = memory_budget_mb if memory_budget_mb is not None else limit.mb
+    return ResourceProfile(memory_budget_mb=budget, threads=threads, cpu_count=os.cpu_count() or 1,
                            machine=platform.machine()[:MAX_FIELD_CHARS] or "unknown",
                            system=platform.system()[:MAX_FIELD_CHARS] or "unknown",
-                           total_memory_mb=total_memory_mb(), probe_gflops=probe_gflops())
+                           total_memory_mb=total_memory_mb(), probe_gflops=probe_gflops(),
+                           memory_limit_mb=limit.mb, memory_limit_source=limit.source[:MAX_FIELD_CHARS])

@@ -20,8 +20,18 @@ worker processes, so that no worker inherits another's memory:
   call of a block is not timed), so both meet the same load from other processes. The probe score
   (``device_runtime.probe``) is taken in the ORT process, so the cost model can scale the times.
 The parent writes bench_device.json, bench_device.md (tables) and bench_device.png into ``--out-dir`` and, with
-``--cost-model``, the data file that ``server.cost_model`` reads. Only the stdlib and numpy are imported at the
-top of this file: a worker must not carry torch unless it is the one measuring torch.
+``--cost-model``, the data file that ``server.cost_model`` reads (entries it does not re-measure are kept).
+
+    sudo .venv/bin/python scripts/bench_device.py --memory-floor --out-dir docs \\
+        --cost-model device_runtime/cost_model.json
+
+measures memory floors instead (root and a writable memory cgroup controller, server/cgroups.py): for each plan and
+runtime (``--runtimes``, default the onnxruntime-training device and a PyTorch client), the smallest cgroup limit, to
+4 MiB, under which FLOOR_REPEATS fresh processes in a row each complete FLOOR_ROUNDS local rounds on a small
+synthetic shard (bisection from above the charged peak of a run in an open group); into memory_floor.{md,json},
+and as ``floor_mb`` into the device runtime's cost-model entries, which the server's tier choice then prefers.
+Only the stdlib and numpy are imported at the top of this file: a worker must not carry torch unless it is the one
+measuring torch.
 """
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ import itertools
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,6 +55,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 CONFIGS = (("fedavgcnn", (1, 28, 28)), ("fedavgcnn", (3, 32, 32)), ("cnn1", (3, 32, 32)))
 RATIOS = (1.0, 0.75, 0.5, 0.25, 0.125)
+FLOOR_CONFIGS = (("fedavgcnn", (1, 28, 28)), ("cnn1", (1, 28, 28)))
+FLOOR_RATIOS = RATIOS  # every default tier: the tier choice uses floors only where every ratio has one
 QUICK_CONFIGS = (("fedavgcnn", (1, 28, 28)),)
 QUICK_RATIOS = (1.0, 0.25)
 NUM_CLASSES = 10
@@ -67,6 +80,7 @@ DEFAULT_CACHE = ROOT / "artifacts_cache" / "bench_device"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 MIB = 2**20
 KIB = 2**10
+FRAME_BYTES = 256 * KIB  # the device's default --max-message-bytes
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -365,7 +379,77 @@ def measure_latency(spec: dict, steps: int) -> dict:
     return dict(threads=per_threads, probe_gflops=max(probes), probes=probes)
 
 
-WORKERS = {"ort-memory": ort_memory_worker, "torch-memory": torch_memory_worker}
+def ort_training_floor_worker(spec: dict) -> dict:
+    """What a device process on onnxruntime-training does for ``spec["rounds"]`` rounds, as the agent does it:
+    import the modules the agent imports (paho included); write the plan's artifact files into its workdir and load
+    them from there (page cache a device writes is charged to its cgroup); per round, take the task as MQTT frames
+    through the transport's reassembler and decode it, run the local round with the received-model evaluation
+    (``run_task``), save the head and the encoded answer, and split the answer into the frames the transport
+    publishes (kept until the next round, as paho keeps unacknowledged frames)."""
+    import device_runtime.agent  # noqa: F401 -- the modules a device process holds
+    from device_runtime.local_round import run_task
+    from device_runtime.protocol import Message, MessageType, Reassembler, chunk, decode, encode
+    from device_runtime.shard import load_shard
+    from device_runtime.task import Phase, Task
+    from device_runtime.trainer import DeviceTrainer
+    shard = load_shard(spec["shard"])
+    sent: list[bytes] = []
+    with tempfile.TemporaryDirectory() as workdir:
+        artifacts = Path(workdir) / "artifacts"
+        artifacts.mkdir()
+        for source in Path(spec["artifacts"]).iterdir():
+            (artifacts / source.name).write_bytes(source.read_bytes())
+        trainer = DeviceTrainer(artifacts, threads=1)
+        fe = trainer.get_fe()
+        for index in range(spec["rounds"]):
+            round_index = ROUND + index
+            frames = chunk(encode(Message(MessageType.TASK, "bench", round_index, "bench-device", "bench-task", {},
+                                          fe)), FRAME_BYTES, "bench-task")
+            reassembler = Reassembler(2 * sum(len(f) for f in frames), timeout_s=60.0, max_pending=1)
+            payload = [p for f in frames if (p := reassembler.feed(f, now=0.0)) is not None][0]
+            del frames
+            task = Task(round_index, decode(payload, max_bytes=len(payload)).tensors, LAM, MU, LR,
+                        (Phase("all", 1),), spec["batch_size"], SEED)
+            del payload
+            update = run_task(trainer, shard, task)
+            trainer.save_head(Path(workdir) / "head.npz")
+            answer = encode(Message(MessageType.UPDATE, "bench", round_index, "bench-device", "bench-update",
+                                    dict(num_samples=update.num_samples), update.weights))
+            (Path(workdir) / "last_answer.bin").write_bytes(answer)
+            sent = chunk(answer, FRAME_BYTES, "bench-update")
+            fe = update.weights
+            del task, answer, update
+    return dict(peak_rss_bytes=peak_rss_bytes(), frames=len(sent), imported_torch="torch" in sys.modules)
+
+
+def torch_floor_worker(spec: dict) -> dict:
+    """A PyTorch client's rounds at the same plan: anchors from the current FE, then one epoch
+    (``compute_anchors`` + ``train_local``), ``spec["rounds"]`` times."""
+    import torch
+    from device_runtime.shard import load_shard
+    from server.lowrank import factorize_model
+    from server.models import build_model
+    from server.objective import compute_anchors
+    from server.training import train_local
+    torch.set_num_threads(1)
+    shard = load_shard(spec["shard"])
+    model = factorize_model(build_model(spec["model"], tuple(spec["input_shape"]), NUM_CLASSES, seed=SEED),
+                            spec["ranks"])
+    for _ in range(spec["rounds"]):
+        anchors, mask = compute_anchors(model.fe, shard.x_train, shard.y_train, NUM_CLASSES)
+        train_local(model, shard.x_train, shard.y_train, anchors=anchors, mask=mask, lam=LAM, mu=MU, lr=LR,
+                    epochs=1, batch_size=spec["batch_size"], rng=np.random.default_rng(SEED))
+    return dict(peak_rss_bytes=peak_rss_bytes())
+
+
+FLOOR_WORKERS = {"ort-training": ort_training_floor_worker, "torch": torch_floor_worker}
+"""Runtime name -> the worker that does a device's rounds on it. A device runtime added later (e.g. a stock
+onnxruntime one) adds its worker here and is measured with ``--memory-floor --runtimes NAME``."""
+DEVICE_RUNTIMES = ("ort-training",)  # the runtimes whose floors go into the cost model (the others are references)
+
+
+WORKERS = {"ort-memory": ort_memory_worker, "torch-memory": torch_memory_worker,
+           **{f"floor-{name}": worker for name, worker in FLOOR_WORKERS.items()}}
 
 
 def worker_env() -> dict[str, str]:
@@ -387,12 +471,12 @@ def run_worker(kind: str, spec: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # Parent: artifacts, shards, orchestration
 
-def write_synthetic_shard(path: Path, input_shape: tuple[int, ...]) -> None:
+def write_synthetic_shard(path: Path, input_shape: tuple[int, ...], train_samples: int = TRAIN_SAMPLES) -> None:
     """A shard of standard-normal images with uniform labels: a step's cost does not depend on the values."""
     from device_runtime.shard import Shard, save_shard
     rng = np.random.default_rng(SEED)
-    shard = Shard(rng.standard_normal((TRAIN_SAMPLES, *input_shape), dtype=np.float32),
-                  rng.integers(0, NUM_CLASSES, TRAIN_SAMPLES).astype(np.int64),
+    shard = Shard(rng.standard_normal((train_samples, *input_shape), dtype=np.float32),
+                  rng.integers(0, NUM_CLASSES, train_samples).astype(np.int64),
                   rng.standard_normal((TEST_SAMPLES, *input_shape), dtype=np.float32),
                   rng.integers(0, NUM_CLASSES, TEST_SAMPLES).astype(np.int64), NUM_CLASSES)
     save_shard(path, shard)
@@ -402,8 +486,9 @@ def shape_name(shape) -> str:
     return "x".join(str(d) for d in shape)
 
 
-def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path) -> list[dict]:
-    """One entry per distinct (model, input shape, plan): its artifacts, shard and the ratios that resolve to it."""
+def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path, train_samples: int = TRAIN_SAMPLES) -> list[dict]:
+    """One entry per distinct (model, input shape, plan): its artifacts, shard (of ``train_samples`` synthetic
+    training samples) and the ratios that resolve to it."""
     from export.artifacts import build_artifacts
     from server.lowrank import RankPlan, resolve_plan
     from server.models import build_model
@@ -411,7 +496,7 @@ def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path) -> list[dic
     for model_name, input_shape in configs:
         shard = shard_dir / f"{shape_name(input_shape)}.npz"
         if not shard.exists():
-            write_synthetic_shard(shard, input_shape)
+            write_synthetic_shard(shard, input_shape, train_samples)
         model = build_model(model_name, input_shape, NUM_CLASSES, seed=SEED)
         by_hash: dict[str, dict] = {}
         for ratio in ratios:
@@ -444,6 +529,209 @@ def measure_plan(plan: dict, steps: int) -> dict:
     torch_memory = run_worker("torch-memory", spec)
     latency = measure_latency(spec, steps)
     return dict(plan, sessions=sessions, torch=torch_memory, latency=latency)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory floors: the smallest cgroup limit at which a fresh device process completes its rounds
+
+FLOOR_TRAIN_SAMPLES = 64  # a small shard: the floor is set by the model, the plan and the batch, not the data
+FLOOR_ROUNDS = 2  # a round after a round: what the second one adds (fragmentation, kept frames) counts too
+FLOOR_RESOLUTION_MB = 4
+FLOOR_REPEATS = 3  # a limit counts as enough only when this many fresh processes in a row complete under it
+FLOOR_OPEN_LIMIT_MB = 4096  # the "unconstrained" reference run, inside a group so its charged peak is read
+FLOOR_HEADROOM_MB = 16  # first upper bracket: the reference run's charged peak plus this
+FLOOR_TIME_FACTOR, FLOOR_TIME_SLACK_S = 4.0, 20.0  # a trial must finish within 4x the reference run + 20 s
+
+
+def bisect_floor(completes: Callable[[int], bool], upper_mb: int, resolution_mb: int = FLOOR_RESOLUTION_MB,
+                 max_upper_mb: int = FLOOR_OPEN_LIMIT_MB) -> tuple[int, list[tuple[int, bool]]]:
+    """The smallest limit (a multiple of ``resolution_mb``) at which ``completes(limit)`` holds, assuming it holds
+    at every larger limit; and the trials, in order. Starts from ``upper_mb`` (doubled until it completes, up to
+    ``max_upper_mb``: RuntimeError beyond) and halves the interval above the largest known failure (or 0)."""
+    trials: list[tuple[int, bool]] = []
+
+    def trial(limit: int) -> bool:
+        trials.append((limit, completes(limit)))
+        return trials[-1][1]
+
+    high = -(-upper_mb // resolution_mb) * resolution_mb
+    low = 0
+    while not trial(high):
+        low, high = high, 2 * high
+        if high > max_upper_mb:
+            raise RuntimeError(f"no limit up to {max_upper_mb} MiB completes: {trials}")
+    while high - low > resolution_mb:
+        middle = (low + high) // 2 // resolution_mb * resolution_mb
+        if trial(middle):
+            high = middle
+        else:
+            low = middle
+    return high, trials
+
+
+def run_in_group(kind: str, spec: dict, limit_mb: int, timeout_s: float) -> dict:
+    """``WORKERS[kind](spec)`` in a fresh interpreter inside a new memory cgroup of ``limit_mb`` MiB: whether it
+    completed within ``timeout_s``, its result, seconds, and the group's evidence (OOM kills, charged peak)."""
+    from server.cgroups import create_group, popen_in_group
+    group = create_group(f"floor-{limit_mb}", limit_mb)
+    try:
+        start = time.perf_counter()
+        proc = popen_in_group(group, [sys.executable, str(Path(__file__).resolve()), "--worker", kind,
+                                      json.dumps(spec)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=worker_env())
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            timed_out = True
+        except BaseException:  # interrupted: leave no worker behind, so the group can go
+            proc.kill()
+            proc.wait()
+            raise
+        seconds = time.perf_counter() - start
+        evidence = group.evidence()
+    finally:
+        group.remove()
+    completed = proc.returncode == 0 and not timed_out
+    return dict(limit_mb=limit_mb, completed=completed, returncode=proc.returncode, timed_out=timed_out,
+                seconds=seconds, oom_kills=evidence.oom_kills, group_peak_mb=evidence.peak_mb,
+                result=json.loads(out.strip().splitlines()[-1]) if completed else None,
+                error=None if completed or evidence.oom_killed else err.strip()[-400:])
+
+
+def measure_floor(plan: dict, runtime: str, batch_size: int, rounds: int) -> dict:
+    """The memory floor of ``plan`` on ``runtime``: a reference run in an open group, then bisection; a limit
+    passes when FLOOR_REPEATS fresh processes in a row complete under it (stopping at the first that does not)."""
+    spec = {k: plan[k] for k in ("model", "input_shape", "ranks", "artifacts", "shard", "label")}
+    spec.update(batch_size=batch_size, rounds=rounds)
+    kind = f"floor-{runtime}"
+    reference = run_in_group(kind, spec, FLOOR_OPEN_LIMIT_MB, timeout_s=600)
+    if not reference.get("completed"):
+        raise RuntimeError(f"{runtime} worker for {plan['label']} failed without a limit:\n{reference['error']}")
+    timeout_s = FLOOR_TIME_FACTOR * reference["seconds"] + FLOOR_TIME_SLACK_S
+    runs: dict[int, list[dict]] = {}
+
+    def completes(limit: int) -> bool:
+        runs[limit] = []
+        while len(runs[limit]) < FLOOR_REPEATS:
+            runs[limit].append(run_in_group(kind, spec, limit, timeout_s))
+            if not runs[limit][-1]["completed"]:
+                return False
+        return True
+
+    floor, order = bisect_floor(completes, int(reference["group_peak_mb"]) + FLOOR_HEADROOM_MB)
+    return dict(model=plan["model"], input_shape=plan["input_shape"], ratios=plan["ratios"], plan=plan["plan"],
+                runtime=runtime, batch_size=batch_size, rounds=rounds, floor_mb=floor,
+                reference=reference, trials=[dict(limit_mb=limit, completed=passed, runs=runs[limit])
+                                             for limit, passed in order])
+
+
+def floor_tables(floors: list[dict]) -> str:
+    """One row per (model, input, ratio): the floor of each runtime, and its reference run's peaks."""
+    runtimes = sorted({f["runtime"] for f in floors}, key=lambda r: (r not in DEVICE_RUNTIMES, r))
+    by_key = {(f["model"], shape_name(f["input_shape"]), ratio, f["runtime"]): f
+              for f in floors for ratio in f["ratios"]}
+    rows = sorted({key[:3] for key in by_key}, key=lambda k: (k[0], k[1], -k[2]))
+    header = ["model", "input", "ratio", "plan"]
+    for runtime in runtimes:
+        header += [f"{runtime} floor MiB", f"{runtime} open-group peak MiB (charged / VmHWM)",
+                   f"{runtime} s at floor / open"]
+    lines = ["| " + " | ".join(header) + " |", "|---|---|---:|---|" + "---:|" * (3 * len(runtimes))]
+    for model, shape, ratio in rows:
+        plan = next(f["plan"] for k, f in by_key.items() if k[:3] == (model, shape, ratio))
+        cells = [model, shape, f"{ratio:g}", plan]
+        for runtime in runtimes:
+            f = by_key.get((model, shape, ratio, runtime))
+            if f is None:
+                cells += ["", "", ""]
+                continue
+            ref = f["reference"]
+            at_floor = next(t for t in f["trials"] if t["limit_mb"] == f["floor_mb"])["runs"]
+            seconds = float(np.median([run["seconds"] for run in at_floor]))
+            cells += [f"{f['floor_mb']}", f"{ref['group_peak_mb']:.0f} / {ref['result']['peak_rss_bytes'] / MIB:.0f}",
+                      f"{seconds:.1f} / {ref['seconds']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def with_floors(document: dict, floors: list[dict], command: str) -> dict:
+    """The cost-model document with each device runtime's floors set on its entries (``floor_mb`` by batch size,
+    ``floor_samples``: the samples of the shard they were measured with, ``floor_runtime``, ``floor_generated_by``);
+    KeyError names a (model, input, ratio) the document lacks."""
+    entries = {(e["model"], tuple(e["input_shape"]), e["ratio"]): e for e in document["entries"]}
+    for f in floors:
+        if f["runtime"] not in DEVICE_RUNTIMES:
+            continue
+        for ratio in f["ratios"]:
+            key = (f["model"], tuple(f["input_shape"]), ratio)
+            if key not in entries:
+                raise KeyError(f"the cost model has no entry for {f['model']} {shape_name(f['input_shape'])} ratio "
+                               f"{ratio}: measure it first (scripts/bench_device.py --config "
+                               f"{f['model']}:{shape_name(f['input_shape'])} --cost-model PATH)")
+            entry = entries[key]
+            entry["floor_mb"] = dict(entry.get("floor_mb", {}), **{str(f["batch_size"]): f["floor_mb"]})
+            entry.update(floor_samples=FLOOR_TRAIN_SAMPLES + TEST_SAMPLES, floor_runtime=f["runtime"],
+                         floor_generated_by=command)
+    return document
+
+
+def merge_cost_model(old: dict | None, new: dict) -> dict:
+    """``new`` with the entries of ``old`` it does not re-measure kept (each entry says which command measured it)."""
+    for entry in new["entries"]:
+        entry.setdefault("generated_by", new["generated_by"])
+    if old is None:
+        return new
+    measured = {(e["model"], tuple(e["input_shape"]), e["ratio"]) for e in new["entries"]}
+    kept = [dict(e, generated_by=e.get("generated_by", old.get("generated_by", ""))) for e in old["entries"]
+            if (e["model"], tuple(e["input_shape"]), e["ratio"]) not in measured]
+    return dict(new, entries=kept + new["entries"])
+
+
+def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -> int:
+    """--memory-floor: floors of every plan on every runtime, the tables, and the cost model's floors."""
+    from server.cgroups import available
+    if args.shard and args.cost_model:
+        print("error: --shard with --cost-model: the cost model's floors are measured on the synthetic shard "
+              "(its size is recorded with them); drop one of the two", file=sys.stderr)
+        return 2
+    why_not = available()
+    if why_not is not None:
+        print(f"error: --memory-floor needs memory cgroups: {why_not}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwind: workers and groups go
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as shard_dir:
+        plans = prepare_plans(configs, ratios, args.cache_dir, Path(shard_dir), FLOOR_TRAIN_SAMPLES)
+        if args.shard:
+            plans = [dict(plan, shard=str(args.shard)) for plan in plans]
+        floors = []
+        for plan in plans:
+            for runtime in args.runtimes:
+                floors.append(measure_floor(plan, runtime, BATCH, FLOOR_ROUNDS))
+                print(f"floor {runtime} {plan['label']}: {floors[-1]['floor_mb']} MiB "
+                      f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    tables = floor_tables(floors)
+    report = dict(command=command, settings=dict(train_samples=FLOOR_TRAIN_SAMPLES, rounds=FLOOR_ROUNDS,
+                                                 shard=str(args.shard) if args.shard else "synthetic",
+                                                 repeats=FLOOR_REPEATS,
+                                                 batch=BATCH, resolution_mb=FLOOR_RESOLUTION_MB,
+                                                 time_factor=FLOOR_TIME_FACTOR, time_slack_s=FLOOR_TIME_SLACK_S),
+                  machine=dict(platform=platform.platform(), cpus=os.cpu_count(), loadavg_at_end=list(os.getloadavg())),
+                  wall_seconds=time.perf_counter() - started, floors=floors)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "memory_floor.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out_dir / "memory_floor.md").write_text(tables)
+    if args.cost_model:
+        try:
+            document = with_floors(json.loads(args.cost_model.read_text()), floors, command)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"error: --cost-model {args.cost_model}: {exc}", file=sys.stderr)
+            return 2
+        args.cost_model.write_text(json.dumps(document, indent=1) + "\n")
+    print(tables)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -604,10 +892,20 @@ def parse_ratios(text: str) -> tuple[float, ...]:
     return ratios
 
 
+def parse_runtimes(text: str) -> tuple[str, ...]:
+    runtimes = tuple(text.split(","))
+    unknown = [r for r in runtimes if r not in FLOOR_WORKERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown runtime(s) {unknown}; choose from {','.join(FLOOR_WORKERS)}")
+    return runtimes
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", type=Path, help="where bench_device.{json,md,png} go")
-    p.add_argument("--cost-model", type=Path, default=None, help="also write the cost-model data file here")
+    p.add_argument("--cost-model", type=Path, default=None,
+                   help="also write the cost-model data file here (entries of other configurations already in it are "
+                        "kept); with --memory-floor: set the floors on its entries")
     p.add_argument("--quick", action="store_true",
                    help=f"small subset: FedAvgCNN 1x28x28 at ratios {QUICK_RATIOS}, {QUICK_STEPS} steps per variant")
     p.add_argument("--config", action="append", type=parse_config, metavar="MODEL:CxHxW",
@@ -615,6 +913,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratios", type=parse_ratios, default=None, help=f"comma-separated rank ratios (default {RATIOS})")
     p.add_argument("--steps", type=int, default=None, help=f"timed steps per latency variant (default {STEPS})")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="artifact cache (built once per plan)")
+    p.add_argument("--memory-floor", action="store_true",
+                   help="measure memory floors instead: the smallest cgroup limit (to 4 MiB) at which a fresh device "
+                        f"process completes {FLOOR_ROUNDS} rounds (needs root; default configs "
+                        f"{', '.join(f'{m}:{shape_name(s)}' for m, s in FLOOR_CONFIGS)}, ratios {FLOOR_RATIOS})")
+    p.add_argument("--shard", type=Path, default=None,
+                   help="with --memory-floor: measure on this device shard (.npz) instead of a small synthetic one; "
+                        "the floors then describe that shard and are not written into a cost model")
+    p.add_argument("--runtimes", type=parse_runtimes, default=tuple(FLOOR_WORKERS),
+                   help="with --memory-floor: comma-separated runtimes "
+                        f"(default and choices: {','.join(FLOOR_WORKERS)})")
     p.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     return p
 
@@ -635,8 +943,12 @@ def main(argv: list[str] | None = None) -> int:
     if steps < 1:
         parser.error(f"--steps must be >= 1, got {steps}")
     configs, ratios = (QUICK_CONFIGS, QUICK_RATIOS) if args.quick else (CONFIGS, RATIOS)
+    if args.memory_floor and not args.quick:
+        configs, ratios = FLOOR_CONFIGS, FLOOR_RATIOS
     configs, ratios = tuple(args.config or configs), args.ratios or ratios
     command = " ".join([".venv/bin/python", "scripts/bench_device.py", *(argv if argv is not None else sys.argv[1:])])
+    if args.memory_floor:
+        return run_memory_floors(args, configs, ratios, command)
     started, load = time.perf_counter(), os.getloadavg()
     with tempfile.TemporaryDirectory() as shard_dir:
         plans = prepare_plans(configs, ratios, args.cache_dir, Path(shard_dir))
@@ -662,7 +974,9 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, shipped, args.out_dir / "bench_device.png")
     if args.cost_model:
         args.cost_model.parent.mkdir(parents=True, exist_ok=True)
-        args.cost_model.write_text(json.dumps(cost_model_document(results, shipped, command), indent=1) + "\n")
+        old = json.loads(args.cost_model.read_text()) if args.cost_model.exists() else None
+        document = merge_cost_model(old, cost_model_document(results, shipped, command))
+        args.cost_model.write_text(json.dumps(document, indent=1) + "\n")
     print(tables)
     print(f"session options: shipped {shipped}, leanest {best}")
     return 0

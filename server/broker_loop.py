@@ -38,9 +38,10 @@ from device_runtime.protocol import (DEFAULT_MAX_FRAME_BYTES, Message, MessageTy
                                      device_id_from_topic, server_subscriptions)
 from device_runtime.status import parse_status
 from device_runtime.transport import MqttEndpoint, TransportError
+from server import cgroups
 from server.algorithms import get_algorithm
 from server.checkpoint import CheckpointError
-from server.cli import check_args, fail, new_parser, parse, run_folder
+from server.cli import check_args, console_logging, fail, new_parser, parse, run_folder
 from server.coordinator import Coordinator, CoordinatorConfig
 from server.cost_model import CostModelError, peak_predictor
 from server.embedded_broker import EmbeddedBroker
@@ -71,6 +72,7 @@ PENDING_UPDATES_BUDGETED = 4
 SHARDS_DIR, DEVICES_DIR = "shards", "devices"
 SERVER_LOG = "server.log"
 PR_SET_PDEATHSIG = 1
+MAX_OOM_RESTARTS = 2
 
 FederationError = RunError
 
@@ -94,8 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("devices and rounds")
     run.add_argument("--local-devices", type=int, default=0,
                      help="spawn this many device processes on shards of --dataset (0: devices come from outside)")
+    run.add_argument("--local-memory-limit-mb", default=None,
+                     help="start each local device in a memory cgroup of this many MiB (comma-separated, "
+                          "round-robin by device id): the device reads its limit and gets the largest tier whose "
+                          "measured memory floor fits (needs root and a writable memory controller; without them "
+                          "the devices run unconfined and the server says so)")
     run.add_argument("--local-memory-mb", default=None,
-                     help="memory budgets of the local devices in MiB, comma-separated, assigned round-robin")
+                     help="memory budgets the local devices report in MiB (no real limit), comma-separated, "
+                          "round-robin")
     run.add_argument("--min-devices", type=int, default=None,
                      help="devices a round needs ready (default: --local-devices, or 1)")
     run.add_argument("--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
@@ -138,10 +146,15 @@ def check_broker_args(args: argparse.Namespace) -> None:
     if not 0.0 <= args.min_completion <= 1.0:
         raise ValueError(f"--min-completion must be in [0, 1], got {args.min_completion:g}")
     _budgets(args.local_memory_mb)
+    if args.local_memory_limit_mb:
+        try:
+            cgroups.parse_limits(args.local_memory_limit_mb)
+        except ValueError as exc:
+            raise ValueError(f"--local-memory-limit-mb: {exc}") from None
 
 
 def broker_settings(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
-    return run_settings(args, config, ("local_devices", "local_memory_mb", "prefix"))
+    return run_settings(args, config, ("local_devices", "local_memory_mb", "local_memory_limit_mb", "prefix"))
 
 
 # -- local device processes --------------------------------------------------------------------
@@ -159,34 +172,55 @@ def _parent_death_signal() -> Callable[[], None] | None:
 
 
 class LocalDevices:
-    """Device processes spawned on this machine, one per shard."""
+    """Device processes spawned on this machine, one per shard, each in its memory cgroup where it has one.
+
+    A device the kernel killed for memory is started again (as systemd's Restart= would on a board), at most
+    ``MAX_OOM_RESTARTS`` times: it rejoins, and the engine gives it a lower tier than the one it died at."""
 
     def __init__(self) -> None:
         self.processes: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
+        self.groups: dict[str, cgroups.MemoryGroup] = {}
+        self._commands: dict[str, list[str]] = {}
+        self._restarts: dict[str, int] = {}
         self._reported: set[str] = set()
         self._pre_exec = _parent_death_signal()
 
-    def spawn(self, device_id: str, command: list[str], log_path: Path) -> None:
+    def spawn(self, device_id: str, command: list[str], log_path: Path,
+              group: cgroups.MemoryGroup | None = None) -> None:
         repo = str(Path(__file__).resolve().parents[1])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+        if group is not None:
+            self.groups[device_id] = group
+        group = self.groups.get(device_id)
+        pre_exec = self._pre_exec if group is None else cgroups.enter_hook(group, self._pre_exec)
         with open(log_path, "ab") as log:
             self.processes[device_id] = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                preexec_fn=self._pre_exec)
-        self.logs[device_id] = log_path
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=pre_exec)
+        self.logs[device_id], self._commands[device_id] = log_path, command
 
     def check(self) -> bool:
-        """Log each device that exited (once); returns whether any is still running."""
-        for device_id, proc in self.processes.items():
-            if proc.poll() is not None and device_id not in self._reported:
-                self._reported.add(device_id)
-                LOG.warning("local device %s exited with status %s (log: %s)", device_id, proc.returncode,
-                            self.logs[device_id])
+        """Log each device that exited (once), restart one killed for memory; returns whether any runs."""
+        for device_id, proc in list(self.processes.items()):
+            if proc.poll() is None or device_id in self._reported:
+                continue
+            group = self.groups.get(device_id)
+            evidence = group.evidence() if group is not None else None
+            if evidence is not None and evidence.oom_killed and self._restarts.get(device_id, 0) < MAX_OOM_RESTARTS:
+                self._restarts[device_id] = self._restarts.get(device_id, 0) + 1
+                LOG.warning("local device %s was killed at its %g MiB memory limit (peak %s MiB): starting it "
+                            "again; it gets a lower tier", device_id, group.limit_mb, evidence.peak_mb)
+                group.remove()  # a fresh group: nothing the killed process left is charged to its successor
+                self.groups[device_id] = cgroups.create_group(f"{device_id}-{self._restarts[device_id]}", group.limit_mb)
+                self.spawn(device_id, self._commands[device_id], self.logs[device_id])
+                continue
+            self._reported.add(device_id)
+            LOG.warning("local device %s exited with status %s (log: %s)", device_id, proc.returncode,
+                        self.logs[device_id])
         return any(proc.poll() is None for proc in self.processes.values())
 
     def stop(self, timeout: float = DEVICE_STOP_TIMEOUT_S) -> None:
-        """SIGTERM every device, then SIGKILL those still running after ``timeout`` seconds."""
+        """SIGTERM every device, then SIGKILL those still running after ``timeout`` seconds; remove their groups."""
         for proc in self.processes.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -198,6 +232,11 @@ class LocalDevices:
                 LOG.warning("local device %s ignored SIGTERM; killing it", device_id)
                 proc.kill()
                 proc.wait()
+        for group in self.groups.values():
+            try:
+                group.remove()
+            except cgroups.CgroupError as exc:
+                LOG.warning("%s", exc)
 
 
 def device_command(args: argparse.Namespace, url: str, device_id: str, shard: Path, workdir: Path,
@@ -436,13 +475,26 @@ def broker_url(args: argparse.Namespace) -> Iterator[str]:
         yield broker.url
 
 
-def predictor_for(plans: PlanBook, batch_size: int) -> Callable[[ResourceProfile], Callable[[float], float]]:
-    """profile -> (ratio -> predicted peak MiB): the measured cost model (device_runtime/cost_model.json, scaled
-    by the device's probe) where it has the model and input, else the analytic footprint."""
+def local_limits(args: argparse.Namespace) -> list[float]:
+    """--local-memory-limit-mb where memory cgroups can be made here, else [] and one line saying why not."""
+    if not args.local_memory_limit_mb:
+        return []
+    why = cgroups.available()
+    if why is not None:
+        print(f"--local-memory-limit-mb ignored: {why}; the local devices run without a memory limit", flush=True)
+        return []
+    return cgroups.parse_limits(args.local_memory_limit_mb)
+
+
+def predictor_for(plans: PlanBook, batch_size: int) -> Callable[[ResourceProfile, int], Callable[[float], float]]:
+    """(profile, shard samples) -> (ratio -> MiB the device needs): the measured cost model
+    (device_runtime/cost_model.json: memory floors, else peaks scaled by the device's probe) where it has the
+    model and input, else the analytic footprint."""
     analytic = tier_predictor(plans.model, plans.input_shape, batch_size)
 
-    def for_profile(profile: ResourceProfile) -> Callable[[float], float]:
-        predict = peak_predictor(plans.model.name, plans.input_shape, batch_size, profile)
+    def for_profile(profile: ResourceProfile, shard_samples: int) -> Callable[[float], float]:
+        predict = peak_predictor(plans.model.name, plans.input_shape, batch_size, profile,
+                                 shard_samples=shard_samples)
         try:
             predict(1.0)
         except CostModelError as exc:
@@ -501,13 +553,15 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
         if shards:
             shard_paths = write_shards(list(shards.values()), out.path / SHARDS_DIR, filename=DEVICE_SHARD_FILENAME)
             stack.callback(local.stop)
+            limits = local_limits(args)
             for i, (device_id, shard_path) in enumerate(zip(shards, shard_paths)):
                 workdir = out.path / DEVICES_DIR / device_id
                 workdir.mkdir(parents=True, exist_ok=True)
-                local.spawn(device_id, device_command(args, url, device_id, shard_path, workdir,
-                                                      budgets[i % len(budgets)],
+                group = cgroups.create_group(device_id, limits[i % len(limits)]) if limits else None
+                budget = None if group is not None else budgets[i % len(budgets)]
+                local.spawn(device_id, device_command(args, url, device_id, shard_path, workdir, budget,
                                                       out.path / LOCAL_KEYS_DIR / f"{device_id}.key"),
-                            out.path / DEVICES_DIR / f"{device_id}.log")
+                            out.path / DEVICES_DIR / f"{device_id}.log", group)
         federation = Federation(args, engine, endpoint, out, local, settings, max_inbound, link)
         if saved and saved.state["finished"] and saved.round >= config.rounds:
             LOG.info("the run in %s is finished; rewriting its report", out.path)
@@ -522,7 +576,7 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(build_parser(), argv)
     torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    console_logging()
     out = RunFolder(run_folder(args, "broker_loop"))
     try:
         check_args(args)

@@ -8,6 +8,7 @@ before any data is loaded.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 import time
@@ -173,6 +174,14 @@ def run_folder(args: argparse.Namespace, driver: str) -> Path:
         n += 1
         path = base.with_name(f"{base.name}-{n}")
     return path
+
+
+def console_logging() -> None:
+    """Warnings and errors on the terminal (progress lines are printed, not logged there); replaces the root
+    handler onnxruntime.training installs on import. A run's server.log gets INFO through its own handler."""
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(logging.WARNING)
 
 
 def fail(message: str) -> int:

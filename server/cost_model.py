@@ -12,14 +12,23 @@ process that timed the steps. A prediction for a device:
   device whose cores are its own, more threads are not slower, while the benchmark machine may be shared;
 - scales the step time by ``probe_gflops(benchmark) / probe_gflops(device)``. Memory is not scaled: the same
   graphs and weights take the same bytes (the runtime's own libraries differ by platform; see docs/benchmarks.md).
+
+Where the benchmark also measured memory floors (``--memory-floor``: the smallest cgroup limit under which a fresh
+device process completes its rounds, per batch size), the memory a device needs is that floor plus
+FLOOR_MARGIN_MB, not the predicted peak RSS: peak RSS counts shared library pages a cgroup does not charge and
+misses nothing the kernel enforces, so a floor is the measured answer to "does it fit a limit of L MiB". At a batch
+size above the measured ones the floor grows as the peak does; given the device's shard size, it grows by the bytes
+of the samples beyond those of the shard it was measured with (float32 images, resident for the whole run). A floor
+is used only where every ratio of the model has one (a mix would compare unlike quantities).
 """
 from __future__ import annotations
 
 import bisect
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -28,7 +37,11 @@ from typing import Protocol
 COST_MODEL_FORMAT = 1
 COST_MODEL_PACKAGE = "device_runtime"
 COST_MODEL_FILE = "cost_model.json"
-
+FLOOR_MARGIN_MB = 8.0
+"""Added to a measured floor: it is resolved to 4 MiB, and a device's MQTT session and longer run add a little
+(measured: docs/memory_floor.md, "Margin")."""
+BYTES_PER_SAMPLE_VALUE = 4  # float32 images
+MIB = 1024 * 1024
 
 class CostModelError(ValueError):
     """A cost-model file that is unreadable or malformed, or a question it has no measurements for."""
@@ -45,6 +58,12 @@ class DeviceProfile(Protocol):
 class Prediction:
     peak_mb: float  # peak RSS of the device process over a local round, MiB
     step_ms: float  # one training step (forward, backward, SGD update), milliseconds
+    floor_mb: float | None = None  # smallest cgroup limit under which the rounds completed, MiB; None: not measured
+
+    @property
+    def need_mb(self) -> float:
+        """The memory limit the device needs: the measured floor plus FLOOR_MARGIN_MB, else the predicted peak."""
+        return self.peak_mb if self.floor_mb is None else self.floor_mb + FLOOR_MARGIN_MB
 
 
 @dataclass(frozen=True)
@@ -55,6 +74,8 @@ class CostEntry:
     probe_gflops: float
     peak_mb: dict[int, float]  # batch size -> MiB
     step_ms: dict[int, dict[int, float]]  # threads -> batch size -> ms
+    floor_mb: dict[int, float] = field(default_factory=dict)  # batch size -> MiB; empty: not measured
+    floor_samples: int = 0  # samples (train + test) of the shard the floors were measured with
 
 
 @dataclass(frozen=True)
@@ -100,8 +121,13 @@ def _entry(raw: object, index: int) -> tuple[tuple[str, tuple[int, ...]], CostEn
         raise CostModelError(f"entry {index}: ratio must be in (0, 1], got {ratio}")
     step = {threads: _numbers_by_size(table, f"entry {index} step_ms[{threads}]")
             for threads, table in _sizes(raw["step_ms"], f"entry {index} step_ms").items()}
+    floor = _numbers_by_size(raw["floor_mb"], f"entry {index} floor_mb") if "floor_mb" in raw else {}
+    floor_samples = raw.get("floor_samples", 0)
+    if floor and (isinstance(floor_samples, bool) or not isinstance(floor_samples, int) or floor_samples < 1):
+        raise CostModelError(f"entry {index}: floor_samples must be a positive integer with floor_mb, got "
+                             f"{floor_samples!r}")
     entry = CostEntry(ratio, _number(raw["probe_gflops"], f"entry {index} probe_gflops"),
-                      _numbers_by_size(raw["peak_mb"], f"entry {index} peak_mb"), step)
+                      _numbers_by_size(raw["peak_mb"], f"entry {index} peak_mb"), step, floor, floor_samples)
     return (str(raw["model"]), tuple(shape)), entry
 
 
@@ -160,16 +186,28 @@ def _by_batch(table: dict[int, float], batch_size: int) -> float:
     return _interpolate(sorted(table.items()), batch_size, extrapolate_above=True)
 
 
-def _entry_prediction(entry: CostEntry, batch_size: int, threads: int, probe_gflops: float) -> Prediction:
+def _entry_floor(entry: CostEntry, batch_size: int, shard_mb: Callable[[int], float]) -> float | None:
+    """The floor at ``batch_size``: at the largest measured batch size b0 not above it (else the smallest one),
+    plus what the predicted peak grows from b0 to ``batch_size``, plus ``shard_mb(entry.floor_samples)``."""
+    if not entry.floor_mb:
+        return None
+    b0 = max((b for b in entry.floor_mb if b <= batch_size), default=min(entry.floor_mb))
+    batch_growth = max(0.0, _by_batch(entry.peak_mb, batch_size) - _by_batch(entry.peak_mb, b0))
+    return entry.floor_mb[b0] + batch_growth + shard_mb(entry.floor_samples)
+
+
+def _entry_prediction(entry: CostEntry, batch_size: int, threads: int, probe_gflops: float,
+                      shard_mb: Callable[[int], float]) -> Prediction:
     usable = [t for t in entry.step_ms if t <= threads] or [min(entry.step_ms)]
     step = min(_by_batch(entry.step_ms[t], batch_size) for t in usable) * entry.probe_gflops / probe_gflops
-    return Prediction(_by_batch(entry.peak_mb, batch_size), step)
+    return Prediction(_by_batch(entry.peak_mb, batch_size), step, _entry_floor(entry, batch_size, shard_mb))
 
 
 def predict(model_name: str, input_shape: Sequence[int], ratio: float, batch_size: int, profile: DeviceProfile,
-            cost_model: CostModel | None = None) -> Prediction:
-    """Peak MiB and step ms of ``model_name`` on ``input_shape`` at rank ``ratio`` and ``batch_size`` on the
-    device described by ``profile`` (its probe score and thread count); ``cost_model`` None: the shipped one."""
+            cost_model: CostModel | None = None, shard_samples: int | None = None) -> Prediction:
+    """Peak MiB, step ms and floor MiB of ``model_name`` on ``input_shape`` at rank ``ratio`` and ``batch_size`` on
+    the device described by ``profile`` (its probe score and thread count), whose shard holds ``shard_samples``
+    samples (train + test; None: as many as the floors were measured with); ``cost_model`` None: the shipped one."""
     model = _shipped() if cost_model is None else cost_model
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"rank ratio must be in (0, 1], got {ratio!r}")
@@ -183,13 +221,24 @@ def predict(model_name: str, input_shape: Sequence[int], ratio: float, batch_siz
     if key not in model.entries:
         known = ", ".join(f"{m} {'x'.join(map(str, s))}" for m, s in sorted(model.entries))
         raise CostModelError(f"no measurements for {model_name} {'x'.join(map(str, key[1]))}; the cost model has {known}")
-    per_ratio = [(e.ratio, _entry_prediction(e, batch_size, threads, probe)) for e in model.entries[key]]
+    sample_mb = math.prod(key[1]) * BYTES_PER_SAMPLE_VALUE / MIB
+
+    def shard_mb(floor_samples: int) -> float:
+        return 0.0 if shard_samples is None else max(0, shard_samples - floor_samples) * sample_mb
+
+    per_ratio = [(e.ratio, _entry_prediction(e, batch_size, threads, probe, shard_mb)) for e in model.entries[key]]
     peak = _interpolate([(r, p.peak_mb) for r, p in per_ratio], ratio, extrapolate_above=False)
     step = _interpolate([(r, p.step_ms) for r, p in per_ratio], ratio, extrapolate_above=False)
-    return Prediction(peak, step)
+    floor = None
+    if all(p.floor_mb is not None for _, p in per_ratio):
+        floor = _interpolate([(r, p.floor_mb) for r, p in per_ratio], ratio, extrapolate_above=False)
+    return Prediction(peak, step, floor)
 
 
 def peak_predictor(model_name: str, input_shape: Sequence[int], batch_size: int, profile: DeviceProfile,
-                   cost_model: CostModel | None = None) -> Callable[[float], float]:
-    """``ratio -> predicted peak MiB`` for one device: the predictor ``server.rank_assignment.assign_tier`` takes."""
-    return lambda ratio: predict(model_name, input_shape, ratio, batch_size, profile, cost_model).peak_mb
+                   cost_model: CostModel | None = None, shard_samples: int | None = None) -> Callable[[float], float]:
+    """``ratio -> the MiB the device needs`` (``Prediction.need_mb``: the measured floor plus margin where the cost
+    model has floors, else the predicted peak) for one device: the predictor ``server.rank_assignment.assign_tier``
+    compares with the device's budget."""
+    return lambda ratio: predict(model_name, input_shape, ratio, batch_size, profile, cost_model,
+                                 shard_samples).need_mb

@@ -56,8 +56,8 @@ class PlanSource(Protocol):
     def get(self, ratio: float, kind: str = "default", model: str | None = None) -> PlanInfo: ...
 
 
-Predictor = Callable[[ResourceProfile], Callable[[float], float]]
-"""profile -> (ratio -> predicted peak MiB on that device)."""
+Predictor = Callable[[ResourceProfile, int], Callable[[float], float]]
+"""(profile, shard samples) -> (ratio -> the MiB that device needs at that tier)."""
 
 
 @dataclass(frozen=True)
@@ -130,16 +130,17 @@ class RoundEngine:
         record = self.coordinator.devices[device_id]
         return self.plans.get(record.ratio, self.kinds.get(device_id, "default"), self.device_models.get(device_id))
 
-    def _choose_ratio(self, device_id: str, profile: ResourceProfile, budget_mb: float | None) -> float:
-        tiers = self.tiers
-        if device_id in self.demoted:
-            lower = tuple(t for t in tiers if t < self.demoted[device_id])
-            tiers = lower or (min(tiers),)
+    def _choose_ratio(self, device_id: str, profile: ResourceProfile, budget_mb: float | None,
+                      shard_samples: int) -> float:
+        tiers, overrides = self.tiers, self.overrides
+        if device_id in self.demoted:  # it died at its tier: below it, whatever an override said
+            tiers = tuple(t for t in tiers if t < self.demoted[device_id]) or (min(tiers),)
+            overrides = {}
         if self.predictor is None or len(tiers) == 1:
-            return self.overrides.get(device_id, tiers[0])
-        predict = self.predictor(profile)
-        ratio = choose_ratio(device_id, budget_mb, tiers, predict, self.overrides)
-        if budget_mb is not None and predict(ratio) > budget_mb and device_id not in self.overrides:
+            return overrides.get(device_id, tiers[0])
+        predict = self.predictor(profile, shard_samples)
+        ratio = choose_ratio(device_id, budget_mb, tiers, predict, overrides)
+        if budget_mb is not None and predict(ratio) > budget_mb and device_id not in overrides:
             LOG.warning("%s: no tier fits its %.0f MiB budget; smallest tier %g (predicted %.1f MiB)",
                         device_id, budget_mb, ratio, predict(ratio))
         return ratio
@@ -153,7 +154,7 @@ class RoundEngine:
         record = self.coordinator.devices[device_id]
         self.kinds[device_id] = kind
         if record.ratio is None or (device_id in self.demoted and record.ratio >= self.demoted[device_id]):
-            ratio = self._choose_ratio(device_id, join.profile, record.budget_mb)
+            ratio = self._choose_ratio(device_id, join.profile, record.budget_mb, record.num_train + record.num_test)
             plan = self.plans.get(ratio, kind, self.device_models.get(device_id))
             self.coordinator.assign_plan(device_id, ratio, plan.hash, plan.fe_shapes)
         plan = self.plan_info(device_id)
@@ -225,9 +226,14 @@ class RoundEngine:
         return {d: self.task(d) for d in opened.train + opened.evaluate}
 
     def _weights(self, device_id: str) -> dict[str, np.ndarray]:
+        """The global model at the device's plan (factorized once per plan and round; a device that got a new
+        plan mid-round, e.g. rejoining at a lower tier, adds its plan)."""
         if not self.algorithm.aggregates:
             return {}
-        return self._round_weights[plan_key(self.plan_info(device_id).resolved)]
+        resolved = self.plan_info(device_id).resolved
+        if plan_key(resolved) not in self._round_weights:
+            self._round_weights.update(factorize_per_plan(self.global_state, [resolved]))
+        return self._round_weights[plan_key(resolved)]
 
     def task(self, device_id: str, deadline: float | None = None) -> Task:
         """The open round's task for a device it asked (again, after a reconnect: counted each time sent)."""

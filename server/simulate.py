@@ -27,7 +27,7 @@ from device_runtime.task import Task, Update
 from device_runtime.trainer import DeviceTrainer
 from server.algorithms import get_algorithm
 from server.checkpoint import CheckpointError
-from server.cli import check_args, fail, new_parser, parse, run_folder
+from server.cli import check_args, console_logging, fail, new_parser, parse, run_folder
 from server.coordinator import Coordinator, CoordinatorConfig
 from server.engine import RoundEngine
 from server.lowrank import factorize_model
@@ -205,7 +205,7 @@ def summary(records: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse(build_parser(), argv)
     torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    console_logging()
     out = RunFolder(run_folder(args, "simulate"))
     try:
         simulation = Simulation(args, out)

@@ -106,3 +106,57 @@ def test_a_timed_block_times_count_calls_after_one_untimed_call():
     calls = []
     times = load_script().timed_block(lambda: calls.append(1), 3)
     assert len(times) == 3 and len(calls) == 4 and all(t >= 0 for t in times)
+
+
+def test_floor_bisection_finds_the_smallest_passing_limit_to_the_resolution():
+    bench = load_script()
+    floor, trials = bench.bisect_floor(lambda limit: limit >= 113, upper_mb=150, resolution_mb=4)
+    assert floor == 116 and trials[0] == (152, True)
+    assert all(passed == (limit >= 113) for limit, passed in trials)
+
+
+def test_floor_bisection_raises_the_upper_bracket_until_it_passes():
+    bench = load_script()
+    floor, trials = bench.bisect_floor(lambda limit: limit >= 300, upper_mb=100, resolution_mb=4)
+    assert floor == 300 and [t for t in trials if t[0] in (100, 200, 400)] == [(100, False), (200, False), (400, True)]
+
+
+def test_floor_bisection_gives_up_above_its_ceiling():
+    with pytest.raises(RuntimeError, match="no limit up to 256 MiB"):
+        load_script().bisect_floor(lambda limit: False, upper_mb=100, max_upper_mb=256)
+
+
+def floor_result(runtime: str, ratios: list[float], floor: int) -> dict:
+    return dict(model="cnn1", input_shape=[1, 28, 28], ratios=ratios, plan="p", runtime=runtime, batch_size=16,
+                floor_mb=floor)
+
+
+def test_floors_of_the_device_runtime_go_into_the_cost_model_and_reference_ones_do_not():
+    bench = load_script()
+    document = dict(entries=[dict(model="cnn1", input_shape=[1, 28, 28], ratio=r) for r in (1.0, 0.5)])
+    bench.with_floors(document, [floor_result("ort-training", [1.0], 148), floor_result("torch", [0.5], 240)], "cmd")
+    dense, half = document["entries"]
+    assert dense["floor_mb"] == {"16": 148} and dense["floor_samples"] == bench.FLOOR_TRAIN_SAMPLES + bench.TEST_SAMPLES
+    assert "floor_mb" not in half
+
+
+def test_floors_for_an_entry_the_cost_model_lacks_name_the_command_to_measure_it():
+    bench = load_script()
+    with pytest.raises(KeyError, match="--config cnn1:1x28x28"):
+        bench.with_floors(dict(entries=[]), [floor_result("ort-training", [0.5], 112)], "cmd")
+
+
+def test_a_cost_model_rewrite_keeps_the_entries_it_does_not_measure():
+    bench = load_script()
+    old = dict(generated_by="old", entries=[dict(model="a", input_shape=[1, 2, 2], ratio=1.0, peak_mb=1),
+                                            dict(model="b", input_shape=[1, 2, 2], ratio=1.0, peak_mb=2)])
+    new = dict(generated_by="new", entries=[dict(model="b", input_shape=[1, 2, 2], ratio=1.0, peak_mb=3)])
+    merged = bench.merge_cost_model(old, new)
+    assert [(e["model"], e["peak_mb"], e["generated_by"]) for e in merged["entries"]] == [("a", 1, "old"),
+                                                                                          ("b", 3, "new")]
+
+
+def test_an_unknown_floor_runtime_is_refused_naming_the_choices(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--memory-floor", "--runtimes", "tflite", "--out-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "tflite" in done.stderr and "ort-training,torch" in done.stderr

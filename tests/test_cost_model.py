@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import pytest
 
 from device_runtime.profile import ResourceProfile
-from server.cost_model import (CostModelError, Prediction, load_cost_model, parse_cost_model, peak_predictor,
-                               predict)
+from server.cost_model import (FLOOR_MARGIN_MB, CostModelError, Prediction, load_cost_model, parse_cost_model,
+                               peak_predictor, predict)
 from server.rank_assignment import assign_tier
 
 SHAPE = (1, 28, 28)
@@ -125,6 +125,79 @@ def test_the_shipped_cost_model_covers_the_benchmarked_models():
     shipped = load_cost_model()
     assert {("fedavgcnn", (1, 28, 28)), ("fedavgcnn", (3, 32, 32)), ("cnn1", (3, 32, 32))} <= set(shipped.entries)
     assert all(len(entries) == 5 for entries in shipped.entries.values())
+
+
+def test_the_shipped_cost_model_has_floors_for_every_tier_of_the_28x28_models():
+    shipped = load_cost_model()
+    for model in ("fedavgcnn", "cnn1"):
+        assert all(16 in e.floor_mb for e in shipped.entries[(model, SHAPE)])
+
+
+FLOOR_SAMPLES = 80
+SAMPLE_MB = 28 * 28 * 4 / 2**20
+
+
+def with_floors(floors: dict[float, float]) -> object:
+    """MODEL with a floor at batch 16, measured on an 80-sample shard, for each ratio in ``floors``."""
+    entries = [entry(0.25, 100.0, 140.0, 10.0, 34.0), entry(0.5, 120.0, 180.0, 20.0, 68.0),
+               entry(1.0, 160.0, 260.0, 40.0, 136.0)]
+    for e in entries:
+        if e["ratio"] in floors:
+            e.update(floor_mb={"16": floors[e["ratio"]]}, floor_samples=FLOOR_SAMPLES)
+    return parse_cost_model(document(*entries))
+
+
+FLOORED = with_floors({0.25: 60.0, 0.5: 80.0, 1.0: 130.0})
+
+
+def test_a_measured_floor_plus_margin_is_the_memory_need():
+    prediction = predict("fedavgcnn", SHAPE, 0.5, 16, Device(), FLOORED)
+    assert (prediction.peak_mb, prediction.floor_mb, prediction.need_mb) == (120.0, 80.0, 80.0 + FLOOR_MARGIN_MB)
+
+
+def test_without_floors_the_need_is_the_predicted_peak():
+    assert predict("fedavgcnn", SHAPE, 0.5, 16, Device(), MODEL).need_mb == 120.0
+
+
+def test_floors_interpolate_between_ratios():
+    assert predict("fedavgcnn", SHAPE, 0.75, 16, Device(), FLOORED).floor_mb == 105.0
+
+
+def test_a_floor_grows_with_the_batch_as_the_peak_does():
+    assert predict("fedavgcnn", SHAPE, 0.25, 40, Device(), FLOORED).floor_mb == 60.0 + (120.0 - 100.0)
+
+
+def test_a_floor_grows_by_the_bytes_of_a_larger_shard():
+    floor = predict("fedavgcnn", SHAPE, 0.25, 16, Device(), FLOORED, shard_samples=FLOOR_SAMPLES + 1000).floor_mb
+    assert floor == pytest.approx(60.0 + 1000 * SAMPLE_MB)
+
+
+def test_a_smaller_shard_does_not_lower_a_floor():
+    assert predict("fedavgcnn", SHAPE, 0.25, 16, Device(), FLOORED, shard_samples=10).floor_mb == 60.0
+
+
+def test_floors_without_their_shard_size_are_refused():
+    bad = entry(0.5, 1, 2, 3, 4)
+    bad["floor_mb"] = {"16": 50}
+    with pytest.raises(CostModelError, match="floor_samples"):
+        parse_cost_model(document(bad))
+
+
+def test_floors_on_only_some_ratios_are_not_used():
+    assert predict("fedavgcnn", SHAPE, 0.5, 16, Device(), with_floors({0.5: 80.0})).floor_mb is None
+
+
+def test_a_non_positive_floor_is_refused_by_name():
+    bad = entry(0.5, 1, 2, 3, 4)
+    bad.update(floor_mb={"16": 0}, floor_samples=FLOOR_SAMPLES)
+    with pytest.raises(CostModelError, match=r"floor_mb\[16\]"):
+        parse_cost_model(document(bad))
+
+
+def test_tier_assignment_prefers_the_floor_over_the_peak():
+    predictor = peak_predictor("fedavgcnn", SHAPE, 16, Device(), FLOORED)
+    assert assign_tier(100.0, (1.0, 0.5, 0.25), predictor) == 0.5  # by peak: 0.25 (0.5 peaks at 120)
+    assert assign_tier(140.0, (1.0, 0.5, 0.25), predictor) == 1.0  # by peak: 0.5 (dense peaks at 160)
 
 
 def test_the_peak_predictor_drives_tier_assignment():

@@ -136,7 +136,7 @@ def test_a_round_below_min_completion_keeps_the_global_model():
 
 
 def test_a_rounds_record_is_completed_by_the_next_rounds_evaluations_with_per_tier_accuracy():
-    engine = make_engine("fedara", tiers=(1.0, 0.5), predictor=lambda profile: (lambda ratio: 100 * ratio))
+    engine = make_engine("fedara", tiers=(1.0, 0.5), predictor=lambda profile, samples: (lambda ratio: 100 * ratio))
     join(engine, "dev_000", budget=200)  # dense fits
     join(engine, "dev_001", budget=60)  # only 0.5 fits
     tasks = engine.open_round(1, 0.0)
@@ -154,7 +154,7 @@ def test_a_rounds_record_is_completed_by_the_next_rounds_evaluations_with_per_ti
 
 
 def test_a_device_lost_during_its_training_round_rejoins_at_a_lower_tier():
-    engine = make_engine("fedara", tiers=(1.0, 0.5, 0.25), predictor=lambda profile: (lambda ratio: 10 * ratio))
+    engine = make_engine("fedara", tiers=(1.0, 0.5, 0.25), predictor=lambda profile, samples: (lambda ratio: 10 * ratio))
     join(engine, "dev_000", budget=100)
     assert engine.coordinator.devices["dev_000"].ratio == 1.0
     engine.open_round(1, 0.0)

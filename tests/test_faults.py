@@ -342,7 +342,6 @@ def device_agent(workdir: Path, shard: Shard) -> tuple[DeviceAgent, Outbox]:
     outbox = Outbox()
     agent = DeviceAgent("dev_c", shard, collect_profile(None, 1), outbox, Workdir(workdir),
                         Topics(DEFAULT_TOPIC_PREFIX, "dev_c"), device_link("dev_c", workdir.parent / f"{workdir.name}-auth"))
-    agent.restore_plan()
     return agent, outbox
 
 
@@ -377,7 +376,7 @@ def test_device_killed_before_committing_a_round_trains_it_again_from_its_commit
     with pytest.raises(Killed):
         serve(killed, second)
     restarted, restarted_out = device_agent(tmp_path / "killed", shard)
-    serve(restarted, second)
+    serve(restarted, plan, second)  # the server answers its JOIN with the plan, then asks again
 
     (_, expected), (_, got) = (parse_update(decode(out.sent[-1], max_bytes=1 << 28))
                                for out in (control_out, restarted_out))

@@ -184,8 +184,8 @@ def genuine_update(world: World, device_id: str = TRAINER, *, round_index: int =
 
 
 def aggregated(server: Federation) -> int:
-    """How many updates the open round's running average holds."""
-    return server.engine._average.count
+    """How many updates the open round has accepted: folded into its average, or held to be folded in id order."""
+    return server.engine._average.count + len(server.engine._held)
 
 
 def server_state(server: Federation) -> tuple:
@@ -193,8 +193,7 @@ def server_state(server: Federation) -> tuple:
     byte and training book, the registry, and which plans the server sent, re-sent or still asks for."""
     engine = server.engine
     return ({name: value.numpy().tobytes() for name, value in engine.global_state.items()},
-            (engine._average.count, engine._average.total_weight,
-             {name: value.numpy().tobytes() for name, value in engine._average._sums.items()}),
+            (engine._average.count, engine._average.total_weight, sorted(engine._held), engine._next),
             repr(engine._book),
             json.dumps(server.coordinator.to_state(), sort_keys=True),
             (dict(engine._resends), dict(engine._files_sent), dict(engine.kinds), dict(engine.demoted),

@@ -408,11 +408,8 @@ def test_restarted_device_lists_its_artifacts_and_keeps_its_head(dense_artifacts
     deliver(agent, task_message(dense_task(model), plan_hash=artifacts.hash, device_id="dev_t", run_id="run1"))
     trained_head = agent.trainer.get_head()
     restarted, endpoint = make_agent(tmp_path / "work", shard)
-    restarted.restore_plan()
     restarted.join()
     assert parse_join(endpoint.messages()[0]).artifacts == (artifacts.hash,)
-    for name, value in trained_head.items():
-        np.testing.assert_array_equal(restarted.trainer.get_head()[name], value)
     # The server answers its JOIN with the plan and the run's initial head: a device that holds a trained head
     # of this run keeps it.
     deliver(restarted, plan_message(plan_for(artifacts, {}, model), device_id="dev_t", run_id="run1"))
@@ -450,8 +447,9 @@ def test_device_cli_and_agent_import_neither_torch_nor_onnx():
 
 def test_devices_get_the_largest_tier_the_cost_model_fits_in_their_memory_budget(tmp_path: Path, cache: Path):
     """Budgets against the shipped cost model (device_runtime/cost_model.json): ample memory trains dense, a
-    budget that only the smallest tier's predicted peak fits gets a tier at most that heavy."""
-    predicted = {r: predict("fedavgcnn", (1, 28, 28), r, 32, collect_profile(None, 1)).peak_mb
+    budget that only the smallest tier's predicted need (its measured floor plus margin) fits gets a tier at most
+    that heavy."""
+    predicted = {r: predict("fedavgcnn", (1, 28, 28), r, 32, collect_profile(None, 1)).need_mb
                  for r in (1.0, 0.75, 0.5, 0.25, 0.125)}
     tight = predicted[0.125]
     federate(tmp_path / "run", cache, "--local-devices", "2", "--rounds", "1", "--local-memory-mb", f"10000,{tight}")

@@ -77,7 +77,7 @@ def test_fedavg_averages_the_devices_heads_by_sample_count(tmp_path):
     for name in (k for k in shared if not k.startswith(FE_PREFIX)):
         expected = sum(samples[d] * personal[d][name].astype(np.float64) for d in personal) / total
         np.testing.assert_allclose(shared[name], expected, rtol=0, atol=1e-6, err_msg=name)
-        initial = sim.engine.initial_personal[name]
+        initial = sim.engine.initial_personal["fedavgcnn"][name]
         assert not np.allclose(shared[name], initial)
 
 
@@ -112,10 +112,15 @@ def test_other_models_train_locally(tmp_path):
     assert all(any(k.startswith(FE_PREFIX) for k in p) for p in personal.values())
 
 
-def test_a_model_list_is_refused_as_a_flag_error(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(QUICK + ["--model", "cnn1,cnn2", "--algo", "local"])
-    assert exit_.value.code == 2 and "--model" in capsys.readouterr().err
+def test_local_training_gives_each_device_its_model_of_a_list_round_robin(tmp_path):
+    _, shared, personal = run_main(tmp_path / "run", "--algo", "local", "--model", "cnn1,cnn5", "--rounds", "1")
+    hidden = {d: p["fe.fc1.weight"].shape[0] for d, p in personal.items()}  # CNN1's fc1 is 2000 wide, CNN5's 500
+    assert shared == {} and hidden == {"dev_000": 2000, "dev_001": 500, "dev_002": 2000, "dev_003": 500}
+
+
+def test_a_model_list_is_refused_for_an_algorithm_that_shares_one_model(capsys):
+    assert main(QUICK + ["--model", "cnn1,cnn2", "--algo", "fedara"]) == 2
+    assert "--model 'cnn1,cnn2' names several models" in capsys.readouterr().err
 
 
 def test_same_seed_gives_identical_runs_and_another_seed_does_not(tmp_path):

@@ -1,0 +1,46 @@
+"""A device process for the edge-envelope tests, run inside a memory cgroup: it reports its resource profile,
+takes the plan the test assigns, and does a device's local rounds on it.
+
+    python -m tests.confined_device SHARD [--memory-budget-mb MB]
+
+Lines of JSON on stdout and stdin: out ``{"profile": ...}`` (device_runtime.profile, with no budget flag the
+budget is the limit it read); in ``{"artifacts": DIR, "rounds": N, "batch_size": B}``; out the rounds' result.
+The rounds are the ones the memory floors were measured with (scripts/bench_device.py, the onnxruntime-training
+floor worker: the task received as MQTT frames, ``run_task``, the head and answer saved, the answer framed), so a
+tier chosen by its floor is checked on the same work, here on the device's own shard.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from device_runtime.profile import collect_profile
+
+BENCH_DEVICE = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
+
+
+def bench_device_module():
+    """scripts/bench_device.py as a module (it is a script, not a package member)."""
+    spec = importlib.util.spec_from_file_location("bench_device", BENCH_DEVICE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shard")
+    parser.add_argument("--memory-budget-mb", type=float, default=None)
+    args = parser.parse_args()
+    print(json.dumps(dict(profile=collect_profile(args.memory_budget_mb, 1).to_meta())), flush=True)
+    plan = json.loads(sys.stdin.readline())
+    result = bench_device_module().ort_training_floor_worker(dict(plan, shard=args.shard))
+    print(json.dumps(dict(result, rounds=plan["rounds"])), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
