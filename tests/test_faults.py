@@ -337,6 +337,9 @@ class Outbox:
     def publish(self, topic: str, payload: bytes, msg_id: str, retain: bool = False, **kwargs: object) -> None:
         self.sent.append(payload)
 
+    def set_max_message_bytes(self, max_message_bytes: int) -> None:
+        self.max_message_bytes = max_message_bytes
+
 
 def device_agent(workdir: Path, shard: Shard) -> tuple[DeviceAgent, Outbox]:
     outbox = Outbox()

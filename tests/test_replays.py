@@ -38,7 +38,8 @@ MOSQUITTO_PUB = shutil.which("mosquitto_pub")
 PREFIX = "fedara"
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
          "--threads", "1", "--join-timeout", "90", "--round-deadline", "90", "--prefix", PREFIX]
-ROUNDS = 4
+ROUNDS = 8
+"""Long enough (about 3 s a round) that the attacks, the flood included, land while the run is going."""
 FLOOD_TOPICS = 1000
 RSS_BOUND_MIB = 64
 """The server's RSS may grow by at most this much during the flood: its reassembly budget
@@ -179,18 +180,20 @@ def attack(base: Path, broker: MosquittoProcess, port: int) -> Runs:
 
     proc = server(base / "attacked", broker.url, cache, enrollment, 3, seed=0)
     wait_for_line(proc, "round 1/", lines)
-    for i, (topic, frame) in enumerate(replays + forgeries):
-        publish(port, topic, frame, base / f"frame-{i}.bin")
-    time.sleep(1.0)
     rss_before = rss_mib(proc.pid)
     flood = base / "flood.bin"
     flood.write_bytes(first_update_frame)
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda i: subprocess.run(
             [MOSQUITTO_PUB, "-h", "127.0.0.1", "-p", str(port), "-q", "1", "-t", f"{PREFIX}/dev/x{i:04d}/up",
              "-f", str(flood)], check=True, capture_output=True), range(FLOOD_TOPICS)))
     time.sleep(2.0)
+    assert proc.poll() is None, "the run ended before the flood was measured: raise ROUNDS"
     rss_after = rss_mib(proc.pid)
+    for i, (topic, frame) in enumerate(replays + forgeries):
+        publish(port, topic, frame, base / f"frame-{i}.bin")
+    time.sleep(1.0)
+    assert proc.poll() is None, "the run ended before the attacks landed: raise ROUNDS"
     finish(proc, lines)
     attacked = base / "attacked"
     return Runs(base / "clean", attacked, (attacked / "server.log").read_text(),
