@@ -35,7 +35,8 @@ from device_runtime.profile import ResourceProfile
 from device_runtime.protocol import Message, MessageType, ProtocolError, Topics, decode, encode
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
-from device_runtime.trainer import ArtifactError, DeviceTrainer, TensorMismatchError, verify_artifacts
+from device_runtime.artifact_contract import ArtifactError, verify_artifacts
+from device_runtime.trainer import DeviceTrainer, TensorMismatchError
 from device_runtime.transport import DEFAULT_MAX_MESSAGE_BYTES, ConnectTimeoutError, MqttEndpoint
 
 LOG = logging.getLogger("fedara.device")

@@ -27,7 +27,7 @@ from device_runtime.profile import ProfileError, ResourceProfile
 from device_runtime.protocol import MAX_ROUND, Message, MessageType
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
-from device_runtime.trainer import ARTIFACT_FILES, MANIFEST_NAME
+from device_runtime.artifact_contract import ARTIFACT_FILE_NAMES, MANIFEST_NAME
 
 DEFAULT_TOPIC_PREFIX = "fedara"
 """Topic prefix shared by the server and its devices unless both are told otherwise."""
@@ -35,7 +35,7 @@ NO_RUN = "none"
 """run_id of a device's messages before any PLAN assigned it to a run."""
 EVALUATE_ONLY_EPOCHS = 0
 """A TASK with this many epochs asks the device to evaluate the received FE and train nothing."""
-ARTIFACT_BLOBS = frozenset((*ARTIFACT_FILES.values(), MANIFEST_NAME))
+ARTIFACT_BLOBS = frozenset((*ARTIFACT_FILE_NAMES, MANIFEST_NAME))
 MAX_DETAIL_CHARS = 500
 MAX_SEED = 2**63 - 1
 MAX_ARTIFACTS_LISTED = 64

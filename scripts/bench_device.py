@@ -119,9 +119,9 @@ def fixed_batches(x: np.ndarray, y: np.ndarray, batch_size: int) -> list[tuple[n
 
 def _use_session_variant(arena: bool, patterns: bool) -> None:
     """Make every DeviceTrainer of this process build its sessions with the given arena/memory-pattern switches
-    on top of the shipped options (the variant under test replaces ``trainer._session_options``)."""
+    on top of the shipped options (the variant under test replaces ``trainer.session_options``)."""
     from device_runtime import trainer
-    shipped = trainer._session_options
+    shipped = trainer.session_options
 
     def options(capi, threads: int):
         chosen = shipped(capi, threads)
@@ -129,7 +129,7 @@ def _use_session_variant(arena: bool, patterns: bool) -> None:
         chosen.enable_mem_pattern = patterns
         return chosen
 
-    trainer._session_options = options
+    trainer.session_options = options
 
 
 def steps_per_epoch(batch_size: int) -> int:
@@ -429,8 +429,8 @@ def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path) -> list[dic
 
 def shipped_session_variant() -> str:
     """The name of the session-option variant device_runtime.trainer ships (read from its options)."""
-    from device_runtime.trainer import _session_options, load_ort_capi
-    options = _session_options(load_ort_capi(), 1)
+    from device_runtime.trainer import load_ort_capi, session_options
+    options = session_options(load_ort_capi(), 1)
     switches = (options.enable_cpu_mem_arena, options.enable_mem_pattern)
     return next(name for name, value in SESSION_VARIANTS.items() if value == switches)
 

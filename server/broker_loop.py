@@ -39,7 +39,7 @@ from device_runtime.protocol import (DEFAULT_MAX_FRAME_BYTES, Message, MessageTy
                                      decode, device_id_from_topic, encode, server_subscriptions)
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update, tensor_bytes
-from device_runtime.trainer import MANIFEST_NAME
+from device_runtime.artifact_contract import MANIFEST_NAME
 from device_runtime.transport import STATUS_ONLINE, MqttEndpoint, TransportError
 from export.artifacts import ArtifactSet, build_artifacts
 from server.aggregate import StreamingAverage

@@ -23,7 +23,8 @@ ROUND_TIMEOUT_S = 60
 DEVICE_ROUND = """
 import json, sys
 import numpy as np
-from device_runtime.trainer import DeviceTrainer, verify_artifacts
+from device_runtime.artifact_contract import verify_artifacts
+from device_runtime.trainer import DeviceTrainer
 
 directory, expected_hash = sys.argv[1], sys.argv[2]
 verify_artifacts(directory, expected_hash)

@@ -33,7 +33,7 @@ from device_runtime.protocol import (FRAME_HEADER_BYTES, Message, MessageType, P
                                      encode, server_subscriptions)
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
-from device_runtime.trainer import MANIFEST_NAME
+from device_runtime.artifact_contract import MANIFEST_NAME
 from device_runtime.transport import STAT_KEYS, MqttEndpoint
 from server import broker_loop
 from server.aggregate import StreamingAverage
