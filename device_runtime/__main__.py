@@ -1,7 +1,7 @@
 """python -m device_runtime: one FedARA device, training on its local shard for a server over MQTT.
 
     python -m device_runtime --broker mqtt://HOST:1883 --device-id dev_000 --data client_000.npz \\
-        --workdir /var/lib/fedara [--memory-budget-mb 256] [--threads 1] \\
+        --workdir /var/lib/fedara [--memory-budget-mb 256] [--threads 1] [--runtime auto] \\
         [--username dev_000 --password P --tls-ca ca.pem]
 
 The device reconnects on its own, resumes from its workdir after a restart, and exits cleanly on SIGTERM
@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget-mb", type=float, default=None,
                    help="memory training may use; the server picks the largest rank tier predicted to fit")
     p.add_argument("--threads", type=int, default=1, help="compute threads")
+    p.add_argument("--runtime", default="auto", choices=("auto", "onnxruntime", "onnxruntime-training"),
+                   help="auto: stock onnxruntime's portable step graphs whenever onnxruntime is installed; "
+                        "onnxruntime-training: the training API (onnxruntime-training-cpu)")
     p.add_argument("--prefix", default=None, help="MQTT topic prefix, the server's --prefix (default: both sides' default)")
     p.add_argument("--username", default=None)
     p.add_argument("--password", default=os.environ.get(PASSWORD_ENV),
@@ -56,18 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     from device_runtime.messages import DEFAULT_TOPIC_PREFIX
     from device_runtime.profile import ProfileError, collect_profile
     from device_runtime.protocol import ProtocolError, Topics
+    from device_runtime.runtimes import RuntimeUnavailable, detect
     from device_runtime.shard import ShardError, load_shard
     from device_runtime.transport import BrokerRefusedError, MqttEndpoint
 
     try:
         topics = Topics(args.prefix or DEFAULT_TOPIC_PREFIX, args.device_id)
         shard = load_shard(args.data)
-        profile = collect_profile(args.memory_budget_mb, args.threads)
+        profile = collect_profile(args.memory_budget_mb, args.threads, detect(args.runtime))
         endpoint = MqttEndpoint(args.device_id, args.broker, subscriptions=[topics.down],
                                 will=(topics.status, b"offline"), username=args.username, password=args.password,
                                 tls_ca=args.tls_ca, max_frame_bytes=args.max_message_bytes, clean_session=False)
         workdir = Workdir(args.workdir)
-    except (ProtocolError, ShardError, ProfileError, ValueError, OSError) as exc:
+    except (ProtocolError, ShardError, ProfileError, RuntimeUnavailable, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     agent = DeviceAgent(args.device_id, shard, profile, endpoint, workdir, topics, threads=args.threads)

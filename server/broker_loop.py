@@ -39,9 +39,9 @@ from device_runtime.protocol import (DEFAULT_MAX_FRAME_BYTES, Message, MessageTy
                                      decode, device_id_from_topic, encode, server_subscriptions)
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update, tensor_bytes
-from device_runtime.artifact_contract import MANIFEST_NAME
+from device_runtime.artifact_contract import MANIFEST_NAME, PORTABLE_KIND
 from device_runtime.transport import STATUS_ONLINE, MqttEndpoint, TransportError
-from export.artifacts import ArtifactSet, build_artifacts
+from export.artifacts import ArtifactSet, build_artifacts_of_kind
 from server.aggregate import StreamingAverage
 from server.checkpoint import CHECKPOINT_NAME, Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from server.coordinator import NO_ANSWER, Coordinator, CoordinatorConfig, RoundOpen, RoundResult
@@ -212,22 +212,22 @@ class PlanArtifacts:
 
 
 class PlanBook:
-    """Artifacts per rank ratio, built (or found in the cache) the first time a device needs them."""
+    """Artifacts per (rank ratio, runtime kind), built (or found in the cache) the first time a device needs them."""
 
     def __init__(self, model: SplitModel, input_shape: tuple[int, ...], cache_dir: Path):
         self.model, self.input_shape, self.cache_dir = model, input_shape, cache_dir
-        self._plans: dict[float, PlanArtifacts] = {}
+        self._plans: dict[tuple[float, str], PlanArtifacts] = {}
 
-    def get(self, ratio: float) -> PlanArtifacts:
-        if ratio not in self._plans:
+    def get(self, ratio: float, kind: str = PORTABLE_KIND) -> PlanArtifacts:
+        if (ratio, kind) not in self._plans:
             resolved = resolve_plan(self.model, RankPlan(ratio))
-            built = build_artifacts(self.model, resolved.ranks, self.input_shape, self.model.num_classes,
-                                    self.cache_dir)
+            built = build_artifacts_of_kind(kind, self.model, resolved.ranks, self.input_shape,
+                                            self.model.num_classes, self.cache_dir)
             paths = [*built.files.values(), built.directory / MANIFEST_NAME]
-            self._plans[ratio] = PlanArtifacts(ratio, resolved, built, {p.name: p.read_bytes() for p in paths})
-            LOG.info("plan ratio %g: %s, artifacts %s (%d bytes)", ratio, resolved.describe(), built.hash[:12],
-                     built.total_bytes)
-        return self._plans[ratio]
+            self._plans[ratio, kind] = PlanArtifacts(ratio, resolved, built, {p.name: p.read_bytes() for p in paths})
+            LOG.info("plan ratio %g (%s): %s, artifacts %s (%d bytes)", ratio, kind, resolved.describe(),
+                     built.hash[:12], built.total_bytes)
+        return self._plans[ratio, kind]
 
 
 # -- local device processes --------------------------------------------------------------------
@@ -352,6 +352,7 @@ class Federation:
         self.round_fe: dict[tuple, dict[str, np.ndarray]] = {}
         self.plan_resends: dict[str, int] = {}
         self.files_sent: dict[str, str] = {}  # device -> the plan hash whose files it was last sent
+        self.runtimes: dict[str, str] = {}  # device -> the artifact kind its JOIN profile named
         self.unjoined: dict[str, float] = {}  # online devices without a plan -> when their status said online
         self.reconnects = 0
 
@@ -365,7 +366,7 @@ class Federation:
         self.endpoint.publish(Topics(self.args.prefix, device_id).down, encode(msg), msg.msg_id)
 
     def _plan_of(self, device_id: str) -> PlanArtifacts:
-        return self.plans.get(self.coordinator.devices[device_id].ratio)
+        return self.plans.get(self.coordinator.devices[device_id].ratio, self.runtimes.get(device_id, PORTABLE_KIND))
 
     def _pump(self, until: Callable[[], bool], deadline: float | None = None) -> bool:
         """Handle arriving messages until ``until()`` holds (True) or ``deadline`` passes (False)."""
@@ -472,10 +473,11 @@ class Federation:
             self._refuse(device_id, refusal)
             return
         record = self.coordinator.devices[device_id]
+        self.runtimes[device_id] = join.profile.runtime
         if record.ratio is None:
             predict = self._predictor(join.profile)
             ratio = choose_ratio(device_id, record.budget_mb, self.tiers, predict, self.overrides)
-            plan = self.plans.get(ratio)
+            plan = self.plans.get(ratio, join.profile.runtime)
             self.coordinator.assign_plan(device_id, ratio, plan.hash, plan.artifacts.fe_shapes)
             predicted = predict(ratio)
             if record.budget_mb is not None and predicted > record.budget_mb and device_id not in self.overrides:
