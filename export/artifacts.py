@@ -182,7 +182,7 @@ def _write_training_artifacts(client: SplitModel, input_shape: tuple[int, ...], 
     onnx.save(_eval_graph(forward, set(parameters)), directory / ARTIFACT_FILES_BY_KIND[TRAINING_KIND]["eval_model"])
 
 
-def _inference_session(model_bytes: bytes) -> onnxruntime.InferenceSession:
+def inference_session(model_bytes: bytes) -> onnxruntime.InferenceSession:
     return onnxruntime.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
 
 
@@ -190,7 +190,7 @@ def _write_portable_artifacts(client: SplitModel, shape: tuple[int, ...], direct
     """The portable kind's files: step and eval graphs (after their parity check) and the initial weights."""
     step, evaluate = step_compiler.compile_step(client, shape, client.num_classes, client.feature_dim)
     step_compiler.check_parity(client, step, evaluate, shape, client.num_classes, client.feature_dim,
-                               _inference_session)
+                               inference_session)
     files = ARTIFACT_FILES_BY_KIND[PORTABLE_KIND]
     onnx.save(step, directory / files["step_model"])
     onnx.save(evaluate, directory / files["eval_model"])
