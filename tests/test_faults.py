@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 from device_runtime.agent import HEADS_DIR, STATE_FILE, DeviceAgent, Workdir
-from device_runtime.messages import ARTIFACT_BLOBS, DEFAULT_TOPIC_PREFIX, Plan, parse_update, plan_message, task_message
+from device_runtime.artifact_contract import TRAINING_KIND
+from device_runtime.messages import ARTIFACT_BLOBS_BY_KIND, DEFAULT_TOPIC_PREFIX, Plan, parse_update, plan_message, task_message
 from device_runtime.profile import collect_profile
 from device_runtime.protocol import Message, Topics, decode, encode
 from device_runtime.shard import Shard
@@ -347,7 +348,7 @@ def test_device_killed_before_committing_a_round_trains_it_again_from_its_commit
     shard = shards[DEVICES[0]]
     model = build_model("fedavgcnn", shard.input_shape, shard.num_classes, seed=0)
     artifacts = build_artifacts(model, {}, shard.input_shape, shard.num_classes, cache)
-    files = {name: (artifacts.directory / name).read_bytes() for name in ARTIFACT_BLOBS}
+    files = {name: (artifacts.directory / name).read_bytes() for name in ARTIFACT_BLOBS_BY_KIND[TRAINING_KIND]}
     fe = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if k.startswith("fe.")}
     plan = plan_message(Plan(artifacts.hash, 1.0, "dense", files), device_id="dev_c", run_id="run")
     first, second = (task_message(Task(round=r, fe=fe, lam=0.0, mu=0.0, lr=0.05, epochs=1, batch_size=16, seed=r),

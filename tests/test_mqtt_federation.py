@@ -19,7 +19,8 @@ import pytest
 
 from device_runtime.__main__ import PASSWORD_ENV
 from device_runtime.agent import DeviceAgent, Workdir
-from device_runtime.messages import (ARTIFACT_BLOBS, DEFAULT_TOPIC_PREFIX, ErrorCode, Join, Plan, ShardInfo,
+from device_runtime.artifact_contract import TRAINING_KIND
+from device_runtime.messages import (ARTIFACT_BLOBS_BY_KIND, DEFAULT_TOPIC_PREFIX, ErrorCode, Join, Plan, ShardInfo,
                                      ack_message, join_message, parse_error, parse_join, parse_plan, plan_message,
                                      task_message)
 from device_runtime.profile import collect_profile
@@ -119,7 +120,7 @@ def test_mqtt_run_ends_with_the_in_process_ort_runs_global_fe(embedded_run: Path
 def plan_bytes(devices: Path, device_id: str) -> int:
     """Bytes of the artifact files (the PLAN's blobs) a device installed."""
     (directory,) = (devices / device_id / "artifacts").iterdir()
-    return sum((directory / name).stat().st_size for name in ARTIFACT_BLOBS)
+    return sum(path.stat().st_size for path in directory.iterdir())
 
 
 def test_artifacts_go_down_once_per_device(embedded_run: Path):
@@ -298,7 +299,7 @@ def make_agent(workdir: Path, shard_path: Path) -> tuple[DeviceAgent, RecordingE
 
 
 def artifact_files(artifacts) -> dict[str, bytes]:
-    return {name: (artifacts.directory / name).read_bytes() for name in ARTIFACT_BLOBS}
+    return {name: (artifacts.directory / name).read_bytes() for name in ARTIFACT_BLOBS_BY_KIND[TRAINING_KIND]}
 
 
 def deliver(agent: DeviceAgent, msg) -> None:
