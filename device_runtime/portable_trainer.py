@@ -41,7 +41,7 @@ class _BindingSession:
         self._session.initialize_session(_PROVIDERS, [{}], set())
 
     def run(self, output_names: list[str] | None, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return self._session.run(output_names or [], feeds, None)
+        return self._session.run(output_names or [o.name for o in self.get_outputs()], feeds, None)
 
     def get_inputs(self):
         return self._session.inputs_meta
