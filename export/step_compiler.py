@@ -15,6 +15,7 @@ Devices need onnxruntime ≥ 1.17 (opset 18; down-conversion to 17 fails on Redu
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -22,7 +23,6 @@ from contextlib import contextmanager
 
 import numpy as np
 import onnx
-import onnxscript
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,10 +50,19 @@ class ParityError(RuntimeError):
     """A compiled graph whose step in onnxruntime differs from PyTorch's beyond PARITY_ATOL: it is not published."""
 
 
+class ExporterUnavailable(RuntimeError):
+    """torch.onnx's dynamo exporter lacks onnxscript here: the portable artifact kind cannot be built."""
+
+
 def compiler_versions() -> dict:
     """What the step graphs depend on beyond the model: goes into the artifact hash."""
+    try:
+        onnxscript = importlib.metadata.version("onnxscript")
+    except importlib.metadata.PackageNotFoundError:
+        raise ExporterUnavailable("the onnxruntime artifact kind needs onnxscript: pip install 'onnx==1.17.0' "
+                                  "'onnxscript==0.7.2' 'onnx-ir==0.2.1' (pyproject.toml's server extra)") from None
     return {"compiler": COMPILER_VERSION, "opset": OPSET, "torch": torch.__version__, "onnx": onnx.__version__,
-            "onnxscript": onnxscript.__version__}
+            "onnxscript": onnxscript}
 
 
 def _convolution_backward(grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
