@@ -1,6 +1,7 @@
 """Runtime detection and opening the trainer an artifact directory's kind asks for."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from device_runtime.artifact_contract import KINDS, PORTABLE_KIND, TRAINING_KIND, ArtifactError
@@ -60,3 +61,16 @@ def test_a_profile_with_an_unknown_runtime_is_refused():
     meta = collect_profile(None, 1).to_meta() | {"runtime": "tensorflow"}
     with pytest.raises(ProfileError, match="profile field runtime must be one of"):
         ResourceProfile.from_meta(meta)
+
+
+def test_the_device_cli_names_a_missing_runtime_and_exits_2(tmp_path, monkeypatch, capsys):
+    from device_runtime.__main__ import main
+    from device_runtime.shard import Shard, save_shard
+    rng = np.random.default_rng(0)
+    save_shard(tmp_path / "shard.npz", Shard(rng.standard_normal((4, *SHAPE), dtype=np.float32), np.arange(4),
+                                             rng.standard_normal((2, *SHAPE), dtype=np.float32), np.arange(2), CLASSES))
+    monkeypatch.setattr("device_runtime.runtimes._has_training_api", lambda: False)
+    code = main(["--broker", "mqtt://127.0.0.1:1", "--device-id", "dev_x", "--data", str(tmp_path / "shard.npz"),
+                 "--workdir", str(tmp_path / "work"), "--runtime", TRAINING_KIND])
+    assert code == 2
+    assert "--runtime onnxruntime-training" in capsys.readouterr().err
