@@ -560,7 +560,7 @@ def markdown_tables(results: list[dict], session: str) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     runtimes = ["| model | input | ratio | step p50 / p95 ms 1t: portable | onnxruntime-training | PyTorch "
                 "| portable/PyTorch 1t | portable/training 1t | step p50 ms 2t: portable / training / PyTorch "
-                "| peak MiB: portable / training / PyTorch | load ms: portable / training | step graph KiB |",
+                "| peak MiB: portable / training / PyTorch | load ms: portable / training | portable artifacts KiB |",
                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     sessions = ["| model | input | ratio | " + " | ".join(f"{n} peak MiB / step ms" for n in SESSION_VARIANTS) + " |",
                 "|---|---|---:|" + "---:|" * len(SESSION_VARIANTS)]
