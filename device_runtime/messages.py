@@ -35,7 +35,8 @@ NO_RUN = "none"
 """run_id of a device's messages before any PLAN assigned it to a run."""
 EVALUATE_ONLY_EPOCHS = 0
 """A TASK with this many epochs asks the device to evaluate the received FE and train nothing."""
-ARTIFACT_BLOBS_BY_KIND = {kind: frozenset((*files.values(), MANIFEST_NAME)) for kind, files in ARTIFACT_FILES_BY_KIND.items()}
+ARTIFACT_BLOBS_BY_KIND = {kind: frozenset((*files.values(), MANIFEST_NAME))
+                          for kind, files in ARTIFACT_FILES_BY_KIND.items()}
 """The file sets a PLAN may carry: one artifact kind's files and its manifest."""
 MAX_DETAIL_CHARS = 500
 MAX_SEED = 2**63 - 1

@@ -1,14 +1,17 @@
-"""On-device local training with onnxruntime-training: numpy and the ORT C bindings, never torch or onnx.
+"""On-device local training: what every runtime shares (:class:`LocalTrainer`) and the onnxruntime-training
+runtime (:class:`DeviceTrainer`): numpy and the ORT C bindings, never torch or onnx.
 
-An artifact directory (built by ``export.artifacts``) holds four files and ``manifest.json``:
+The stock-onnxruntime runtime is ``device_runtime.portable_trainer``; ``device_runtime.runtimes.open_trainer``
+picks by the artifact kind (``device_runtime.artifact_contract``). A training-kind artifact directory (built by
+``export.artifacts``) holds four files and ``manifest.json``:
 - ``training_model.onnx``: inputs ``input`` (B×C×H×W float32), ``labels`` (B int64), ``anchors`` (classes×D),
   ``anchor_mask`` (classes), ``lam`` (scalar); outputs ``loss`` (CE + λ·L_FAC) and ``logits``;
 - ``eval_model.onnx``: the forward graph alone, ``input`` -> ``logits``, ``features`` (anchors and accuracy);
 - ``optimizer_model.onnx``: plain SGD on every parameter (FE and head);
 - ``checkpoint``: the parameters; their values are overwritten each round (FE from the server, head from disk).
 The graphs hold no weights, so one artifact set serves every round of a rank plan.
-The Frobenius term μ·Σ‖U Vᵀ‖²_F is not in the graph: :meth:`DeviceTrainer.train` applies it as a decoupled SGD
-step on the factors at the end of each local epoch (``device_runtime.frobenius`` says why).
+The Frobenius term μ·Σ‖U Vᵀ‖²_F is not in the graph: :meth:`LocalTrainer.train` applies it as a decoupled SGD
+step on the factors at the end of each local epoch in which the FE trains (``device_runtime.frobenius`` says why).
 """
 from __future__ import annotations
 

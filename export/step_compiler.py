@@ -120,7 +120,7 @@ def _loss(model: nn.Module, state: dict[str, torch.Tensor], x, labels, anchors, 
     """(CE + λ·L_FAC, logits) with the parameters given as tensors; λ is a tensor, so the term is always traced."""
     features = functional_call(model.fe, _strip(state, FE_PREFIX), (x,))
     logits = functional_call(model.head, _strip(state, HEAD_PREFIX), (features,))
-    return F.cross_entropy(logits, labels) + lam * fac_loss(features, labels, anchors, mask), logits, features
+    return F.cross_entropy(logits, labels) + lam * fac_loss(features, labels, anchors, mask), logits
 
 
 def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -132,7 +132,7 @@ def _step_function(model: nn.Module, names: tuple[str, ...]) -> Callable:
 
     def step(x, labels, anchors, mask, lam, lr, *params):
         params = tuple(p.detach().requires_grad_() for p in params)
-        loss, logits, _ = _loss(model, dict(zip(names, params)), x, labels, anchors, mask, lam)
+        loss, logits = _loss(model, dict(zip(names, params)), x, labels, anchors, mask, lam)
         grads = torch.autograd.grad(loss, params)
         return (loss.detach(), logits.detach(), *(p.detach() - lr * g for p, g in zip(params, grads)))
 
@@ -149,7 +149,7 @@ def _eval_function(model: nn.Module, names: tuple[str, ...]) -> Callable:
     return forward
 
 
-def example_inputs(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, feature_dim: int, batch: int,
+def example_inputs(input_shape: tuple[int, ...], num_classes: int, feature_dim: int, batch: int,
                    seed: int) -> dict[str, torch.Tensor]:
     """A random batch with labels, anchors, a mask with one class absent, λ = 2 and lr = 0.05, by graph input name."""
     g = torch.Generator().manual_seed(seed)
@@ -185,8 +185,8 @@ def compile_step(model: nn.Module, input_shape: tuple[int, ...], num_classes: in
     """(step graph, eval graph) of ``model`` (a client model: dense or factorized) with the contract's I/O names."""
     names = tuple(model.state_dict())
     params = tuple(p.detach().clone() for p in model.state_dict().values())
-    data = example_inputs(model, input_shape, num_classes, feature_dim,
-                          trace_batch_size(model, input_shape, num_classes), PARITY_SEED)
+    data = example_inputs(input_shape, num_classes, feature_dim, trace_batch_size(model, input_shape, num_classes),
+                          PARITY_SEED)
     step = _export(_step_function(model, names), (*data.values(), *params), [*STEP_DATA_INPUTS, *names],
                    [*STEP_OUTPUTS, *(next_name(n) for n in names)])
     evaluate = _export(_eval_function(model, names), (data[INPUT], *params), [INPUT, *names], list(EVAL_OUTPUTS))
@@ -210,7 +210,7 @@ def check_parity(model: nn.Module, step: onnx.ModelProto, evaluate: onnx.ModelPr
                  num_classes: int, feature_dim: int, session: Callable[[bytes], object]) -> float:
     """Max |Δ| of one step and one forward in onnxruntime vs PyTorch eager on a random batch; ParityError above
     PARITY_ATOL. ``session(model_bytes)`` opens an onnxruntime InferenceSession (the caller's build)."""
-    data = example_inputs(model, input_shape, num_classes, feature_dim, PARITY_BATCH, PARITY_SEED + 1)
+    data = example_inputs(input_shape, num_classes, feature_dim, PARITY_BATCH, PARITY_SEED + 1)
     params = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     feeds = {k: v.numpy() for k, v in data.items()} | params
     expected = _reference_step(model, data)
@@ -220,8 +220,9 @@ def check_parity(model: nn.Module, step: onnx.ModelProto, evaluate: onnx.ModelPr
         expected_eval = {LOGITS: model.head(features).numpy(), FEATURES: features.numpy()}
     got_eval = dict(zip([o.name for o in evaluate.graph.output],
                         session(evaluate.SerializeToString()).run(None, {INPUT: feeds[INPUT]} | params)))
-    pairs = [(k, expected[k], got.get(k)) for k in expected] + [(k, v, got_eval.get(k)) for k, v in expected_eval.items()]
-    missing = [k for k, _, value in pairs if value is None or value.shape != np.shape(_)]
+    pairs = [(k, v, got.get(k)) for k, v in expected.items()]
+    pairs += [(k, v, got_eval.get(k)) for k, v in expected_eval.items()]
+    missing = [k for k, want, value in pairs if value is None or value.shape != np.shape(want)]
     if missing:
         raise ParityError(f"compiled graphs lack or misshape outputs {missing}")
     worst, name = max((float(np.abs(e - g).max()), k) for k, e, g in pairs)
