@@ -104,7 +104,7 @@ class FederationProcesses:
     def start_device(self, device_id: str) -> None:
         command = [sys.executable, "-m", "device_runtime", "--broker", self.broker_url, "--device-id", device_id,
                    "--data", str(self.shard_paths[device_id]), "--workdir", str(self.workdir(device_id)),
-                   "--threads", "1"]
+                   "--threads", "1", "--runtime", TRAINING_KIND]  # the runtime of reference_fe's "ort" backend
         self.devices[device_id] = self._spawn(command, self.device_log(device_id))
 
     def _spawn(self, command: list[str], log_path: Path) -> subprocess.Popen:
