@@ -1,7 +1,7 @@
 """python -m device_runtime: one FedARA device, training on its local shard for a server over MQTT.
 
     python -m device_runtime --broker mqtt://HOST:1883 --device-id dev_000 --data dev_000.npz \\
-        --workdir /var/lib/fedara [--memory-budget-mb 256] [--threads 1] [--tls-ca ca.pem]
+        --workdir /var/lib/fedara [--memory-budget-mb 256] [--threads 1] [--runtime auto] [--tls-ca ca.pem]
 
 The MQTT username is the device id unless --username says otherwise; the password comes from
 $FEDARA_MQTT_PASSWORD. The device reconnects on its own, resumes from its workdir after a restart, and exits
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory this device process may use (default: its cgroup's memory limit, else "
                         "MemAvailable); the server picks the largest rank tier predicted to fit")
     p.add_argument("--threads", type=int, default=1, help="compute threads")
+    p.add_argument("--runtime", default="auto", choices=("auto", "onnxruntime", "onnxruntime-training"),
+                   help="auto: stock onnxruntime's portable step graphs whenever onnxruntime is installed; "
+                        "onnxruntime-training: the training API (onnxruntime-training-cpu)")
     p.add_argument("--prefix", default=None,
                    help="MQTT topic prefix, the server's --prefix (default: both sides' default)")
     p.add_argument("--username", default=None,
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from device_runtime.messages import DEFAULT_TOPIC_PREFIX
     from device_runtime.profile import ProfileError, collect_profile
     from device_runtime.protocol import ProtocolError, Topics
+    from device_runtime.runtimes import RuntimeUnavailable, detect
     from device_runtime.shard import ShardError, load_shard
     from device_runtime.transport import BrokerRefusedError, BrokerURL, MqttEndpoint
 
@@ -98,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         topics = Topics(args.prefix or DEFAULT_TOPIC_PREFIX, args.device_id)
         flag = "--data"
         shard = load_shard(args.data)
+        flag = "--runtime"
+        runtime = detect(args.runtime)
         flag = "--memory-budget-mb"
-        profile = collect_profile(args.memory_budget_mb, args.threads)
+        profile = collect_profile(args.memory_budget_mb, args.threads, runtime=runtime)
         flag = "--max-inbound-mb"
         if args.max_inbound_mb <= 0:
             raise ValueError(f"must be positive, got {args.max_inbound_mb}")
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                                 password=args.password or os.environ.get(PASSWORD_ENV), tls_ca=args.tls_ca,
                                 max_frame_bytes=args.max_message_bytes, max_message_bytes=max_inbound,
                                 clean_session=False)
-    except (ProtocolError, ShardError, ProfileError, ValueError, OSError) as exc:
+    except (ProtocolError, ShardError, ProfileError, RuntimeUnavailable, ValueError, OSError) as exc:
         print(f"error: {flag}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if profile.memory_limit_mb is not None and profile.memory_budget_mb > profile.memory_limit_mb:

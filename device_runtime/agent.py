@@ -44,7 +44,9 @@ from device_runtime.link import Link, Refused
 from device_runtime.protocol import Message, MessageType, Topics, envelope_limit
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
-from device_runtime.trainer import ArtifactError, DeviceTrainer, verify_artifacts
+from device_runtime.artifact_contract import ArtifactError, verify_artifacts
+from device_runtime.runtimes import open_trainer
+from device_runtime.trainer import LocalTrainer
 from device_runtime.transport import MqttEndpoint
 
 LOG = logging.getLogger("fedara.device")
@@ -178,7 +180,7 @@ class DeviceAgent:
         self.link = link
         self.connect_timeout_s = connect_timeout_s  # 0: wait for the broker for ever
         self.state = workdir.load_state()
-        self.trainer: DeviceTrainer | None = None
+        self.trainer: LocalTrainer | None = None
         self.loaded_hash: str | None = None
         self.computing = False  # true while training or evaluating: a stop request may interrupt it
 
@@ -289,7 +291,7 @@ class DeviceAgent:
 
     def _load_plan(self, plan_hash: str) -> None:
         self._drop_trainer()
-        self.trainer = DeviceTrainer(self.workdir.artifact_dir(plan_hash), threads=self.threads)
+        self.trainer = open_trainer(self.workdir.artifact_dir(plan_hash), threads=self.threads)
         self.loaded_hash = plan_hash
         head = self.workdir.committed_head(plan_hash, self.state.answered_round)
         if head is not None:

@@ -26,16 +26,18 @@ import numpy as np
 from device_runtime.profile import ProfileError, ResourceProfile
 from device_runtime.protocol import MAX_ROUND, Message, MessageType
 from device_runtime.shard import Shard
+from device_runtime.artifact_contract import ARTIFACT_FILES_BY_KIND, MANIFEST_NAME
 from device_runtime.task import PARAM_GROUPS, RETURNS, Phase, Task, Update
-from device_runtime.trainer import ARTIFACT_FILES, MANIFEST_NAME
 
 DEFAULT_TOPIC_PREFIX = "fedara"
 """Topic prefix shared by the server and its devices unless both are told otherwise."""
 NO_RUN = "none"
 """run_id of a device's messages before any PLAN assigned it to a run."""
 MAX_PHASES = 4
-"""A TASK with this many epochs asks the device to evaluate the received FE and train nothing."""
-ARTIFACT_BLOBS = frozenset((*ARTIFACT_FILES.values(), MANIFEST_NAME))
+"""The most phases a TASK may ask for (none: evaluate the received model and train nothing)."""
+ARTIFACT_BLOBS_BY_KIND = {kind: frozenset((*files.values(), MANIFEST_NAME))
+                          for kind, files in ARTIFACT_FILES_BY_KIND.items()}
+"""The file sets a PLAN may carry: one artifact kind's files and its manifest."""
 MAX_DETAIL_CHARS = 500
 MAX_SEED = 2**63 - 1
 MAX_ARTIFACTS_LISTED = 64
@@ -196,9 +198,9 @@ def parse_plan(msg: Message) -> Plan:
     description = _field(meta, "description", kind)
     if not isinstance(description, str):
         raise MessageError("plan description must be text")
-    unknown = sorted(set(msg.blobs) - ARTIFACT_BLOBS)
-    if unknown or (msg.blobs and set(msg.blobs) != ARTIFACT_BLOBS):
-        raise MessageError(f"plan files must be none or exactly {sorted(ARTIFACT_BLOBS)}, got {sorted(msg.blobs)}")
+    if msg.blobs and set(msg.blobs) not in ARTIFACT_BLOBS_BY_KIND.values():
+        expected = " or ".join(str(sorted(files)) for files in ARTIFACT_BLOBS_BY_KIND.values())
+        raise MessageError(f"plan files must be none or exactly {expected}, got {sorted(msg.blobs)}")
     return Plan(check_hash(_field(meta, "plan_hash", kind)), ratio, description, dict(msg.blobs),
                 _float32_tensors(dict(msg.tensors), kind))
 

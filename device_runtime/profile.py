@@ -1,6 +1,8 @@
-"""The resource profile a device reports when it joins: its memory budget and limit, threads, CPU and a short probe.
+"""The resource profile a device reports when it joins: its memory budget and limit, threads, CPU, a short probe
+and the onnxruntime it trains with.
 
-The server picks the device's rank tier from it (server/rank_assignment.py). The probe is
+The server picks the device's rank tier from it (server/rank_assignment.py) and sends artifacts of its runtime's
+kind (device_runtime.artifact_contract.KINDS). The probe is
 ``device_runtime.probe``'s, the score the device benchmark records, so the server's cost model can scale a
 measured step time to this device. numpy and the stdlib only.
 """
@@ -12,6 +14,7 @@ import platform
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from device_runtime.artifact_contract import KINDS, PORTABLE_KIND
 from device_runtime.memory_limit import SOURCE_NONE, MemoryLimit, read_memory_limit
 from device_runtime.probe import probe_gflops
 
@@ -36,6 +39,7 @@ class ResourceProfile:
     probe_gflops: float  # one core's float32 matmul score, measured at start (device_runtime.probe)
     memory_limit_mb: float | None = None  # what the OS enforces (device_runtime.memory_limit); None: unknown
     memory_limit_source: str = SOURCE_NONE  # where that limit was read, e.g. "cgroup1 memory.limit_in_bytes"
+    runtime: str = PORTABLE_KIND  # the artifact kind it runs (device_runtime.runtimes.detect)
 
     def to_meta(self) -> dict[str, Any]:
         """The profile as plain JSON for a JOIN message."""
@@ -53,7 +57,7 @@ class ResourceProfile:
                    total_memory_mb=_optional_positive(meta, "total_memory_mb"),
                    probe_gflops=_positive(meta, "probe_gflops"),
                    memory_limit_mb=_optional_positive(meta, "memory_limit_mb"),
-                   memory_limit_source=_short_text(meta, "memory_limit_source"))
+                   memory_limit_source=_short_text(meta, "memory_limit_source"), runtime=_runtime_kind(meta, "runtime"))
 
 
 def _positive(meta: dict, key: str) -> float:
@@ -81,6 +85,13 @@ def _short_text(meta: dict, key: str) -> str:
     return value
 
 
+def _runtime_kind(meta: dict, key: str) -> str:
+    value = meta[key]
+    if value not in KINDS:
+        raise ProfileError(f"profile field {key} must be one of {', '.join(KINDS)}, got {value!r:.40}")
+    return value
+
+
 def total_memory_mb() -> float | None:
     """Physical memory in MiB, or None where the OS does not report it."""
     try:
@@ -89,17 +100,22 @@ def total_memory_mb() -> float | None:
         return None
 
 
-def collect_profile(memory_budget_mb: float | None, threads: int, limit: MemoryLimit | None = None) -> ResourceProfile:
-    """This machine's profile with the given thread count (runs the probe). Its budget is ``memory_budget_mb``
-    (the --memory-budget-mb flag) where given, else the memory ``limit`` (None: read it from the OS now)."""
+def collect_profile(memory_budget_mb: float | None, threads: int, limit: MemoryLimit | None = None,
+                    runtime: str = PORTABLE_KIND) -> ResourceProfile:
+    """This machine's profile with the given thread count and runtime kind (runs the probe). Its budget is
+    ``memory_budget_mb`` (the --memory-budget-mb flag) where given, else the memory ``limit`` (None: read it from
+    the OS now)."""
     if memory_budget_mb is not None and not memory_budget_mb > 0:
         raise ProfileError(f"memory budget must be positive, got {memory_budget_mb}")
     if threads < 1:
         raise ProfileError(f"threads must be >= 1, got {threads}")
+    if runtime not in KINDS:
+        raise ProfileError(f"runtime must be one of {', '.join(KINDS)}, got {runtime!r}")
     limit = read_memory_limit() if limit is None else limit
     budget = memory_budget_mb if memory_budget_mb is not None else limit.mb
     return ResourceProfile(memory_budget_mb=budget, threads=threads, cpu_count=os.cpu_count() or 1,
                            machine=platform.machine()[:MAX_FIELD_CHARS] or "unknown",
                            system=platform.system()[:MAX_FIELD_CHARS] or "unknown",
                            total_memory_mb=total_memory_mb(), probe_gflops=probe_gflops(),
-                           memory_limit_mb=limit.mb, memory_limit_source=limit.source[:MAX_FIELD_CHARS])
+                           memory_limit_mb=limit.mb, memory_limit_source=limit.source[:MAX_FIELD_CHARS],
+                           runtime=runtime)

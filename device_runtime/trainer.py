@@ -1,58 +1,45 @@
-"""On-device local training with onnxruntime-training: numpy and the ORT C bindings, never torch or onnx.
+"""On-device local training: what every runtime shares (:class:`LocalTrainer`) and the onnxruntime-training
+runtime (:class:`DeviceTrainer`): numpy and the ORT C bindings, never torch or onnx.
 
-An artifact directory (built by ``export.artifacts``) holds four files and ``manifest.json``:
+The stock-onnxruntime runtime is ``device_runtime.portable_trainer``; ``device_runtime.runtimes.open_trainer``
+picks by the artifact kind (``device_runtime.artifact_contract``). A training-kind artifact directory (built by
+``export.artifacts``) holds four files and ``manifest.json``:
 - ``training_model.onnx``: inputs ``input`` (B×C×H×W float32), ``labels`` (B int64), ``anchors`` (classes×D),
   ``anchor_mask`` (classes), ``lam`` (scalar); outputs ``loss`` (CE + λ·L_FAC) and ``logits``;
 - ``eval_model.onnx``: the forward graph alone, ``input`` -> ``logits``, ``features`` (anchors and accuracy);
 - ``optimizer_model.onnx``: plain SGD on every parameter (FE and head);
 - ``checkpoint``: the parameters; their values are overwritten each round (FE from the server, head from disk).
 The graphs hold no weights, so one artifact set serves every round of a rank plan.
-The Frobenius term μ·Σ‖U Vᵀ‖²_F is not in the graph: :meth:`DeviceTrainer.train` applies it as a decoupled SGD
-step on the factors at the end of each local epoch (``device_runtime.frobenius`` says why).
+The Frobenius term μ·Σ‖U Vᵀ‖²_F is not in the graph: :meth:`LocalTrainer.train` applies it as a decoupled SGD
+step on the factors at the end of each local epoch in which the FE trains (``device_runtime.frobenius`` says why).
 """
 from __future__ import annotations
 
-import hashlib
-import io
 import importlib.machinery
+import io
 import importlib.util
-import json
 import os
 import sys
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 
+from device_runtime.artifact_contract import (ANCHOR_MASK, ANCHORS, ARTIFACT_FILES_BY_KIND, EVAL_INPUTS, EVAL_OUTPUTS,
+                                              TRAINING_INPUTS, TRAINING_KIND, TRAINING_OUTPUTS, ArtifactError,
+                                              read_manifest)
 from device_runtime.batching import epoch_batches
 from device_runtime.frobenius import factor_pairs, frobenius_decay_step
 from device_runtime.task import PARAM_GROUPS
 from device_runtime.tensor_check import TensorMismatchError, check_tensors  # noqa: F401 (TensorMismatchError: part of this API)
 from device_runtime.atomic_file import write_atomic
 
-FORMAT_VERSION = 2  # 2: the Frobenius term and the mu input left the training graph
-MANIFEST_NAME = "manifest.json"
-ARTIFACT_FILES = {
-    "training_model": "training_model.onnx",
-    "eval_model": "eval_model.onnx",
-    "optimizer_model": "optimizer_model.onnx",
-    "checkpoint": "checkpoint",
-}
-INPUT, LABELS, ANCHORS, ANCHOR_MASK, LAM = "input", "labels", "anchors", "anchor_mask", "lam"
-TRAINING_INPUTS = (INPUT, LABELS, ANCHORS, ANCHOR_MASK, LAM)
-LOSS, LOGITS, FEATURES = "loss", "logits", "features"
-TRAINING_OUTPUTS = (LOSS, LOGITS)
-EVAL_INPUTS = (INPUT,)
-EVAL_OUTPUTS = (LOGITS, FEATURES)
 LABEL_DTYPE = np.int64
 ANCHOR_BATCH = EVAL_BATCH = 64  # forward-only batches: peak RSS grows ~0.15 MB per sample (FedAvgCNN 28×28)
 ORT_ERROR_SEVERITY = 3
 _CAPI_MODULE = "onnxruntime.capi.onnxruntime_pybind11_state"
-
-
-class ArtifactError(ValueError):
-    """An artifact directory that is missing files, corrupt, or not the one expected."""
 
 
 @dataclass(frozen=True)
@@ -97,47 +84,6 @@ def load_ort_capi() -> ModuleType:
     return module
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def read_manifest(directory: str | os.PathLike) -> dict:
-    """The parsed ``manifest.json`` of an artifact directory (ArtifactError if absent or unreadable)."""
-    path = Path(directory) / MANIFEST_NAME
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ArtifactError(f"{path} is missing: not an artifact directory") from None
-    except (OSError, ValueError) as e:
-        raise ArtifactError(f"{path} is unreadable: {e}") from None
-    version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    if version != FORMAT_VERSION:
-        raise ArtifactError(f"{path}: format version {version!r}, this runtime reads {FORMAT_VERSION}")
-    return manifest
-
-
-def verify_artifacts(directory: str | os.PathLike, expected_hash: str) -> dict:
-    """The manifest, once the directory is shown to hold artifact set ``expected_hash`` with intact files."""
-    manifest = read_manifest(directory)
-    if manifest.get("hash") != expected_hash:
-        raise ArtifactError(f"{directory} holds artifact set {manifest.get('hash')!r}, expected {expected_hash!r}")
-    for key, filename in ARTIFACT_FILES.items():
-        entry = manifest.get("files", {}).get(key)
-        path = Path(directory) / filename
-        if entry is None:
-            raise ArtifactError(f"manifest of {directory} does not list {key}")
-        if not path.is_file():
-            raise ArtifactError(f"{path} is missing")
-        actual = file_sha256(path)
-        if actual != entry["sha256"]:
-            raise ArtifactError(f"{path} is corrupt: sha256 {actual[:12]}… != manifest {entry['sha256'][:12]}…")
-    return manifest
-
-
 def class_means(sums: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(anchors float32 C×D, mask float32 C) from per-class feature sums and sample counts; absent classes: 0, 0."""
     mask = (counts > 0).astype(np.float32)
@@ -159,7 +105,7 @@ def _check_positive(**values: float) -> None:
             raise ValueError(f"{name} must be positive, got {value!r}")
 
 
-def _session_options(capi: ModuleType, threads: int):
+def session_options(capi: ModuleType, threads: int):
     """Single-stream, few threads; the CPU arena on and memory patterns off: the lowest peak RSS over a local round.
 
     Measured by scripts/bench_device.py (docs/benchmarks.md): with the arena, tensors reuse its chunks instead of
@@ -175,41 +121,40 @@ def _session_options(capi: ModuleType, threads: int):
     return options
 
 
-class DeviceTrainer:
-    """Local training and evaluation of one artifact set; the parameters live in its checkpoint state."""
+class LocalTrainer(ABC):
+    """Anchors, training, evaluation and the head on disk over one artifact set, whatever runtime runs it.
 
-    def __init__(self, directory: str | os.PathLike, *, threads: int = 1):
+    A runtime supplies the parameter store (:meth:`_read`, :meth:`_write`), the forward pass and one SGD step.
+    """
+
+    def __init__(self, directory: str | os.PathLike, threads: int):
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.directory = Path(directory)
         self.manifest = read_manifest(self.directory)
-        self._capi = capi = load_ort_capi()
         self._fe_shapes = {t["name"]: tuple(t["shape"]) for t in self.manifest["fe"]}
         self._head_shapes = {t["name"]: tuple(t["shape"]) for t in self.manifest["head"]}
         self._factor_pairs = factor_pairs(tuple(self._fe_shapes))
         self.input_shape = tuple(self.manifest["input_shape"])
         self.num_classes = int(self.manifest["num_classes"])
         self.feature_dim = int(self.manifest["feature_dim"])
-        files = {key: str(self.directory / name) for key, name in ARTIFACT_FILES.items()}
-        self._device = capi.OrtDevice(capi.OrtDevice.cpu(), capi.OrtDevice.default_memory(), 0)
-        options = _session_options(capi, threads)
-        self._state = capi.load_checkpoint(files["checkpoint"])
-        self._module = capi.Module(files["training_model"], self._state, files["eval_model"], self._device, options)
-        self._optimizer = capi.Optimizer(files["optimizer_model"], self._state, self._device, options)
-        self._check_graph_io()
 
-    def _check_graph_io(self) -> None:
-        graphs = {"training": (self._module.input_names(True), self._module.output_names(True), TRAINING_INPUTS,
-                               TRAINING_OUTPUTS),
-                  "eval": (self._module.input_names(False), self._module.output_names(False), EVAL_INPUTS,
-                           EVAL_OUTPUTS)}
-        for kind, (inputs, outputs, want_in, want_out) in graphs.items():
-            if tuple(inputs) != want_in or tuple(outputs) != want_out:
-                raise ArtifactError(f"{kind} graph has inputs {inputs} and outputs {outputs}, "
-                                    f"expected {list(want_in)} and {list(want_out)}")
-        names = set(self._state.parameter_names())
-        if names != set(self._fe_shapes) | set(self._head_shapes):
-            raise ArtifactError(f"checkpoint parameters {sorted(names)} differ from the manifest's")
+    @abstractmethod
+    def _read(self, names) -> dict[str, np.ndarray]:
+        """Copies of the named parameters."""
+
+    @abstractmethod
+    def _write(self, tensors: dict[str, np.ndarray]) -> None:
+        """Overwrite the named parameters (already checked)."""
+
+    @abstractmethod
+    def _forward(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(logits, features) of a batch, copied out."""
+
+    @abstractmethod
+    def _step(self, x: np.ndarray, labels: np.ndarray, anchors: np.ndarray, mask: np.ndarray, lam: np.ndarray,
+              lr: float, trained: tuple[str, ...]) -> tuple[float, np.ndarray]:
+        """One SGD step of CE + λ·L_FAC that changes only the ``trained`` parameters: (loss, logits)."""
 
     @property
     def fe_names(self) -> tuple[str, ...]:
@@ -218,14 +163,6 @@ class DeviceTrainer:
     @property
     def head_names(self) -> tuple[str, ...]:
         return tuple(self._head_shapes)
-
-    def _read(self, names) -> dict[str, np.ndarray]:
-        return {n: self._state.get_parameter(n).data.numpy().copy() for n in names}  # the getter is a live view
-
-    def _write(self, tensors: dict[str, np.ndarray]) -> None:
-        for name, value in tensors.items():
-            contiguous = np.ascontiguousarray(value)  # must outlive the OrtValue, which borrows its memory
-            self._state.copy_parameter_from(name, self._capi.OrtValue.ortvalue_from_numpy(contiguous, self._device))
 
     def get_fe(self) -> dict[str, np.ndarray]:
         """Copies of the FE tensors (factors ``.u``/``.v`` for factorized layers), by name."""
@@ -268,12 +205,6 @@ class DeviceTrainer:
         if y.min() < 0 or y.max() >= self.num_classes:
             raise ValueError(f"labels must lie in [0, {self.num_classes}), got [{y.min()}, {y.max()}]")
 
-    def _forward(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(logits, features) copied out: ``OrtValue.numpy()`` is a view that dies with its fetch vector."""
-        fetches = self._capi.OrtValueVector()
-        self._module.eval_step([np.ascontiguousarray(x)], fetches)
-        return fetches[0].numpy().copy(), fetches[1].numpy().copy()
-
     def compute_anchors(self, x: np.ndarray, y: np.ndarray, *,
                         batch_size: int = ANCHOR_BATCH) -> tuple[np.ndarray, np.ndarray]:
         """Per-class mean features of the current (received, not yet trained) FE over (x, y), and the class mask."""
@@ -305,38 +236,36 @@ class DeviceTrainer:
             u, v = frobenius_decay_step(factors[u_name], factors[v_name], mu, step)
             self._write({u_name: u, v_name: v})
 
-    def train(self, x: np.ndarray, y: np.ndarray, *, anchors: np.ndarray | None, mask: np.ndarray | None,
-              lam: float, mu: float, lr: float, epochs: int, batch_size: int,
-              rng: np.random.Generator, params: str = "all") -> TrainResult:
-        """Plain SGD over ``epochs`` shuffled passes (batches from ``epoch_batches(.., rng)``) on ``params``:
-        FE and head ("all"), or one of them ("fe", "head": the other keeps its values, as if frozen).
+    def _trained_names(self, params: str) -> tuple[str, ...]:
+        if params not in PARAM_GROUPS:
+            raise ValueError(f"params must be one of {', '.join(PARAM_GROUPS)}, got {params!r}")
+        return {"all": (*self._fe_shapes, *self._head_shapes), "fe": tuple(self._fe_shapes),
+                "head": tuple(self._head_shapes)}[params]
 
-        Each step minimises CE + λ·L_FAC; each epoch that trains the FE ends with :meth:`decay_factors` at step
+    def train(self, x: np.ndarray, y: np.ndarray, *, anchors: np.ndarray | None, mask: np.ndarray | None,
+              lam: float, mu: float, lr: float, epochs: int, batch_size: int, rng: np.random.Generator,
+              params: str = "all") -> TrainResult:
+        """Plain SGD over ``epochs`` shuffled passes (batches from ``epoch_batches(.., rng)``) on the ``params``
+        group: "all" (FE and head), "fe" or "head"; the other group's tensors stay as they are.
+
+        Each step minimises CE + λ·L_FAC; when the FE trains, each epoch ends with :meth:`decay_factors` at step
         size lr × that epoch's step count. ``anchors``/``mask`` None (both) means no anchor term, whatever ``lam``.
         """
-        if params not in PARAM_GROUPS:
-            raise ValueError(f"params must be one of {PARAM_GROUPS}, got {params!r}")
-        frozen = {"all": (), "fe": self.head_names, "head": self.fe_names}[params]
         self._check_data(x, y)
         _check_positive(epochs=epochs, batch_size=batch_size, lr=lr)
         if not mu >= 0:
             raise ValueError(f"mu must be >= 0, got {mu!r}")
+        trained = self._trained_names(params)
         anchor_values, mask_values = self._anchor_inputs(anchors, mask)
         lam_value = np.array(lam, np.float32)
-        self._optimizer.set_learning_rate(float(lr))
         total_loss, correct, seen, steps = 0.0, 0, 0, 0
         for _ in range(epochs):
             batches = epoch_batches(len(x), batch_size, rng)
             for batch in batches:
                 labels = y[batch]
-                fetches = self._capi.OrtValueVector()  # a reused vector would pin the first batch's output shapes
-                self._module.lazy_reset_grad()
-                self._module.train_step([x[batch], labels, anchor_values, mask_values, lam_value], fetches)
-                kept = self._read(frozen)  # plain SGD: restoring a group after the step is freezing it
-                self._optimizer.optimizer_step()
-                self._write(kept)
-                total_loss += float(fetches[0].numpy()) * len(batch)
-                correct += int((fetches[1].numpy().argmax(axis=1) == labels).sum())
+                loss, logits = self._step(x[batch], labels, anchor_values, mask_values, lam_value, lr, trained)
+                total_loss += loss * len(batch)
+                correct += int((logits.argmax(axis=1) == labels).sum())
                 seen += len(batch)
             steps += len(batches)
             if params != "head":
@@ -354,3 +283,60 @@ class DeviceTrainer:
             correct += int((logits.argmax(axis=1) == labels).sum())
             loss += cross_entropy_sum(logits, labels)
         return EvalResult(correct, len(x), loss / len(x))
+
+
+class DeviceTrainer(LocalTrainer):
+    """The onnxruntime-training runtime: the parameters live in its checkpoint state; gradients and the SGD update
+    come from the training API's graphs."""
+
+    def __init__(self, directory: str | os.PathLike, *, threads: int = 1):
+        super().__init__(directory, threads)
+        if self.manifest["kind"] != TRAINING_KIND:
+            raise ArtifactError(f"{self.directory} holds {self.manifest['kind']!r} artifacts; this trainer runs "
+                                f"{TRAINING_KIND!r} (device_runtime.runtimes.open_trainer picks by kind)")
+        self._capi = capi = load_ort_capi()
+        files = {key: str(self.directory / name) for key, name in ARTIFACT_FILES_BY_KIND[TRAINING_KIND].items()}
+        self._device = capi.OrtDevice(capi.OrtDevice.cpu(), capi.OrtDevice.default_memory(), 0)
+        options = session_options(capi, threads)
+        self._state = capi.load_checkpoint(files["checkpoint"])
+        self._module = capi.Module(files["training_model"], self._state, files["eval_model"], self._device, options)
+        self._optimizer = capi.Optimizer(files["optimizer_model"], self._state, self._device, options)
+        self._check_graph_io()
+
+    def _check_graph_io(self) -> None:
+        graphs = {"training": (self._module.input_names(True), self._module.output_names(True), TRAINING_INPUTS,
+                               TRAINING_OUTPUTS),
+                  "eval": (self._module.input_names(False), self._module.output_names(False), EVAL_INPUTS,
+                           EVAL_OUTPUTS)}
+        for kind, (inputs, outputs, want_in, want_out) in graphs.items():
+            if tuple(inputs) != want_in or tuple(outputs) != want_out:
+                raise ArtifactError(f"{kind} graph has inputs {inputs} and outputs {outputs}, "
+                                    f"expected {list(want_in)} and {list(want_out)}")
+        names = set(self._state.parameter_names())
+        if names != set(self._fe_shapes) | set(self._head_shapes):
+            raise ArtifactError(f"checkpoint parameters {sorted(names)} differ from the manifest's")
+
+    def _read(self, names) -> dict[str, np.ndarray]:
+        return {n: self._state.get_parameter(n).data.numpy().copy() for n in names}  # the getter is a live view
+
+    def _write(self, tensors: dict[str, np.ndarray]) -> None:
+        for name, value in tensors.items():
+            contiguous = np.ascontiguousarray(value)  # must outlive the OrtValue, which borrows its memory
+            self._state.copy_parameter_from(name, self._capi.OrtValue.ortvalue_from_numpy(contiguous, self._device))
+
+    def _forward(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(logits, features) copied out: ``OrtValue.numpy()`` is a view that dies with its fetch vector."""
+        fetches = self._capi.OrtValueVector()
+        self._module.eval_step([np.ascontiguousarray(x)], fetches)
+        return fetches[0].numpy().copy(), fetches[1].numpy().copy()
+
+    def _step(self, x, labels, anchors, mask, lam, lr, trained):
+        """train_step + optimizer_step (which updates every parameter), then the untrained group put back."""
+        kept = self._read(name for name in (*self._fe_shapes, *self._head_shapes) if name not in trained)
+        fetches = self._capi.OrtValueVector()  # a reused vector would pin the first batch's output shapes
+        self._module.lazy_reset_grad()
+        self._module.train_step([x, labels, anchors, mask, lam], fetches)
+        self._optimizer.set_learning_rate(float(lr))
+        self._optimizer.optimizer_step()
+        self._write(kept)
+        return float(fetches[0].numpy()), fetches[1].numpy().copy()

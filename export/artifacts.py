@@ -1,11 +1,15 @@
-"""torch -> ONNX -> onnxruntime-training artifacts for one (model, rank plan), cached by a content hash.
+"""torch -> ONNX artifacts for one (model, rank plan) and one runtime kind, cached by a content hash.
 
-One artifact set serves every round of a plan: the graphs take λ, anchors and mask as inputs and hold no
-weights (the checkpoint does, and the device overwrites them each round). The set lives in
-``cache_dir/<hash>/`` where the hash (sha256) covers everything that shapes the graphs: architecture, ranks,
-input shape, classes, opset, tool versions and FORMAT_VERSION. Devices name what they hold by that hash.
+Two kinds (``device_runtime.artifact_contract``): ``onnxruntime-training`` (training-API graphs, an SGD optimizer
+graph and a checkpoint, built here) and ``onnxruntime`` (one plain SGD-step graph for stock onnxruntime, built by
+``export.step_compiler`` and published only after its parity check). One artifact set serves every round of a
+plan: the graphs take λ, anchors and mask as inputs and the device overwrites the weights each round. The set
+lives in ``cache_dir/<hash>/`` where the hash (sha256) covers everything that shapes the graphs: kind,
+architecture, ranks, input shape, classes, opset, tool versions and FORMAT_VERSION. Devices name what they hold
+by that hash.
 
-``python -m export.artifacts --model fedavgcnn --input-shape 1,28,28 --classes 10 --ratio 0.5 --out DIR``
+``python -m export.artifacts --model fedavgcnn --input-shape 1,28,28 --classes 10 --ratio 0.5 --out DIR
+[--kind onnxruntime]``
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime
 import torch
@@ -30,14 +35,15 @@ from onnx import helper
 from onnxruntime.training import artifacts as ort_artifacts
 from torch import nn
 
-from device_runtime.trainer import (ARTIFACT_FILES, FEATURES, FORMAT_VERSION, INPUT, LOGITS, MANIFEST_NAME,
-                                    ArtifactError, file_sha256, read_manifest, verify_artifacts)
+from device_runtime.artifact_contract import (ARTIFACT_FILES_BY_KIND, FEATURES, FORMAT_VERSION, INPUT, KINDS, LOGITS,
+                                              MANIFEST_NAME, PORTABLE_KIND, TRAINING_KIND, ArtifactError, file_sha256,
+                                              read_manifest, verify_artifacts)
+from export import step_compiler
 from export.loss_block import FedAraLoss
 from server.lowrank import FE_PREFIX, RankPlan, check_ranks, factorize_model, resolve_plan
 from server.models import MODELS, SplitModel, build_model
 
-OPSET = 17  # ONNX IR 8: loadable by onnxruntime-training 1.19.2 (which refuses IR > 10)
-BATCH_DIM = "batch"
+OPSET = 17  # training kind; ONNX IR 8: loadable by onnxruntime-training 1.19.2 (which refuses IR > 10)
 TMP_PREFIX = ".building-"
 ORT_CHATTER = (b" [I:onnxruntime:", b" [V:onnxruntime:")
 DIRECTORY_MODE = 0o755
@@ -49,8 +55,9 @@ class ArtifactSet:
     """A built artifact directory and what a device needs to know about it."""
 
     hash: str
+    kind: str  # device_runtime.artifact_contract.KINDS
     directory: Path
-    files: dict[str, Path]  # training_model, eval_model, optimizer_model, checkpoint
+    files: dict[str, Path]  # file key -> path, the keys of ARTIFACT_FILES_BY_KIND[kind]
     sizes: dict[str, int]  # bytes per file
     fe_names: tuple[str, ...]
     fe_shapes: dict[str, tuple[int, ...]]
@@ -82,17 +89,22 @@ def _shapes(module: nn.Module, prefix: str) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in module.state_dict().items() if k.startswith(prefix)}
 
 
-def artifact_config(model: SplitModel, ranks: dict[str, int], input_shape: tuple[int, ...], num_classes: int) -> dict:
+def artifact_config(model: SplitModel, ranks: dict[str, int], input_shape: tuple[int, ...], num_classes: int,
+                    kind: str = TRAINING_KIND) -> dict:
     """Everything that shapes the graphs, as plain JSON-able data (the hash is taken over this)."""
+    versions = {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+    if kind == PORTABLE_KIND:
+        versions |= step_compiler.compiler_versions()
     return {
         "format_version": FORMAT_VERSION,
+        "kind": kind,
         "model": model.name,
         "layers": {k: list(v.shape) for k, v in model.state_dict().items()},
         "ranks": {k: int(ranks[k]) for k in sorted(ranks)},
         "input_shape": [int(d) for d in input_shape],
         "num_classes": int(num_classes),
-        "opset": OPSET,
-        "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
+        "opset": step_compiler.OPSET if kind == PORTABLE_KIND else OPSET,
+        "versions": versions,
     }
 
 
@@ -116,7 +128,7 @@ def _export_forward(client: nn.Module, input_shape: tuple[int, ...]) -> onnx.Mod
                           training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
                           export_params=True, opset_version=OPSET, input_names=[INPUT],
                           output_names=[LOGITS, FEATURES],
-                          dynamic_axes={name: {0: BATCH_DIM} for name in (INPUT, LOGITS, FEATURES)})
+                          dynamic_axes={name: {0: "batch"} for name in (INPUT, LOGITS, FEATURES)})
     return onnx.load_from_string(buffer.getvalue())
 
 
@@ -159,18 +171,42 @@ def _tensor_entries(shapes: dict[str, tuple[int, ...]]) -> list[dict]:
     return [{"name": name, "shape": list(shape), "dtype": "float32"} for name, shape in shapes.items()]
 
 
-def _write_artifacts(client: SplitModel, config: dict, digest: str, directory: Path) -> None:
-    """Generate the four artifacts and manifest.json into ``directory`` (empty, private to this builder)."""
-    forward = _export_forward(client, tuple(config["input_shape"]))
+def _write_training_artifacts(client: SplitModel, input_shape: tuple[int, ...], directory: Path) -> None:
+    """The training kind's four files: training/eval/optimizer graphs and the checkpoint."""
+    forward = _export_forward(client, input_shape)
     parameters = list(client.state_dict())
     with _ort_chatter_filtered():
         ort_artifacts.generate_artifacts(
             forward, requires_grad=parameters, loss=FedAraLoss(client.num_classes, client.feature_dim),
             optimizer=ort_artifacts.OptimType.SGD, artifact_directory=directory, additional_output_names=[LOGITS])
-    onnx.save(_eval_graph(forward, set(parameters)), directory / ARTIFACT_FILES["eval_model"])
+    onnx.save(_eval_graph(forward, set(parameters)), directory / ARTIFACT_FILES_BY_KIND[TRAINING_KIND]["eval_model"])
+
+
+def inference_session(model_bytes: bytes) -> onnxruntime.InferenceSession:
+    return onnxruntime.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
+
+
+def _write_portable_artifacts(client: SplitModel, shape: tuple[int, ...], directory: Path) -> None:
+    """The portable kind's files: step and eval graphs (after their parity check) and the initial weights."""
+    step, evaluate = step_compiler.compile_step(client, shape, client.num_classes, client.feature_dim)
+    step_compiler.check_parity(client, step, evaluate, shape, client.num_classes, client.feature_dim,
+                               inference_session)
+    files = ARTIFACT_FILES_BY_KIND[PORTABLE_KIND]
+    onnx.save(step, directory / files["step_model"])
+    onnx.save(evaluate, directory / files["eval_model"])
+    with open(directory / files["initial_weights"], "wb") as f:
+        np.savez(f, **{k: v.detach().numpy() for k, v in client.state_dict().items()})
+
+
+def _write_artifacts(client: SplitModel, config: dict, digest: str, directory: Path) -> None:
+    """Generate the kind's artifacts and manifest.json into ``directory`` (empty, private to this builder)."""
+    kind = config["kind"]
+    writer = _write_portable_artifacts if kind == PORTABLE_KIND else _write_training_artifacts
+    writer(client, tuple(config["input_shape"]), directory)
     fe_shapes, head_shapes = _shapes(client, FE_PREFIX), _shapes(client, HEAD_PREFIX)
     manifest = {
         "format_version": FORMAT_VERSION,
+        "kind": kind,
         "hash": digest,
         "config": config,
         "input_shape": config["input_shape"],
@@ -179,7 +215,8 @@ def _write_artifacts(client: SplitModel, config: dict, digest: str, directory: P
         "fe": _tensor_entries(fe_shapes),
         "head": _tensor_entries(head_shapes),
         "files": {key: {"path": name, "sha256": file_sha256(directory / name),
-                        "bytes": (directory / name).stat().st_size} for key, name in ARTIFACT_FILES.items()},
+                        "bytes": (directory / name).stat().st_size}
+                  for key, name in ARTIFACT_FILES_BY_KIND[kind].items()},
     }
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
 
@@ -190,10 +227,11 @@ def load_artifact_set(directory: str | os.PathLike, expected_hash: str | None = 
     manifest = verify_artifacts(directory, expected_hash or read_manifest(directory).get("hash"))
     fe_shapes = {t["name"]: tuple(t["shape"]) for t in manifest["fe"]}
     head_shapes = {t["name"]: tuple(t["shape"]) for t in manifest["head"]}
+    files = ARTIFACT_FILES_BY_KIND[manifest["kind"]]
     return ArtifactSet(
-        hash=manifest["hash"], directory=directory,
-        files={key: directory / name for key, name in ARTIFACT_FILES.items()},
-        sizes={key: int(manifest["files"][key]["bytes"]) for key in ARTIFACT_FILES},
+        hash=manifest["hash"], kind=manifest["kind"], directory=directory,
+        files={key: directory / name for key, name in files.items()},
+        sizes={key: int(manifest["files"][key]["bytes"]) for key in files},
         fe_names=tuple(fe_shapes), fe_shapes=fe_shapes, head_names=tuple(head_shapes), head_shapes=head_shapes,
         input_shape=tuple(manifest["input_shape"]), num_classes=int(manifest["num_classes"]),
         feature_dim=int(manifest["feature_dim"]))
@@ -201,14 +239,23 @@ def load_artifact_set(directory: str | os.PathLike, expected_hash: str | None = 
 
 def build_artifacts(model: SplitModel, ranks: dict[str, int], input_shape: tuple[int, ...], num_classes: int,
                     cache_dir: str | os.PathLike) -> ArtifactSet:
-    """The artifact set of ``factorize_model(model, ranks)``, exported only if ``cache_dir`` lacks its hash.
+    """The onnxruntime-training artifact set of ``factorize_model(model, ranks)`` (see build_artifacts_of_kind)."""
+    return build_artifacts_of_kind(TRAINING_KIND, model, ranks, input_shape, num_classes, cache_dir)
+
+
+def build_artifacts_of_kind(kind: str, model: SplitModel, ranks: dict[str, int], input_shape: tuple[int, ...],
+                            num_classes: int, cache_dir: str | os.PathLike) -> ArtifactSet:
+    """The ``kind`` artifact set of ``factorize_model(model, ranks)``, built only if ``cache_dir`` lacks its hash.
 
     Concurrent builders of one hash each write a private temp directory and rename it into place; the first
-    rename wins and the others discard their copy. A cached set whose files fail their checksums is refused.
+    rename wins and the others discard their copy. A cached set whose files fail their checksums is refused; a
+    portable set whose step fails its parity check is never published (step_compiler.ParityError).
     """
+    if kind not in KINDS:
+        raise ValueError(f"artifact kind must be one of {', '.join(KINDS)}, got {kind!r}")
     _check_request(model, input_shape, num_classes)
     check_ranks(model, ranks)
-    config = artifact_config(model, ranks, input_shape, num_classes)
+    config = artifact_config(model, ranks, input_shape, num_classes, kind)
     digest = config_hash(config)
     cache_dir = Path(cache_dir)
     final = cache_dir / digest
@@ -242,13 +289,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ratio", type=float, default=1.0, help="rank ratio r_k in (0, 1]; 1 keeps every layer dense")
     p.add_argument("--layers", default=None, help="comma-separated FE layers to factorize (default: all but the first)")
     p.add_argument("--out", required=True, help="artifact cache directory")
+    p.add_argument("--kind", default=TRAINING_KIND, choices=KINDS, help="the onnxruntime build that runs them")
     args = p.parse_args(argv)
     model = build_model(args.model, args.input_shape, args.classes, seed=0)
     layers = tuple(args.layers.split(",")) if args.layers else None
     plan = resolve_plan(model, RankPlan(args.ratio, layers))
     try:
-        built = build_artifacts(model, plan.ranks, args.input_shape, args.classes, args.out)
-    except ArtifactError as e:
+        built = build_artifacts_of_kind(args.kind, model, plan.ranks, args.input_shape, args.classes, args.out)
+    except (ArtifactError, step_compiler.ParityError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"hash {built.hash}")

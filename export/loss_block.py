@@ -14,9 +14,8 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.training import onnxblock
 
-from device_runtime.trainer import ANCHOR_MASK, ANCHORS, LABELS, LAM, LOSS
+from device_runtime.artifact_contract import ANCHOR_MASK, ANCHORS, BATCH_DIM, LABELS, LAM, LOSS
 
-BATCH_DIM = "batch"
 
 
 class FedAraLoss(onnxblock.Block):

@@ -1,4 +1,9 @@
-"""On-device cost of FedARA local training: memory and step latency of the onnxruntime runtime beside PyTorch eager.
+"""On-device cost of FedARA local training: memory and step latency of both onnxruntime runtimes beside PyTorch.
+
+The two device runtimes: ``ort`` (onnxruntime-training: train_step + optimizer_step) and ``portable`` (stock
+onnxruntime's InferenceSession running the compiled step graph; with ``--portable-python`` a second interpreter
+whose environment holds stock onnxruntime measures it there, otherwise the training build's InferenceSession runs
+it in this environment).
 
     .venv/bin/python scripts/bench_device.py --out-dir docs --cost-model device_runtime/cost_model.json
     .venv/bin/python scripts/bench_device.py --out-dir DIR --config cnn1:3x32x32 --ratios 1.0,0.5   (a subset)
@@ -75,7 +80,7 @@ VARIANT_STEPS = 9  # single steps timed in each ort-memory worker
 SESSION_VARIANTS = {"arena+patterns": (True, True), "arena": (True, False), "patterns": (False, True),
                     "neither": (False, False)}
 PEAK_TOLERANCE = 0.02  # session variants within 2% of the lowest total peak count as equally lean
-LATENCY_VARIANTS = ("ort", "ort_decay", "torch", "torch_decay", "ort_b64")
+LATENCY_VARIANTS = ("ort", "ort_decay", "torch", "torch_decay", "ort_b64", "portable", "portable_decay")
 DEFAULT_CACHE = ROOT / "artifacts_cache" / "bench_device"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 MIB = 2**20
@@ -133,9 +138,9 @@ def fixed_batches(x: np.ndarray, y: np.ndarray, batch_size: int) -> list[tuple[n
 
 def _use_session_variant(arena: bool, patterns: bool) -> None:
     """Make every DeviceTrainer of this process build its sessions with the given arena/memory-pattern switches
-    on top of the shipped options (the variant under test replaces ``trainer._session_options``)."""
+    on top of the shipped options (the variant under test replaces ``trainer.session_options``)."""
     from device_runtime import trainer
-    shipped = trainer._session_options
+    shipped = trainer.session_options
 
     def options(capi, threads: int):
         chosen = shipped(capi, threads)
@@ -143,7 +148,7 @@ def _use_session_variant(arena: bool, patterns: bool) -> None:
         chosen.enable_mem_pattern = patterns
         return chosen
 
-    trainer._session_options = options
+    trainer.session_options = options
 
 
 def steps_per_epoch(batch_size: int) -> int:
@@ -170,13 +175,18 @@ def ort_memory_worker(spec: dict) -> dict:
     from device_runtime.protocol import Message, MessageType, seal
     from device_runtime.shard import load_shard
     from device_runtime.task import Phase, Task, tensor_bytes
-    from device_runtime.trainer import DeviceTrainer, load_ort_capi
-    load_ort_capi()
+    from device_runtime.portable_trainer import training_build_installed
+    from device_runtime.runtimes import open_trainer
+    from device_runtime.trainer import load_ort_capi
+    if spec.get("portable") and not training_build_installed():
+        import onnxruntime  # noqa: F401  stock onnxruntime: the public package, as the portable trainer loads it
+    else:
+        load_ort_capi()
     rss_import = rss_bytes()
     _use_session_variant(*spec["session"])
     shard = load_shard(spec["shard"])
     start = time.perf_counter()
-    trainer = DeviceTrainer(spec["artifacts"], threads=1)
+    trainer = open_trainer(spec["portable_artifacts"] if spec.get("portable") else spec["artifacts"], threads=1)
     load_seconds = time.perf_counter() - start
     rss_loaded = rss_bytes()
     start = time.perf_counter()
@@ -262,6 +272,24 @@ def ort_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
     return steppers
 
 
+def portable_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
+    """(variant, threads) -> one step of the compiled step graph at batch 16, or one decay step (numpy)."""
+    from device_runtime.portable_trainer import PortableTrainer
+    from device_runtime.shard import load_shard
+    shard = load_shard(spec["shard"])
+    small = itertools.cycle(fixed_batches(shard.x_train, shard.y_train, BATCH)).__next__
+    rng = np.random.default_rng(SEED)
+    steppers = {}
+    for threads in THREADS:
+        trainer = PortableTrainer(spec["portable_artifacts"], threads=threads)
+        anchors, mask = trainer.compute_anchors(shard.x_train, shard.y_train)
+        steppers.update({
+            ("portable", threads): lambda t=trainer, a=anchors, m=mask: _ort_step(t, small(), a, m, rng),
+            ("portable_decay", threads): lambda t=trainer: t.decay_factors(MU, LR * steps_per_epoch(BATCH)),
+        })
+    return steppers
+
+
 def torch_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
     """(variant, threads) -> one PyTorch eager step of the same plan, or one decay step on all its factors."""
     import torch
@@ -301,7 +329,7 @@ def torch_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
     return steppers
 
 
-STEPPERS = {"ort-steps": ort_steppers, "torch-steps": torch_steppers}
+STEPPERS = {"ort-steps": ort_steppers, "torch-steps": torch_steppers, "portable-steps": portable_steppers}
 
 
 def step_server(kind: str, spec: dict) -> None:
@@ -324,10 +352,10 @@ def step_server(kind: str, spec: dict) -> None:
 class StepProcess:
     """A step_server subprocess; ``block`` and ``probe`` ask it for timings, ``close`` ends it."""
 
-    def __init__(self, kind: str, spec: dict):
+    def __init__(self, kind: str, spec: dict, python: str = sys.executable):
         self.kind = kind
         self._proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", kind, json.dumps(spec)],
+            [python, str(Path(__file__).resolve()), "--worker", kind, json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env())
         self._read()
 
@@ -365,14 +393,16 @@ class StepProcess:
 def measure_latency(spec: dict, steps: int) -> dict:
     """p50/p95 per (threads, variant): ORT and PyTorch step servers take turns in blocks of BLOCK timed calls,
     so both meet the same load; the probe is taken in the ORT process before and after."""
-    with StepProcess("ort-steps", spec) as ort, StepProcess("torch-steps", spec) as pt:
+    with (StepProcess("ort-steps", spec) as ort, StepProcess("torch-steps", spec) as pt,
+          StepProcess("portable-steps", spec, spec["portable_python"]) as portable):
+        servers = {"ort": ort, "torch": pt, "portable": portable}
         probes = [ort.probe()]
         per_threads = {}
         for threads in THREADS:
             times: dict[str, list[float]] = {name: [] for name in LATENCY_VARIANTS}
             while min(len(t) for t in times.values()) < steps:
                 for name, so_far in times.items():
-                    server = ort if name.startswith("ort") else pt
+                    server = servers[name.split("_")[0]]
                     so_far += server.block(name, threads, min(BLOCK, steps - len(so_far)))
             per_threads[str(threads)] = {name: percentiles_ms(t) for name, t in times.items()}
         probes.append(ort.probe())
@@ -459,9 +489,9 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_worker(kind: str, spec: dict) -> dict:
-    """``WORKERS[kind](spec)`` in a fresh interpreter."""
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", kind, json.dumps(spec)],
+def run_worker(kind: str, spec: dict, python: str = sys.executable) -> dict:
+    """``WORKERS[kind](spec)`` in a fresh interpreter (``python``)."""
+    done = subprocess.run([python, str(Path(__file__).resolve()), "--worker", kind, json.dumps(spec)],
                           capture_output=True, text=True, env=worker_env())
     if done.returncode != 0:
         raise RuntimeError(f"{kind} worker for {spec.get('label')} failed:\n{done.stderr}")
@@ -487,9 +517,10 @@ def shape_name(shape) -> str:
 
 
 def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path, train_samples: int = TRAIN_SAMPLES) -> list[dict]:
-    """One entry per distinct (model, input shape, plan): its artifacts, shard (of ``train_samples`` synthetic
-    training samples) and the ratios that resolve to it."""
-    from export.artifacts import build_artifacts
+    """One entry per distinct (model, input shape, plan): its artifacts (both kinds), shard (of ``train_samples``
+    synthetic training samples) and the ratios that resolve to it."""
+    from device_runtime.artifact_contract import PORTABLE_KIND
+    from export.artifacts import build_artifacts, build_artifacts_of_kind
     from server.lowrank import RankPlan, resolve_plan
     from server.models import build_model
     plans: list[dict] = []
@@ -503,9 +534,12 @@ def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path, train_sampl
             plan = resolve_plan(model, RankPlan(ratio))
             shipped = build_artifacts(model, plan.ranks, input_shape, NUM_CLASSES, cache_dir / "fedara")
             if shipped.hash not in by_hash:
+                portable = build_artifacts_of_kind(PORTABLE_KIND, model, plan.ranks, input_shape, NUM_CLASSES,
+                                                   cache_dir / "fedara")
                 by_hash[shipped.hash] = dict(
                     model=model_name, input_shape=list(input_shape), ratios=[], plan=plan.describe(),
-                    ranks=plan.ranks, artifacts=str(shipped.directory),
+                    ranks=plan.ranks, artifacts=str(shipped.directory), portable_artifacts=str(portable.directory),
+                    portable_artifact_bytes=portable.total_bytes,
                     shard=str(shard), artifact_bytes=shipped.total_bytes, artifact_file_bytes=shipped.sizes,
                     label=f"{model_name} {shape_name(input_shape)} {plan.describe()}")
                 plans.append(by_hash[shipped.hash])
@@ -515,20 +549,23 @@ def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path, train_sampl
 
 def shipped_session_variant() -> str:
     """The name of the session-option variant device_runtime.trainer ships (read from its options)."""
-    from device_runtime.trainer import _session_options, load_ort_capi
-    options = _session_options(load_ort_capi(), 1)
+    from device_runtime.trainer import load_ort_capi, session_options
+    options = session_options(load_ort_capi(), 1)
     switches = (options.enable_cpu_mem_arena, options.enable_mem_pattern)
     return next(name for name, value in SESSION_VARIANTS.items() if value == switches)
 
 
-def measure_plan(plan: dict, steps: int) -> dict:
+def measure_plan(plan: dict, steps: int, portable_python: str) -> dict:
     """Every worker for one plan; the plan dict gains their results."""
-    spec = {k: plan[k] for k in ("model", "input_shape", "ranks", "artifacts", "shard", "label")}
+    spec = {k: plan[k] for k in ("model", "input_shape", "ranks", "artifacts", "portable_artifacts", "shard", "label")}
+    spec["portable_python"] = portable_python
     sessions = {name: run_worker("ort-memory", dict(spec, session=switches))
                 for name, switches in SESSION_VARIANTS.items()}
+    portable = run_worker("ort-memory", dict(spec, session=SESSION_VARIANTS[shipped_session_variant()], portable=True),
+                          portable_python)
     torch_memory = run_worker("torch-memory", spec)
     latency = measure_latency(spec, steps)
-    return dict(plan, sessions=sessions, torch=torch_memory, latency=latency)
+    return dict(plan, sessions=sessions, portable=portable, torch=torch_memory, latency=latency)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -753,12 +790,18 @@ def derived(result: dict, session: str) -> dict:
     peak_ort = ort["rounds"][str(BATCH)]["peak_rss_bytes"]
     peak_torch = result["torch"]["rounds"][str(BATCH)]["peak_rss_bytes"]
     out = dict(peak_ort_over_torch=peak_ort / peak_torch, step_ort_over_torch={}, amortized_ort_ms={},
-               amortized_torch_ms={}, decay_share_ort={}, decay_share_torch={})
+               amortized_torch_ms={}, decay_share_ort={}, decay_share_torch={}, amortized_portable_ms={},
+               step_portable_over_torch={}, step_portable_over_ort={},
+               peak_portable_over_torch=result["portable"]["rounds"][str(BATCH)]["peak_rss_bytes"] / peak_torch)
     steps = steps_per_epoch(BATCH)
     for threads, t in result["latency"]["threads"].items():
         ort_ms, torch_ms = amortized_ms(t, "ort", "ort_decay", BATCH), amortized_ms(t, "torch", "torch_decay", BATCH)
         out["amortized_ort_ms"][threads], out["amortized_torch_ms"][threads] = ort_ms, torch_ms
         out["step_ort_over_torch"][threads] = ort_ms / torch_ms
+        portable_ms = amortized_ms(t, "portable", "portable_decay", BATCH)
+        out["amortized_portable_ms"][threads] = portable_ms
+        out["step_portable_over_torch"][threads] = portable_ms / torch_ms
+        out["step_portable_over_ort"][threads] = portable_ms / ort_ms
         out["decay_share_ort"][threads] = t["ort_decay"]["p50"] / (steps * ort_ms)
         out["decay_share_torch"][threads] = t["torch_decay"]["p50"] / (steps * torch_ms)
     return out
@@ -804,6 +847,10 @@ def markdown_tables(results: list[dict], session: str) -> str:
     decay = ["| model | input | ratio | ORT step ms | ORT decay ms/epoch | ORT amortized step ms | decay share ORT "
              "| PyTorch step ms | PyTorch decay ms/epoch | PyTorch amortized step ms | decay share PyTorch |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    runtimes = ["| model | input | ratio | step p50 / p95 ms 1t: portable | onnxruntime-training | PyTorch "
+                "| portable/PyTorch 1t | portable/training 1t | step p50 ms 2t: portable / training / PyTorch "
+                "| peak MiB: portable / training / PyTorch | load ms: portable / training | portable artifacts KiB |",
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     sessions = ["| model | input | ratio | " + " | ".join(f"{n} peak MiB / step ms" for n in SESSION_VARIANTS) + " |",
                 "|---|---|---:|" + "---:|" * len(SESSION_VARIANTS)]
     for ratio, r in _rows(results):
@@ -826,10 +873,21 @@ def markdown_tables(results: list[dict], session: str) -> str:
             head + f"| {t1['ort']['p50']:.1f} | {t1['ort_decay']['p50']:.2f} | {d['amortized_ort_ms']['1']:.1f} "
             f"| {100 * d['decay_share_ort']['1']:.1f}% | {t1['torch']['p50']:.1f} | {t1['torch_decay']['p50']:.2f} "
             f"| {d['amortized_torch_ms']['1']:.1f} | {100 * d['decay_share_torch']['1']:.1f}% |")
+        po = r["portable"]
+        runtimes.append(
+            head + f"| {t1['portable']['p50']:.1f} / {t1['portable']['p95']:.1f} | {t1['ort']['p50']:.1f} / "
+            f"{t1['ort']['p95']:.1f} | {t1['torch']['p50']:.1f} / {t1['torch']['p95']:.1f} "
+            f"| {d['step_portable_over_torch']['1']:.2f} | {d['step_portable_over_ort']['1']:.2f} "
+            f"| {t2['portable']['p50']:.1f} / {t2['ort']['p50']:.1f} / {t2['torch']['p50']:.1f} "
+            f"| {po['rounds'][str(BATCH)]['peak_rss_bytes'] / MIB:.0f} / "
+            f"{ort['rounds'][str(BATCH)]['peak_rss_bytes'] / MIB:.0f} / {pt['rounds'][str(BATCH)]['peak_rss_bytes'] / MIB:.0f} "
+            f"| {1e3 * po['load_seconds']:.0f} / {1e3 * ort['load_seconds']:.0f} "
+            f"| {r['portable_artifact_bytes'] / KIB:.0f} |")
         sessions.append(head + "| " + " | ".join(
             f"{r['sessions'][n]['rounds'][str(BATCH)]['peak_rss_bytes'] / MIB:.0f} / {r['sessions'][n]['step_ms']['p50']:.1f}"
             for n in SESSION_VARIANTS) + " |")
-    return "\n".join(["### Memory (1 thread, batch 16)", "", *memory, "", "### Step latency (batch 16)", "", *latency,
+    return "\n".join(["### Device runtimes side by side (batch 16; ratios with the per-epoch decay amortized)", "",
+                      *runtimes, "", "### Memory (1 thread, batch 16)", "", *memory, "", "### Step latency (batch 16)", "", *latency,
                       "", f"### Frobenius decay, once per epoch of {steps_per_epoch(BATCH)} steps (1 thread, batch 16, p50)",
                       "", *decay, "",
                       "### onnxruntime session options (1 thread, batch 16)", "", *sessions, ""])
@@ -923,6 +981,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runtimes", type=parse_runtimes, default=tuple(FLOOR_WORKERS),
                    help="with --memory-floor: comma-separated runtimes "
                         f"(default and choices: {','.join(FLOOR_WORKERS)})")
+    p.add_argument("--portable-python", default=sys.executable,
+                   help="interpreter whose environment has stock onnxruntime, for the portable runtime's workers "
+                        "(default: this one, whose training build's InferenceSession runs the step graph)")
     p.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     return p
 
@@ -955,7 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
         build_seconds = time.perf_counter() - started
         results = []
         for plan in plans:
-            results.append(measure_plan(plan, steps))
+            results.append(measure_plan(plan, steps, args.portable_python))
             print(f"measured {plan['label']} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     shipped, best = shipped_session_variant(), best_session_variant(results)
     for r in results:

@@ -5,10 +5,11 @@
 The tarball holds one folder, ``fedara-device-<version>/``, with
 - the ``device_runtime`` wheel (pure Python, py3-none-any), built from a minimal project generated in a temporary
   folder that names only that package (version from pyproject.toml);
-- ``requirements-device.txt``: numpy, paho-mqtt and onnxruntime-training-cpu pinned to the versions installed
-  here, all installed with --no-deps (never torch or onnx);
+- ``requirements-device.txt``: numpy and paho-mqtt pinned to the versions installed here and stock onnxruntime
+  pinned to the release tested with them (STOCK_ONNXRUNTIME), all installed with --no-deps from the package
+  index (never torch or onnx); every pin has wheels for aarch64 and x86_64 (CPython 3.11+);
 - ``fedara-device.env`` (settings template), ``fedara-device.service`` (systemd unit), ``install.sh`` (from
-  scripts/device_bundle/) and ``DEVICE.md`` (docs/device.md: getting onnxruntime with the training API on aarch64).
+  scripts/device_bundle/) and ``DEVICE.md`` (docs/device.md).
 It refuses to bundle a device_runtime that imports anything beyond the stdlib, numpy, paho and onnxruntime.
 """
 from __future__ import annotations
@@ -29,8 +30,12 @@ PACKAGE = "device_runtime"
 DISTRIBUTION = "fedara-device"
 WHEEL_PREFIX = "fedara_device"
 ALLOWED_IMPORTS = frozenset({"numpy", "paho", "onnxruntime", PACKAGE})
-PINNED = ("numpy", "paho-mqtt", "onnxruntime-training-cpu")
-WHEEL_REQUIREMENTS = ("numpy>=1.24", "paho-mqtt>=2,<3")  # onnxruntime comes separately (install.sh, DEVICE.md)
+PINNED = ("numpy", "paho-mqtt")  # as installed here
+# The stock build the bundle and arm64 tests run (tests/test_device_bundle.py, test_arm64.py). Measured under
+# qemu-user 7.2 (Debian bookworm's arm64 emulation): the aarch64 wheels of 1.19.2, 1.22.0, 1.24.4 and 1.27.0
+# import, those of 1.30.0 and 1.32.0 segfault on import; 1.27.0 is the newest verified there.
+STOCK_ONNXRUNTIME = "1.27.0"
+WHEEL_REQUIREMENTS = ("numpy>=1.24", "paho-mqtt>=2,<3")  # onnxruntime comes from requirements-device.txt
 TEMPLATES = ROOT / "scripts" / "device_bundle"
 TEMPLATE_FILES = ("install.sh", "fedara-device.service", "fedara-device.env")
 GUIDE = ROOT / "docs" / "device.md"
@@ -79,8 +84,8 @@ def pinned_requirements(versions: dict[str, str]) -> str:
     """requirements-device.txt: one ``name==version`` per package, with how to install them."""
     lines = ["# The device's pinned requirements, the versions tested together. Install each with --no-deps:",
              "#   pip install --no-deps -r requirements-device.txt",
-             "# onnxruntime-training-cpu has x86_64 wheels only; on aarch64 see DEVICE.md (install.sh explains).",
-             *(f"{name}=={versions[name]}" for name in PINNED)]
+             "# Stock onnxruntime (aarch64 and x86_64 wheels); its C bindings need only numpy.",
+             *(f"{name}=={versions[name]}" for name in PINNED), f"onnxruntime=={STOCK_ONNXRUNTIME}"]
     return "\n".join(lines) + "\n"
 
 
@@ -107,7 +112,7 @@ build-backend = "setuptools.build_meta"
 [project]
 name = "{DISTRIBUTION}"
 version = "{version}"
-description = "FedARA device runtime: onnxruntime-training local rounds over MQTT (install onnxruntime separately)"
+description = "FedARA device runtime: onnxruntime local rounds over MQTT (onnxruntime from requirements-device.txt)"
 requires-python = ">=3.10"
 dependencies = [{dependencies}]
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.messages import Join, Plan
 from device_runtime.profile import ResourceProfile
 from device_runtime.protocol import Message
@@ -53,7 +54,7 @@ class PlanInfo(Protocol):
 
 
 class PlanSource(Protocol):
-    def get(self, ratio: float, kind: str = "default", model: str | None = None) -> PlanInfo: ...
+    def get(self, ratio: float, kind: str = PORTABLE_KIND, model: str | None = None) -> PlanInfo: ...
 
 
 Predictor = Callable[[ResourceProfile, int], Callable[[float], float]]
@@ -128,7 +129,7 @@ class RoundEngine:
 
     def plan_info(self, device_id: str) -> PlanInfo:
         record = self.coordinator.devices[device_id]
-        return self.plans.get(record.ratio, self.kinds.get(device_id, "default"), self.device_models.get(device_id))
+        return self.plans.get(record.ratio, self.kinds.get(device_id, PORTABLE_KIND), self.device_models.get(device_id))
 
     def _choose_ratio(self, device_id: str, profile: ResourceProfile, budget_mb: float | None,
                       shard_samples: int) -> float:
@@ -145,14 +146,15 @@ class RoundEngine:
                         device_id, budget_mb, ratio, predict(ratio))
         return ratio
 
-    def join(self, device_id: str, join: Join, kind: str = "default") -> Admission:
-        """Admit a device (or say why not) and give it its plan: its tier is chosen once per run, from its
-        memory budget and the cost model, unless an override names it or it was demoted."""
+    def join(self, device_id: str, join: Join) -> Admission:
+        """Admit a device (or say why not) and give it its plan, as artifacts of the kind its runtime runs: its
+        tier is chosen once per run, from its memory budget and the cost model, unless an override names it or
+        it was demoted."""
         refusal = self.coordinator.join(device_id, join)
         if refusal is not None:
             return Admission(refusal=refusal)
         record = self.coordinator.devices[device_id]
-        self.kinds[device_id] = kind
+        kind = self.kinds[device_id] = join.profile.runtime
         if record.ratio is None or (device_id in self.demoted and record.ratio >= self.demoted[device_id]):
             ratio = self._choose_ratio(device_id, join.profile, record.budget_mb, record.num_train + record.num_test)
             plan = self.plans.get(ratio, kind, self.device_models.get(device_id))

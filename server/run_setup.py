@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from device_runtime.shard import Shard
-from device_runtime.trainer import MANIFEST_NAME
-from export.artifacts import ArtifactSet, build_artifacts
+from device_runtime.artifact_contract import MANIFEST_NAME, PORTABLE_KIND
+from export.artifacts import ArtifactSet, build_artifacts_of_kind
 from server.algorithms.base import Algorithm
 from server.checkpoint import CHECKPOINT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from server.cli import parse_tiers
@@ -127,23 +127,24 @@ class PlanBook:
         self.models = {model.name: model, **(others or {})}
         self._plans: dict[tuple[float, str, str], PlanArtifacts] = {}
 
-    def get(self, ratio: float, kind: str = "default", model: str | None = None) -> PlanArtifacts:
+    def get(self, ratio: float, kind: str = PORTABLE_KIND, model: str | None = None) -> PlanArtifacts:
         key = (ratio, kind, model or self.model.name)
         if key not in self._plans:
             return self._build(key)
         return self._plans[key]
 
     def _build(self, key: tuple[float, str, str]) -> PlanArtifacts:
-        ratio, _, name = key
+        ratio, kind, name = key
         model = self.models[name]
         resolved = resolve_plan(model, RankPlan(ratio))
         if self.onnx:
-            built = build_artifacts(model, resolved.ranks, self.input_shape, model.num_classes, self.cache_dir)
+            built = build_artifacts_of_kind(kind, model, resolved.ranks, self.input_shape, model.num_classes,
+                                            self.cache_dir)
             paths = [*built.files.values(), built.directory / MANIFEST_NAME]
             plan = PlanArtifacts(ratio, resolved, built.hash, dict(built.fe_shapes),
                                  {p.name: p.read_bytes() for p in paths}, built, model)
-            LOG.info("plan ratio %g: %s, artifacts %s (%d bytes)", ratio, resolved.describe(), built.hash[:12],
-                     built.total_bytes)
+            LOG.info("plan ratio %g: %s, %s artifacts %s (%d bytes)", ratio, resolved.describe(), kind,
+                     built.hash[:12], built.total_bytes)
         else:
             client = factorize_model(model, resolved.ranks)
             shapes = {k: tuple(v.shape) for k, v in client.state_dict().items() if k.startswith(FE_PREFIX)}

@@ -24,7 +24,8 @@ from device_runtime.messages import Join, Plan, ShardInfo, update_message
 from device_runtime.profile import ResourceProfile
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
-from device_runtime.trainer import DeviceTrainer
+from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
+from device_runtime.runtimes import open_trainer
 from server.algorithms import get_algorithm
 from server.checkpoint import CheckpointError
 from server.cli import check_args, console_logging, fail, new_parser, parse, run_folder
@@ -39,7 +40,9 @@ from server.run_setup import (PlanArtifacts, PlanBook, RunError, RunFolder, all_
 from server.torch_trainer import TorchTrainer
 
 log = logging.getLogger("fedara.simulate")
-BACKENDS = ("torch", "ort")
+BACKENDS = {"torch": None, "ort": TRAINING_KIND, "portable": PORTABLE_KIND}
+"""--backend -> the artifact kind its devices run: the PyTorch reference (none), onnxruntime's training API, or
+the portable step graph on stock onnxruntime (what MQTT devices run by default)."""
 DEVICE_PREFIX = "device/"
 NO_DEADLINE_S = 1e9
 
@@ -82,7 +85,7 @@ class Trainers:
             if self.backend == "torch":
                 self._trainers[plan_hash] = TorchTrainer(factorize_model(plan.model, plan.resolved.ranks))
             else:
-                self._trainers[plan_hash] = DeviceTrainer(plan.artifacts.directory, threads=self.threads)
+                self._trainers[plan_hash] = open_trainer(plan.artifacts.directory, threads=self.threads)
         return self._trainers[plan_hash]
 
 
@@ -90,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = new_parser("python -m server.simulate", __doc__.split("\n\n")[0])
     sim = p.add_argument_group("in-process devices")
     sim.add_argument("--clients", type=int, default=20, help="number of in-process devices")
-    sim.add_argument("--backend", choices=BACKENDS, default="torch",
-                     help="train with the PyTorch reference or the device runtime's onnxruntime trainer")
+    sim.add_argument("--backend", choices=tuple(BACKENDS), default="torch",
+                     help="train with the PyTorch reference, the device runtime's onnxruntime-training trainer (ort) "
+                          "or its portable step graph on stock onnxruntime (portable, what devices run by default)")
     sim.add_argument("--min-completion", type=float, default=0.5,
                      help="fraction of a round's training devices that must deliver for it to be aggregated")
     return p
@@ -120,7 +124,7 @@ class Simulation:
         model, input_shape, shards = load_shards(args, args.clients)
         models = all_models(args, model, input_shape)
         self.device_models = device_models(list(shards), model_names(args))
-        self.plans = PlanBook(model, input_shape, Path(args.cache_dir), onnx=args.backend == "ort", others=models)
+        self.plans = PlanBook(model, input_shape, Path(args.cache_dir), onnx=args.backend != "torch", others=models)
         self.run_id = self.saved.state["run_id"] if self.saved else uuid.uuid4().hex[:16]
         coordinator = Coordinator(CoordinatorConfig(
             input_shape=input_shape, num_classes=model.num_classes, min_devices=1, join_ratio=config.join_ratio,
@@ -152,7 +156,8 @@ class Simulation:
 
     def _admit(self) -> None:
         """Every device joins and installs its plan (a resumed device keeps its personal tensors)."""
-        profile = ResourceProfile(None, self.args.threads, 1, "in-process", sys.platform, None, 1.0)
+        profile = ResourceProfile(None, self.args.threads, 1, "in-process", sys.platform, None, 1.0,
+                                  runtime=BACKENDS[self.args.backend] or PORTABLE_KIND)
         for device_id, device in self.devices.items():
             admission = self.engine.join(device_id, Join(profile, ShardInfo.of(device.shard), ()))
             if admission.refusal:

@@ -1,8 +1,9 @@
 """The flashable device bundle: what it holds, and that it installs into a fresh venv without torch and trains.
 
-One module-scoped install (build the bundle, run its install.sh into a new virtual environment, packages from
-the configured package index) serves the install tests; one test runs the installed runtime's ``run_task``
-in the venv's own interpreter, another runs the installed device CLI in a real federation over a local broker.
+One module-scoped install (build the bundle, run its install.sh into a new virtual environment holding only the
+device's requirements: stock onnxruntime, numpy, paho-mqtt, from the configured package index) serves the install
+tests; one test runs the installed runtime's ``run_task`` on server-built portable step artifacts in the venv's
+own interpreter, another runs the installed device CLI in a real federation over a local broker.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import numpy as np
 import pytest
 
 from device_runtime.shard import Shard, save_shard
-from export.artifacts import build_artifacts
+from device_runtime.artifact_contract import PORTABLE_KIND
+from export.artifacts import build_artifacts_of_kind
 from server.data import load_dataset
 from server.embedded_broker import EmbeddedBroker
 from server.lowrank import RankPlan, resolve_plan
@@ -41,14 +43,15 @@ import device_runtime
 from device_runtime.local_round import run_task
 from device_runtime.shard import load_shard
 from device_runtime.task import Phase, Task
-from device_runtime.trainer import DeviceTrainer
+from device_runtime.runtimes import open_trainer
 
 artifacts, shard_path, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 shard = load_shard(shard_path)
-trainer = DeviceTrainer(artifacts)
+trainer = open_trainer(artifacts)
 update = run_task(trainer, shard, Task(2, trainer.get_fe(), 1.0, 1e-3, 0.05, (Phase("all", 1),), batch, 0))
-print(json.dumps(dict(runtime=device_runtime.__file__, steps=update.metrics["steps"], loss=update.train_loss,
-                      fe=sorted(update.weights), heavy=sorted(m for m in ("torch", "onnx") if m in sys.modules))))
+print(json.dumps(dict(runtime=device_runtime.__file__, trainer=type(trainer).__name__, steps=update.metrics["steps"],
+                      loss=update.train_loss, fe=sorted(update.weights),
+                      heavy=sorted(m for m in ("torch", "onnx") if m in sys.modules))))
 """
 
 
@@ -111,12 +114,11 @@ def test_wheel_is_pure_python_and_holds_only_device_runtime(bundle_dir: Path):
     assert "Root-Is-Purelib: true" in wheel_meta and "Tag: py3-none-any" in wheel_meta
 
 
-def test_requirements_pin_numpy_paho_and_training_onnxruntime_and_nothing_heavy(bundle_dir: Path):
+def test_requirements_pin_numpy_paho_and_stock_onnxruntime_and_nothing_heavy(bundle_dir: Path):
     pins = [line for line in (bundle_dir / "requirements-device.txt").read_text().splitlines()
             if line and not line.startswith("#")]
-    assert [line.split("==")[0] for line in pins] == ["numpy", "paho-mqtt", "onnxruntime-training-cpu"]
+    assert [line.split("==")[0] for line in pins] == ["numpy", "paho-mqtt", "onnxruntime"]
     assert all("==" in line for line in pins)
-    assert "onnxruntime-training-cpu==1.19.2" in pins
 
 
 def test_install_leaves_torch_and_onnx_out_of_the_venv(prefix: Path):
@@ -135,7 +137,8 @@ def test_install_writes_the_unit_and_settings_for_its_prefix(prefix: Path):
 
 def test_installed_device_trains_a_local_round(prefix: Path, tmp_path: Path):
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
-    artifacts = build_artifacts(model, resolve_plan(model, RankPlan(0.25)).ranks, SHAPE, CLASSES, tmp_path / "cache")
+    artifacts = build_artifacts_of_kind(PORTABLE_KIND, model, resolve_plan(model, RankPlan(0.25)).ranks, SHAPE, CLASSES,
+                                        tmp_path / "cache")
     rng = np.random.default_rng(0)
     save_shard(tmp_path / "shard.npz", Shard(rng.standard_normal((TRAIN, *SHAPE), dtype=np.float32),
                                              rng.integers(0, CLASSES, TRAIN).astype(np.int64),
@@ -150,6 +153,7 @@ def test_installed_device_trains_a_local_round(prefix: Path, tmp_path: Path):
     assert Path(result["runtime"]).is_relative_to(prefix / "venv")
     assert result["steps"] == math.ceil(TRAIN / BATCH) and math.isfinite(result["loss"])
     assert result["fe"] == sorted(artifacts.fe_names) and result["heavy"] == []
+    assert result["trainer"] == "PortableTrainer"
 
 
 def test_installed_device_joins_a_federation_over_a_local_broker_and_trains(prefix: Path, tmp_path: Path):
@@ -193,16 +197,24 @@ def test_the_shipped_device_runtime_imports_only_device_dependencies():
     assert load_builder().foreign_imports(ROOT / "device_runtime") == {}
 
 
-def test_install_without_a_training_onnxruntime_stops_and_explains(bundle_dir: Path, tmp_path: Path):
-    """On a machine other than x86_64 (here: uname faked to say aarch64) nothing installs onnxruntime."""
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "uname").write_text("#!/bin/sh\necho aarch64\n")
-    (fake_bin / "uname").chmod(0o755)
-    env = dict(clean_env(), PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
-    done = subprocess.run(["bash", str(bundle_dir / "install.sh"), "--prefix", str(tmp_path / "board"),
-                           "--python", sys.executable], capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
-                          env=env, cwd=tmp_path)
-    assert done.returncode == 3
-    assert "no onnxruntime with the training API is importable" in done.stderr
-    assert "--enable_training_apis" in done.stderr and "--ort-wheel" in done.stderr
+STOCK_IMPORT_PROBE = """
+import importlib.util, json, sys
+sys.path.append(sys.argv[1])  # this environment's packages, behind the venv's own
+importable = [bool(importlib.util.find_spec(name)) for name in ("torch", "onnx")]
+import onnxruntime
+from device_runtime.runtimes import detect
+print(json.dumps(dict(importable=importable, onnxruntime=onnxruntime.__file__, kind=detect("auto"),
+                      loaded=sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "onnx")))))
+"""
+
+
+def test_stock_onnxruntime_imports_neither_torch_nor_onnx_even_where_both_are_importable(prefix: Path):
+    import torch
+
+    site = str(Path(torch.__file__).parents[1])
+    done = subprocess.run([venv_python(prefix), "-c", STOCK_IMPORT_PROBE, site], capture_output=True, text=True,
+                          env=clean_env(), cwd=prefix)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["importable"] == [True, True] and result["loaded"] == []
+    assert Path(result["onnxruntime"]).is_relative_to(prefix / "venv") and result["kind"] == PORTABLE_KIND

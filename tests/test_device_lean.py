@@ -1,7 +1,8 @@
-"""A full local round through device_runtime, in a fresh interpreter, never loads torch or onnx.
+"""A full local round through device_runtime, in a fresh interpreter, never loads torch or onnx, on either runtime.
 
-torch and onnx are installed in this environment (the server needs them), so the check is real: onnxruntime's
-own ``__init__`` would import both; the device trainer must load the ORT bindings without it.
+torch and onnx are installed in this environment (the server needs them), so the check is real: the training
+build's own ``onnxruntime/__init__`` would import both; the device must load the ORT bindings without it (runtime
+detection included).
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from export.artifacts import build_artifacts
+from device_runtime.artifact_contract import KINDS
+from export.artifacts import build_artifacts_of_kind
 from server.lowrank import RankPlan, resolve_plan
 from server.models import build_model
 
@@ -23,11 +25,13 @@ ROUND_TIMEOUT_S = 60
 DEVICE_ROUND = """
 import json, sys
 import numpy as np
-from device_runtime.trainer import DeviceTrainer, verify_artifacts
+from device_runtime.artifact_contract import verify_artifacts
+from device_runtime.runtimes import detect, open_trainer
 
 directory, expected_hash = sys.argv[1], sys.argv[2]
 verify_artifacts(directory, expected_hash)
-trainer = DeviceTrainer(directory)
+detect("auto")
+trainer = open_trainer(directory)
 rng = np.random.default_rng(0)
 x = rng.standard_normal((12, 1, 28, 28)).astype(np.float32)
 y = rng.integers(0, 10, 12).astype(np.int64)
@@ -41,11 +45,12 @@ print(json.dumps({"steps": result.steps, "total": evaluation.total, "tensors": l
 """
 
 
-@pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
+@pytest.fixture(scope="module", params=KINDS)
+def artifacts(request, tmp_path_factory):
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
     ranks = resolve_plan(model, RankPlan(0.5)).ranks
-    return build_artifacts(model, ranks, SHAPE, CLASSES, tmp_path_factory.getbasetemp() / "artifact-cache")
+    return build_artifacts_of_kind(request.param, model, ranks, SHAPE, CLASSES,
+                                   tmp_path_factory.getbasetemp() / "artifact-cache")
 
 
 def test_a_device_round_loads_neither_torch_nor_onnx(artifacts):

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from device_runtime.artifact_contract import MANIFEST_NAME, ArtifactError, verify_artifacts
 from device_runtime.batching import epoch_batches
 from device_runtime.frobenius import factor_pairs, frobenius_decay_step
-from device_runtime.trainer import (MANIFEST_NAME, ArtifactError, DeviceTrainer, TensorMismatchError, class_means,
-                                    cross_entropy_sum, verify_artifacts)
+from device_runtime.trainer import DeviceTrainer, TensorMismatchError, class_means, cross_entropy_sum
 from export.artifacts import build_artifacts
 from server.lowrank import RankPlan, factorize_model, resolve_plan
 from server.models import build_model

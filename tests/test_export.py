@@ -9,7 +9,8 @@ from pathlib import Path
 import onnx
 import pytest
 
-from device_runtime.trainer import ARTIFACT_FILES, MANIFEST_NAME, TRAINING_INPUTS, ArtifactError, verify_artifacts
+from device_runtime.artifact_contract import (ARTIFACT_FILES_BY_KIND, MANIFEST_NAME, TRAINING_INPUTS, TRAINING_KIND,
+                                              ArtifactError, verify_artifacts)
 from export import artifacts
 from export.artifacts import artifact_config, build_artifacts, config_hash, load_artifact_set
 from server.lowrank import RankPlan, factorize_model, fe_state, resolve_plan
@@ -79,7 +80,7 @@ def test_hash_ignores_weight_values(built, ranks):
 
 
 def test_sizes_are_the_file_sizes(built):
-    assert set(built.sizes) == set(ARTIFACT_FILES)
+    assert set(built.sizes) == set(ARTIFACT_FILES_BY_KIND[TRAINING_KIND])
     for key, path in built.files.items():
         assert built.sizes[key] == path.stat().st_size > 0
     assert built.total_bytes == sum(built.sizes.values())
@@ -116,7 +117,7 @@ def test_training_graph_leaves_the_frobenius_term_to_the_device(built):
 def test_corrupt_file_is_refused(built, tmp_path):
     copy = tmp_path / built.hash
     shutil.copytree(built.directory, copy)
-    target = copy / ARTIFACT_FILES["training_model"]
+    target = copy / ARTIFACT_FILES_BY_KIND[TRAINING_KIND]["training_model"]
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF
     target.write_bytes(bytes(data))
@@ -129,7 +130,7 @@ def test_corrupt_file_is_refused(built, tmp_path):
 def test_missing_file_is_refused(built, tmp_path):
     copy = tmp_path / built.hash
     shutil.copytree(built.directory, copy)
-    (copy / ARTIFACT_FILES["checkpoint"]).unlink()
+    (copy / ARTIFACT_FILES_BY_KIND[TRAINING_KIND]["checkpoint"]).unlink()
     with pytest.raises(ArtifactError, match="checkpoint is missing"):
         verify_artifacts(copy, built.hash)
 

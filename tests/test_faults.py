@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 from device_runtime.agent import HEADS_DIR, STATE_FILE, DeviceAgent, Workdir
-from device_runtime.messages import ARTIFACT_BLOBS, DEFAULT_TOPIC_PREFIX, Plan, parse_update, plan_message, task_message
+from device_runtime.artifact_contract import TRAINING_KIND
+from device_runtime.messages import ARTIFACT_BLOBS_BY_KIND, DEFAULT_TOPIC_PREFIX, Plan, parse_update, plan_message, task_message
 from device_runtime.profile import collect_profile
 from device_runtime.protocol import Message, Topics, decode
 from device_runtime.shard import Shard
@@ -108,7 +109,8 @@ class FederationProcesses:
     def start_device(self, device_id: str) -> None:
         command = [sys.executable, "-m", "device_runtime", "--broker", self.broker_url, "--device-id", device_id,
                    "--data", str(self.shard_paths[device_id]), "--workdir", str(self.workdir(device_id)),
-                   "--threads", "1", "--key-file", str(write_key(self.out / "keys" / f"{device_id}.key"))]
+                   "--threads", "1", "--runtime", TRAINING_KIND,  # the runtime of reference_fe's "ort" backend
+                   "--key-file", str(write_key(self.out / "keys" / f"{device_id}.key"))]
         self.devices[device_id] = self._spawn(command, self.device_log(device_id))
 
     def _spawn(self, command: list[str], log_path: Path) -> subprocess.Popen:
@@ -360,7 +362,7 @@ def test_device_killed_before_committing_a_round_trains_it_again_from_its_commit
     shard = shards[DEVICES[0]]
     model = build_model("fedavgcnn", shard.input_shape, shard.num_classes, seed=0)
     artifacts = build_artifacts(model, {}, shard.input_shape, shard.num_classes, cache)
-    files = {name: (artifacts.directory / name).read_bytes() for name in ARTIFACT_BLOBS}
+    files = {name: (artifacts.directory / name).read_bytes() for name in ARTIFACT_BLOBS_BY_KIND[TRAINING_KIND]}
     fe = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if k.startswith("fe.")}
     head = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if k.startswith("head.")}
     plan = plan_message(Plan(artifacts.hash, 1.0, "dense", files, head), device_id="dev_c", run_id="run")

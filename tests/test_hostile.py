@@ -34,8 +34,8 @@ from device_runtime.profile import ResourceProfile, collect_profile
 from device_runtime.protocol import (FRAME_HEADER_BYTES, Message, MessageType, ProtocolError, Topics, chunk, decode,
                                      server_subscriptions)
 from device_runtime.shard import Shard
+from device_runtime.artifact_contract import MANIFEST_NAME
 from device_runtime.task import Phase, Task, Update
-from device_runtime.trainer import MANIFEST_NAME
 from device_runtime.transport import STAT_KEYS, MqttEndpoint
 from server import broker_loop, simulate
 from server.algorithms import get_algorithm
@@ -576,12 +576,12 @@ def flipped(data: bytes, position: int) -> bytes:
 
 
 def retargeted_manifest(files: dict[str, bytes], field: str) -> dict[str, bytes]:
-    """The files with a manifest that claims another set (``hash``) or another checkpoint digest."""
+    """The files with a manifest that claims another set (``hash``) or another step-graph digest."""
     manifest = json.loads(files[MANIFEST_NAME])
     if field == "hash":
         manifest["hash"] = "f" * 64
     else:
-        manifest["files"]["checkpoint"]["sha256"] = "0" * 64
+        manifest["files"]["step_model"]["sha256"] = "0" * 64
     return {**files, MANIFEST_NAME: json.dumps(manifest).encode()}
 
 
@@ -595,9 +595,8 @@ def tampered_plans(world: World) -> dict[str, dict[str, bytes]]:
     return cases
 
 
-TAMPERINGS = ("flipped-training_model.onnx", "flipped-eval_model.onnx", "flipped-optimizer_model.onnx",
-              "flipped-checkpoint", "manifest-of-another-set", "manifest-with-another-digest",
-              "files-of-another-plan")
+TAMPERINGS = ("flipped-step_model.onnx", "flipped-eval_model.onnx", "flipped-initial_weights.npz",
+              "manifest-of-another-set", "manifest-with-another-digest", "files-of-another-plan")  # the portable kind
 
 
 @pytest.mark.parametrize("tampering", TAMPERINGS)
@@ -779,7 +778,7 @@ def test_impostor_on_an_open_broker_does_not_change_the_global_fe(embedded_broke
         assert refusal in log
 
     args = simulate.build_parser().parse_args([*QUICK, "--rounds", str(WIRE_ROUNDS), "--clients", str(WIRE_DEVICES),
-                                               "--backend", "ort", "--cache-dir", str(tmp_path / "cache")])
+                                               "--backend", "portable", "--cache-dir", str(tmp_path / "cache")])
     (tmp_path / "clean").mkdir()
     simulation = simulate.Simulation(args, RunFolder(tmp_path / "clean"), progress=Progress(WIRE_ROUNDS, emit=lambda line: None))
     simulation.run()
@@ -797,7 +796,7 @@ def test_refused_plan_of_another_run_keeps_the_current_runs_heads(world: World, 
     (heads / "kept-1.npz").write_bytes(b"a head of the current run")
     agent.state.run_id = "current-run"
     files = world.plans.get(DENSE).files
-    deliver(agent, plan_with(world, {**files, "checkpoint": flipped(files["checkpoint"], 7)}))
+    deliver(agent, plan_with(world, {**files, "step_model.onnx": flipped(files["step_model.onnx"], 7)}))
     (reply,) = endpoint.messages()
     assert parse_error(reply).code == ErrorCode.ARTIFACTS_CORRUPT
     assert agent.state.run_id == "current-run" and (heads / "kept-1.npz").exists()

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from device_runtime.messages import (ARTIFACT_BLOBS, ErrorCode, Join, MessageError, Plan, ShardInfo, ack_message,
+from device_runtime.artifact_contract import TRAINING_KIND
+from device_runtime.messages import (ARTIFACT_BLOBS_BY_KIND, ErrorCode, Join, MessageError, Plan, ShardInfo, ack_message,
                                      error_message, join_message, parse_ack, parse_error,
                                      parse_join, parse_plan, parse_task, parse_update, plan_message, task_message,
                                      update_message)
@@ -46,7 +47,7 @@ def test_join_with_a_malformed_profile_is_refused():
 
 
 def test_plan_carries_artifact_files():
-    files = {name: name.encode() * 3 for name in ARTIFACT_BLOBS}
+    files = {name: name.encode() * 3 for name in ARTIFACT_BLOBS_BY_KIND[TRAINING_KIND]}
     plan = Plan(HASH, 0.5, "fe.fc1@r256", files)
     assert parse_plan(wire(plan_message(plan, device_id="dev_000", run_id="run1"))) == plan
 
@@ -71,7 +72,7 @@ def test_plan_with_float64_initial_tensors_is_refused():
 
 
 def test_plan_with_a_foreign_file_is_refused():
-    files = {name: b"x" for name in ARTIFACT_BLOBS} | {"evil.sh": b"rm -rf /"}
+    files = {name: b"x" for name in ARTIFACT_BLOBS_BY_KIND[TRAINING_KIND]} | {"evil.sh": b"rm -rf /"}
     msg = plan_message(Plan(HASH, 1.0, "dense", files), device_id="dev_000", run_id="run1")
     with pytest.raises(MessageError, match="plan files"):
         parse_plan(wire(msg))

@@ -19,7 +19,8 @@ import pytest
 
 from device_runtime.__main__ import PASSWORD_ENV
 from device_runtime.agent import DeviceAgent, Workdir
-from device_runtime.messages import (ARTIFACT_BLOBS, DEFAULT_TOPIC_PREFIX, ErrorCode, Join, Plan, ShardInfo,
+from device_runtime.artifact_contract import TRAINING_KIND
+from device_runtime.messages import (ARTIFACT_BLOBS_BY_KIND, DEFAULT_TOPIC_PREFIX, ErrorCode, Join, Plan, ShardInfo,
                                      ack_message, join_message, parse_error, parse_join, parse_plan, plan_message,
                                      task_message)
 from device_runtime.profile import collect_profile
@@ -103,8 +104,9 @@ def test_five_device_processes_federate_over_mosquitto_in_chunks(start_mosquitto
 
 
 def simulate_ort(out: Path, cache: Path, *flags: str) -> tuple[list[dict], dict[str, np.ndarray]]:
-    """``python -m server.simulate --backend ort`` in this process: its records and final global model."""
-    args = simulate.build_parser().parse_args([*QUICK, "--backend", "ort", "--cache-dir", str(cache),
+    """``python -m server.simulate --backend portable`` (the runtime MQTT devices run by default) in this process:
+    its records and final global model."""
+    args = simulate.build_parser().parse_args([*QUICK, "--backend", "portable", "--cache-dir", str(cache),
                                                "--out", str(out), *flags])
     out.mkdir(parents=True)
     simulation = simulate.Simulation(args, RunFolder(out))
@@ -113,13 +115,10 @@ def simulate_ort(out: Path, cache: Path, *flags: str) -> tuple[list[dict], dict[
 
 UNTIMED = ("seconds", "wire_bytes_out", "wire_bytes_in")
 """What a record measures of the machine, not of the federation."""
-ARRIVAL_ORDERED = ("train_loss", "train_accuracy")
-"""Float sums over the updates in the order they arrive: equal up to the last bits."""
 
 
-def comparable(records: list[dict], expected: bool = False) -> list[dict]:
-    return [{k: pytest.approx(v, rel=1e-12) if expected and k in ARRIVAL_ORDERED else v for k, v in r.items()
-             if k not in UNTIMED} for r in records]
+def comparable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in UNTIMED} for r in records]
 
 
 def test_mqtt_run_ends_with_the_in_process_ort_runs_global_fe(embedded_run: Path, cache: Path, tmp_path: Path):
@@ -139,7 +138,7 @@ ALGO_DEVICES, ALGO_ROUNDS = 3, 2
 @pytest.mark.parametrize("algo", ["fedara", "fedavg", "fedrep", "local"])
 def test_each_algorithm_over_mqtt_is_the_in_process_ort_run_exactly(algo: str, tmp_path: Path, cache: Path):
     """Same seed and flags, three device processes: the MQTT run's final global model is bit-identical to
-    ``server.simulate --backend ort``'s (local training has none: its per-device accuracies are compared), and
+    ``server.simulate --backend portable``'s (local training has none: its per-device accuracies are compared), and
     every record matches round by round (what was measured in seconds aside)."""
     flags = ("--algo", algo, "--rounds", str(ALGO_ROUNDS), "--rank-ratio", "0.5")
     mqtt = federate(tmp_path / "mqtt", cache, *flags, "--local-devices", str(ALGO_DEVICES))
@@ -157,7 +156,7 @@ def test_each_algorithm_over_mqtt_is_the_in_process_ort_run_exactly(algo: str, t
         assert any(k.startswith("head.") for k in expected) == (algo == "fedavg")
         for name, value in expected.items():
             np.testing.assert_array_equal(got.tensors[name], value, err_msg=name)
-    assert comparable(mqtt) == comparable(records, expected=True)
+    assert comparable(mqtt) == comparable(records)
 
 
 # -- artifacts travel once per device and plan ------------------------------------------------
@@ -166,7 +165,7 @@ def test_each_algorithm_over_mqtt_is_the_in_process_ort_run_exactly(algo: str, t
 def plan_bytes(devices: Path, device_id: str) -> int:
     """Bytes of the artifact files (the PLAN's blobs) a device installed."""
     (directory,) = (devices / device_id / "artifacts").iterdir()
-    return sum((directory / name).stat().st_size for name in ARTIFACT_BLOBS)
+    return sum(path.stat().st_size for path in directory.iterdir())
 
 
 def test_artifacts_go_down_once_per_device(embedded_run: Path):
@@ -351,7 +350,7 @@ def make_agent(workdir: Path, shard_path: Path) -> tuple[DeviceAgent, RecordingE
 
 
 def artifact_files(artifacts) -> dict[str, bytes]:
-    return {name: (artifacts.directory / name).read_bytes() for name in ARTIFACT_BLOBS}
+    return {name: (artifacts.directory / name).read_bytes() for name in ARTIFACT_BLOBS_BY_KIND[TRAINING_KIND]}
 
 
 def deliver(agent: DeviceAgent, msg) -> None:

@@ -1,0 +1,232 @@
+"""One plain-SGD step of CE + λ·L_FAC compiled into a default-domain ONNX graph: stock onnxruntime trains with it.
+
+The step (forward, backward and the SGD update p ← p − lr·∂L/∂p of every parameter) is traced from
+``server.objective.local_loss`` by ``make_fx`` with a symbolic batch and exported by ``torch.onnx.export(...,
+dynamo=True)`` at opset 18; the eval graph (logits and features) likewise. Three backward ops need help:
+- ``aten.convolution_backward`` has no ONNX translation: decomposed here (:func:`_convolution_backward`);
+- ``aten.max_pool2d_with_indices_backward`` neither: torch's own decomposition (a scatter-add) is used;
+- ``aten.nll_loss_forward`` translates to NegativeLogLikelihoodLoss with its ``total_weight`` output filled with
+  1 (torch 2.13), which silently multiplies every gradient by the batch size: torch's decomposition is used.
+Silent errors of that kind are why every compiled set passes :func:`check_parity` (one step in onnxruntime
+against PyTorch eager on a random batch, max |Δ| ≤ PARITY_ATOL) before it is published.
+The Frobenius term is not in the step: the device applies it once per epoch (``device_runtime.frobenius``).
+Devices need onnxruntime ≥ 1.17 (opset 18; down-conversion to 17 fails on ReduceMean with input axes).
+"""
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import onnx
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._decomp import get_decompositions
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functional_call
+
+from device_runtime.artifact_contract import (ANCHOR_MASK, ANCHORS, BATCH_DIM, EVAL_OUTPUTS, FEATURES, INPUT, LABELS,
+                                              LAM, LOGITS, LOSS, LR, STEP_DATA_INPUTS, STEP_OUTPUTS, next_name)
+from server.lowrank import FE_PREFIX
+from server.objective import fac_loss, local_loss
+
+HEAD_PREFIX = "head."
+
+COMPILER_VERSION = 1  # bump whenever the emitted graphs change for the same inputs
+OPSET = 18
+PARITY_ATOL = 1e-5
+PARITY_BATCH = 5
+PARITY_SEED = 0
+_LOW_TRACE_BATCH = 5
+aten = torch.ops.aten
+
+
+class ParityError(RuntimeError):
+    """A compiled graph whose step in onnxruntime differs from PyTorch's beyond PARITY_ATOL: it is not published."""
+
+
+class ExporterUnavailable(RuntimeError):
+    """torch.onnx's dynamo exporter lacks onnxscript here: the portable artifact kind cannot be built."""
+
+
+def compiler_versions() -> dict:
+    """What the step graphs depend on beyond the model: goes into the artifact hash."""
+    try:
+        onnxscript = importlib.metadata.version("onnxscript")
+    except importlib.metadata.PackageNotFoundError:
+        raise ExporterUnavailable("the onnxruntime artifact kind needs onnxscript: pip install 'onnx==1.17.0' "
+                                  "'onnxscript==0.7.2' 'onnx-ir==0.2.1' (pyproject.toml's server extra)") from None
+    return {"compiler": COMPILER_VERSION, "opset": OPSET, "torch": torch.__version__, "onnx": onnx.__version__,
+            "onnxscript": onnxscript}
+
+
+def _convolution_backward(grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
+                          groups, output_mask):
+    """(dX, dW, db) of an ungrouped 2-D convolution from forward convolutions, which ONNX has.
+
+    dX: the transposed convolution of grad_out, its output_padding taken from the input's size.
+    dW: the convolution of x with its batch and channel axes swapped by grad_out (likewise swapped), the forward
+    stride acting as dilation, cropped to the kernel. db: grad_out summed over batch and space.
+    """
+    if transposed or groups != 1:
+        raise NotImplementedError("only ungrouped, non-transposed convolutions are compiled")
+    kernel = weight.shape[2:]
+    grad_x = grad_w = grad_b = None
+    if output_mask[0]:
+        extra = [int(x.shape[2 + i]) - ((int(grad_out.shape[2 + i]) - 1) * stride[i] - 2 * padding[i]
+                                        + dilation[i] * (int(kernel[i]) - 1) + 1) for i in range(2)]
+        grad_x = F.conv_transpose2d(grad_out, weight, stride=stride, padding=padding, output_padding=extra,
+                                    dilation=dilation)
+    if output_mask[1]:
+        swapped = F.conv2d(x.transpose(0, 1), grad_out.transpose(0, 1), stride=dilation, padding=padding,
+                           dilation=stride)
+        grad_w = swapped[:, :, :kernel[0], :kernel[1]].transpose(0, 1)
+    if output_mask[2]:
+        grad_b = grad_out.sum(dim=(0, 2, 3))
+    return grad_x, grad_w, grad_b
+
+
+@contextmanager
+def _exporter_quiet() -> Iterator[None]:
+    """Keep torch.onnx's registry chatter (e.g. "torchvision is not installed") off the console during an export."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _decompositions() -> dict:
+    table = get_decompositions([aten.max_pool2d_with_indices_backward, aten.nll_loss_forward,
+                                aten.nll_loss_backward])
+    table[aten.convolution_backward.default] = _convolution_backward
+    return table
+
+
+def trace_batch_size(model: nn.Module, input_shape: tuple[int, ...], num_classes: int) -> int:
+    """A batch size no tensor dimension has: a batch equal to one (16 = conv1's channels) would be specialised."""
+    taken = {int(d) for p in model.state_dict().values() for d in p.shape} | set(input_shape) | {num_classes}
+    return next(b for b in range(_LOW_TRACE_BATCH, 10_000) if b not in taken)
+
+
+def _loss(model: nn.Module, state: dict[str, torch.Tensor], x, labels, anchors, mask, lam):
+    """(CE + λ·L_FAC, logits) with the parameters given as tensors; λ is a tensor, so the term is always traced."""
+    features = functional_call(model.fe, _strip(state, FE_PREFIX), (x,))
+    logits = functional_call(model.head, _strip(state, HEAD_PREFIX), (features,))
+    return F.cross_entropy(logits, labels) + lam * fac_loss(features, labels, anchors, mask), logits
+
+
+def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _step_function(model: nn.Module, names: tuple[str, ...]) -> Callable:
+    """f(input, labels, anchors, mask, λ, lr, *params) -> (loss, logits, *(params − lr·grads))."""
+
+    def step(x, labels, anchors, mask, lam, lr, *params):
+        params = tuple(p.detach().requires_grad_() for p in params)
+        loss, logits = _loss(model, dict(zip(names, params)), x, labels, anchors, mask, lam)
+        grads = torch.autograd.grad(loss, params)
+        return (loss.detach(), logits.detach(), *(p.detach() - lr * g for p, g in zip(params, grads)))
+
+    return step
+
+
+def _eval_function(model: nn.Module, names: tuple[str, ...]) -> Callable:
+    """f(input, *params) -> (logits, features)."""
+
+    def forward(x, *params):
+        features = functional_call(model.fe, _strip(dict(zip(names, params)), FE_PREFIX), (x,))
+        return functional_call(model.head, _strip(dict(zip(names, params)), HEAD_PREFIX), (features,)), features
+
+    return forward
+
+
+def example_inputs(input_shape: tuple[int, ...], num_classes: int, feature_dim: int, batch: int,
+                   seed: int) -> dict[str, torch.Tensor]:
+    """A random batch with labels, anchors, a mask with one class absent, λ = 2 and lr = 0.05, by graph input name."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(num_classes)
+    mask[-1] = 0.0
+    return {INPUT: torch.randn(batch, *input_shape, generator=g),
+            LABELS: torch.randint(0, num_classes, (batch,), generator=g),
+            ANCHORS: torch.randn(num_classes, feature_dim, generator=g) * 0.1,
+            ANCHOR_MASK: mask, LAM: torch.tensor(2.0), LR: torch.tensor(0.05)}
+
+
+def _export(function: Callable, args: tuple[torch.Tensor, ...], input_names: list[str],
+            output_names: list[str]) -> onnx.ModelProto:
+    """make_fx (symbolic shapes, the decompositions above) then the dynamo exporter; the batch dim is named."""
+    traced = make_fx(function, decomposition_table=_decompositions(), tracing_mode="symbolic")(*args)
+    batch = torch.export.Dim(BATCH_DIM)
+    dynamic = tuple({0: batch} if name in (INPUT, LABELS) else None for name in input_names)
+    with warnings.catch_warnings(), _exporter_quiet():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(traced, args, dynamo=True, opset_version=OPSET, input_names=input_names,
+                                    output_names=output_names, dynamic_shapes=dynamic, optimize=True,
+                                    verbose=False, report=False)
+    model = program.model_proto
+    for value in [*model.graph.input, *model.graph.output]:
+        if value.type.tensor_type.shape.dim and value.type.tensor_type.shape.dim[0].dim_param:
+            value.type.tensor_type.shape.dim[0].dim_param = BATCH_DIM
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def compile_step(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
+                 feature_dim: int) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(step graph, eval graph) of ``model`` (a client model: dense or factorized) with the contract's I/O names."""
+    names = tuple(model.state_dict())
+    params = tuple(p.detach().clone() for p in model.state_dict().values())
+    data = example_inputs(input_shape, num_classes, feature_dim, trace_batch_size(model, input_shape, num_classes),
+                          PARITY_SEED)
+    step = _export(_step_function(model, names), (*data.values(), *params), [*STEP_DATA_INPUTS, *names],
+                   [*STEP_OUTPUTS, *(next_name(n) for n in names)])
+    evaluate = _export(_eval_function(model, names), (data[INPUT], *params), [INPUT, *names], list(EVAL_OUTPUTS))
+    return step, evaluate
+
+
+def _reference_step(model: nn.Module, data: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """One SGD step of ``server.objective.local_loss`` in PyTorch eager: loss, logits and the new parameters."""
+    client = copy.deepcopy(model)
+    loss, logits = local_loss(client, data[INPUT], data[LABELS], data[ANCHORS], data[ANCHOR_MASK], float(data[LAM]))
+    client.zero_grad()
+    loss.backward()
+    out = {LOSS: loss.detach().numpy(), LOGITS: logits.detach().numpy()}
+    with torch.no_grad():
+        for name, p in client.named_parameters():
+            out[next_name(name)] = (p - data[LR] * p.grad).numpy()
+    return out
+
+
+def check_parity(model: nn.Module, step: onnx.ModelProto, evaluate: onnx.ModelProto, input_shape: tuple[int, ...],
+                 num_classes: int, feature_dim: int, session: Callable[[bytes], object]) -> float:
+    """Max |Δ| of one step and one forward in onnxruntime vs PyTorch eager on a random batch; ParityError above
+    PARITY_ATOL. ``session(model_bytes)`` opens an onnxruntime InferenceSession (the caller's build)."""
+    data = example_inputs(input_shape, num_classes, feature_dim, PARITY_BATCH, PARITY_SEED + 1)
+    params = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    feeds = {k: v.numpy() for k, v in data.items()} | params
+    expected = _reference_step(model, data)
+    got = dict(zip([o.name for o in step.graph.output], session(step.SerializeToString()).run(None, feeds)))
+    with torch.no_grad():
+        features = model.fe(data[INPUT])
+        expected_eval = {LOGITS: model.head(features).numpy(), FEATURES: features.numpy()}
+    got_eval = dict(zip([o.name for o in evaluate.graph.output],
+                        session(evaluate.SerializeToString()).run(None, {INPUT: feeds[INPUT]} | params)))
+    pairs = [(k, v, got.get(k)) for k, v in expected.items()]
+    pairs += [(k, v, got_eval.get(k)) for k, v in expected_eval.items()]
+    missing = [k for k, want, value in pairs if value is None or value.shape != np.shape(want)]
+    if missing:
+        raise ParityError(f"compiled graphs lack or misshape outputs {missing}")
+    worst, name = max((float(np.abs(e - g).max()), k) for k, e, g in pairs)
+    if not worst <= PARITY_ATOL:
+        raise ParityError(f"compiled step differs from PyTorch by {worst:.3g} (> {PARITY_ATOL:g}) at {name}: "
+                          "not published; an exporter upgrade may mistranslate an op (see export/step_compiler.py)")
+    return worst
