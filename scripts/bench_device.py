@@ -418,7 +418,8 @@ def ort_training_floor_worker(spec: dict) -> dict:
     publishes (kept until the next round, as paho keeps unacknowledged frames)."""
     import device_runtime.agent  # noqa: F401 -- the modules a device process holds
     from device_runtime.local_round import run_task
-    from device_runtime.protocol import Message, MessageType, Reassembler, chunk, decode, encode
+    from device_runtime.auth import Direction
+    from device_runtime.protocol import Message, MessageType, Reassembler, chunk, decode, seal
     from device_runtime.shard import load_shard
     from device_runtime.task import Phase, Task
     from device_runtime.trainer import DeviceTrainer
@@ -433,8 +434,8 @@ def ort_training_floor_worker(spec: dict) -> dict:
         fe = trainer.get_fe()
         for index in range(spec["rounds"]):
             round_index = ROUND + index
-            frames = chunk(encode(Message(MessageType.TASK, "bench", round_index, "bench-device", "bench-task", {},
-                                          fe)), FRAME_BYTES, "bench-task")
+            frames = chunk(seal(Message(MessageType.TASK, "bench", round_index, "bench-device", "bench-task", {}, fe),
+                                bytes(32), Direction.DOWN, index + 1), FRAME_BYTES, "bench-task")
             reassembler = Reassembler(2 * sum(len(f) for f in frames), timeout_s=60.0, max_pending=1)
             payload = [p for f in frames if (p := reassembler.feed(f, now=0.0)) is not None][0]
             del frames
