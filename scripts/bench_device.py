@@ -444,8 +444,9 @@ def ort_training_floor_worker(spec: dict) -> dict:
             del payload
             update = run_task(trainer, shard, task)
             trainer.save_head(Path(workdir) / "head.npz")
-            answer = encode(Message(MessageType.UPDATE, "bench", round_index, "bench-device", "bench-update",
-                                    dict(num_samples=update.num_samples), update.weights))
+            answer = seal(Message(MessageType.UPDATE, "bench", round_index, "bench-device", "bench-update",
+                                  dict(num_samples=update.num_samples), update.weights), bytes(32), Direction.UP,
+                          index + 1)
             (Path(workdir) / "last_answer.bin").write_bytes(answer)
             sent = chunk(answer, FRAME_BYTES, "bench-update")
             fe = update.weights
