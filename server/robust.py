@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -83,15 +82,6 @@ def bound_update(update: Update, global_fe: dict[str, torch.Tensor],
 
 def rejection_reason(distance: float, rule: NormBound) -> str:
     return f"update is {distance:.6g} from the global FE, over the norm bound {rule.bound:g}"
-
-
-def bound_updates(updates: Iterable[Update], global_fe: dict[str, torch.Tensor],
-                  rule: NormBound | None) -> list[Update]:
-    """The updates that count under ``rule`` (clipped where it clips); all of them, unchanged, without a rule."""
-    if rule is None:
-        return list(updates)
-    bounded = (bound_update(u, global_fe, rule)[0] for u in updates)
-    return [u for u in bounded if u is not None]
 
 
 def add_norm_bound_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

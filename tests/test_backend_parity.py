@@ -35,3 +35,13 @@ def test_ort_and_torch_backends_reach_the_same_accuracy_and_global_fe(tmp_path):
 def test_fedrep_head_then_fe_phases_agree_across_backends(tmp_path):
     """FedRep's two phases (head on the frozen FE, then the FE with the head frozen) on both trainers."""
     assert_same_federation(tmp_path, "--algo", "fedrep", "--rounds", "2")
+
+
+def test_the_portable_runtime_runs_the_federation_of_the_training_runtime(tmp_path):
+    """Stock onnxruntime's compiled step graph and onnxruntime-training's training API, over a whole federation."""
+    portable_records, portable_fe = run("portable", tmp_path / "portable", tmp_path / "cache")
+    ort_records, ort_fe = run("ort", tmp_path / "ort", tmp_path / "cache")
+    assert set(portable_fe) == set(ort_fe) and portable_fe
+    for name in ort_fe:
+        np.testing.assert_allclose(portable_fe[name], ort_fe[name], atol=1e-4, err_msg=name)
+    assert [r["accuracy"] for r in portable_records] == [r["accuracy"] for r in ort_records]

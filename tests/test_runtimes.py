@@ -71,6 +71,7 @@ def test_the_device_cli_names_a_missing_runtime_and_exits_2(tmp_path, monkeypatc
                                              rng.standard_normal((2, *SHAPE), dtype=np.float32), np.arange(2), CLASSES))
     monkeypatch.setattr("device_runtime.runtimes._has_training_api", lambda: False)
     code = main(["--broker", "mqtt://127.0.0.1:1", "--device-id", "dev_x", "--data", str(tmp_path / "shard.npz"),
-                 "--workdir", str(tmp_path / "work"), "--runtime", TRAINING_KIND])
+                 "--workdir", str(tmp_path / "work"), "--key-file", str(tmp_path / "dev_x.key"),
+                 "--runtime", TRAINING_KIND])
     assert code == 2
     assert "--runtime onnxruntime-training" in capsys.readouterr().err
