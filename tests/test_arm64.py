@@ -22,6 +22,7 @@ from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.shard import Shard, save_shard
 from export.artifacts import build_artifacts_of_kind
 from server.data import load_dataset
+from server.enrollment import enroll_devices
 from server.models import build_model
 
 pytestmark = pytest.mark.arm64
@@ -125,15 +126,18 @@ def test_the_arm64_device_joins_a_native_federation_and_its_update_is_aggregated
                                                                                   shard: Path, start_mosquitto):
     broker = start_mosquitto()
     out = work / "run"
+    enroll_devices(work / "enrollment.json", ["arm64_000"], work / "keys")  # the key crosses into the chroot by bind
     server = subprocess.Popen([sys.executable, "-m", "server.broker_loop", "--dataset", "digits", "--broker",
-                               broker.url, "--min-devices", "1", "--rounds", "1", "--batch-size", str(BATCH),
+                               broker.url, "--enroll", str(work / "enrollment.json"),
+                               "--min-devices", "1", "--rounds", "1", "--batch-size", str(BATCH),
                                "--max-samples", str(TRAIN + TEST), "--local-epochs", "1", "--join-timeout",
                                str(ROUND_TIMEOUT_S), "--round-deadline", str(ROUND_TIMEOUT_S), "--cache-dir",
                                str(work / "cache"), "--out", str(out)],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     device = subprocess.Popen([str(EMULATION), "run", "--bind", str(work),
                                f"uname -m >&2; exec {PREFIX}/venv/bin/python -m device_runtime --broker {broker.url} "
-                               f"--device-id arm64_000 --data {shard} --workdir {work}/device"],
+                               f"--device-id arm64_000 --data {shard} --workdir {work}/device "
+                               f"--key-file {work}/keys/arm64_000.key"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         server_log, _ = server.communicate(timeout=2 * ROUND_TIMEOUT_S)
