@@ -308,13 +308,19 @@ def _perturbed(trainer: DeviceTrainer, seed: int = 4) -> None:
                       for k, v in trainer.get_head().items()})
 
 
-def test_a_head_only_step_leaves_the_fe_bit_identical_and_matches_pytorch(artifact_dir, model_and_ranks):
+def _device_and_reference(artifact_dir, model_and_ranks) -> tuple[DeviceTrainer, TorchTrainer]:
+    """A perturbed device trainer and the PyTorch reference holding the same tensors."""
     model, ranks = model_and_ranks
     device = DeviceTrainer(artifact_dir)
     _perturbed(device)
     reference = TorchTrainer(factorize_model(model, ranks))
     reference.set_fe(device.get_fe())
     reference.set_head(device.get_head())
+    return device, reference
+
+
+def test_a_head_only_step_leaves_the_fe_bit_identical_and_matches_pytorch(artifact_dir, model_and_ranks):
+    device, reference = _device_and_reference(artifact_dir, model_and_ranks)
     fe, head = device.get_fe(), device.get_head()
     x, y = _data(10)
     settings = {**TRAIN, "mu": 0.5, "epochs": 2}  # a decay step on the factors would show: the head phase has none
@@ -331,12 +337,7 @@ def test_a_head_only_step_leaves_the_fe_bit_identical_and_matches_pytorch(artifa
 
 
 def test_an_fe_only_step_leaves_the_head_bit_identical_and_matches_pytorch(artifact_dir, model_and_ranks):
-    model, ranks = model_and_ranks
-    device = DeviceTrainer(artifact_dir)
-    _perturbed(device)
-    reference = TorchTrainer(factorize_model(model, ranks))
-    reference.set_fe(device.get_fe())
-    reference.set_head(device.get_head())
+    device, reference = _device_and_reference(artifact_dir, model_and_ranks)
     fe, head = device.get_fe(), device.get_head()
     x, y = _data(10)
     device.train(x, y, rng=np.random.default_rng(0), params="fe", **{**TRAIN, "mu": 0.5})
