@@ -176,12 +176,28 @@ def run_folder(args: argparse.Namespace, driver: str) -> Path:
     return path
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted, not to the one it was created with: a
+    caller (a test runner, an embedding program) that swaps and closes its stderr leaves no stale handler."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
 def console_logging() -> None:
     """Warnings and errors on the terminal (progress lines are printed, not logged there); replaces the root
     handler onnxruntime.training installs on import. A run's server.log gets INFO through its own handler."""
-    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
-    for handler in logging.getLogger().handlers:
-        handler.setLevel(logging.WARNING)
+    handler = _StderrHandler()
+    handler.setLevel(logging.WARNING)
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s", handlers=[handler], force=True)
 
 
 def fail(message: str) -> int:

@@ -7,6 +7,7 @@ a device-only install (numpy, onnxruntime, paho-mqtt)."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import socket
 import subprocess
@@ -29,6 +30,27 @@ if importlib.util.find_spec("torch") is not None:  # a server or dev install
 
     # Multi-threaded MKL spins under load: on 2 shared cores one thread is both faster and repeatable.
     torch.set_num_threads(1)
+
+
+def _ours(handler: logging.Handler) -> bool:
+    """Not one of pytest's own capture handlers (those it adds and removes around each test phase)."""
+    return not type(handler).__module__.startswith("_pytest")
+
+
+@pytest.fixture(autouse=True)
+def restored_root_logger() -> Iterator[None]:
+    """The root logger's handlers and level as they were before the test: a CLI run in-process installs its
+    console and run-log handlers, which must not outlive the test (nor log into a closed capture file)."""
+    root = logging.getLogger()
+    before, level = [h for h in root.handlers if _ours(h)], root.level
+    yield
+    for handler in [h for h in root.handlers if _ours(h) and h not in before]:
+        root.removeHandler(handler)
+        handler.close()
+    for handler in before:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
 
 
 def free_loopback_port() -> int:

@@ -2,6 +2,8 @@
 once, before any data is loaded, with exit status 2."""
 from __future__ import annotations
 
+import io
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from server import broker_loop, simulate
-from server.cli import parse
+from server.cli import console_logging, parse
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
@@ -70,3 +72,15 @@ def test_without_out_each_run_gets_a_fresh_folder(tmp_path):
     assert first.returncode == 0 and second.returncode == 0, second.stderr
     folders = sorted(p.name for p in (tmp_path / "runs").iterdir())
     assert len(folders) == 2 and all((tmp_path / "runs" / f / "report.md").exists() for f in folders)
+
+
+def test_console_logging_writes_to_the_current_stderr_after_the_old_one_is_closed(monkeypatch) -> None:
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    console_logging()
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", second)
+    logging.getLogger("fedara.test").warning("a warning after the swap")
+    assert "fedara.test WARNING a warning after the swap" in second.getvalue()
+    assert "Logging error" not in second.getvalue()
