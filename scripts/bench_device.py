@@ -252,42 +252,38 @@ def torch_memory_worker(spec: dict) -> dict:
                 rounds=rounds)
 
 
-def ort_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
-    """(variant, threads) -> one ORT training step at batch 16 and 64, or one decay step (numpy) on all factors."""
+def _device_steppers(spec: dict, variant: str, open_trainer: Callable[[int], object],
+                     batch_sizes: dict[str, int]) -> dict[tuple[str, int], Callable[[], None]]:
+    """(variant + suffix, threads) -> one step of a device trainer at each named batch size (suffix "" is
+    batch 16), and (variant + "_decay", threads) -> one decay step (numpy) on all factors."""
     from device_runtime.shard import load_shard
-    from device_runtime.trainer import DeviceTrainer
     shard = load_shard(spec["shard"])
-    small = itertools.cycle(fixed_batches(shard.x_train, shard.y_train, BATCH)).__next__
-    large = itertools.cycle(fixed_batches(shard.x_train, shard.y_train, LARGE_BATCH)).__next__
+    batches = {suffix: itertools.cycle(fixed_batches(shard.x_train, shard.y_train, size)).__next__
+               for suffix, size in batch_sizes.items()}
     rng = np.random.default_rng(SEED)
     steppers = {}
     for threads in THREADS:
-        ort = DeviceTrainer(spec["artifacts"], threads=threads)
-        anchors, mask = ort.compute_anchors(shard.x_train, shard.y_train)
-        steppers.update({
-            ("ort", threads): lambda ort=ort, a=anchors, m=mask: _ort_step(ort, small(), a, m, rng),
-            ("ort_decay", threads): lambda ort=ort: ort.decay_factors(MU, LR * steps_per_epoch(BATCH)),
-            ("ort_b64", threads): lambda ort=ort, a=anchors, m=mask: _ort_step(ort, large(), a, m, rng),
-        })
+        trainer = open_trainer(threads)
+        anchors, mask = trainer.compute_anchors(shard.x_train, shard.y_train)
+        for suffix, next_batch in batches.items():
+            steppers[(variant + suffix, threads)] = (
+                lambda t=trainer, b=next_batch, a=anchors, m=mask: _ort_step(t, b(), a, m, rng))
+        steppers[(variant + "_decay", threads)] = lambda t=trainer: t.decay_factors(MU, LR * steps_per_epoch(BATCH))
     return steppers
+
+
+def ort_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
+    """onnxruntime-training: one step at batch 16 ("ort") and 64 ("ort_b64"), and the decay step."""
+    from device_runtime.trainer import DeviceTrainer
+    return _device_steppers(spec, "ort", lambda threads: DeviceTrainer(spec["artifacts"], threads=threads),
+                            {"": BATCH, "_b64": LARGE_BATCH})
 
 
 def portable_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
-    """(variant, threads) -> one step of the compiled step graph at batch 16, or one decay step (numpy)."""
+    """The compiled step graph on stock onnxruntime: one step at batch 16 ("portable"), and the decay step."""
     from device_runtime.portable_trainer import PortableTrainer
-    from device_runtime.shard import load_shard
-    shard = load_shard(spec["shard"])
-    small = itertools.cycle(fixed_batches(shard.x_train, shard.y_train, BATCH)).__next__
-    rng = np.random.default_rng(SEED)
-    steppers = {}
-    for threads in THREADS:
-        trainer = PortableTrainer(spec["portable_artifacts"], threads=threads)
-        anchors, mask = trainer.compute_anchors(shard.x_train, shard.y_train)
-        steppers.update({
-            ("portable", threads): lambda t=trainer, a=anchors, m=mask: _ort_step(t, small(), a, m, rng),
-            ("portable_decay", threads): lambda t=trainer: t.decay_factors(MU, LR * steps_per_epoch(BATCH)),
-        })
-    return steppers
+    return _device_steppers(spec, "portable",
+                            lambda threads: PortableTrainer(spec["portable_artifacts"], threads=threads), {"": BATCH})
 
 
 def torch_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
