@@ -33,7 +33,7 @@ from device_runtime.artifact_contract import (ANCHOR_MASK, ANCHORS, ARTIFACT_FIL
 from device_runtime.batching import epoch_batches
 from device_runtime.frobenius import factor_pairs, frobenius_decay_step
 from device_runtime.task import PARAM_GROUPS
-from device_runtime.tensor_check import TensorMismatchError, check_tensors  # noqa: F401 (TensorMismatchError: part of this API)
+from device_runtime.tensor_check import check_tensors
 from device_runtime.atomic_file import write_atomic
 
 LABEL_DTYPE = np.int64

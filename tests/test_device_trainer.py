@@ -10,7 +10,8 @@ import pytest
 from device_runtime.artifact_contract import MANIFEST_NAME, ArtifactError, verify_artifacts
 from device_runtime.batching import epoch_batches
 from device_runtime.frobenius import factor_pairs, frobenius_decay_step
-from device_runtime.trainer import DeviceTrainer, TensorMismatchError, class_means, cross_entropy_sum
+from device_runtime.tensor_check import TensorMismatchError
+from device_runtime.trainer import DeviceTrainer, class_means, cross_entropy_sum
 from export.artifacts import build_artifacts
 from server.lowrank import RankPlan, factorize_model, resolve_plan
 from server.models import build_model
