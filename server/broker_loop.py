@@ -326,8 +326,7 @@ class Federation:
             LOG.warning("dropped a message on %s: %s", topic, exc)
             return
         try:  # authenticated before anything else looks at it
-            msg = self.link.open(payload, self.coordinator.run_id, device_id=device_id,
-                                 status_topic=kind == TopicKind.STATUS)
+            msg = self.link.open(payload, self.coordinator.run_id, device_id=device_id, kind=kind)
         except Refused as exc:
             LOG.warning("dropped a message on %s: %s", topic, exc)
             return

@@ -81,7 +81,7 @@ def acl_text(prefix: str, server_user: str, device_ids: Iterable[str]) -> str:
     lines += [f"topic write {Topics(prefix, device_id).down}" for device_id in device_ids]
     for device_id in device_ids:
         topics = Topics(prefix, device_id)
-        lines += ["", f"user {device_id}", f"topic write {topics.up}",
+        lines += ["", f"user {device_id}", f"topic write {topics.up}", f"topic write {topics.update}",
                   f"topic write {topics.status}", f"topic read {topics.down}"]
     return "\n".join(lines) + "\n"
 
