@@ -30,18 +30,18 @@ from typing import Any
 
 import torch
 
-from device_runtime.messages import (DEFAULT_TOPIC_PREFIX, ErrorCode, MessageError, error_message, parse_ack,
+from device_runtime.messages import (ErrorCode, MessageError, error_message, parse_ack,
                                      parse_error, parse_join, plan_message, task_message)
 from device_runtime.link import Link, Refused
 from device_runtime.profile import ResourceProfile
-from device_runtime.protocol import (DEFAULT_MAX_FRAME_BYTES, Message, MessageType, ProtocolError, TopicKind, Topics,
+from device_runtime.protocol import (Message, MessageType, ProtocolError, TopicKind, Topics,
                                      device_id_from_topic, server_subscriptions)
 from device_runtime.status import parse_status
 from device_runtime.transport import MqttEndpoint, TransportError
 from server import cgroups
 from server.algorithms import get_algorithm
 from server.checkpoint import CheckpointError
-from server.cli import check_args, console_logging, fail, new_parser, parse, run_folder
+from server.cli import PASSWORD_ENV, add_broker_flags, check_args, console_logging, fail, new_parser, parse, run_folder
 from server.coordinator import Coordinator, CoordinatorConfig
 from server.cost_model import CostModelError, peak_predictor
 from server.embedded_broker import EmbeddedBroker
@@ -56,7 +56,6 @@ from server.run_setup import (PlanBook, RunError, RunFolder, all_models, device_
 from server.shards import DEVICE_SHARD_FILENAME
 
 LOG = logging.getLogger("fedara.server")
-PASSWORD_ENV = "FEDARA_MQTT_PASSWORD"
 POLL_S = 0.2
 CONNECT_TIMEOUT_S = 30.0
 DEVICE_STOP_TIMEOUT_S = 10.0
@@ -82,17 +81,7 @@ FederationError = RunError
 
 def build_parser() -> argparse.ArgumentParser:
     p = new_parser("python -m server.broker_loop", __doc__.split("\n\n")[0])
-    mqtt = p.add_argument_group("broker")
-    mqtt.add_argument("--broker", default=None,
-                      help="mqtt://host:port or mqtts://... (default: an embedded broker on 127.0.0.1, free port)")
-    mqtt.add_argument("--prefix", default=DEFAULT_TOPIC_PREFIX, help="MQTT topic prefix")
-    mqtt.add_argument("--username", default=None)
-    mqtt.add_argument("--password", default=None, help=f"default: ${PASSWORD_ENV} (never shown here)")
-    mqtt.add_argument("--tls-ca", default=None, help="CA certificate to verify an mqtts:// broker")
-    mqtt.add_argument("--tls-cert", default=None, help="client certificate (with --tls-key)")
-    mqtt.add_argument("--tls-key", default=None)
-    mqtt.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
-                      help="largest MQTT publish (keep under the broker's limit); longer messages go as chunks")
+    add_broker_flags(p, "default: an embedded broker on 127.0.0.1, free port")
     run = p.add_argument_group("devices and rounds")
     run.add_argument("--local-devices", type=int, default=0,
                      help="spawn this many device processes on shards of --dataset (0: devices come from outside)")
