@@ -34,7 +34,7 @@ from device_runtime.tensor_check import tensor_problem
 from device_runtime.transport import MqttEndpoint, TransportError
 from server import aggregation_wire as wire
 from server.aggregate import StreamingAverage
-from server.cli import PASSWORD_ENV, add_broker_flags, console_logging, fail
+from server.cli import PASSWORD_ENV, add_broker_flags, fail
 from server.enrollment import EnrollmentError, load_enrollment, load_server_key
 from server.strategy import to_torch
 
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> None:
     endpoint = MqttEndpoint(f"fedara-aggregator-{args.name}", args.broker, subscriptions=subscriptions,
                             username=args.username, password=args.password, tls_ca=args.tls_ca,
                             tls_cert=args.tls_cert, tls_key=args.tls_key, max_frame_bytes=args.max_message_bytes,
-                            max_message_bytes=BRIEF_BYTES, clean_session=False)
+                            max_message_bytes=BRIEF_BYTES, clean_session=True)
     endpoint.start()
     try:
         endpoint.wait_connected(CONNECT_TIMEOUT_S)
@@ -236,8 +236,8 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console_logging()
-    logging.getLogger("fedara").setLevel(logging.INFO)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # its log: what it folded, refused
     args.password = args.password or os.environ.get(PASSWORD_ENV)
     if args.broker is None:
         return fail("--broker is required: the mqtt://HOST:PORT of the broker the server and devices use")
