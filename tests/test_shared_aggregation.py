@@ -56,8 +56,8 @@ def test_aggregators_sharing_the_updates_end_with_the_server_only_runs_model(sta
 
     expected, got = load_checkpoint(alone / CHECKPOINT_NAME), load_checkpoint(shared / CHECKPOINT_NAME)
     assert got.round == ROUNDS and set(got.tensors) == set(expected.tensors)
-    for name, value in expected.tensors.items():
-        np.testing.assert_allclose(got.tensors[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    for name, value in expected.tensors.items():  # float32 rounding of round 1's sums, grown by round 2's training
+        np.testing.assert_allclose(got.tensors[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
     records = read_metrics(shared / METRICS_FILE)
     assert [r["participants"] for r in records] == [DEVICES] * ROUNDS
     assert [r["bytes_up"] for r in records] == [r["bytes_up"] for r in read_metrics(alone / METRICS_FILE)]
