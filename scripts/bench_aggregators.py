@@ -183,7 +183,7 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| aggregators | K | update MB per round | seconds per round (rounds) | MB/s | updates folded per aggregator |",
+    lines = ["| aggregators | K | update MB per round | seconds per round (rounds) | MB/s | updates folded per aggregator, all rounds |",
              "|---:|---:|---:|---|---:|---|"]
     for run in runs:
         rounds = run["rounds"]
