@@ -151,7 +151,7 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
         for r in range(1, rounds + 1):
             engine.open_round(r, time.monotonic())
             if names:
-                federation._brief_aggregators(max_inbound)
+                federation.brief_aggregators()
             brief = engine.brief(max_inbound)
             ready, go = mp.Event(), mp.Event()
             devices_proc = mp.Process(target=publisher, args=(url, brief, keys, epoch, (r - 1) * clients, ready, go))
@@ -162,10 +162,7 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
             load = os.getloadavg()[0]
             start = time.perf_counter()
             go.set()
-            federation._pump(lambda: engine.coordinator.closing(time.monotonic()) is not None,
-                             time.monotonic() + TIMEOUT_S)
-            if names:
-                federation._collect_partials(r)
+            federation.gather(r)
             engine.close_round(time.monotonic())
             seconds = time.perf_counter() - start
             devices_proc.join()

@@ -110,17 +110,18 @@ class Aggregator:
 
     def on_verdict(self, round_index: int, device_id: str, fold: bool, reason: str) -> None:
         """Fold the update the engine accepted; drop one it refused (logged)."""
-        held = self.awaiting.pop(device_id, None)
         if self.brief is None or round_index != self.brief.round:
             LOG.warning("%s ignored a verdict on %s for round %d, not the open round", self.name, device_id,
                         round_index)
             return
+        held = self.awaiting.pop(device_id, None)
         if not fold:
             LOG.warning("%s dropped %s's update of round %d: the engine refused it (%s)", self.name, device_id,
                         round_index, reason)
             return
-        if held is None:
-            if self.brief.devices.get(device_id, wire.Asked("", 0, False)).trains:
+        if held is None:  # an evaluation (nothing to fold), or a verdict on an update this member does not hold
+            asked = self.brief.devices.get(device_id)
+            if asked is not None and asked.trains:
                 LOG.warning("%s holds no update of %s to fold", self.name, device_id)
             return
         weights, num_samples = held

@@ -442,6 +442,9 @@ class Federation:
 
     def _on_aggregator(self, aggregator: str, payload: bytes) -> None:
         """A sealed message from an aggregator: started or briefed, a receipt to judge, or its partial sums."""
+        if aggregator not in self.aggregators:
+            LOG.warning("dropped a message from %s: not an aggregator of this run", aggregator)
+            return
         try:
             msg = self.aggregator_link.open(payload, self.coordinator.run_id, device_id=aggregator)
             kind = wire.kind_of(msg)
@@ -480,8 +483,9 @@ class Federation:
             raise RunError(f"aggregators {missing} did not start within --join-timeout {self.args.join_timeout:g} s; "
                            f"see {self.out.path / AGGREGATORS_DIR}/*.log")
 
-    def _brief_aggregators(self, max_inbound: int) -> None:
-        brief = self.engine.brief(max_inbound)
+    def brief_aggregators(self) -> None:
+        """Send every aggregator the open round's brief; wait (bounded) until each holds it."""
+        brief = self.engine.brief(self.max_inbound)
         for aggregator in self.aggregators:
             self._to_aggregator(aggregator, wire.brief_message(brief, aggregator))
         briefed = lambda: all(self.aggregators_at.get(a) == brief.round for a in self.aggregators)  # noqa: E731
@@ -526,21 +530,26 @@ class Federation:
         wire = (stats["bytes_out"], stats["bytes_in"])
         tasks = self.engine.open_round(round_index, time.monotonic(), train=train)
         if self.aggregators:
-            self._brief_aggregators(self.max_inbound)
+            self.brief_aggregators()
         opened = self.coordinator.open
         deadline = time.time() + max(0.0, opened.deadline - time.monotonic())
         for device_id, task in tasks.items():
             task.deadline = deadline
             self._send(device_id, task_message(task, plan_hash=self.engine.plan_info(device_id).hash,
                                                device_id=device_id, run_id=self.coordinator.run_id))
-        self._pump(lambda: self.coordinator.closing(time.monotonic()) is not None)
-        if self.aggregators:
-            self._collect_partials(round_index)
+        self.gather(round_index)
         _, completed = self.engine.close_round(time.monotonic())
         if train and self.engine.pending is not None:
             self.engine.pending.update(wire_bytes_out=stats["bytes_out"] - wire[0],
                                        wire_bytes_in=stats["bytes_in"] - wire[1])
         return completed
+
+    def gather(self, round_index: int) -> None:
+        """Take answers until every asked device answered or the round's deadline passed, then the aggregators'
+        partial sums."""
+        self._pump(lambda: self.coordinator.closing(time.monotonic()) is not None)
+        if self.aggregators:
+            self._collect_partials(round_index)
 
     def run(self, first_round: int, progress: Progress) -> None:
         """Rounds first_round..rounds, then the evaluation of the final model; checkpoint after each."""

@@ -68,3 +68,13 @@ def test_aggregators_sharing_the_updates_end_with_the_server_only_runs_model(sta
     assert members == {f"agg-{i}" for i in range(aggregators)}, f"an aggregator folded nothing: {folded}"
     each_once = sorted((d, r) for _, d, r in folded)
     assert each_once == sorted((f"dev_{i:03d}", r) for i in range(DEVICES) for r in range(1, ROUNDS + 1))
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--aggregators", "2"], "--broker"),
+    (["--aggregators", "2", "--broker", "mqtt://127.0.0.1:1", "--enroll", "open"], "--enroll FILE"),
+    (["--aggregators", "-1", "--broker", "mqtt://127.0.0.1:1"], "--aggregators must be >= 0"),
+])
+def test_aggregators_without_what_they_need_exit_2_naming_the_flag(flags: list[str], named: str, capsys):
+    assert broker_loop.main([*QUICK, "--local-devices", "2", *flags]) == 2
+    assert named in capsys.readouterr().err
