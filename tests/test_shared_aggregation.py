@@ -47,6 +47,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("artifacts")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("aggregators", [2, 3])
 def test_aggregators_sharing_the_updates_end_with_the_server_only_runs_model(start_mosquitto, tmp_path: Path,
                                                                                cache: Path, aggregators: int):
