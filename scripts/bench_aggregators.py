@@ -40,7 +40,8 @@ from device_runtime.task import Update  # noqa: E402
 from device_runtime.transport import MqttEndpoint  # noqa: E402
 from server import aggregation_wire as wire  # noqa: E402
 from server.algorithms import get_algorithm  # noqa: E402
-from server.broker_loop import AGGREGATORS_DIR, Federation, LocalDevices, aggregator_command, inbound_limit  # noqa: E402
+from server.broker_loop import (AGGREGATORS_DIR, Federation, LocalDevices, aggregator_command,  # noqa: E402
+                               inbound_limit)
 from server.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
 from server.engine import RoundEngine  # noqa: E402
 from server.enrollment import load_server_key, save_enrollment  # noqa: E402
@@ -180,7 +181,8 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| aggregators | K | update MB per round | seconds per round (rounds) | MB/s | updates folded per aggregator, all rounds |",
+    lines = ["| aggregators | K | update MB per round | seconds per round (rounds) | MB/s "
+             "| updates folded per aggregator, all rounds |",
              "|---:|---:|---:|---|---:|---|"]
     for run in runs:
         rounds = run["rounds"]

@@ -171,7 +171,7 @@ def parse_receipt(msg: Message) -> Receipt:
                           meta["counter"], meta["update"], meta["bytes"])
     except (KeyError, ProtocolError) as exc:
         raise WireError(f"malformed receipt: {exc!r:.200}") from None
-    if not isinstance(receipt.counter, int) or not isinstance(receipt.nbytes, int) or not isinstance(receipt.meta, dict):
+    if not (isinstance(receipt.counter, int) and isinstance(receipt.nbytes, int) and isinstance(receipt.meta, dict)):
         raise WireError("malformed receipt: counter and bytes must be integers, update an object")
     return receipt
 

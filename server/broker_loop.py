@@ -500,8 +500,9 @@ class Federation:
             self._to_aggregator(aggregator, wire.message(wire.CLOSE, aggregator, round_index=round_index))
         if not self._pump(lambda: not self.engine.partials_missing(),
                           time.monotonic() + self.args.aggregator_timeout):
-            LOG.warning("round %d: no partial sums from %s within --aggregator-timeout %g s", round_index,
-                        self.engine.partials_missing(), self.args.aggregator_timeout)
+            LOG.warning("round %d: no partial sums from %s within --aggregator-timeout %g s (their logs: %s)",
+                        round_index, self.engine.partials_missing(), self.args.aggregator_timeout,
+                        self.out.path / AGGREGATORS_DIR)
 
     # -- outbound ---------------------------------------------------------------------------
 

@@ -378,7 +378,8 @@ class RoundEngine:
         only over exactly the updates it was told to fold, with their sample counts and the model's tensors."""
         opened = self.coordinator.open
         if opened is None or partial.round != opened.round:
-            return f"partial of round {partial.round}, {'no round' if opened is None else f'round {opened.round}'} is open"
+            open_now = "no round" if opened is None else f"round {opened.round}"
+            return f"partial of round {partial.round}, {open_now} is open"
         if aggregator in self._partials:
             return "its partial for this round was already taken"
         told = self._told.get(aggregator, {})

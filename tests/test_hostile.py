@@ -330,7 +330,8 @@ def test_update_replayed_in_the_same_round_is_refused(world: World, caplog):
     payload = encode(genuine_update(world))
     server._handle(update_topic(TRAINER), payload)
     assert aggregated(server) == 1
-    assert refused(server, update_topic(TRAINER), payload, caplog).endswith("[replay]")  # the same bytes: the same counter
+    # the same bytes: the same counter
+    assert refused(server, update_topic(TRAINER), payload, caplog).endswith("[replay]")
     resent = encode(genuine_update(world))  # the device's own re-send carries a fresh counter
     assert "duplicate update for round 1" in refused(server, update_topic(TRAINER), resent, caplog)
 
@@ -753,7 +754,8 @@ class Impostor(MqttPeer):
         poisoned = Update(task.round, {k: v * np.float32(100) for k, v in task.tensors.items()}, 1000, 0.1, 1.0,
                           dict(EVAL))
         plan_hash = task.meta["plan_hash"]
-        forgeries = ((update_topic(IMPOSTOR_ID), TRAINER, task.run_id), (update_topic(IMPOSTOR_ID), IMPOSTOR_ID, task.run_id),
+        forgeries = ((update_topic(IMPOSTOR_ID), TRAINER, task.run_id),
+                     (update_topic(IMPOSTOR_ID), IMPOSTOR_ID, task.run_id),
                      (update_topic(TRAINER), TRAINER, "run0"))
         for topic, sender, run_id in forgeries:
             self._send(topic, encode(update_message(poisoned, plan_hash=plan_hash, device_id=sender, run_id=run_id)))
