@@ -62,8 +62,12 @@ class Aggregator:
         self.last_partial: wire.Partial | None = None
 
     def on_brief(self, brief: wire.Brief) -> None:
-        """A new round: what came before it is dropped (its partial was sent or is lost with it)."""
+        """A new round: what came before it is dropped (its partial was sent or is lost with it). The open round's
+        brief again (a device rejoined with a new plan): the round's devices and plans change, nothing folded does."""
+        same_round = self.brief is not None and (self.brief.run_id, self.brief.round) == (brief.run_id, brief.round)
         self.brief = brief
+        if same_round:
+            return
         self.average = StreamingAverage(brief.dense_shapes)
         self.forwarded, self.awaiting, self.folded = set(), {}, []
 

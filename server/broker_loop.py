@@ -425,6 +425,8 @@ class Federation:
             return
         LOG.info("%s is ready", device_id)
         if self.coordinator.awaits(device_id):
+            if self.aggregators:  # its plan may be new (it rejoined at a lower tier): the aggregators must know it
+                self._send_brief()
             self._send_task(device_id)
 
     def _on_error(self, device_id: str, msg: Message) -> None:
@@ -483,11 +485,15 @@ class Federation:
             raise RunError(f"aggregators {missing} did not start within --join-timeout {self.args.join_timeout:g} s; "
                            f"see {self.out.path / AGGREGATORS_DIR}/*.log")
 
-    def brief_aggregators(self) -> None:
-        """Send every aggregator the open round's brief; wait (bounded) until each holds it."""
+    def _send_brief(self) -> wire.Brief:
         brief = self.engine.brief(self.max_inbound)
         for aggregator in self.aggregators:
             self._to_aggregator(aggregator, wire.brief_message(brief, aggregator))
+        return brief
+
+    def brief_aggregators(self) -> None:
+        """Send every aggregator the open round's brief; wait (bounded) until each holds it."""
+        brief = self._send_brief()
         briefed = lambda: all(self.aggregators_at.get(a) == brief.round for a in self.aggregators)  # noqa: E731
         if not self._pump(briefed, time.monotonic() + self.args.aggregator_timeout):
             late = [a for a in self.aggregators if self.aggregators_at.get(a) != brief.round]

@@ -145,3 +145,12 @@ def test_the_engine_refuses_what_is_sealed_under_another_key_than_the_server_key
     assert info.value.reason == Refusal.BAD_TAG
     genuine = wire.aggregator_link(SERVER_KEY, tmp_path / "genuine", OPEN_MAX)
     assert wire.kind_of(engine_side.open(genuine.seal(msg), RUN, device_id="agg-0")) == kind
+
+
+def test_the_open_rounds_brief_again_keeps_what_was_folded(federation):
+    engine, tasks, (member, _) = federation
+    deliver(engine, member, device_update(engine, "dev_000", tasks["dev_000"], 1.0))
+    member.on_brief(engine.brief(OPEN_MAX))  # a device rejoined with a new plan during the round
+    assert member.folded == ["dev_000"] and member.average.count == 1
+    assert member.on_update("dev_000", device_update(engine, "dev_000", tasks["dev_000"], 1.0)) == \
+        "duplicate update for round 1"
