@@ -10,7 +10,8 @@ reads and folds every update itself; with N ≥ 1, N ``python -m server.aggregat
 ``$share/GROUP/PREFIX/dev/+/update``, send receipts, fold what the engine accepts and send their partial sums at
 the close. A round is timed from the publisher's start to the new global model (receipts, verdicts, partial sums
 and the merge included; the factorization that opens a round is not: it does not depend on N). MB/s is the
-round's update tensor bytes over that time. One Debian mosquitto on loopback; every process on this machine.
+round's update tensor bytes over that time. A first row, "broker only", takes the same publishes off the broker
+with one plain subscriber that opens none of them: the ceiling the broker and the publisher set here. One Debian mosquitto on loopback; every process on this machine.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from device_runtime.auth import CounterSource, Direction, KeyRing, new_key  # no
 from device_runtime.link import Link  # noqa: E402
 from device_runtime.messages import Join, ShardInfo, update_message  # noqa: E402
 from device_runtime.profile import ResourceProfile  # noqa: E402
-from device_runtime.protocol import seal, server_subscriptions  # noqa: E402
+from device_runtime.protocol import seal, server_subscriptions, update_filter  # noqa: E402
 from device_runtime.task import Update  # noqa: E402
 from device_runtime.transport import MqttEndpoint  # noqa: E402
 from server import aggregation_wire as wire  # noqa: E402
@@ -118,6 +119,53 @@ def publisher(url: str, brief: wire.Brief, keys: dict[str, bytes], epoch: int, f
     endpoint.stop()
 
 
+def run_publisher(url: str, brief: wire.Brief, keys: dict[str, bytes], epoch: int, first_seq: int
+                  ) -> tuple[mp.Process, mp.Event]:
+    """The publisher process of one round, its payloads built; returns it and the event that starts it."""
+    ready, go = mp.Event(), mp.Event()
+    proc = mp.Process(target=publisher, args=(url, brief, keys, epoch, first_seq, ready, go))
+    proc.start()
+    if not ready.wait(TIMEOUT_S):
+        raise SystemExit("the publisher did not get ready")
+    return proc, go
+
+
+def update_bytes(brief: wire.Brief) -> int:
+    return sum(int(np.prod(s)) * 4 for a in brief.devices.values() for s in brief.plan_shapes[a.plan_hash].values())
+
+
+def measure_broker(url: str, clients: int, rounds: int) -> dict:
+    """The ceiling: the same publishes taken off the broker by one plain subscriber that opens none of them."""
+    devices = [f"dev_{i:05d}" for i in range(clients)]
+    keys = {d: new_key() for d in devices}
+    engine = make_engine(devices, False, rounds)
+    sink = MqttEndpoint("bench-sink", url, subscriptions=[update_filter(PREFIX)], max_frame_bytes=BROKER_LIMIT,
+                        max_message_bytes=BROKER_LIMIT, max_pending_bytes=4 * BROKER_LIMIT, clean_session=True)
+    sink.start()
+    sink.wait_connected(30)
+    results = []
+    try:
+        for r in range(1, rounds + 1):
+            engine.open_round(r, time.monotonic())
+            brief = engine.brief(BROKER_LIMIT)
+            proc, go = run_publisher(url, brief, keys, int(time.time()), 0)
+            load = os.getloadavg()[0]
+            start = time.perf_counter()
+            go.set()
+            got = sum(1 for _ in range(clients) if sink.get(TIMEOUT_S) is not None)
+            seconds = time.perf_counter() - start
+            proc.join()
+            engine.close_round(time.monotonic())
+            nbytes = update_bytes(brief)
+            results.append({"round": r, "seconds": seconds, "update_bytes": nbytes, "mb_per_s": nbytes / MB / seconds,
+                            "participants": got, "load_average_1min": load})
+            print(f"  broker only round {r}: {seconds:.2f} s, {nbytes / MB / seconds:.1f} MB/s, {got}/{clients} "
+                  f"updates, load {load:.1f}", flush=True)
+    finally:
+        sink.stop()
+    return {"aggregators": "broker only", "clients": clients, "rounds": results, "folded_per_aggregator": {}}
+
+
 def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path) -> dict:
     """Rounds of ``clients`` updates through the broker with ``aggregators`` processes (0: the engine alone)."""
     devices = [f"dev_{i:05d}" for i in range(clients)]
@@ -154,12 +202,8 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
             if names:
                 federation.brief_aggregators()
             brief = engine.brief(max_inbound)
-            ready, go = mp.Event(), mp.Event()
-            devices_proc = mp.Process(target=publisher, args=(url, brief, keys, epoch, (r - 1) * clients, ready, go))
-            devices_proc.start()
-            ready.wait(TIMEOUT_S)
-            update_bytes = sum(int(np.prod(s)) * 4 for a in brief.devices.values()
-                               for s in brief.plan_shapes[a.plan_hash].values())
+            devices_proc, go = run_publisher(url, brief, keys, epoch, (r - 1) * clients)
+            nbytes = update_bytes(brief)
             load = os.getloadavg()[0]
             start = time.perf_counter()
             go.set()
@@ -168,10 +212,10 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
             seconds = time.perf_counter() - start
             devices_proc.join()
             record = engine.pending
-            results.append({"round": r, "seconds": seconds, "update_bytes": update_bytes,
-                            "mb_per_s": update_bytes / MB / seconds, "participants": record["participants"],
+            results.append({"round": r, "seconds": seconds, "update_bytes": nbytes,
+                            "mb_per_s": nbytes / MB / seconds, "participants": record["participants"],
                             "load_average_1min": load})
-            print(f"  aggregators {aggregators} round {r}: {seconds:.2f} s, {update_bytes / MB / seconds:.1f} MB/s, "
+            print(f"  aggregators {aggregators} round {r}: {seconds:.2f} s, {nbytes / MB / seconds:.1f} MB/s, "
                   f"{record['participants']}/{clients} updates, load {load:.1f}", flush=True)
     finally:
         members.stop()
@@ -188,7 +232,8 @@ def table(runs: list[dict]) -> str:
         rounds = run["rounds"]
         seconds = [r["seconds"] for r in rounds]
         best = min(seconds)
-        lines.append(f"| {run['aggregators'] or '0 (engine alone)'} | {run['clients']} | "
+        label = "0 (engine alone)" if run["aggregators"] == 0 else run["aggregators"]
+        lines.append(f"| {label} | {run['clients']} | "
                      f"{rounds[0]['update_bytes'] / MB:.0f} | {' / '.join(f'{s:.1f}' for s in seconds)} | "
                      f"{rounds[0]['update_bytes'] / MB / best:.0f} (best round) | "
                      f"{', '.join(f'{n}' for n in run['folded_per_aggregator'].values()) or '-'} |")
@@ -212,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         broker, url = start_broker(Path(tmp))
         try:
-            runs = [measure(url, args.clients, n, args.rounds, Path(tmp) / f"n{n}") for n in counts]
+            runs = [measure_broker(url, args.clients, args.rounds)]
+            runs += [measure(url, args.clients, n, args.rounds, Path(tmp) / f"n{n}") for n in counts]
         finally:
             broker.terminate()
             broker.wait()
