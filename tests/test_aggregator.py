@@ -21,6 +21,7 @@ from device_runtime.protocol import Message
 from device_runtime.task import Update
 from server import aggregation_wire as wire
 from server.aggregate import PartialSum
+from server import aggregator
 from server.aggregator import Aggregator
 from tests.sealing import KEY, OPEN_MAX, read, seal_up
 from tests.test_engine import RUN, join, make_engine
@@ -154,3 +155,14 @@ def test_the_open_rounds_brief_again_keeps_what_was_folded(federation):
     assert member.folded == ["dev_000"] and member.average.count == 1
     assert member.on_update("dev_000", device_update(engine, "dev_000", tasks["dev_000"], 1.0)) == \
         "duplicate update for round 1"
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--name", "agg-0"], "--broker is required"),
+    (["--name", "agg/0", "--broker", "mqtt://127.0.0.1:1"], "--prefix/--group/--name"),
+    (["--name", "agg-0", "--broker", "mqtt://127.0.0.1:1"], "does not exist"),
+])
+def test_the_aggregator_command_exits_2_saying_what_to_fix(flags: list[str], named: str, tmp_path: Path, capsys):
+    assert aggregator.main([*flags, "--enroll", str(tmp_path / "missing.json"),
+                            "--workdir", str(tmp_path / "work")]) == 2
+    assert named in capsys.readouterr().err
