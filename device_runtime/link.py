@@ -19,7 +19,7 @@ from pathlib import Path
 
 from device_runtime.auth import (CounterSource, Direction, KeyRing, Refusal, Verifier, load_verifier_state,
                                  save_verifier_state, start_counters)
-from device_runtime.protocol import Message, MessageType, ProtocolError, Reason, decode, seal
+from device_runtime.protocol import Message, MessageType, ProtocolError, Reason, TopicKind, decode, seal
 from device_runtime.status import StatusError, StatusSigner, parse_status
 
 SERVER_RUN_FREE = frozenset((MessageType.JOIN, MessageType.STATUS))
@@ -81,19 +81,19 @@ class Link:
             raise ValueError(f"no key for device {device_id!r}")
         return StatusSigner(device_id, key, self.counters)
 
-    def open(self, payload: bytes, current_run: str, *, device_id: str, status_topic: bool = False) -> Message:
-        """Decode and verify ``payload`` received on a topic of ``device_id``; raises Refused.
+    def open(self, payload: bytes, current_run: str, *, device_id: str, kind: TopicKind = TopicKind.UP) -> Message:
+        """Decode and verify ``payload`` received on the ``kind`` topic of ``device_id``; raises Refused.
 
-        ``status_topic``: it came on the status topic, where only STATUS frames belong (and nowhere else)."""
+        STATUS frames belong on the status topic and UPDATEs on the update topic, each nowhere else."""
         try:
             msg = decode(payload, max_bytes=self.max_inbound, allow_nonfinite=self.allow_nonfinite)
         except ProtocolError as exc:
             raise Refused(exc.reason, exc.message, device_id) from None
         if msg.device_id != device_id:
             raise Refused(Reason.BAD_TOPIC, f"a message of {msg.device_id!r} on a topic of {device_id!r}", device_id)
-        if (msg.type == MessageType.STATUS) != status_topic:
-            raise Refused(Reason.BAD_TOPIC, f"a {msg.type.value} message on the {'status' if status_topic else 'message'}"
-                          " topic", device_id)
+        for only_type, topic_kind in ((MessageType.STATUS, TopicKind.STATUS), (MessageType.UPDATE, TopicKind.UPDATE)):
+            if (msg.type == only_type) != (kind == topic_kind):
+                raise Refused(Reason.BAD_TOPIC, f"a {msg.type.value} message on the {kind.value} topic", device_id)
         state = nonce = None
         if msg.type == MessageType.STATUS:
             try:

@@ -133,6 +133,7 @@ class MessageType(str, Enum):
     STATUS = "status"  # device online/offline (also its last will)
     ERROR = "error"
     ACK = "ack"
+    AGGREGATION = "aggregation"  # between the round engine and its aggregator processes (server side only)
 
 
 _MESSAGE_TYPES = tuple(t.value for t in MessageType)
@@ -144,6 +145,7 @@ class TopicKind(str, Enum):
     DOWN = "down"  # server -> device
     UP = "up"  # device -> server
     STATUS = "status"  # device online/offline, carries its last will
+    UPDATE = "update"  # device -> server: its UPDATEs only (aggregators may share them, see server/aggregator.py)
 
 
 @dataclass(eq=False)
@@ -201,7 +203,7 @@ def check_topic_prefix(prefix: object) -> str:
 
 @dataclass(frozen=True)
 class Topics:
-    """The three MQTT topics of one device under ``prefix``."""
+    """The four MQTT topics of one device under ``prefix``."""
 
     prefix: str
     device_id: str
@@ -228,11 +230,24 @@ class Topics:
         """Device online/offline; the device's last will is published here."""
         return self._topic(TopicKind.STATUS)
 
+    @property
+    def update(self) -> str:
+        """Device -> server, UPDATEs only: the topic aggregator processes can share."""
+        return self._topic(TopicKind.UPDATE)
 
-def server_subscriptions(prefix: str) -> list[str]:
-    """Topic filters the server subscribes to: every device's up and status topics."""
+
+def update_filter(prefix: str) -> str:
+    """The topic filter of every device's update topic."""
     check_topic_prefix(prefix)
-    return [f"{prefix}/dev/+/{TopicKind.UP.value}", f"{prefix}/dev/+/{TopicKind.STATUS.value}"]
+    return f"{prefix}/dev/+/{TopicKind.UPDATE.value}"
+
+
+def server_subscriptions(prefix: str, *, updates: bool = True) -> list[str]:
+    """Topic filters the server subscribes to: every device's up and status topics, and its update topic unless
+    aggregator processes read the updates (``updates=False``)."""
+    check_topic_prefix(prefix)
+    filters = [f"{prefix}/dev/+/{TopicKind.UP.value}", f"{prefix}/dev/+/{TopicKind.STATUS.value}"]
+    return filters + [update_filter(prefix)] if updates else filters
 
 
 def device_id_from_topic(prefix: str, topic: str) -> tuple[str, TopicKind]:

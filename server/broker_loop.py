@@ -9,7 +9,9 @@ After every round it writes OUT/metrics.jsonl, metrics.csv and OUT/checkpoint.np
 from the last completed round); at the end OUT/report.md with its plots. Without ``--broker`` an embedded
 broker serves 127.0.0.1 on a free port. ``--local-devices N`` writes N shards of the dataset to OUT/shards
 and runs ``python -m device_runtime`` on each (workdirs and logs in OUT/devices), ended with SIGTERM at the
-end. The flags are the simulator's (``server.cli``), plus the broker's and the local devices'.
+end. ``--aggregators N`` starts N aggregator processes (``server.aggregator``) that share the updates through a
+shared subscription and send the engine their partial sums; without it the server reads every update itself.
+The flags are the simulator's (``server.cli``), plus the broker's, the local devices' and the aggregators'.
 """
 from __future__ import annotations
 
@@ -30,23 +32,24 @@ from typing import Any
 
 import torch
 
-from device_runtime.messages import (DEFAULT_TOPIC_PREFIX, ErrorCode, MessageError, error_message, parse_ack,
+from device_runtime.messages import (ErrorCode, MessageError, error_message, parse_ack,
                                      parse_error, parse_join, plan_message, task_message)
 from device_runtime.link import Link, Refused
 from device_runtime.profile import ResourceProfile
-from device_runtime.protocol import (DEFAULT_MAX_FRAME_BYTES, Message, MessageType, ProtocolError, TopicKind, Topics,
+from device_runtime.protocol import (Message, MessageType, ProtocolError, TopicKind, Topics,
                                      device_id_from_topic, server_subscriptions)
 from device_runtime.status import parse_status
 from device_runtime.transport import MqttEndpoint, TransportError
 from server import cgroups
 from server.algorithms import get_algorithm
 from server.checkpoint import CheckpointError
-from server.cli import check_args, console_logging, fail, new_parser, parse, run_folder
+from server.cli import PASSWORD_ENV, add_broker_flags, check_args, console_logging, fail, new_parser, parse, run_folder
 from server.coordinator import Coordinator, CoordinatorConfig
 from server.cost_model import CostModelError, peak_predictor
 from server.embedded_broker import EmbeddedBroker
 from server.engine import RoundEngine
-from server.enrollment import LOCAL_KEYS_DIR, run_key_ring
+from server import aggregation_wire as wire
+from server.enrollment import ENROLL_OPEN, LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, load_server_key, run_key_ring
 from server.partition import write_shards
 from server.progress import Progress
 from server.rank_assignment import OverrideError, load_overrides, tier_predictor
@@ -56,7 +59,6 @@ from server.run_setup import (PlanBook, RunError, RunFolder, all_models, device_
 from server.shards import DEVICE_SHARD_FILENAME
 
 LOG = logging.getLogger("fedara.server")
-PASSWORD_ENV = "FEDARA_MQTT_PASSWORD"
 POLL_S = 0.2
 CONNECT_TIMEOUT_S = 30.0
 DEVICE_STOP_TIMEOUT_S = 10.0
@@ -65,6 +67,8 @@ REJOIN_GRACE_S = 3.0
 DEFAULT_ROUND_DEADLINE_S = 300.0
 DEFAULT_JOIN_TIMEOUT_S = 300.0
 DEFAULT_MIN_COMPLETION = 0.5
+DEFAULT_AGGREGATOR_TIMEOUT_S = 60.0
+AGGREGATORS_DIR = "aggregators"
 INBOUND_SLACK_BYTES = 1 << 20
 """Room for headers, metadata and the small messages (JOIN, ACK, ERROR) above the largest update."""
 PENDING_UPDATES_BUDGETED = 4
@@ -82,17 +86,7 @@ FederationError = RunError
 
 def build_parser() -> argparse.ArgumentParser:
     p = new_parser("python -m server.broker_loop", __doc__.split("\n\n")[0])
-    mqtt = p.add_argument_group("broker")
-    mqtt.add_argument("--broker", default=None,
-                      help="mqtt://host:port or mqtts://... (default: an embedded broker on 127.0.0.1, free port)")
-    mqtt.add_argument("--prefix", default=DEFAULT_TOPIC_PREFIX, help="MQTT topic prefix")
-    mqtt.add_argument("--username", default=None)
-    mqtt.add_argument("--password", default=None, help=f"default: ${PASSWORD_ENV} (never shown here)")
-    mqtt.add_argument("--tls-ca", default=None, help="CA certificate to verify an mqtts:// broker")
-    mqtt.add_argument("--tls-cert", default=None, help="client certificate (with --tls-key)")
-    mqtt.add_argument("--tls-key", default=None)
-    mqtt.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
-                      help="largest MQTT publish (keep under the broker's limit); longer messages go as chunks")
+    add_broker_flags(p, "default: an embedded broker on 127.0.0.1, free port")
     run = p.add_argument_group("devices and rounds")
     run.add_argument("--local-devices", type=int, default=0,
                      help="spawn this many device processes on shards of --dataset (0: devices come from outside)")
@@ -112,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a round waits for answers")
     run.add_argument("--min-completion", type=float, default=DEFAULT_MIN_COMPLETION,
                      help="fraction of a round's training devices that must deliver for it to be aggregated")
+    agg = p.add_argument_group("aggregation (see server/aggregator.py)")
+    agg.add_argument("--aggregators", type=int, default=0,
+                     help="start this many aggregator processes sharing the updates through the broker's shared "
+                          "subscription (needs --broker with shared subscriptions, e.g. mosquitto 2.0; 0: the "
+                          "server folds every update itself)")
+    agg.add_argument("--aggregator-timeout", type=float, default=DEFAULT_AGGREGATOR_TIMEOUT_S,
+                     help="seconds the server waits for the aggregators: to start, to take a round's brief, to send "
+                          "their partial sums at the round's close (a late one's updates count as not delivered)")
     auth = p.add_argument_group("enrollment (see server/enrollment.py)")
     auth.add_argument("--enroll", default=None, metavar="FILE|open",
                       help="admit the devices of this enrollment file, or any id holding --run-key (open; lab use); "
@@ -146,6 +148,16 @@ def check_broker_args(args: argparse.Namespace) -> None:
     if not 0.0 <= args.min_completion <= 1.0:
         raise ValueError(f"--min-completion must be in [0, 1], got {args.min_completion:g}")
     _budgets(args.local_memory_mb)
+    if args.aggregators < 0:
+        raise ValueError(f"--aggregators must be >= 0, got {args.aggregators}")
+    if not args.aggregator_timeout > 0:
+        raise ValueError(f"--aggregator-timeout must be positive seconds, got {args.aggregator_timeout:g}")
+    if args.aggregators and not args.broker:
+        raise ValueError(f"--aggregators {args.aggregators} needs --broker mqtt://HOST:PORT of a broker with shared "
+                         "subscriptions (mosquitto 2.0, EMQX, HiveMQ, VerneMQ); the embedded broker is not one")
+    if args.aggregators and args.enroll == ENROLL_OPEN:
+        raise ValueError(f"--aggregators {args.aggregators} needs --enroll FILE: with --enroll open every device "
+                         "holds the run key, so nothing could seal what the server and its aggregators say")
     if args.local_memory_limit_mb:
         try:
             cgroups.parse_limits(args.local_memory_limit_mb)
@@ -154,7 +166,8 @@ def check_broker_args(args: argparse.Namespace) -> None:
 
 
 def broker_settings(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
-    return run_settings(args, config, ("local_devices", "local_memory_mb", "local_memory_limit_mb", "prefix"))
+    return run_settings(args, config, ("local_devices", "local_memory_mb", "local_memory_limit_mb", "prefix",
+                                       "aggregators"))
 
 
 # -- local device processes --------------------------------------------------------------------
@@ -172,12 +185,14 @@ def _parent_death_signal() -> Callable[[], None] | None:
 
 
 class LocalDevices:
-    """Device processes spawned on this machine, one per shard, each in its memory cgroup where it has one.
+    """Device processes spawned on this machine, one per shard, each in its memory cgroup where it has one
+    (``what="aggregator"``: the local aggregator processes, no cgroups).
 
     A device the kernel killed for memory is started again (as systemd's Restart= would on a board), at most
     ``MAX_OOM_RESTARTS`` times: it rejoins, and the engine gives it a lower tier than the one it died at."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str = "device") -> None:
+        self.what = what
         self.processes: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
         self.groups: dict[str, cgroups.MemoryGroup] = {}
@@ -187,9 +202,10 @@ class LocalDevices:
         self._pre_exec = _parent_death_signal()
 
     def spawn(self, device_id: str, command: list[str], log_path: Path,
-              group: cgroups.MemoryGroup | None = None) -> None:
+              group: cgroups.MemoryGroup | None = None, env: dict[str, str] | None = None) -> None:
         repo = str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, **(env or {}),
+               "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
         if group is not None:
             self.groups[device_id] = group
         group = self.groups.get(device_id)
@@ -215,7 +231,7 @@ class LocalDevices:
                 self.spawn(device_id, self._commands[device_id], self.logs[device_id])
                 continue
             self._reported.add(device_id)
-            LOG.warning("local device %s exited with status %s (log: %s)", device_id, proc.returncode,
+            LOG.warning("local %s %s exited with status %s (log: %s)", self.what, device_id, proc.returncode,
                         self.logs[device_id])
         return any(proc.poll() is None for proc in self.processes.values())
 
@@ -229,7 +245,7 @@ class LocalDevices:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                LOG.warning("local device %s ignored SIGTERM; killing it", device_id)
+                LOG.warning("local %s %s ignored SIGTERM; killing it", self.what, device_id)
                 proc.kill()
                 proc.wait()
         for group in self.groups.values():
@@ -240,10 +256,10 @@ class LocalDevices:
 
 
 def device_command(args: argparse.Namespace, url: str, device_id: str, shard: Path, workdir: Path,
-                   budget: float | None, key_file: Path) -> list[str]:
+                   budget: float | None, key_file: Path, max_message_bytes: int) -> list[str]:
     command = [sys.executable, "-m", "device_runtime", "--broker", url, "--device-id", device_id, "--data", str(shard),
                "--workdir", str(workdir), "--threads", str(args.threads), "--prefix", args.prefix,
-               "--max-message-bytes", str(args.max_message_bytes),
+               "--max-message-bytes", str(max_message_bytes),
                "--key-file", str(key_file)]
     if budget is not None:
         command += ["--memory-budget-mb", str(budget)]
@@ -252,8 +268,17 @@ def device_command(args: argparse.Namespace, url: str, device_id: str, shard: Pa
     return command
 
 
-# -- the event loop -----------------------------------------------------------------------------
-
+def aggregator_command(args: argparse.Namespace, url: str, name: str, group: str, enrollment: Path,
+                       workdir: Path) -> list[str]:
+    """A local aggregator process (its MQTT password, if any, goes through the environment)."""
+    command = [sys.executable, "-m", "server.aggregator", "--broker", url, "--prefix", args.prefix, "--group", group,
+               "--name", name, "--enroll", str(enrollment), "--workdir", str(workdir),
+               "--max-message-bytes", str(args.max_message_bytes)]
+    for flag, value in (("--username", args.username), ("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert),
+                        ("--tls-key", args.tls_key)):
+        if value:
+            command += [flag, value]
+    return command
 
 
 # -- the driver ---------------------------------------------------------------------------------
@@ -270,9 +295,12 @@ class Federation:
     """The server's main loop over one MqttEndpoint: transport in, engine decisions out."""
 
     def __init__(self, args: argparse.Namespace, engine: RoundEngine, endpoint: MqttEndpoint, out: RunFolder,
-                 local: LocalDevices, settings: dict[str, Any], max_inbound: int, link: Link):
+                 local: LocalDevices, settings: dict[str, Any], max_inbound: int, link: Link,
+                 aggregators: tuple[str, ...] = (), aggregator_link: Link | None = None):
         self.args, self.engine, self.endpoint, self.out, self.local = args, engine, endpoint, out, local
         self.link = link
+        self.aggregators, self.aggregator_link = aggregators, aggregator_link
+        self.aggregators_at: dict[str, int] = {}  # aggregator -> the round whose brief it holds (0: started)
         self.coordinator = engine.coordinator
         self.settings = settings
         self.max_inbound = max_inbound
@@ -320,14 +348,21 @@ class Federation:
     # -- inbound ----------------------------------------------------------------------------
 
     def _handle(self, topic: str, payload: bytes) -> None:
+        aggregator = wire.aggregator_from_topic(self.args.prefix, topic) if self.aggregators else None
+        if aggregator is not None:
+            self._on_aggregator(aggregator, payload)
+            return
         try:
             device_id, kind = device_id_from_topic(self.args.prefix, topic)
         except ProtocolError as exc:
             LOG.warning("dropped a message on %s: %s", topic, exc)
             return
+        if kind == TopicKind.UPDATE and self.aggregators:
+            # A persistent session of an earlier run without aggregators still subscribes the update topic.
+            LOG.debug("left an update on %s to the aggregators", topic)
+            return
         try:  # authenticated before anything else looks at it
-            msg = self.link.open(payload, self.coordinator.run_id, device_id=device_id,
-                                 status_topic=kind == TopicKind.STATUS)
+            msg = self.link.open(payload, self.coordinator.run_id, device_id=device_id, kind=kind)
         except Refused as exc:
             LOG.warning("dropped a message on %s: %s", topic, exc)
             return
@@ -390,6 +425,8 @@ class Federation:
             return
         LOG.info("%s is ready", device_id)
         if self.coordinator.awaits(device_id):
+            if self.aggregators:  # its plan may be new (it rejoined at a lower tier): the aggregators must know it
+                self._send_brief()
             self._send_task(device_id)
 
     def _on_error(self, device_id: str, msg: Message) -> None:
@@ -404,6 +441,74 @@ class Federation:
         verdict = self.engine.receive(device_id, msg, time.monotonic())
         if not verdict.accepted:
             LOG.warning("dropped an update from %s (round %d): %s", device_id, msg.round, verdict.reason)
+
+    def _on_aggregator(self, aggregator: str, payload: bytes) -> None:
+        """A sealed message from an aggregator: started or briefed, a receipt to judge, or its partial sums."""
+        if aggregator not in self.aggregators:
+            LOG.warning("dropped a message from %s: not an aggregator of this run", aggregator)
+            return
+        try:
+            msg = self.aggregator_link.open(payload, self.coordinator.run_id, device_id=aggregator)
+            kind = wire.kind_of(msg)
+            if kind == wire.READY:
+                self.aggregators_at[aggregator] = msg.round
+            elif kind == wire.RECEIPT:
+                receipt = wire.parse_receipt(msg)
+                verdict = self.engine.receive_receipt(aggregator, receipt, time.monotonic())
+                if not verdict.accepted:
+                    LOG.warning("dropped an update from %s (round %d, via %s): %s", receipt.device_id, receipt.round,
+                                aggregator, verdict.reason)
+                self._to_aggregator(aggregator, wire.verdict_message(aggregator, receipt.round, receipt.device_id,
+                                                                     verdict.accepted, verdict.reason))
+            elif kind == wire.PARTIAL:
+                partial = wire.parse_partial(msg)
+                problem = self.engine.receive_partial(aggregator, partial)
+                if problem is None:
+                    LOG.info("round %d: partial sums of %s over %d update(s)", partial.round, aggregator,
+                             len(partial.devices))
+                else:
+                    LOG.warning("round %d: refused the partial sums of %s: %s", partial.round, aggregator, problem)
+            else:
+                LOG.warning("dropped a %s message from aggregator %s", kind, aggregator)
+        except (Refused, wire.WireError) as exc:
+            LOG.warning("dropped a message from aggregator %s: %s", aggregator, exc)
+
+    def _to_aggregator(self, aggregator: str, msg: Message) -> None:
+        self.endpoint.publish(wire.down_topic(self.args.prefix, aggregator), self.aggregator_link.seal(msg),
+                              msg.msg_id)
+
+    def wait_for_aggregators(self) -> None:
+        """Every aggregator subscribed, before any device gets a task (an update no member reads is lost)."""
+        if not self._pump(lambda: set(self.aggregators) <= set(self.aggregators_at),
+                          time.monotonic() + self.args.join_timeout):
+            missing = sorted(set(self.aggregators) - set(self.aggregators_at))
+            raise RunError(f"aggregators {missing} did not start within --join-timeout {self.args.join_timeout:g} s; "
+                           f"see {self.out.path / AGGREGATORS_DIR}/*.log")
+
+    def _send_brief(self) -> wire.Brief:
+        brief = self.engine.brief(self.max_inbound)
+        for aggregator in self.aggregators:
+            self._to_aggregator(aggregator, wire.brief_message(brief, aggregator))
+        return brief
+
+    def brief_aggregators(self) -> None:
+        """Send every aggregator the open round's brief; wait (bounded) until each holds it."""
+        brief = self._send_brief()
+        briefed = lambda: all(self.aggregators_at.get(a) == brief.round for a in self.aggregators)  # noqa: E731
+        if not self._pump(briefed, time.monotonic() + self.args.aggregator_timeout):
+            late = [a for a in self.aggregators if self.aggregators_at.get(a) != brief.round]
+            LOG.warning("round %d: aggregators %s did not take its brief within --aggregator-timeout %g s: the "
+                        "updates the broker hands them are lost", brief.round, late, self.args.aggregator_timeout)
+
+    def _collect_partials(self, round_index: int) -> None:
+        """Ask each aggregator told to fold updates for its partial sums; wait for them (bounded)."""
+        for aggregator in self.engine.partials_missing():
+            self._to_aggregator(aggregator, wire.message(wire.CLOSE, aggregator, round_index=round_index))
+        if not self._pump(lambda: not self.engine.partials_missing(),
+                          time.monotonic() + self.args.aggregator_timeout):
+            LOG.warning("round %d: no partial sums from %s within --aggregator-timeout %g s (their logs: %s)",
+                        round_index, self.engine.partials_missing(), self.args.aggregator_timeout,
+                        self.out.path / AGGREGATORS_DIR)
 
     # -- outbound ---------------------------------------------------------------------------
 
@@ -431,22 +536,33 @@ class Federation:
         stats = self.endpoint.stats
         wire = (stats["bytes_out"], stats["bytes_in"])
         tasks = self.engine.open_round(round_index, time.monotonic(), train=train)
+        if self.aggregators:
+            self.brief_aggregators()
         opened = self.coordinator.open
         deadline = time.time() + max(0.0, opened.deadline - time.monotonic())
         for device_id, task in tasks.items():
             task.deadline = deadline
             self._send(device_id, task_message(task, plan_hash=self.engine.plan_info(device_id).hash,
                                                device_id=device_id, run_id=self.coordinator.run_id))
-        self._pump(lambda: self.coordinator.closing(time.monotonic()) is not None)
+        self.gather(round_index)
         _, completed = self.engine.close_round(time.monotonic())
         if train and self.engine.pending is not None:
             self.engine.pending.update(wire_bytes_out=stats["bytes_out"] - wire[0],
                                        wire_bytes_in=stats["bytes_in"] - wire[1])
         return completed
 
+    def gather(self, round_index: int) -> None:
+        """Take answers until every asked device answered or the round's deadline passed, then the aggregators'
+        partial sums."""
+        self._pump(lambda: self.coordinator.closing(time.monotonic()) is not None)
+        if self.aggregators:
+            self._collect_partials(round_index)
+
     def run(self, first_round: int, progress: Progress) -> None:
         """Rounds first_round..rounds, then the evaluation of the final model; checkpoint after each."""
         rounds = self.engine.config.rounds
+        if self.aggregators:
+            self.wait_for_aggregators()
         for t in range(first_round, rounds + 1):
             self.wait_for_devices()
             progress.evaluated(self.run_round(t))
@@ -529,7 +645,8 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
     shared = global_state(model, algorithm)
     engine = RoundEngine(algorithm, config, coordinator, plans, shared, personal, tiers=tiers, overrides=overrides,
                          device_models=device_models(list(shards), model_names(args)),
-                         predictor=predictor_for(plans, config.batch_size), norm_bound=norm_bound_from_args(args))
+                         predictor=predictor_for(plans, config.batch_size), norm_bound=norm_bound_from_args(args),
+                         remote=args.aggregators > 0)
     if saved:
         engine.restore(saved.state["engine"], saved.tensors)
     personal_bytes = max(sum(v.nbytes for v in p.values()) for p in personal.values())
@@ -537,10 +654,16 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
     out.path.mkdir(parents=True, exist_ok=True)
     keys, auth_state = run_key_ring(args.enroll, args.run_key, list(shards), out.path)
     link = Link.server(keys, auth_state, max_inbound)
-    local = LocalDevices()
+    enrollment = Path(args.enroll) if args.enroll else out.path / LOCAL_ENROLLMENT
+    aggregators = tuple(f"agg-{i}" for i in range(args.aggregators))
+    aggregator_link = (wire.engine_link(load_server_key(enrollment), auth_state / AGGREGATORS_DIR, max_inbound)
+                       if aggregators else None)
+    subscriptions = server_subscriptions(args.prefix, updates=not aggregators)
+    subscriptions += [wire.engine_filter(args.prefix)] if aggregators else []
+    local, local_aggregators = LocalDevices(), LocalDevices("aggregator")
     with broker_url(args) as url, contextlib.ExitStack() as stack:
         endpoint = MqttEndpoint(f"fedara-server-{args.prefix.replace('/', '_')}", url,
-                                subscriptions=server_subscriptions(args.prefix), username=args.username,
+                                subscriptions=subscriptions, username=args.username,
                                 password=args.password, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                                 tls_key=args.tls_key, max_frame_bytes=args.max_message_bytes,
                                 max_message_bytes=max_inbound, max_pending_bytes=PENDING_UPDATES_BUDGETED * max_inbound,
@@ -550,6 +673,14 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
         endpoint.wait_connected(CONNECT_TIMEOUT_S)
         LOG.info("run %s on %s, prefix %s, algorithm %s", run_id, url, args.prefix, algorithm.name)
         print(f"run {run_id}: {algorithm.name} on {url}, run folder {out.path}", flush=True)
+        if aggregators:
+            stack.callback(local_aggregators.stop)
+            (out.path / AGGREGATORS_DIR).mkdir(exist_ok=True)
+            for name in aggregators:
+                local_aggregators.spawn(name, aggregator_command(args, url, name, f"fedara-{run_id}", enrollment,
+                                                                 out.path / AGGREGATORS_DIR / name),
+                                        out.path / AGGREGATORS_DIR / f"{name}.log",
+                                        env={PASSWORD_ENV: args.password} if args.password else None)
         if shards:
             shard_paths = write_shards(list(shards.values()), out.path / SHARDS_DIR, filename=DEVICE_SHARD_FILENAME)
             stack.callback(local.stop)
@@ -559,10 +690,13 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
                 workdir.mkdir(parents=True, exist_ok=True)
                 group = cgroups.create_group(device_id, limits[i % len(limits)]) if limits else None
                 budget = None if group is not None else budgets[i % len(budgets)]
+                # Shared subscriptions hand each PUBLISH to one member: an update must not travel in chunks.
+                frame = max(args.max_message_bytes, max_inbound) if aggregators else args.max_message_bytes
                 local.spawn(device_id, device_command(args, url, device_id, shard_path, workdir, budget,
-                                                      out.path / LOCAL_KEYS_DIR / f"{device_id}.key"),
+                                                      out.path / LOCAL_KEYS_DIR / f"{device_id}.key", frame),
                             out.path / DEVICES_DIR / f"{device_id}.log", group)
-        federation = Federation(args, engine, endpoint, out, local, settings, max_inbound, link)
+        federation = Federation(args, engine, endpoint, out, local, settings, max_inbound, link, aggregators,
+                                aggregator_link)
         if saved and saved.state["finished"] and saved.round >= config.rounds:
             LOG.info("the run in %s is finished; rewriting its report", out.path)
         else:

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from device_runtime.help_format import DefaultsHelpFormatter
+from device_runtime.messages import DEFAULT_TOPIC_PREFIX
+from device_runtime.protocol import DEFAULT_MAX_FRAME_BYTES
 from server.algorithms import ALGORITHMS
 from server.data import DATASETS
 from server.models import MODELS
@@ -31,6 +33,23 @@ DEFAULT_CACHE_DIR = "artifacts_cache"
 
 class Formatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Help with every default shown and the description kept as written."""
+
+
+PASSWORD_ENV = "FEDARA_MQTT_PASSWORD"
+
+
+def add_broker_flags(parser: argparse.ArgumentParser, default_broker: str = "required") -> None:
+    """The broker flags of every server-side process (the server, its aggregators): where and as whom to connect."""
+    mqtt = parser.add_argument_group("broker")
+    mqtt.add_argument("--broker", default=None, help=f"mqtt://host:port or mqtts://... ({default_broker})")
+    mqtt.add_argument("--prefix", default=DEFAULT_TOPIC_PREFIX, help="MQTT topic prefix")
+    mqtt.add_argument("--username", default=None)
+    mqtt.add_argument("--password", default=None, help=f"default: ${PASSWORD_ENV} (never shown here)")
+    mqtt.add_argument("--tls-ca", default=None, help="CA certificate to verify an mqtts:// broker")
+    mqtt.add_argument("--tls-cert", default=None, help="client certificate (with --tls-key)")
+    mqtt.add_argument("--tls-key", default=None)
+    mqtt.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
+                      help="largest MQTT publish (keep under the broker's limit); longer messages go as chunks")
 
 
 def new_parser(prog: str, description: str) -> argparse.ArgumentParser:

@@ -300,6 +300,14 @@ class Coordinator:
             rnd.accepted.append(record.device_id)
         return Verdict(True, update=update)
 
+    def withdraw(self, device_id: str, reason: str) -> None:
+        """An accepted training update was lost before it was aggregated (the aggregator holding it sent no partial
+        sums): it counts as not delivered, for ``reason``."""
+        rnd = self._round
+        if rnd is not None and device_id in rnd.accepted:
+            rnd.accepted.remove(device_id)
+            rnd.answered[device_id] = reason
+
     def closing(self, now: float) -> str | None:
         """ALL_ANSWERED or DEADLINE once the open round may close, else None."""
         rnd = self._round

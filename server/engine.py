@@ -27,6 +27,7 @@ from device_runtime.profile import ResourceProfile
 from device_runtime.protocol import Message
 from device_runtime.task import Task, Update, tensor_bytes
 from server.aggregate import StreamingAverage
+from server.aggregation_wire import Asked, Brief, Partial, Receipt
 from server.algorithms.base import Algorithm
 from server.coordinator import NO_ANSWER, Coordinator, RoundResult, Verdict
 from server.lowrank import ResolvedPlan
@@ -98,7 +99,7 @@ class RoundEngine:
                  global_state: dict[str, torch.Tensor], initial_personal: dict[str, dict[str, np.ndarray]], *,
                  tiers: tuple[float, ...], overrides: dict[str, float] | None = None,
                  device_models: dict[str, str] | None = None,
-                 predictor: Predictor | None = None, norm_bound: NormBound | None = None):
+                 predictor: Predictor | None = None, norm_bound: NormBound | None = None, remote: bool = False):
         self.algorithm, self.config, self.coordinator, self.plans = algorithm, config, coordinator, plans
         self.global_state = global_state
         self.initial_personal = initial_personal  # model name -> what a device of that model starts from
@@ -110,6 +111,11 @@ class RoundEngine:
         self.overrides = dict(overrides or {}) if algorithm.factorizes else {}
         self.predictor = predictor
         self.norm_bound = norm_bound
+        if remote and (norm_bound is not None or not algorithm.aggregates):
+            raise ValueError("--aggregators: aggregator processes fold the updates of an algorithm that aggregates "
+                             f"({algorithm.name} {'does not' if not algorithm.aggregates else 'does'}), without "
+                             "--update-norm-bound (the engine never sees their tensors)")
+        self.remote = remote  # aggregator processes hold the updates (server/aggregator.py); the engine judges receipts
         self.dense_shapes = {k: tuple(v.shape) for k, v in global_state.items()}
         self.records: list[dict[str, Any]] = []
         self.pending: dict[str, Any] | None = None  # round t's record, awaiting round t+1's evaluations
@@ -124,6 +130,9 @@ class RoundEngine:
         self._held: dict[str, tuple[Update, int]] = {}
         self._held_bytes = 0
         self._book = _Book(0.0)
+        self._update_counters: dict[str, int] = {}  # device -> counter of its last update accepted from a receipt
+        self._told: dict[str, dict[str, tuple[Update, int]]] = {}  # aggregator -> device -> (update, bytes) to fold
+        self._partials: dict[str, Partial] = {}
 
     # -- devices --------------------------------------------------------------------------------
 
@@ -225,6 +234,7 @@ class RoundEngine:
         self._fold_order, self._next = sorted(self.coordinator.open.train), 0
         self._held: dict[str, tuple[Update, int]] = {}  # accepted, waiting for a lower id to be folded first
         self._held_bytes = 0
+        self._told, self._partials = {}, {}
         return {d: self.task(d) for d in opened.train + opened.evaluate}
 
     def _weights(self, device_id: str) -> dict[str, np.ndarray]:
@@ -306,9 +316,14 @@ class RoundEngine:
     def _fold(self, device_id: str) -> None:
         update, nbytes = self._held.pop(device_id)
         self._held_bytes -= tensor_bytes(update.weights)
-        book = self._book
         if self._average is not None:
             self._average.add(to_torch(update.weights), update.num_samples)
+        self._count(device_id, update, nbytes)
+
+    def _count(self, device_id: str, update: Update, nbytes: int) -> None:
+        """Book an aggregated update: its plan's share of the round's weight, its bytes and training metrics."""
+        book = self._book
+        if self._average is not None:
             key = plan_key(self.plan_info(device_id).resolved)
             self._sent_weight[key] = self._sent_weight.get(key, 0.0) + update.num_samples
         book.bytes_up += nbytes
@@ -324,11 +339,87 @@ class RoundEngine:
                  self.norm_bound.action.value)
         return rejection_reason(distance, self.norm_bound) if bounded is None else bounded
 
+    # -- remote aggregation: aggregator processes hold the updates (server/aggregator.py) ----------------------
+
+    def brief(self, max_inbound: int) -> Brief:
+        """What the aggregators need to check and fold the open round's updates."""
+        opened = self.coordinator.open
+        devices: dict[str, Asked] = {}
+        plans: dict[str, dict[str, tuple[int, ...]]] = {}
+        for device_id in opened.train + opened.evaluate:
+            record = self.coordinator.devices[device_id]
+            trains = device_id in opened.train
+            devices[device_id] = Asked(record.plan_hash, record.num_train if trains else 0, trains)
+            if trains:
+                plans[record.plan_hash] = self._expected_shapes(device_id)
+        return Brief(self.coordinator.run_id, opened.round, self.dense_shapes, plans, devices, max_inbound)
+
+    def receive_receipt(self, aggregator: str, receipt: Receipt, now: float) -> Verdict:
+        """Judge an update ``aggregator`` verified and holds, from its receipt: every rule of :meth:`receive` but
+        the tensors' (the aggregator checked them against the brief), plus the device's counter above the last one
+        accepted. An accepted training update is one that aggregator is told to fold, and must show in its partial."""
+        device_id = receipt.device_id
+        last = self._update_counters.get(device_id, 0)
+        if receipt.counter <= last:
+            return Verdict(False, f"replay: counter {receipt.counter} is not above the last accepted {last}")
+        verdict = self.coordinator.judge(device_id, receipt.as_update(), now, expected={})
+        if verdict.accepted:
+            self._update_counters[device_id] = receipt.counter
+            if device_id in self.coordinator.open.train:
+                self._told.setdefault(aggregator, {})[device_id] = (verdict.update, receipt.nbytes)
+        return verdict
+
+    def partials_missing(self) -> list[str]:
+        """Aggregators told to fold updates this round whose partial sums have not come."""
+        return sorted(set(self._told) - set(self._partials))
+
+    def receive_partial(self, aggregator: str, partial: Partial) -> str | None:
+        """Take ``aggregator``'s partial sums of the open round; returns why they do not count, or None. They count
+        only over exactly the updates it was told to fold, with their sample counts and the model's tensors."""
+        opened = self.coordinator.open
+        if opened is None or partial.round != opened.round:
+            open_now = "no round" if opened is None else f"round {opened.round}"
+            return f"partial of round {partial.round}, {open_now} is open"
+        if aggregator in self._partials:
+            return "its partial for this round was already taken"
+        told = self._told.get(aggregator, {})
+        if sorted(partial.devices) != sorted(told):
+            return f"it folded {sorted(partial.devices)}, it was told to fold {sorted(told)}"
+        weight = sum(update.num_samples for update, _ in told.values())
+        if partial.sum.count != len(told) or partial.sum.total_weight != weight:
+            return (f"{partial.sum.count} updates of weight {partial.sum.total_weight:g}, expected {len(told)} of "
+                    f"weight {weight:g}")
+        shapes = {k: tuple(v.shape) for k, v in partial.sum.sums.items()}
+        if shapes != self.dense_shapes or not all(bool(v.isfinite().all()) for v in partial.sum.sums.values()):
+            return "its sums do not have the model's tensors, or hold NaN or infinity"
+        self._partials[aggregator] = partial
+        return None
+
+    def _merge_partials(self, round_index: int) -> None:
+        """Merge the partials that came (in aggregator order) and book their updates (in device-id order); an
+        aggregator's updates without its partial count as not delivered."""
+        merged: dict[str, tuple[Update, int]] = {}
+        for aggregator in sorted(self._told):
+            told = self._told[aggregator]
+            partial = self._partials.get(aggregator)
+            if partial is None:
+                LOG.warning("round %d: no partial sums from aggregator %s: its %d update(s) from %s count as not "
+                            "delivered", round_index, aggregator, len(told), ", ".join(sorted(told)))
+                for device_id in sorted(told):
+                    self.coordinator.withdraw(device_id, f"aggregator {aggregator} sent no partial sums")
+                continue
+            self._average.merge(partial.sum)
+            merged.update(told)
+        for device_id in sorted(merged):
+            self._count(device_id, *merged[device_id])
+
     def close_round(self, now: float) -> tuple[RoundResult, dict[str, Any] | None]:
         """Close the open round: aggregate when enough delivered (else keep the model), record it, and
         complete the previous round's record with the evaluations that came in. Returns the result and the
         record completed now (None for the first round)."""
         self._fold_ready(closing=True)
+        if self.remote and self.coordinator.open is not None:
+            self._merge_partials(self.coordinator.open.round)
         result = self.coordinator.close_round(now)
         for device_id, reason in result.dropped.items():
             if reason == NO_ANSWER:

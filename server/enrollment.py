@@ -2,7 +2,10 @@
 
 The enrollment file (JSON, mode 0600) maps device ids to 32-byte keys in hex:
 
-    {"version": 1, "devices": {"dev_000": "<64 hex digits>", ...}}
+    {"version": 1, "devices": {"dev_000": "<64 hex digits>", ...}, "server_key": "<64 hex digits>"}
+
+The server key seals what the round engine and its aggregator processes (``server/aggregator.py``) say to each
+other over the broker: no device holds it. It is made when the file is first written and kept on every rewrite.
 
 Each device holds only its own key, in a key file of 64 hex digits (``--key-file`` of the device). The server
 is started with ``--enroll FILE`` and admits exactly those ids; ``--enroll open`` admits any id, all under one
@@ -62,10 +65,27 @@ def load_enrollment(path: str | Path) -> dict[str, bytes]:
 
 
 def save_enrollment(path: str | Path, keys: Mapping[str, bytes]) -> Path:
-    """Write ``keys`` as the enrollment file ``path`` (mode 0600, atomically)."""
+    """Write ``keys`` as the enrollment file ``path`` (mode 0600, atomically), with the file's server key (a
+    fresh one when it has none yet)."""
     path = Path(path)
-    write_json_atomic(path, {"version": FILE_VERSION, "devices": {d: k.hex() for d, k in sorted(keys.items())}})
+    try:
+        server = load_server_key(path).hex()
+    except EnrollmentError:
+        server = new_key().hex()
+    write_json_atomic(path, {"version": FILE_VERSION, "devices": {d: k.hex() for d, k in sorted(keys.items())},
+                             "server_key": server})
     return path
+
+
+def load_server_key(path: str | Path) -> bytes:
+    """The server key of the enrollment file ``path`` (what the engine and its aggregators seal with)."""
+    path = Path(path)
+    load_enrollment(path)
+    data = json.loads(path.read_text())
+    if "server_key" not in data:
+        raise EnrollmentError(f"enrollment file {path} has no server key (it predates aggregators): rewrite it with "
+                              f"python -m server.enrollment add {path} ID --keys-dir DIR for an enrolled ID")
+    return parse_key(data["server_key"], f"{path}: server_key")
 
 
 def enroll(keys: Mapping[str, bytes], device_ids: Iterable[str]) -> dict[str, bytes]:

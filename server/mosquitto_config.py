@@ -72,16 +72,19 @@ def password_file_text(users: Mapping[str, str]) -> str:
 
 
 def acl_text(prefix: str, server_user: str, device_ids: Iterable[str]) -> str:
-    """ACL: the server reads every device's up and status topics and writes every down topic;
-    each device user (username == device id) writes only its own up/status and reads only its own down."""
+    """ACL: the server reads every device's up, update and status topics and writes every down topic, and its
+    aggregator processes (``server.aggregator``, connecting as the server user) read the update topics and speak
+    with the engine on ``PREFIX/agg/#``; each device user (username == device id) writes only its own
+    up/update/status and reads only its own down."""
     _check_username(server_user)
     device_ids = list(device_ids)
     lines = [f"user {server_user}"]
     lines += [f"topic read {topic_filter}" for topic_filter in server_subscriptions(prefix)]
+    lines += [f"topic readwrite {prefix}/agg/#"]
     lines += [f"topic write {Topics(prefix, device_id).down}" for device_id in device_ids]
     for device_id in device_ids:
         topics = Topics(prefix, device_id)
-        lines += ["", f"user {device_id}", f"topic write {topics.up}",
+        lines += ["", f"user {device_id}", f"topic write {topics.up}", f"topic write {topics.update}",
                   f"topic write {topics.status}", f"topic read {topics.down}"]
     return "\n".join(lines) + "\n"
 

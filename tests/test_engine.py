@@ -22,7 +22,7 @@ RUN = "run0"
 
 
 def make_engine(algo: str = "fedara", *, tiers=(1.0,), predictor=None, min_completion: float = 0.5,
-                rounds: int = 3, join_ratio: float = 1.0) -> RoundEngine:
+                rounds: int = 3, join_ratio: float = 1.0, remote: bool = False) -> RoundEngine:
     torch.manual_seed(0)
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
     algorithm = get_algorithm(algo)
@@ -31,7 +31,7 @@ def make_engine(algo: str = "fedara", *, tiers=(1.0,), predictor=None, min_compl
                                                 min_completion=min_completion), RUN)
     return RoundEngine(algorithm, config, coordinator, PlanBook(model, SHAPE, None, onnx=False),
                        global_state(model, algorithm), initial_personal([model], algorithm), tiers=tiers,
-                       predictor=predictor)
+                       predictor=predictor, remote=remote)
 
 
 def join(engine: RoundEngine, device_id: str, num_train: int = 50, budget: float | None = None):

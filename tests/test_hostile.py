@@ -164,6 +164,10 @@ def up(device_id: str) -> str:
     return Topics(PREFIX, device_id).up
 
 
+def update_topic(device_id: str) -> str:
+    return Topics(PREFIX, device_id).update
+
+
 def ratio_of(device_id: str) -> float:
     return LOW_RANK if device_id == FACTORED else DENSE
 
@@ -226,7 +230,7 @@ def close(server: Federation) -> RoundResult:
 def test_genuine_updates_of_both_plans_are_averaged(world: World):
     server = open_server(world)
     for device_id in (TRAINER, FACTORED):
-        server._handle(up(device_id), encode(genuine_update(world, device_id)))
+        server._handle(update_topic(device_id), encode(genuine_update(world, device_id)))
     assert aggregated(server) == 2
     result = close(server)
     assert result.accepted == (TRAINER, FACTORED) and result.enough
@@ -254,7 +258,7 @@ def poisoned(world: World, special: float) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("special", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
 def test_update_with_a_non_finite_tensor_is_refused(world: World, special: float, caplog):
     server = open_server(world)
-    reason = refused(server, up(TRAINER), encode(genuine_update(world, fe=poisoned(world, special))), caplog)
+    reason = refused(server, update_topic(TRAINER), encode(genuine_update(world, fe=poisoned(world, special))), caplog)
     assert "tensor fe.fc1.weight holds NaN or infinity" in reason
     assert close(server).accepted == ()
 
@@ -265,21 +269,21 @@ def test_update_with_a_non_finite_tensor_is_refused(world: World, special: float
     (("fe.fc1.u", np.zeros((512, 32), np.float32)), "unknown ['fe.fc1.u']"),
 ], ids=["missing", "unknown", "another-plans-factor"])
 def test_update_with_wrong_tensor_names_is_refused(world: World, fe_edit, expected: str, caplog):
-    reason = refused(open_server(world), up(TRAINER),
+    reason = refused(open_server(world), update_topic(TRAINER),
                      encode(genuine_update(world, fe=with_tensor(world, *fe_edit))), caplog)
     assert "tensors do not match the plan" in reason and expected in reason
 
 
 def test_update_with_a_wrong_shape_is_refused(world: World, caplog):
     fe = with_tensor(world, "fe.fc1.weight", np.zeros((64, 512), np.float32))
-    reason = refused(open_server(world), up(TRAINER), encode(genuine_update(world, fe=fe)), caplog)
+    reason = refused(open_server(world), update_topic(TRAINER), encode(genuine_update(world, fe=fe)), caplog)
     assert "tensor fe.fc1.weight: shape (64, 512), expected (512, 64)" in reason
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.int32, np.uint8])
 def test_update_with_a_wrong_dtype_is_refused(world: World, dtype, caplog):
     fe = with_tensor(world, "fe.conv1.bias", np.zeros(32, dtype))
-    reason = refused(open_server(world), up(TRAINER), encode(genuine_update(world, fe=fe)), caplog)
+    reason = refused(open_server(world), update_topic(TRAINER), encode(genuine_update(world, fe=fe)), caplog)
     assert f"tensor fe.conv1.bias: dtype {np.dtype(dtype).name}, expected float32" in reason
 
 
@@ -289,28 +293,28 @@ def test_update_with_a_wrong_dtype_is_refused(world: World, dtype, caplog):
 def test_oversize_body_is_refused_before_it_is_parsed(world: World, caplog):
     server = open_server(world)
     fe = with_tensor(world, "fe.fc1.weight", np.zeros(server.max_inbound // 4, np.float32))
-    reason = refused(server, up(TRAINER), encode(genuine_update(world, fe=fe)), caplog)
+    reason = refused(server, update_topic(TRAINER), encode(genuine_update(world, fe=fe)), caplog)
     assert f"over max_bytes={server.max_inbound} [oversize]" in reason
 
 
 @pytest.mark.parametrize("cut", [1, 1000, 10**6], ids=["last-byte", "into-the-body", "into-the-header"])
 def test_truncated_envelope_is_refused(world: World, cut: int, caplog):
     payload = encode(genuine_update(world))
-    reason = refused(open_server(world), up(TRAINER), payload[:max(len(payload) - cut, 6)], caplog)
-    assert reason.startswith(f"dropped a message on {up(TRAINER)}") and \
+    reason = refused(open_server(world), update_topic(TRAINER), payload[:max(len(payload) - cut, 6)], caplog)
+    assert reason.startswith(f"dropped a message on {update_topic(TRAINER)}") and \
         ("[bad_layout]" in reason or "[truncated]" in reason)
 
 
 def test_body_that_does_not_match_its_hash_is_refused(world: World, caplog):
     payload = bytearray(encode(genuine_update(world)))
     payload[-7] ^= 0x40
-    reason = refused(open_server(world), up(TRAINER), bytes(payload), caplog)
+    reason = refused(open_server(world), update_topic(TRAINER), bytes(payload), caplog)
     assert "body_sha256 does not match the body [bad_hash]" in reason
 
 
 def test_header_naming_another_protocol_version_is_refused(world: World, caplog):
     payload = encode(genuine_update(world)).replace(b'"version":2', b'"version":3', 1)
-    assert "protocol version 3" in refused(open_server(world), up(TRAINER), payload, caplog)
+    assert "protocol version 3" in refused(open_server(world), update_topic(TRAINER), payload, caplog)
 
 
 def test_message_on_a_topic_outside_the_device_tree_is_refused(world: World, caplog):
@@ -324,35 +328,36 @@ def test_message_on_a_topic_outside_the_device_tree_is_refused(world: World, cap
 def test_update_replayed_in_the_same_round_is_refused(world: World, caplog):
     server = open_server(world)
     payload = encode(genuine_update(world))
-    server._handle(up(TRAINER), payload)
+    server._handle(update_topic(TRAINER), payload)
     assert aggregated(server) == 1
-    assert refused(server, up(TRAINER), payload, caplog).endswith("[replay]")  # the same bytes: the same counter
+    # the same bytes: the same counter
+    assert refused(server, update_topic(TRAINER), payload, caplog).endswith("[replay]")
     resent = encode(genuine_update(world))  # the device's own re-send carries a fresh counter
-    assert "duplicate update for round 1" in refused(server, up(TRAINER), resent, caplog)
+    assert "duplicate update for round 1" in refused(server, update_topic(TRAINER), resent, caplog)
 
 
 def test_update_replayed_in_a_later_round_is_refused(world: World, caplog):
     server = open_server(world)
     payload = encode(genuine_update(world))
-    server._handle(up(TRAINER), payload)
+    server._handle(update_topic(TRAINER), payload)
     close(server)
     server.engine.open_round(ROUND + 1, time.monotonic())
-    assert refused(server, up(TRAINER), payload, caplog).endswith("[replay]")
+    assert refused(server, update_topic(TRAINER), payload, caplog).endswith("[replay]")
     resent = encode(genuine_update(world))
-    assert "stale: update for round 1, round 2 is open" in refused(server, up(TRAINER), resent, caplog)
+    assert "stale: update for round 1, round 2 is open" in refused(server, update_topic(TRAINER), resent, caplog)
 
 
 def test_update_replayed_between_rounds_is_refused(world: World, caplog):
     server = open_server(world)
     payload = encode(genuine_update(world))
-    server._handle(up(TRAINER), payload)
+    server._handle(update_topic(TRAINER), payload)
     close(server)
-    assert refused(server, up(TRAINER), payload, caplog).endswith("[replay]")
-    assert "no round is open" in refused(server, up(TRAINER), encode(genuine_update(world)), caplog)
+    assert refused(server, update_topic(TRAINER), payload, caplog).endswith("[replay]")
+    assert "no round is open" in refused(server, update_topic(TRAINER), encode(genuine_update(world)), caplog)
 
 
 def test_update_of_another_run_is_refused(world: World, caplog):
-    reason = refused(open_server(world), up(TRAINER), encode(genuine_update(world, run_id="run0")), caplog)
+    reason = refused(open_server(world), update_topic(TRAINER), encode(genuine_update(world, run_id="run0")), caplog)
     assert reason.endswith("run 'run0' is not this run [wrong_run]")
 
 
@@ -361,21 +366,21 @@ def test_update_of_another_run_is_refused(world: World, caplog):
 
 def test_update_from_an_unknown_device_is_refused(world: World, caplog):
     msg = genuine_update(world, sender=STRANGER)
-    assert "unknown device" in refused(open_server(world), up(STRANGER), encode(msg), caplog)
+    assert "unknown device" in refused(open_server(world), update_topic(STRANGER), encode(msg), caplog)
 
 
 def test_update_from_a_device_without_a_plan_is_refused(world: World, caplog):
     msg = genuine_update(world, sender=UNASSIGNED)
-    assert "not asked in round 1" in refused(open_server(world), up(UNASSIGNED), encode(msg), caplog)
+    assert "not asked in round 1" in refused(open_server(world), update_topic(UNASSIGNED), encode(msg), caplog)
 
 
 def test_update_sent_for_another_device_is_refused_and_does_not_use_up_its_turn(world: World, caplog):
     server = open_server(world)
     forged = genuine_update(world, TRAINER)
-    reason = refused(server, up(FACTORED), encode(forged), caplog)
+    reason = refused(server, update_topic(FACTORED), encode(forged), caplog)
     assert f"a message of {TRAINER!r} on a topic of {FACTORED!r} [bad_topic]" in reason
-    server._handle(up(TRAINER), encode(genuine_update(world, TRAINER)))
-    server._handle(up(FACTORED), encode(genuine_update(world, FACTORED)))
+    server._handle(update_topic(TRAINER), encode(genuine_update(world, TRAINER)))
+    server._handle(update_topic(FACTORED), encode(genuine_update(world, FACTORED)))
     assert close(server).accepted == (TRAINER, FACTORED)
 
 
@@ -391,7 +396,7 @@ def test_other_messages_sent_for_another_device_are_refused(world: World, make, 
 
 def test_status_frame_on_the_up_topic_is_refused(world: World, caplog):
     msg = Message(MessageType.STATUS, RUN, ROUND, TRAINER, "m1", {})
-    assert "a status message on the message topic [bad_topic]" in refused(open_server(world), up(TRAINER),
+    assert "a status message on the up topic [bad_topic]" in refused(open_server(world), up(TRAINER),
                                                                           encode(msg), caplog)
 
 
@@ -437,7 +442,7 @@ def test_acknowledgement_of_another_plan_is_refused(world: World, caplog):
 def test_update_with_implausible_fields_is_refused(world: World, meta_edit, expected: str, caplog):
     msg = genuine_update(world)
     msg.meta[meta_edit[0]] = meta_edit[1]
-    assert expected in refused(open_server(world), up(TRAINER), encode(msg), caplog)
+    assert expected in refused(open_server(world), update_topic(TRAINER), encode(msg), caplog)
 
 
 # -- chunks, through a real endpoint ---------------------------------------------------------------
@@ -483,10 +488,10 @@ def update_frames(world: World) -> tuple[bytes, list[bytes]]:
 
 def test_chunks_out_of_order_are_reassembled_into_the_same_update(world: World, server_endpoint, embedded_broker):
     payload, frames = update_frames(world)
-    publish_frames(embedded_broker.url, up(TRAINER), frames[::-1])
+    publish_frames(embedded_broker.url, update_topic(TRAINER), frames[::-1])
     assert delivered(server_endpoint) == [payload]
     server = open_server(world)
-    server._handle(up(TRAINER), payload)
+    server._handle(update_topic(TRAINER), payload)
     assert close(server).accepted == (TRAINER,)
 
 
@@ -720,7 +725,8 @@ class Impostor(MqttPeer):
     def __init__(self, url: str) -> None:
         super().__init__()
         self.url = url
-        self.endpoint = MqttEndpoint("impostor", url, subscriptions=[f"{PREFIX}/dev/+/down", f"{PREFIX}/dev/+/up"])
+        self.endpoint = MqttEndpoint("impostor", url, subscriptions=[f"{PREFIX}/dev/+/down",
+                                                                         f"{PREFIX}/dev/+/update"])
         self.captured: list[bytes] = []
         self.attacks = 0
 
@@ -731,9 +737,9 @@ class Impostor(MqttPeer):
             msg = decode(payload, max_bytes=1 << 28, allow_nonfinite=True)
         except ProtocolError:
             return  # its own garbage
-        if topic == up(TRAINER) and msg.type == MessageType.UPDATE and payload not in self.captured:
+        if topic == update_topic(TRAINER) and msg.type == MessageType.UPDATE and payload not in self.captured:
             self.captured.append(payload)
-            self._send(up(TRAINER), payload)
+            self._send(update_topic(TRAINER), payload)
         elif msg.type == MessageType.TASK:
             self._attack(msg)
 
@@ -748,12 +754,13 @@ class Impostor(MqttPeer):
         poisoned = Update(task.round, {k: v * np.float32(100) for k, v in task.tensors.items()}, 1000, 0.1, 1.0,
                           dict(EVAL))
         plan_hash = task.meta["plan_hash"]
-        forgeries = ((up(IMPOSTOR_ID), TRAINER, task.run_id), (up(IMPOSTOR_ID), IMPOSTOR_ID, task.run_id),
-                     (up(TRAINER), TRAINER, "run0"))
+        forgeries = ((update_topic(IMPOSTOR_ID), TRAINER, task.run_id),
+                     (update_topic(IMPOSTOR_ID), IMPOSTOR_ID, task.run_id),
+                     (update_topic(TRAINER), TRAINER, "run0"))
         for topic, sender, run_id in forgeries:
             self._send(topic, encode(update_message(poisoned, plan_hash=plan_hash, device_id=sender, run_id=run_id)))
         for payload in self.captured:
-            self._send(up(TRAINER), payload)
+            self._send(update_topic(TRAINER), payload)
         self.attacks += 1
 
 

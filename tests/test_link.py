@@ -7,7 +7,7 @@ import pytest
 
 from device_runtime.auth import KeyRing, Refusal, new_nonce
 from device_runtime.link import Link, Refused
-from device_runtime.protocol import Message, MessageType, Reason
+from device_runtime.protocol import Message, MessageType, Reason, TopicKind
 
 KEY, OTHER_KEY = bytes([7]) * 32, bytes([8]) * 32
 RUN, OLD_RUN = "run-b", "run-a"
@@ -102,8 +102,16 @@ def test_status_frames_belong_on_the_status_topic_only(pair):
     server, device = pair
     online = device.status_signer("dev_a")(True, new_nonce())
     assert refusal(server, online) == Reason.BAD_TOPIC
-    assert server.open(online, RUN, device_id="dev_a", status_topic=True).meta["state"] == "online"
-    assert refusal(server, device.seal(message(MessageType.JOIN)), status_topic=True) == Reason.BAD_TOPIC
+    assert server.open(online, RUN, device_id="dev_a", kind=TopicKind.STATUS).meta["state"] == "online"
+    assert refusal(server, device.seal(message(MessageType.JOIN)), kind=TopicKind.STATUS) == Reason.BAD_TOPIC
+
+
+def test_updates_belong_on_the_update_topic_only(pair):
+    server, device = pair
+    assert refusal(server, device.seal(message(MessageType.UPDATE))) == Reason.BAD_TOPIC
+    assert refusal(server, device.seal(message(MessageType.JOIN)), kind=TopicKind.UPDATE) == Reason.BAD_TOPIC
+    assert server.open(device.seal(message(MessageType.UPDATE)), RUN, device_id="dev_a",
+                       kind=TopicKind.UPDATE).type == MessageType.UPDATE
 
 
 def test_open_mode_server_takes_any_id_under_the_shared_key(tmp_path):

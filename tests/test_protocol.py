@@ -454,14 +454,18 @@ def test_protocol_error_names_its_reason_and_the_problem():
 
 def test_topics_of_a_device():
     topics = Topics("fedara/lab", "board_03")
-    assert (topics.down, topics.up, topics.status) == (
+    assert (topics.down, topics.up, topics.status, topics.update) == (
         "fedara/lab/dev/board_03/down", "fedara/lab/dev/board_03/up",
-        "fedara/lab/dev/board_03/status",
+        "fedara/lab/dev/board_03/status", "fedara/lab/dev/board_03/update",
     )
 
 
-def test_server_subscribes_to_every_devices_up_and_status():
-    assert server_subscriptions("fedara") == ["fedara/dev/+/up", "fedara/dev/+/status"]
+def test_server_subscribes_to_every_devices_up_status_and_update():
+    assert server_subscriptions("fedara") == ["fedara/dev/+/up", "fedara/dev/+/status", "fedara/dev/+/update"]
+
+
+def test_server_leaves_the_updates_to_aggregators_when_they_read_them():
+    assert server_subscriptions("fedara", updates=False) == ["fedara/dev/+/up", "fedara/dev/+/status"]
 
 
 @pytest.mark.parametrize("kind", list(TopicKind))

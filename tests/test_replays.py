@@ -179,7 +179,7 @@ def attack(base: Path, broker: MosquittoProcess, port: int) -> Runs:
         (dev[1].down, chunk(seal_down(error_message(ErrorCode.REFUSED, "you are refused", device_id="dev_001"),
                                       WRONG_KEY), 256 * 1024, "error-forged")[0]),
     ]
-    first_update_frame = capture.of(dev[0].up, "update-")[0]
+    first_update_frame = capture.of(dev[0].update, "update-")[0]
     assert len(first_update_frame) > FRAME_HEADER_BYTES + 200 * 1024, "frame 0 of an update should be a full frame"
 
     proc = server(base / "attacked", broker.url, cache, enrollment, 3, seed=0)
@@ -194,7 +194,7 @@ def attack(base: Path, broker: MosquittoProcess, port: int) -> Runs:
     flood.write_bytes(first_update_frame)
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda i: subprocess.run(
-            [MOSQUITTO_PUB, "-h", "127.0.0.1", "-p", str(port), "-q", "1", "-t", f"{PREFIX}/dev/x{i:04d}/up",
+            [MOSQUITTO_PUB, "-h", "127.0.0.1", "-p", str(port), "-q", "1", "-t", f"{PREFIX}/dev/x{i:04d}/update",
              "-f", str(flood)], check=True, capture_output=True), range(FLOOD_TOPICS)))
     time.sleep(2.0)
     assert proc.poll() is None, "the run ended before the flood was measured: raise ROUNDS"

@@ -23,7 +23,7 @@ from server.robust import (NormAction, NormBound, bound_update, clip_to_bound, f
 from server.run_setup import RunFolder
 from server.strategy import plan_key, to_torch
 from tests.test_hostile import (DENSE, EVAL, FACTORED, RUN, SERVER_LOG, TRAINER, World, close, genuine_update,
-                                open_server, up, world)  # noqa: F401  (world is a fixture)
+                                open_server, update_topic, world)  # noqa: F401  (world is a fixture)
 from tests.sealing import seal_up as encode  # as the device would seal it
 
 GLOBAL = {"fe.fc.weight": torch.zeros(3, 4), "fe.fc.bias": torch.zeros(3)}
@@ -201,15 +201,15 @@ def honest_bound(world: World) -> float:
 
 def test_broker_loop_aggregates_a_poisoned_update_by_default(world: World):
     server = open_server(world)
-    server._handle(up(TRAINER), encode(poisoned_update(world)))
+    server._handle(update_topic(TRAINER), encode(poisoned_update(world)))
     assert close(server).accepted == (TRAINER,)
 
 
 def test_broker_loop_rejects_an_update_beyond_the_bound(world: World, caplog):
     server = open_server(world, "--update-norm-bound", str(honest_bound(world)), "--update-norm-action", "reject")
     with caplog.at_level(logging.WARNING, logger=SERVER_LOG):
-        server._handle(up(TRAINER), encode(poisoned_update(world)))
-        server._handle(up(FACTORED), encode(genuine_update(world, FACTORED)))
+        server._handle(update_topic(TRAINER), encode(poisoned_update(world)))
+        server._handle(update_topic(FACTORED), encode(genuine_update(world, FACTORED)))
     result = close(server)
     assert result.accepted == (FACTORED,) and "over the norm bound" in result.dropped[TRAINER]
     assert f"dropped an update from {TRAINER} (round 1): update is" in caplog.text
@@ -220,7 +220,7 @@ def test_broker_loop_clips_an_update_onto_the_bound(world: World):
     server = open_server(world, "--update-norm-bound", str(bound))
     sent = [poisoned_update(world), genuine_update(world, FACTORED)]
     for message in sent:
-        server._handle(up(message.device_id), encode(message))
+        server._handle(update_topic(message.device_id), encode(message))
     result = close(server)
     assert result.accepted == (TRAINER, FACTORED) and result.enough
     assert bound / 2 < fe_distance(server.engine.global_state, world.global_fe) <= bound * (1 + 1e-6)

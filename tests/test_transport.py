@@ -18,7 +18,7 @@ import paho.mqtt.publish
 import pytest
 
 from device_runtime import transport
-from device_runtime.protocol import Topics, chunk, server_subscriptions
+from device_runtime.protocol import Topics, chunk, server_subscriptions, update_filter
 from device_runtime.transport import (BrokerRefusedError, BrokerURL, ConnectTimeoutError, FrameTooLargeError,
                                       MqttEndpoint, PublishError)
 from server.mosquitto_config import TlsFiles, acl_text, mosquitto_password_hash, write_mosquitto_auth
@@ -252,7 +252,8 @@ def test_password_hash_matches_mosquitto_passwd_output() -> None:
 def test_acl_grants_each_device_only_its_own_topics() -> None:
     device_block = acl_text(PREFIX, "server", ["dev1"]).split("\n\n")[1]
     assert device_block.splitlines() == [
-        "user dev1", f"topic write {DEV1.up}", f"topic write {DEV1.status}", f"topic read {DEV1.down}"]
+        "user dev1", f"topic write {DEV1.up}", f"topic write {DEV1.update}", f"topic write {DEV1.status}",
+        f"topic read {DEV1.down}"]
 
 
 @pytest.fixture
@@ -269,6 +270,25 @@ def test_device_cannot_publish_to_another_devices_up_topic(secured_broker, conne
     device.publish(DEV2.up, b"forged", "up-5", wait=True)
     device.publish(DEV1.up, b"own", "up-6", wait=True)
     assert server.get(WAIT_S) == (DEV1.up, b"own")
+
+
+def test_aggregators_share_the_devices_updates_under_the_server_user(secured_broker, connect) -> None:
+    """The ACL lets the server user's aggregators read the update topics through a shared subscription, and the
+    broker hands each update to one member of the group."""
+    members = [connect(f"agg-{i}", secured_broker.url, username="server", password="server-pw",
+                       subscriptions=[f"$share/aggregators/{update_filter(PREFIX)}"]) for i in range(2)]
+    device = connect("dev1", secured_broker.url, username="dev1", password="pw1")
+    for i in range(4):
+        device.publish(DEV1.update, f"update {i}".encode(), f"update-{i}", wait=True)
+    received: list[list[bytes]] = [[], []]
+    deadline = time.monotonic() + WAIT_S
+    while len(received[0] + received[1]) < 4 and time.monotonic() < deadline:
+        for member, got in zip(members, received):
+            item = member.get(0.1)
+            if item is not None:
+                got.append(item[1])
+    assert sorted(received[0] + received[1]) == [f"update {i}".encode() for i in range(4)]
+    assert received[0] and received[1]
 
 
 def test_device_cannot_read_another_devices_down_topic(secured_broker, connect) -> None:

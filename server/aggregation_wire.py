@@ -1,0 +1,218 @@
+"""What the round engine and its aggregator processes say to each other over the broker, and how it is sealed.
+
+The broker is open (anyone may publish anything), so every message between them is an envelope sealed under the
+enrollment file's server key, which no device holds (``server.enrollment.load_server_key``), with the sender's
+fresh counters: a forged or replayed message is refused by the receiver's ``Link`` before anything reads it.
+Aggregator ``A`` speaks on ``PREFIX/agg/A/up`` (direction UP) and hears on ``PREFIX/agg/A/down`` (DOWN); every
+message is of type AGGREGATION with ``meta["kind"]`` one of:
+
+- ``ready``   A -> engine: subscribed (round 0), or holds round r's brief (round r);
+- ``round``   engine -> A: round r's brief: the run, the dense shapes, each asked device's plan, sample count and
+              whether it trains, and the tensors a training update of each plan carries;
+- ``receipt`` A -> engine: A verified a device's update (the device's header fields, its counter, tensor bytes);
+- ``verdict`` engine -> A: fold that update, or why not (the engine alone decides what counts);
+- ``close``   engine -> A: round r closed, send your partial;
+- ``partial`` A -> engine: float64 Σ n_k·W_k, Σ n_k and the devices folded.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from device_runtime.auth import Direction, KeyRing, Verifier, start_counters
+from device_runtime.link import Link
+from device_runtime.messages import new_msg_id
+from device_runtime.protocol import Message, MessageType, ProtocolError, check_id, check_topic_prefix, update_filter
+from server.aggregate import PartialSum
+
+READY, ROUND, RECEIPT, VERDICT, CLOSE, PARTIAL = "ready", "round", "receipt", "verdict", "close", "partial"
+KINDS = (READY, ROUND, RECEIPT, VERDICT, CLOSE, PARTIAL)
+NO_RUN = "none"
+
+
+class WireError(ValueError):
+    """An aggregation message whose fields do not fit its kind."""
+
+
+def up_topic(prefix: str, aggregator: str) -> str:
+    return f"{check_topic_prefix(prefix)}/agg/{check_id(aggregator, 'aggregator name')}/up"
+
+
+def down_topic(prefix: str, aggregator: str) -> str:
+    return f"{check_topic_prefix(prefix)}/agg/{check_id(aggregator, 'aggregator name')}/down"
+
+
+def engine_filter(prefix: str) -> str:
+    """What the engine subscribes to: every aggregator's up topic."""
+    return f"{check_topic_prefix(prefix)}/agg/+/up"
+
+
+def shared_update_filter(prefix: str, group: str) -> str:
+    """The shared subscription of an aggregator group: the broker hands each update to one member."""
+    return f"$share/{check_id(group, '--group')}/{update_filter(prefix)}"
+
+
+def aggregator_from_topic(prefix: str, topic: str) -> str | None:
+    """The aggregator whose up topic ``topic`` is, or None when it is not one."""
+    head, tail = f"{prefix}/agg/", "/up"
+    if not (topic.startswith(head) and topic.endswith(tail)):
+        return None
+    try:
+        return check_id(topic[len(head):-len(tail)], "aggregator name")
+    except ProtocolError:
+        return None
+
+
+def engine_link(server_key: bytes, state_dir: str | os.PathLike[str], max_inbound: int) -> Link:
+    """The engine's side: sends DOWN to any aggregator name, takes UP sealed under the server key."""
+    keys = KeyRing({}, shared_key=server_key)
+    return Link(keys, start_counters(state_dir), Direction.DOWN, Verifier(keys, {Direction.UP}),
+                {MessageType.AGGREGATION}, max_inbound, allow_nonfinite=True)
+
+
+def aggregator_link(server_key: bytes, state_dir: str | os.PathLike[str], max_inbound: int) -> Link:
+    """An aggregator's side: sends UP, takes DOWN sealed under the server key."""
+    keys = KeyRing({}, shared_key=server_key)
+    return Link(keys, start_counters(state_dir), Direction.UP, Verifier(keys, {Direction.DOWN}),
+                {MessageType.AGGREGATION}, max_inbound)
+
+
+def message(kind: str, aggregator: str, *, run_id: str = NO_RUN, round_index: int = 0, tensors: dict | None = None,
+            **fields: Any) -> Message:
+    """An AGGREGATION message of ``kind`` to or from ``aggregator``."""
+    return Message(MessageType.AGGREGATION, run_id, round_index, aggregator, new_msg_id(MessageType.AGGREGATION),
+                   {"kind": kind, **fields}, tensors=dict(tensors or {}))
+
+
+def kind_of(msg: Message) -> str:
+    if msg.type != MessageType.AGGREGATION or msg.meta.get("kind") not in KINDS:
+        raise WireError(f"expected an aggregation message, got {msg.type.value} {msg.meta.get('kind')!r:.20}")
+    return msg.meta["kind"]
+
+
+# -- round brief -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Asked:
+    """One device asked in a round: its plan, the samples a training update must declare, whether it trains."""
+
+    plan_hash: str
+    num_samples: int
+    trains: bool
+
+
+@dataclass(frozen=True)
+class Brief:
+    """What an aggregator needs to check and fold round ``round``'s updates."""
+
+    run_id: str
+    round: int
+    dense_shapes: dict[str, tuple[int, ...]]
+    plan_shapes: dict[str, dict[str, tuple[int, ...]]]  # plan hash -> tensors of a training update
+    devices: dict[str, Asked]
+    max_inbound: int
+
+
+def brief_message(brief: Brief, aggregator: str) -> Message:
+    return message(ROUND, aggregator, run_id=brief.run_id, round_index=brief.round,
+                   dense={k: list(v) for k, v in brief.dense_shapes.items()},
+                   plans={h: {k: list(v) for k, v in s.items()} for h, s in brief.plan_shapes.items()},
+                   devices={d: [a.plan_hash, a.num_samples, a.trains] for d, a in brief.devices.items()},
+                   max_inbound=brief.max_inbound)
+
+
+def parse_brief(msg: Message) -> Brief:
+    try:
+        meta = msg.meta
+        devices = {check_id(d, "device id"): Asked(str(h), int(n), bool(t)) for d, (h, n, t) in meta["devices"].items()}
+        plans = {str(h): {str(k): tuple(int(x) for x in v) for k, v in s.items()} for h, s in meta["plans"].items()}
+        dense = {str(k): tuple(int(x) for x in v) for k, v in meta["dense"].items()}
+        return Brief(msg.run_id, msg.round, dense, plans, devices, int(meta["max_inbound"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise WireError(f"malformed round brief: {exc!r:.200}") from None
+
+
+# -- receipt and verdict -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """An update an aggregator verified: the device's header (run, round, msg id, meta), its counter and the bytes
+    of its tensors. The engine judges it as it would the update itself, without the tensors."""
+
+    device_id: str
+    run_id: str
+    round: int
+    msg_id: str
+    counter: int
+    meta: dict[str, Any]
+    nbytes: int
+
+    def as_update(self) -> Message:
+        """The device's UPDATE as the engine judges it: header and meta, no tensors (the aggregator holds them)."""
+        return Message(MessageType.UPDATE, self.run_id, self.round, self.device_id, self.msg_id, dict(self.meta),
+                       counter=self.counter)
+
+
+def receipt_message(receipt: Receipt, aggregator: str) -> Message:
+    return message(RECEIPT, aggregator, run_id=receipt.run_id, round_index=receipt.round, device=receipt.device_id,
+                   msg_id=receipt.msg_id, counter=receipt.counter, update=receipt.meta, bytes=receipt.nbytes)
+
+
+def parse_receipt(msg: Message) -> Receipt:
+    meta = msg.meta
+    try:
+        receipt = Receipt(check_id(meta["device"], "device id"), msg.run_id, msg.round, str(meta["msg_id"]),
+                          meta["counter"], meta["update"], meta["bytes"])
+    except (KeyError, ProtocolError) as exc:
+        raise WireError(f"malformed receipt: {exc!r:.200}") from None
+    if not (isinstance(receipt.counter, int) and isinstance(receipt.nbytes, int) and isinstance(receipt.meta, dict)):
+        raise WireError("malformed receipt: counter and bytes must be integers, update an object")
+    return receipt
+
+
+def verdict_message(aggregator: str, round_index: int, device_id: str, fold: bool, reason: str) -> Message:
+    return message(VERDICT, aggregator, round_index=round_index, device=device_id, fold=fold, reason=reason)
+
+
+def parse_verdict(msg: Message) -> tuple[str, bool, str]:
+    """(device, fold, reason) of a verdict."""
+    meta = msg.meta
+    if not isinstance(meta.get("device"), str) or not isinstance(meta.get("fold"), bool):
+        raise WireError("malformed verdict: needs a device and a boolean fold")
+    return meta["device"], meta["fold"], str(meta.get("reason", ""))
+
+
+# -- partial sums ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Partial:
+    """One aggregator's share of a round: its PartialSum and the devices behind it."""
+
+    round: int
+    sum: PartialSum
+    devices: tuple[str, ...]
+
+
+def partial_message(partial: Partial, aggregator: str) -> Message:
+    return message(PARTIAL, aggregator, round_index=partial.round,
+                   tensors={k: v.numpy() for k, v in partial.sum.sums.items()}, devices=list(partial.devices),
+                   total_weight=partial.sum.total_weight, count=partial.sum.count)
+
+
+def parse_partial(msg: Message) -> Partial:
+    meta = msg.meta
+    devices, weight, count = meta.get("devices"), meta.get("total_weight"), meta.get("count")
+    if (not isinstance(devices, list) or not all(isinstance(d, str) for d in devices)
+            or not isinstance(weight, (int, float)) or isinstance(weight, bool) or not isinstance(count, int)):
+        raise WireError("malformed partial: needs devices (strings), total_weight and count")
+    if any(t.dtype != np.float64 for t in msg.tensors.values()):
+        raise WireError("malformed partial: sums travel as float64")
+    sums = {k: torch.from_numpy(np.array(v)) for k, v in msg.tensors.items()}
+    return Partial(msg.round, PartialSum(sums, float(weight), count), tuple(devices))

@@ -1,0 +1,265 @@
+"""An aggregator process: ``python -m server.aggregator``, one of N that share the round's updates.
+
+    python -m server.aggregator --broker mqtt://HOST:1883 --group aggregators --name agg-0 --enroll enrollment.json
+
+Every member of ``--group`` subscribes to ``$share/GROUP/PREFIX/dev/+/update``, so the broker hands each update
+to one of them (mosquitto: round robin over the members, one PUBLISH at a time; an update must therefore travel
+as one PUBLISH: devices need ``--max-message-bytes`` above their update's size). The member authenticates it
+(the device's key from ``--enroll``, the same file the server reads), checks it against the round's brief (run,
+round, asked, plan, tensors, sample count) and sends the engine a sealed receipt; it folds the update into its
+own float64 ``StreamingAverage`` only when the engine answers "fold". The engine stays the one authority on what
+counts (one update per device and round, the deadline, freshness), so an update replayed to two members is
+folded once. At the round's close the member sends its partial sums and the devices behind them
+(``server.aggregation_wire``).
+
+``Aggregator`` is the pure core (no I/O, no clock: deadlines are the engine's); ``main`` is the thin shell.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from device_runtime.auth import Direction, KeyRing, Verifier
+from device_runtime.link import Link, Refused
+from device_runtime.messages import MessageError, parse_update
+from device_runtime.protocol import (Message, MessageType, ProtocolError, TopicKind, decode, device_id_from_topic)
+from device_runtime.task import tensor_bytes
+from device_runtime.tensor_check import tensor_problem
+from device_runtime.transport import MqttEndpoint, TransportError
+from server import aggregation_wire as wire
+from server.aggregate import StreamingAverage
+from server.cli import PASSWORD_ENV, add_broker_flags, fail
+from server.enrollment import EnrollmentError, load_enrollment, load_server_key
+from server.strategy import to_torch
+
+LOG = logging.getLogger("fedara.aggregator")
+DEFAULT_GROUP = "aggregators"
+BRIEF_BYTES = 16 << 20
+"""What an aggregator takes before its first brief says how large an update may be."""
+CONNECT_TIMEOUT_S = 30.0
+POLL_S = 0.2
+
+
+class Aggregator:
+    """One member's state: the round's brief, the updates awaiting the engine's verdict, the folded sum.
+
+    Each method returns what to send (or why nothing) and logs every refusal with its reason."""
+
+    def __init__(self, name: str, device_keys: KeyRing):
+        self.name = name
+        self.verifier = Verifier(device_keys, {Direction.UP})
+        self.brief: wire.Brief | None = None
+        self.average: StreamingAverage | None = None
+        self.forwarded: set[str] = set()  # devices of this round whose update this member sent a receipt for
+        self.awaiting: dict[str, tuple[dict[str, np.ndarray], int]] = {}  # device -> training update, until verdict
+        self.folded: list[str] = []
+        self.last_partial: wire.Partial | None = None
+
+    def on_brief(self, brief: wire.Brief) -> None:
+        """A new round: what came before it is dropped (its partial was sent or is lost with it). The open round's
+        brief again (a device rejoined with a new plan): the round's devices and plans change, nothing folded does."""
+        same_round = self.brief is not None and (self.brief.run_id, self.brief.round) == (brief.run_id, brief.round)
+        self.brief = brief
+        if same_round:
+            return
+        self.average = StreamingAverage(brief.dense_shapes)
+        self.forwarded, self.awaiting, self.folded = set(), {}, []
+
+    def on_update(self, topic_device: str, msg: Message) -> wire.Receipt | str:
+        """A receipt for the engine, or why this update is refused here (logged)."""
+        answer = self._check(topic_device, msg)
+        if isinstance(answer, str):
+            LOG.warning("%s refused an update from %s (round %d): %s", self.name, topic_device, msg.round, answer)
+        return answer
+
+    def _check(self, topic_device: str, msg: Message) -> wire.Receipt | str:
+        brief = self.brief
+        if msg.type != MessageType.UPDATE or msg.device_id != topic_device:
+            return f"a {msg.type.value} of {msg.device_id!r} on the update topic of {topic_device!r}"
+        if brief is None:
+            return "no round brief yet"
+        verdict = self.verifier.check(msg, {brief.run_id})
+        if not verdict.accepted:
+            return f"{verdict.detail} [{verdict.reason.value}]"
+        if msg.round != brief.round:
+            return f"stale: update for round {msg.round}, round {brief.round} is open"
+        asked = brief.devices.get(topic_device)
+        if asked is None:
+            return f"not asked in round {brief.round}"
+        if topic_device in self.forwarded:
+            return f"duplicate update for round {brief.round}"
+        try:
+            plan_hash, update = parse_update(msg)
+        except MessageError as exc:
+            return f"malformed update: {exc}"
+        if plan_hash != asked.plan_hash:
+            return f"update for plan {plan_hash[:12]}, the device's plan is {asked.plan_hash[:12]}"
+        expected = brief.plan_shapes.get(plan_hash, {}) if asked.trains else {}
+        problem = tensor_problem(update.weights, expected, finite=True)
+        if problem is not None:
+            return problem
+        if update.num_samples != (asked.num_samples if asked.trains else 0):
+            return f"num_samples {update.num_samples}, expected {asked.num_samples if asked.trains else 0}"
+        self.forwarded.add(topic_device)
+        if asked.trains:
+            self.awaiting[topic_device] = (update.weights, update.num_samples)
+        return wire.Receipt(topic_device, msg.run_id, msg.round, msg.msg_id, msg.counter, dict(msg.meta),
+                            tensor_bytes(msg.tensors))
+
+    def on_verdict(self, round_index: int, device_id: str, fold: bool, reason: str) -> None:
+        """Fold the update the engine accepted; drop one it refused (logged)."""
+        if self.brief is None or round_index != self.brief.round:
+            LOG.warning("%s ignored a verdict on %s for round %d, not the open round", self.name, device_id,
+                        round_index)
+            return
+        held = self.awaiting.pop(device_id, None)
+        if not fold:
+            LOG.warning("%s dropped %s's update of round %d: the engine refused it (%s)", self.name, device_id,
+                        round_index, reason)
+            return
+        if held is None:  # an evaluation (nothing to fold), or a verdict on an update this member does not hold
+            asked = self.brief.devices.get(device_id)
+            if asked is not None and asked.trains:
+                LOG.warning("%s holds no update of %s to fold", self.name, device_id)
+            return
+        weights, num_samples = held
+        self.average.add(to_torch(weights), num_samples)
+        self.folded.append(device_id)
+        LOG.info("%s folded %s's update of round %d", self.name, device_id, round_index)
+
+    def on_close(self, round_index: int) -> wire.Partial | str:
+        """This member's partial for the round the engine closed, or why it has none (asked again: the same)."""
+        if self.last_partial is not None and self.last_partial.round == round_index:
+            return self.last_partial
+        if self.brief is None or self.brief.round != round_index:
+            return f"asked for round {round_index}'s partial, holds round {self.brief.round if self.brief else 'none'}"
+        if self.awaiting:
+            LOG.warning("%s: no verdict came for %s before round %d closed; not folded", self.name,
+                        sorted(self.awaiting), round_index)
+        partial = self.average.partial()
+        self.last_partial = wire.Partial(round_index, partial, tuple(self.folded))
+        LOG.info("%s: round %d partial over %d update(s): %s", self.name, round_index, len(self.folded),
+                 ",".join(self.folded))
+        return self.last_partial
+
+
+# -- the process shell -------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m server.aggregator", description=__doc__.split("\n\n")[0])
+    add_broker_flags(p)
+    p.add_argument("--group", default=DEFAULT_GROUP, help="shared-subscription group: its members share the updates")
+    p.add_argument("--name", required=True, help="this member's name, unique in the group ([A-Za-z0-9_.-])")
+    p.add_argument("--enroll", required=True, metavar="FILE",
+                   help="the server's enrollment file: the devices' keys and the server key")
+    p.add_argument("--workdir", default=None, help="where its counter state lives (default: aggregators/NAME)")
+    return p
+
+
+class Shell:
+    """The member's loop over one MqttEndpoint: updates and engine messages in, receipts and partials out."""
+
+    def __init__(self, args: argparse.Namespace, core: Aggregator, endpoint: MqttEndpoint, link: Link):
+        self.args, self.core, self.endpoint, self.link = args, core, endpoint, link
+
+    def send(self, msg: Message) -> None:
+        self.endpoint.publish(wire.up_topic(self.args.prefix, self.core.name), self.link.seal(msg), msg.msg_id)
+
+    def handle(self, topic: str, payload: bytes) -> None:
+        if topic == wire.down_topic(self.args.prefix, self.core.name):
+            self._from_engine(payload)
+            return
+        try:
+            device_id, kind = device_id_from_topic(self.args.prefix, topic)
+            if kind != TopicKind.UPDATE:
+                LOG.warning("%s dropped a message on %s: not an update topic", self.core.name, topic)
+                return
+            limit = self.core.brief.max_inbound if self.core.brief else BRIEF_BYTES
+            msg = decode(payload, max_bytes=limit, allow_nonfinite=True)
+        except ProtocolError as exc:
+            LOG.warning("%s dropped a message on %s: %s", self.core.name, topic, exc)
+            return
+        receipt = self.core.on_update(device_id, msg)
+        if not isinstance(receipt, str):
+            self.send(wire.receipt_message(receipt, self.core.name))
+
+    def _from_engine(self, payload: bytes) -> None:
+        try:
+            msg = self.link.open(payload, wire.NO_RUN, device_id=self.core.name)
+            kind = wire.kind_of(msg)
+            if kind == wire.ROUND:
+                brief = wire.parse_brief(msg)
+                self.core.on_brief(brief)
+                self.endpoint.set_max_message_bytes(max(brief.max_inbound, BRIEF_BYTES))
+                self.send(wire.message(wire.READY, self.core.name, run_id=brief.run_id, round_index=brief.round))
+            elif kind == wire.VERDICT:
+                self.core.on_verdict(msg.round, *wire.parse_verdict(msg))
+            elif kind == wire.CLOSE:
+                partial = self.core.on_close(msg.round)
+                if isinstance(partial, str):
+                    LOG.warning("%s: %s", self.core.name, partial)
+                else:
+                    self.send(wire.partial_message(partial, self.core.name))
+            else:
+                LOG.warning("%s ignored a %s message from the engine", self.core.name, kind)
+        except (Refused, wire.WireError) as exc:
+            LOG.warning("%s dropped a message from the engine: %s", self.core.name, exc)
+
+
+def run(args: argparse.Namespace) -> None:
+    keys = load_enrollment(args.enroll)
+    server_key = load_server_key(args.enroll)
+    workdir = Path(args.workdir or Path("aggregators") / args.name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    link = wire.aggregator_link(server_key, workdir, BRIEF_BYTES)
+    core = Aggregator(args.name, KeyRing(keys))
+    subscriptions = [wire.shared_update_filter(args.prefix, args.group), wire.down_topic(args.prefix, args.name)]
+    endpoint = MqttEndpoint(f"fedara-aggregator-{args.name}", args.broker, subscriptions=subscriptions,
+                            username=args.username, password=args.password, tls_ca=args.tls_ca,
+                            tls_cert=args.tls_cert, tls_key=args.tls_key, max_frame_bytes=args.max_message_bytes,
+                            max_message_bytes=BRIEF_BYTES, clean_session=True)
+    endpoint.start()
+    try:
+        endpoint.wait_connected(CONNECT_TIMEOUT_S)
+        shell = Shell(args, core, endpoint, link)
+        shell.send(wire.message(wire.READY, args.name))
+        LOG.info("%s: member of group %s on %s", args.name, args.group, args.broker)
+        while True:
+            item = endpoint.get(POLL_S)
+            if item is not None:
+                shell.handle(*item)
+    finally:
+        endpoint.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # its log: what it folded, refused
+    args.password = args.password or os.environ.get(PASSWORD_ENV)
+    if args.broker is None:
+        return fail("--broker is required: the mqtt://HOST:PORT of the broker the server and devices use")
+    try:
+        wire.shared_update_filter(args.prefix, args.group)
+        wire.up_topic(args.prefix, args.name)
+    except ProtocolError as exc:
+        return fail(f"--prefix/--group/--name: {exc}")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        run(args)
+    except (EnrollmentError, TransportError, OSError) as exc:
+        return fail(str(exc))
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

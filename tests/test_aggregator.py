@@ -1,0 +1,168 @@
+"""The aggregator's pure core and the engine's side of remote aggregation, driven directly (no broker).
+
+The broker is open: anyone can publish anything, exact replays included. An aggregator refuses what it cannot
+authenticate or what does not answer the round's brief; the engine alone decides what counts, so a replayed
+update that reaches a second aggregator is never folded twice, and the engine refuses receipts and partial sums
+that are not sealed under the server key.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from device_runtime.auth import KeyRing, Refusal
+from device_runtime.link import Refused
+from device_runtime.messages import update_message
+from device_runtime.protocol import Message
+from device_runtime.task import Update
+from server import aggregation_wire as wire
+from server.aggregate import PartialSum
+from server import aggregator
+from server.aggregator import Aggregator
+from tests.sealing import KEY, OPEN_MAX, read, seal_up
+from tests.test_engine import RUN, join, make_engine
+
+DEVICES = ("dev_000", "dev_001", "dev_002")
+WRONG_KEY = bytes(32)
+SERVER_KEY = bytes(range(100, 132))
+
+
+def device_update(engine, device_id: str, task, scale: float, key: bytes = KEY, round_index: int | None = None
+                  ) -> Message:
+    """The device's UPDATE for ``task`` as it arrives on its update topic: sealed under ``key``, then decoded."""
+    update = Update(task.round if round_index is None else round_index,
+                    {k: v * np.float32(scale) for k, v in task.weights.items()}, 50, 1.0, 0.5,
+                    {"eval_correct": 5, "eval_total": 10, "eval_loss": 1.0})
+    msg = update_message(update, plan_hash=engine.plan_info(device_id).hash, device_id=device_id, run_id=RUN)
+    return read(seal_up(msg, key))
+
+
+@pytest.fixture
+def federation():
+    """A remote-aggregation engine with round 1 open, its tasks, and two aggregators holding its brief."""
+    engine = make_engine(remote=True)
+    for device_id in DEVICES:
+        join(engine, device_id)
+    tasks = engine.open_round(1, 0.0)
+    brief = engine.brief(OPEN_MAX)
+    members = [Aggregator(f"agg-{i}", KeyRing(dict.fromkeys(DEVICES, KEY))) for i in range(2)]
+    for member in members:
+        member.on_brief(brief)
+    return engine, tasks, members
+
+
+def deliver(engine, member: Aggregator, msg: Message):
+    """The member's receipt judged by the engine, the verdict back to the member."""
+    receipt = member.on_update(msg.device_id, msg)
+    assert not isinstance(receipt, str), receipt
+    verdict = engine.receive_receipt(member.name, receipt, 1.0)
+    member.on_verdict(receipt.round, receipt.device_id, verdict.accepted, verdict.reason)
+    return verdict
+
+
+def test_an_update_under_a_key_not_its_devices_is_refused_with_its_reason(federation, caplog):
+    engine, tasks, (member, _) = federation
+    with caplog.at_level(logging.WARNING, "fedara.aggregator"):
+        answer = member.on_update("dev_000", device_update(engine, "dev_000", tasks["dev_000"], 1.0, WRONG_KEY))
+    assert isinstance(answer, str) and Refusal.BAD_TAG.value in answer
+    assert Refusal.BAD_TAG.value in caplog.text and "dev_000" in caplog.text
+
+
+def test_an_update_for_another_round_is_refused_as_stale(federation, caplog):
+    engine, tasks, (member, _) = federation
+    with caplog.at_level(logging.WARNING, "fedara.aggregator"):
+        answer = member.on_update("dev_000", device_update(engine, "dev_000", tasks["dev_000"], 1.0, round_index=2))
+    assert answer == "stale: update for round 2, round 1 is open" and answer in caplog.text
+
+
+def test_a_second_update_of_a_device_in_one_round_is_refused_as_a_duplicate(federation, caplog):
+    engine, tasks, (member, _) = federation
+    assert deliver(engine, member, device_update(engine, "dev_000", tasks["dev_000"], 1.0)).accepted
+    with caplog.at_level(logging.WARNING, "fedara.aggregator"):
+        answer = member.on_update("dev_000", device_update(engine, "dev_000", tasks["dev_000"], 2.0))
+    assert answer == "duplicate update for round 1" and answer in caplog.text
+
+
+def test_an_exact_replay_reaching_a_second_aggregator_is_folded_once(federation):
+    engine, tasks, (first, second) = federation
+    genuine = device_update(engine, "dev_000", tasks["dev_000"], 1.0)
+    assert deliver(engine, first, genuine).accepted
+    replay = deliver(engine, second, genuine)  # the second member never saw it: only the engine can refuse it
+    assert not replay.accepted and "replay" in replay.reason
+    assert (first.folded, second.folded) == (["dev_000"], [])
+
+
+def test_merged_partials_give_the_single_aggregators_model(federation):
+    engine, tasks, members = federation
+    alone = make_engine()
+    for device_id in DEVICES:
+        join(alone, device_id)
+    alone_tasks = alone.open_round(1, 0.0)
+    for i, device_id in enumerate(DEVICES):
+        deliver(engine, members[i % 2], device_update(engine, device_id, tasks[device_id], 1.0 + i))
+        assert alone.receive(device_id, device_update(alone, device_id, alone_tasks[device_id], 1.0 + i), 1.0).accepted
+    for member in members:
+        assert engine.receive_partial(member.name, member.on_close(1)) is None
+    engine.close_round(2.0)
+    alone.close_round(2.0)
+    for name, value in alone.global_state.items():
+        torch.testing.assert_close(engine.global_state[name], value, rtol=1e-5, atol=1e-6)
+    assert engine.pending["participants"] == len(DEVICES)
+
+
+def test_a_partial_over_other_updates_than_the_engine_told_is_refused(federation):
+    engine, tasks, (member, _) = federation
+    deliver(engine, member, device_update(engine, "dev_000", tasks["dev_000"], 1.0))
+    partial = member.on_close(1)
+    forged = wire.Partial(1, partial.sum, ("dev_000", "dev_001"))
+    assert "it was told to fold ['dev_000']" in engine.receive_partial(member.name, forged)
+
+
+def test_a_missing_partial_leaves_its_updates_undelivered(federation):
+    engine, tasks, members = federation
+    for i, device_id in enumerate(DEVICES):
+        deliver(engine, members[i % 2], device_update(engine, device_id, tasks[device_id], 1.0))
+    assert engine.receive_partial("agg-0", members[0].on_close(1)) is None
+    assert engine.partials_missing() == ["agg-1"]
+    result, _ = engine.close_round(2.0)
+    assert result.dropped == {"dev_001": "aggregator agg-1 sent no partial sums"}
+    assert engine.pending["participants"] == 2
+
+
+@pytest.mark.parametrize("kind", [wire.RECEIPT, wire.PARTIAL])
+def test_the_engine_refuses_what_is_sealed_under_another_key_than_the_server_key(kind: str, tmp_path: Path):
+    engine_side = wire.engine_link(SERVER_KEY, tmp_path / "engine", OPEN_MAX)
+    forger = wire.aggregator_link(WRONG_KEY, tmp_path / "forger", OPEN_MAX)
+    if kind == wire.RECEIPT:
+        msg = wire.receipt_message(wire.Receipt("dev_000", RUN, 1, "update-1", 7, {}, 0), "agg-0")
+    else:
+        msg = wire.partial_message(wire.Partial(1, PartialSum({}, 50.0, 1), ("dev_000",)), "agg-0")
+    with pytest.raises(Refused) as info:
+        engine_side.open(forger.seal(msg), RUN, device_id="agg-0")
+    assert info.value.reason == Refusal.BAD_TAG
+    genuine = wire.aggregator_link(SERVER_KEY, tmp_path / "genuine", OPEN_MAX)
+    assert wire.kind_of(engine_side.open(genuine.seal(msg), RUN, device_id="agg-0")) == kind
+
+
+def test_the_open_rounds_brief_again_keeps_what_was_folded(federation):
+    engine, tasks, (member, _) = federation
+    deliver(engine, member, device_update(engine, "dev_000", tasks["dev_000"], 1.0))
+    member.on_brief(engine.brief(OPEN_MAX))  # a device rejoined with a new plan during the round
+    assert member.folded == ["dev_000"] and member.average.count == 1
+    assert member.on_update("dev_000", device_update(engine, "dev_000", tasks["dev_000"], 1.0)) == \
+        "duplicate update for round 1"
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--name", "agg-0"], "--broker is required"),
+    (["--name", "agg/0", "--broker", "mqtt://127.0.0.1:1"], "--prefix/--group/--name"),
+    (["--name", "agg-0", "--broker", "mqtt://127.0.0.1:1"], "does not exist"),
+])
+def test_the_aggregator_command_exits_2_saying_what_to_fix(flags: list[str], named: str, tmp_path: Path, capsys):
+    assert aggregator.main([*flags, "--enroll", str(tmp_path / "missing.json"),
+                            "--workdir", str(tmp_path / "work")]) == 2
+    assert named in capsys.readouterr().err
