@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-devices", type=int, default=None,
                      help="devices a round needs ready (default: --local-devices, or 1)")
     run.add_argument("--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
-                     help="seconds to wait for --min-devices before giving up")
+                     help="seconds to wait for --min-devices before giving up (the time the server spends "
+                          "building their artifacts does not count)")
     run.add_argument("--round-deadline", type=float, default=DEFAULT_ROUND_DEADLINE_S,
                      help="seconds a round waits for answers")
     run.add_argument("--min-completion", type=float, default=DEFAULT_MIN_COMPLETION,
@@ -311,15 +312,21 @@ class Federation:
     def _send(self, device_id: str, msg: Message) -> None:
         self.endpoint.publish(Topics(self.args.prefix, device_id).down, self.link.seal(msg), msg.msg_id)
 
-    def _pump(self, until: Callable[[], bool], deadline: float | None = None) -> bool:
-        """Handle arriving messages until ``until()`` holds (True) or ``deadline`` passes (False)."""
+    def _pump(self, until: Callable[[], bool], deadline: float | None = None, *,
+              handling_counts: bool = True) -> bool:
+        """Handle arriving messages until ``until()`` holds (True) or ``deadline`` passes (False). With
+        ``handling_counts=False`` the time spent handling messages moves the deadline on: a wait for devices
+        measures the devices, not the server building their artifacts on a loaded machine."""
         while not until():
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return False
             item = self.endpoint.get(POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - now)))
             if item is not None:
+                started = time.monotonic()
                 self._handle(*item)
+                if deadline is not None and not handling_counts:
+                    deadline += time.monotonic() - started
             self._after_reconnect()
             self._ask_unjoined_to_join(time.monotonic())
             if self.local.processes and not self.local.check() and not self.coordinator.ready_devices():
@@ -526,7 +533,7 @@ class Federation:
         if self.coordinator.can_start():
             return
         LOG.info("waiting for %d ready device(s) (%d now)", need, len(self.coordinator.ready_devices()))
-        if not self._pump(self.coordinator.can_start, time.monotonic() + self.args.join_timeout):
+        if not self._pump(self.coordinator.can_start, time.monotonic() + self.args.join_timeout, handling_counts=False):
             raise RunError(f"only {len(self.coordinator.ready_devices())} of --min-devices {need} devices "
                            f"ready after --join-timeout {self.args.join_timeout:g} s")
 

@@ -106,7 +106,7 @@ def test_device_cannot_write_or_read_another_devices_topics_during_a_federation(
             assert broker_loop.main([*QUICK, "--rounds", str(ROUNDS), "--min-devices", str(len(PASSWORDS)),
                                      "--broker", secured_broker.url, "--username", SERVER_USER,
                                      "--password", SERVER_PASSWORD, "--tls-ca", str(tls_files.cafile),
-                                     "--join-timeout", "60", "--round-deadline", "60",
+                                     "--join-timeout", "300", "--round-deadline", "300",
                                      "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"),
                                      "--enroll", str(enrolled(tmp_path / "enroll.json"))]) == 0
     finally:

@@ -164,7 +164,7 @@ def test_installed_device_joins_a_federation_over_a_local_broker_and_trains(pref
         url = broker.url
         server = subprocess.Popen([sys.executable, "-m", "server.broker_loop", "--dataset", "digits", "--broker", url,
                                    "--min-devices", "1", "--rounds", "1", "--batch-size", "64", "--max-samples", "0",
-                                   "--rank-ratio", "0.25", "--round-deadline", "120", "--join-timeout", "120",
+                                   "--rank-ratio", "0.25", "--round-deadline", "300", "--join-timeout", "300",
                                    "--cache-dir", str(tmp_path / "cache"), "--out", str(out),
                                    "--enroll", str(enrollment_file(tmp_path / "enroll.json", ["dev_000"]))],
                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -770,7 +770,7 @@ def test_impostor_on_an_open_broker_does_not_change_the_global_fe(embedded_broke
     same federation run in process without any of it."""
     with Impostor(embedded_broker.url) as impostor:
         assert broker_loop.main([*QUICK, "--rounds", str(WIRE_ROUNDS), "--local-devices", str(WIRE_DEVICES),
-                                 "--broker", embedded_broker.url, "--join-timeout", "60", "--round-deadline", "60",
+                                 "--broker", embedded_broker.url, "--join-timeout", "300", "--round-deadline", "300",
                                  "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")]) == 0
     assert impostor.attacks >= WIRE_ROUNDS and impostor.captured
     records = read_metrics(tmp_path / "run" / METRICS_FILE)

@@ -130,8 +130,8 @@ def test_two_devices_federate_through_the_setup_and_a_wrong_password_is_refused(
                    for device_id in ("dev_000", "dev_001")]
         monkeypatch.setenv(PASSWORD_ENV, "server-secret")
         assert broker_loop.main([*DATA, *TRAINING, "--rounds", str(ROUNDS), "--min-devices", "2",
-                                 "--broker", broker.url, "--username", "server", "--join-timeout", "60",
-                                 "--round-deadline", "60", "--cache-dir", str(reachable_dir / "cache"),
+                                 "--broker", broker.url, "--username", "server", "--join-timeout", "300",
+                                 "--round-deadline", "300", "--cache-dir", str(reachable_dir / "cache"),
                                  "--out", str(reachable_dir / "run"), "--enroll", str(setup / "enrollment.json")]) == 0
         intruder = MqttEndpoint("dev_001", broker.url, username="dev_001", password="wrong")
         intruder.start()

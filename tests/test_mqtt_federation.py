@@ -47,7 +47,7 @@ QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "
 DEVICES = 5
 ROUNDS = 3
 TIERS = (1.0, 0.25)  # assigned round-robin by an override file, as server.simulate --rank-tiers assigns them
-BOUNDED = ["--join-timeout", "60", "--round-deadline", "60"]  # a broken run fails instead of hanging
+BOUNDED = ["--join-timeout", "300", "--round-deadline", "300"]  # a broken run fails instead of hanging
 WAIT_S = 20.0
 SMALL_FRAME = 64 * 1024
 

@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 MOSQUITTO_PUB = shutil.which("mosquitto_pub")
 PREFIX = "fedara"
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
-         "--threads", "1", "--join-timeout", "90", "--round-deadline", "300", "--prefix", PREFIX]
+         "--threads", "1", "--join-timeout", "300", "--round-deadline", "300", "--prefix", PREFIX]
 ROUNDS = 8
 """Rounds of the attacked and the clean run (the attack lands in round 2, while the devices are paused)."""
 FLOOD_TOPICS = 1000

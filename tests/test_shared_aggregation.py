@@ -18,7 +18,7 @@ from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.report import METRICS_FILE, read_metrics
 
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
-         "--lam", "2", "--lam-warmup", "1", "--threads", "1", "--join-timeout", "60", "--round-deadline", "60"]
+         "--lam", "2", "--lam-warmup", "1", "--threads", "1", "--join-timeout", "300", "--round-deadline", "300"]
 DEVICES, ROUNDS = 4, 2
 TIERS = (1.0, 0.25)
 BROKER_LIMIT = 16 << 20
