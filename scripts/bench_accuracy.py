@@ -307,14 +307,14 @@ def execute(argv: tuple[str, ...], verbose: bool = False) -> dict:
     """Run one federation in this process (server.simulate's engine, run folder in a temporary directory):
     its command, per-round records and each device's test-split size (for per-tier accuracy)."""
     args = simulate.build_parser().parse_args(list(argv))
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     with tempfile.TemporaryDirectory() as tmp:
         progress = Progress(args.rounds, emit=print if verbose else lambda _: None)
         simulation = simulate.Simulation(args, run_setup.RunFolder(Path(tmp)), progress)
         records = simulation.run()
     test_samples = {d: int(len(device.shard.y_test)) for d, device in sorted(simulation.devices.items())}
     return dict(command=shlex.join(["python", "-m", "server.simulate", *argv]), wall_s=time.perf_counter() - start,
-                test_samples=test_samples, rounds=records, **simulate.summary(records))
+                cpu_s=time.process_time() - start_cpu, test_samples=test_samples, rounds=records, **simulate.summary(records))
 
 
 def _worker_init(threads: int) -> None:
@@ -585,16 +585,18 @@ def estimate_section(estimate: dict | None) -> list[str]:
     config = estimate["config"]
     lines = ["## Expected run time (measured on a sample)", "",
              f"Command: `{estimate['command']}`. The first run of each cost class ran {estimate['sample_rounds']} "
-             "round(s); the last is the per-round cost, the rest of its wall time the setup "
-             f"({estimate['machine']}, load average {estimate['load_average']} at the end).", "",
-             "| cost class | runs | setup s | s per round | expected core-min |", "|---|---|---|---|---|"]
+             "round(s); the last is the per-round cost, the rest of its wall time the setup; core time is wall time "
+             "× the sample's CPU time / wall time (the machine was shared: load average "
+             f"{estimate['load_average']} at the end; {estimate['machine']}).", "",
+             "| cost class | runs | setup s | s per round (wall) | share of a core | expected core-min |",
+             "|---|---|---|---|---|---|"]
     for c in estimate["classes"]:
         lines.append(f"| `{class_label(c['sample_command'])}` | {c['runs']} | {c['setup_s']:.1f} | {c['round_s']:.1f} "
-                     f"| {c['expected_s'] / 60:.1f} |")
+                     f"| {c['cpu_share']:.0%} | {c['expected_core_s'] / 60:.1f} |")
     lines += ["", f"Expected: {estimate['total_core_s'] / 3600:.1f} core-hours for {estimate['runs']} runs of "
                   f"{config['rounds']} rounds × {config['local_epochs']} epoch(s), "
-                  f"{estimate['total_core_s'] / config['jobs'] / 3600:.1f} h on {config['jobs']} job(s) × "
-                  f"{config['threads']} thread(s) (sampled in {estimate['wall_s'] / 60:.1f} min).", ""]
+                  f"{estimate['total_core_s'] / config['jobs'] / 3600:.1f} h on {config['jobs']} job(s) with a core "
+                  f"each (sampled in {estimate['wall_s'] / 60:.1f} min).", ""]
     return lines
 
 
@@ -861,10 +863,12 @@ def with_rounds(argv: tuple[str, ...], rounds: int) -> tuple[str, ...]:
 
 def estimate(config: BenchConfig, command: str, out_dir: Path, sample_rounds: int) -> dict:
     """Run the first run of each cost class for ``sample_rounds`` rounds and project the benchmark: Σ over runs
-    of setup + rounds × seconds per round, divided by the jobs for the wall time.
+    of setup + rounds × seconds per round.
 
     The last sampled round is the per-round cost (round 1 also builds every plan's factorization, seconds that
-    do not repeat); setup is the rest of the sample's wall time (data, plans, the final evaluation)."""
+    do not repeat); setup is the rest of the sample's wall time (data, plans, the final evaluation). Wall time
+    depends on what else the machine runs, so the projection is also given in core time: scaled by the
+    sample's CPU time / wall time (its share of a core; one torch thread per run)."""
     unique = bench_plan(config).unique()
     classes: dict[tuple[str, ...], list[RunSpec]] = {}
     for spec in unique:
@@ -876,20 +880,21 @@ def estimate(config: BenchConfig, command: str, out_dir: Path, sample_rounds: in
         result = execute(with_rounds(members[0].argv, sample_rounds))
         round_s = result["rounds"][-1]["seconds"]
         setup_s = result["wall_s"] - sample_rounds * round_s
+        cpu_share = result["cpu_s"] / result["wall_s"]
         expected = len(members) * (setup_s + config.rounds * round_s)
         measured.append(dict(sample_command=result["command"], runs=len(members), setup_s=setup_s, round_s=round_s,
-                             expected_s=expected))
-        print(f"{len(members):3d} runs like `{result['command']}`: setup {setup_s:.1f} s, {round_s:.1f} s per "
-              f"round -> {expected / 60:.1f} core-min", flush=True)
-    total = sum(c["expected_s"] for c in measured)
+                             cpu_share=cpu_share, expected_s=expected, expected_core_s=expected * cpu_share))
+        print(f"{len(members):3d} runs like `{result['command']}`: setup {setup_s:.1f} s, {round_s:.1f} s per round "
+              f"at {cpu_share:.0%} of a core -> {expected * cpu_share / 60:.1f} core-min", flush=True)
+    total_core = sum(c["expected_core_s"] for c in measured)
     document = dict(command=command, config=config.to_dict(), runs=len(unique), sample_rounds=sample_rounds,
-                    classes=measured, total_core_s=total,
+                    classes=measured, total_core_s=total_core, total_wall_s=sum(c["expected_s"] for c in measured),
                     wall_s=time.perf_counter() - start, load_average=" ".join(f"{v:.1f}" for v in os.getloadavg()),
                     machine=f"{platform.machine()}, torch {torch.__version__}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / ESTIMATE_NAME).write_text(json.dumps(document, indent=1, ensure_ascii=False))
-    print(f"expected: {total / 3600:.2f} core-hours for {len(unique)} runs; {total / config.jobs / 3600:.2f} h on "
-          f"{config.jobs} job(s); wrote {out_dir / ESTIMATE_NAME}", flush=True)
+    print(f"expected: {total_core / 3600:.2f} core-hours for {len(unique)} runs, {total_core / config.jobs / 3600:.2f} h "
+          f"on {config.jobs} job(s) with a core each; wrote {out_dir / ESTIMATE_NAME}", flush=True)
     return document
 
 

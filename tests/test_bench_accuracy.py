@@ -224,8 +224,8 @@ def test_estimate_times_one_run_per_cost_class_and_shows_in_the_report(bench, tm
     assert bench.main(["--quick", "--study", "partition", "--estimate", "--out-dir", str(tmp_path)]) == 0
     estimate = json.loads((tmp_path / bench.ESTIMATE_NAME).read_text())
     assert [c["runs"] for c in estimate["classes"]] == [4, 2]  # FedARA (2 rules × 2 partitions); local CNN1..5
-    assert estimate["total_core_s"] == pytest.approx(sum(c["expected_s"] for c in estimate["classes"]))
-    assert all(c["round_s"] > 0 for c in estimate["classes"])
+    assert estimate["total_core_s"] == pytest.approx(sum(c["expected_core_s"] for c in estimate["classes"]))
+    assert all(c["round_s"] > 0 and c["cpu_share"] > 0 for c in estimate["classes"])
     shutil.copy(quick_run[0] / bench.JSON_NAME, tmp_path / bench.JSON_NAME)
     assert bench.main(["--render-only", "--out-dir", str(tmp_path)]) == 0
     assert "## Expected run time" in (tmp_path / bench.MARKDOWN_NAME).read_text()
