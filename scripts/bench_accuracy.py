@@ -1,6 +1,6 @@
 """Accuracy benchmark: FedARA's aggregation rules, λ and partitions against its ablation and the baselines.
 
-    nice -n 5 .venv/bin/python scripts/bench_accuracy.py --jobs 2        # the committed docs/accuracy.*
+    nice -n 5 .venv/bin/python scripts/bench_accuracy.py --jobs 2        # docs/accuracy.*: 71 min on 2 busy cores
     .venv/bin/python scripts/bench_accuracy.py --render-only             # redo the report from docs/accuracy.json
     .venv/bin/python scripts/bench_accuracy.py --preset paper --estimate  # time a sample, print the expected total
 
@@ -217,7 +217,8 @@ def headline_plan(config: BenchConfig) -> BenchPlan:
     for seed in config.seeds:
         common = common_arguments(config, partition, seed)
         for setting, algorithms in ((hetero, hetero_algorithms), (homo, homogeneous_algorithms(config.lam))):
-            plan.specs += [RunSpec("headline", setting, label, seed, tuple(common + extra)) for label, extra in algorithms]
+            plan.specs += [RunSpec("headline", setting, label, seed, tuple(common + extra))
+                           for label, extra in algorithms]
     updates, weights = fedara_label("updates"), fedara_label("weights")
     plan.pairs += [Pair("headline", hetero, updates, weights),
                    Pair("headline", hetero, updates, fedara_label("updates", 0)),
@@ -314,7 +315,8 @@ def execute(argv: tuple[str, ...], verbose: bool = False) -> dict:
         records = simulation.run()
     test_samples = {d: int(len(device.shard.y_test)) for d, device in sorted(simulation.devices.items())}
     return dict(command=shlex.join(["python", "-m", "server.simulate", *argv]), wall_s=time.perf_counter() - start,
-                cpu_s=time.process_time() - start_cpu, test_samples=test_samples, rounds=records, **simulate.summary(records))
+                cpu_s=time.process_time() - start_cpu, test_samples=test_samples, rounds=records,
+                **simulate.summary(records))
 
 
 def _worker_init(threads: int) -> None:
@@ -469,7 +471,8 @@ def lambda_rows(results: list[dict], config: BenchConfig) -> list[dict]:
     rows = []
     for rule in AGGREGATION_RULES:
         for lam in config.lambdas:
-            values = [v for (_, _, a), by_seed in finals.items() if a == fedara_label(rule, lam) for v in by_seed.values()]
+            label = fedara_label(rule, lam)
+            values = [v for (_, _, a), by_seed in finals.items() if a == label for v in by_seed.values()]
             if values:
                 rows.append(dict(rule=rule, lam=lam, seeds=len(values), mean=float(np.mean(values)),
                                  se=standard_error(values)))
@@ -635,7 +638,8 @@ def markdown_report(config: BenchConfig, command: str, results: list[dict], pair
         tiers = tier_rows(study_results)
         if tiers:
             parts += ["### Per tier (final accuracy of each tier's devices)", "", tier_table(tiers), "",
-                      tier_differences_table(tier_differences(study_results, [p for p in pairs if p.study == study])), ""]
+                      tier_differences_table(tier_differences(study_results, [p for p in pairs if p.study == study])),
+                      ""]
     parts += [
         "Accuracy is Σ correct / Σ test samples over every client's local test split, each client with its own "
         "personalized model (FedAvg: the global model); 'std over clients' is the spread of the clients' own "
