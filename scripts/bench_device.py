@@ -405,28 +405,29 @@ def measure_latency(spec: dict, steps: int) -> dict:
     return dict(threads=per_threads, probe_gflops=max(probes), probes=probes)
 
 
-def ort_training_floor_worker(spec: dict) -> dict:
-    """What a device process on onnxruntime-training does for ``spec["rounds"]`` rounds, as the agent does it:
-    import the modules the agent imports (paho included); write the plan's artifact files into its workdir and load
-    them from there (page cache a device writes is charged to its cgroup); per round, take the task as MQTT frames
-    through the transport's reassembler and decode it, run the local round with the received-model evaluation
-    (``run_task``), save the head and the encoded answer, and split the answer into the frames the transport
-    publishes (kept until the next round, as paho keeps unacknowledged frames)."""
+def device_floor_worker(spec: dict, artifacts_key: str) -> dict:
+    """What a device process does for ``spec["rounds"]`` rounds on the artifacts at ``spec[artifacts_key]`` (the
+    runtime follows their kind, as the agent's ``open_trainer`` picks it): import the modules the agent imports
+    (paho included); write the plan's artifact files into its workdir and load them from there (page cache a device
+    writes is charged to its cgroup); per round, take the task as MQTT frames through the transport's reassembler
+    and decode it, run the local round with the received-model evaluation (``run_task``), save the head and the
+    encoded answer, and split the answer into the frames the transport publishes (kept until the next round, as
+    paho keeps unacknowledged frames)."""
     import device_runtime.agent  # noqa: F401 -- the modules a device process holds
     from device_runtime.local_round import run_task
     from device_runtime.auth import Direction
     from device_runtime.protocol import Message, MessageType, Reassembler, chunk, decode, seal
+    from device_runtime.runtimes import open_trainer
     from device_runtime.shard import load_shard
     from device_runtime.task import Phase, Task
-    from device_runtime.trainer import DeviceTrainer
     shard = load_shard(spec["shard"])
     sent: list[bytes] = []
     with tempfile.TemporaryDirectory() as workdir:
         artifacts = Path(workdir) / "artifacts"
         artifacts.mkdir()
-        for source in Path(spec["artifacts"]).iterdir():
+        for source in Path(spec[artifacts_key]).iterdir():
             (artifacts / source.name).write_bytes(source.read_bytes())
-        trainer = DeviceTrainer(artifacts, threads=1)
+        trainer = open_trainer(artifacts, threads=1)
         fe = trainer.get_fe()
         for index in range(spec["rounds"]):
             round_index = ROUND + index
@@ -470,9 +471,11 @@ def torch_floor_worker(spec: dict) -> dict:
     return dict(peak_rss_bytes=peak_rss_bytes())
 
 
-FLOOR_WORKERS = {"ort-training": ort_training_floor_worker, "torch": torch_floor_worker}
-"""Runtime name -> the worker that does a device's rounds on it. A device runtime added later (e.g. a stock
-onnxruntime one) adds its worker here and is measured with ``--memory-floor --runtimes NAME``."""
+FLOOR_WORKERS = {"ort-training": lambda spec: device_floor_worker(spec, "artifacts"),
+                 "portable": lambda spec: device_floor_worker(spec, "portable_artifacts"),
+                 "torch": torch_floor_worker}
+"""Runtime name -> the worker that does a device's rounds on it (``portable``: the step graph on stock onnxruntime,
+in ``--portable-python``)."""
 DEVICE_RUNTIMES = ("ort-training",)  # the runtimes whose floors go into the cost model (the others are references)
 
 
@@ -604,14 +607,14 @@ def bisect_floor(completes: Callable[[int], bool], upper_mb: int, resolution_mb:
     return high, trials
 
 
-def run_in_group(kind: str, spec: dict, limit_mb: int, timeout_s: float) -> dict:
-    """``WORKERS[kind](spec)`` in a fresh interpreter inside a new memory cgroup of ``limit_mb`` MiB: whether it
-    completed within ``timeout_s``, its result, seconds, and the group's evidence (OOM kills, charged peak)."""
+def run_in_group(kind: str, spec: dict, limit_mb: int, timeout_s: float, python: str = sys.executable) -> dict:
+    """``WORKERS[kind](spec)`` in a fresh interpreter (``python``) inside a new memory cgroup of ``limit_mb`` MiB:
+    whether it completed within ``timeout_s``, its result, seconds, and the group's evidence (OOM kills, peak)."""
     from server.cgroups import create_group, popen_in_group
     group = create_group(f"floor-{limit_mb}", limit_mb)
     try:
         start = time.perf_counter()
-        proc = popen_in_group(group, [sys.executable, str(Path(__file__).resolve()), "--worker", kind,
+        proc = popen_in_group(group, [python, str(Path(__file__).resolve()), "--worker", kind,
                                       json.dumps(spec)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=worker_env())
         try:
@@ -636,13 +639,14 @@ def run_in_group(kind: str, spec: dict, limit_mb: int, timeout_s: float) -> dict
                 error=None if completed or evidence.oom_killed else err.strip()[-400:])
 
 
-def measure_floor(plan: dict, runtime: str, batch_size: int, rounds: int) -> dict:
-    """The memory floor of ``plan`` on ``runtime``: a reference run in an open group, then bisection; a limit
-    passes when FLOOR_REPEATS fresh processes in a row complete under it (stopping at the first that does not)."""
-    spec = {k: plan[k] for k in ("model", "input_shape", "ranks", "artifacts", "shard", "label")}
+def measure_floor(plan: dict, runtime: str, batch_size: int, rounds: int, python: str = sys.executable) -> dict:
+    """The memory floor of ``plan`` on ``runtime`` (workers in ``python``): a reference run in an open group, then
+    bisection; a limit passes when FLOOR_REPEATS fresh processes in a row complete under it (stopping at the first
+    that does not)."""
+    spec = {k: plan[k] for k in ("model", "input_shape", "ranks", "artifacts", "portable_artifacts", "shard", "label")}
     spec.update(batch_size=batch_size, rounds=rounds)
     kind = f"floor-{runtime}"
-    reference = run_in_group(kind, spec, FLOOR_OPEN_LIMIT_MB, timeout_s=600)
+    reference = run_in_group(kind, spec, FLOOR_OPEN_LIMIT_MB, timeout_s=600, python=python)
     if not reference.get("completed"):
         raise RuntimeError(f"{runtime} worker for {plan['label']} failed without a limit:\n{reference['error']}")
     timeout_s = FLOOR_TIME_FACTOR * reference["seconds"] + FLOOR_TIME_SLACK_S
@@ -651,7 +655,7 @@ def measure_floor(plan: dict, runtime: str, batch_size: int, rounds: int) -> dic
     def completes(limit: int) -> bool:
         runs[limit] = []
         while len(runs[limit]) < FLOOR_REPEATS:
-            runs[limit].append(run_in_group(kind, spec, limit, timeout_s))
+            runs[limit].append(run_in_group(kind, spec, limit, timeout_s, python))
             if not runs[limit][-1]["completed"]:
                 return False
         return True
@@ -744,7 +748,8 @@ def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -
         floors = []
         for plan in plans:
             for runtime in args.runtimes:
-                floors.append(measure_floor(plan, runtime, BATCH, FLOOR_ROUNDS))
+                python = args.portable_python if runtime == "portable" else sys.executable
+                floors.append(measure_floor(plan, runtime, BATCH, FLOOR_ROUNDS, python))
                 print(f"floor {runtime} {plan['label']}: {floors[-1]['floor_mb']} MiB "
                       f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     tables = floor_tables(floors)
@@ -981,7 +986,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default and choices: {','.join(FLOOR_WORKERS)})")
     p.add_argument("--portable-python", default=sys.executable,
                    help="interpreter whose environment has stock onnxruntime, for the portable runtime's workers "
-                        "(default: this one, whose training build's InferenceSession runs the step graph)")
+                        "(latency and --memory-floor; default: this one, whose training build's InferenceSession "
+                        "runs the step graph)")
     p.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     return p
 

@@ -37,7 +37,7 @@ def main() -> int:
     args = parser.parse_args()
     print(json.dumps(dict(profile=collect_profile(args.memory_budget_mb, 1).to_meta())), flush=True)
     plan = json.loads(sys.stdin.readline())
-    result = bench_device_module().ort_training_floor_worker(dict(plan, shard=args.shard))
+    result = bench_device_module().device_floor_worker(dict(plan, shard=args.shard), "artifacts")
     print(json.dumps(dict(result, rounds=plan["rounds"])), flush=True)
     return 0
 
