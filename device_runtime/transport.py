@@ -368,8 +368,8 @@ class MqttEndpoint:
         try:
             payload = self._reassembler.feed(frame, now, stream=topic)
         except ProtocolError as exc:
-            self._bump("frames_rejected")
             LOG.warning("%s: dropped frame on %s: %s", self.client_id, topic, exc)
+            self._bump("frames_rejected")  # after the log line: a reader of the count finds it logged
             payload = None
         if payload is not None:
             self._bump("messages_in")
@@ -380,8 +380,8 @@ class MqttEndpoint:
 
     def _expire(self, now: float) -> None:
         for msg_id in self._reassembler.expire(now):
-            self._bump("messages_expired")
             LOG.warning("%s: incomplete message %s expired", self.client_id, msg_id)
+            self._bump("messages_expired")
 
     @property
     def pending_bytes(self) -> int:

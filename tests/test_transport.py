@@ -212,6 +212,31 @@ def test_invalid_frame_is_dropped_logged_and_counted(mosquitto_broker, connect, 
     assert server.stats["messages_in"] == 0
 
 
+class CountAtLog(logging.Handler):
+    """The endpoint's rejected-frame count at the moment each warning is logged."""
+
+    def __init__(self, endpoint: MqttEndpoint) -> None:
+        super().__init__(logging.WARNING)
+        self.endpoint, self.counts = endpoint, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.counts.append(self.endpoint.stats["frames_rejected"])
+
+
+def test_rejected_frame_is_logged_before_it_is_counted(embedded_broker, connect) -> None:
+    """Whoever sees the count go up (a test, a health check) finds the reason already in the log."""
+    server = connect("server", embedded_broker.url, subscriptions=[DEV1.up])
+    spy = CountAtLog(server)
+    logging.getLogger("fedara.transport").addHandler(spy)
+    try:
+        paho.mqtt.publish.single(DEV1.up, b"not a frame", qos=1, hostname="127.0.0.1",
+                                 port=embedded_broker.port, client_id="rogue")
+        wait_until(lambda: server.stats["frames_rejected"] == 1)
+    finally:
+        logging.getLogger("fedara.transport").removeHandler(spy)
+    assert spy.counts == [0]
+
+
 # -- publish guards ---------------------------------------------------------------------------
 
 
