@@ -109,6 +109,7 @@ class Reason(str, Enum):
     BAD_FRAME = "bad_frame"
     BAD_INDEX = "bad_index"
     INCONSISTENT_CHUNK = "inconsistent_chunk"
+    REPEAT = "repeat"
 
 
 class ProtocolError(ValueError):
@@ -121,6 +122,14 @@ class ProtocolError(ValueError):
 
     def __str__(self) -> str:
         return f"{self.message} [{self.reason.value}]"
+
+
+class RepeatedFrame(ProtocolError):
+    """A frame of a message delivered moments ago: an MQTT QoS 1 re-delivery, or a replay by anyone on the broker.
+    The two look alike, so the frame is dropped and the caller says so without alarm."""
+
+    def __init__(self, msg_id: str) -> None:
+        super().__init__(Reason.REPEAT, f"message {msg_id!r} was delivered moments ago (a re-delivery or a replay)")
 
 
 class MessageType(str, Enum):
@@ -733,8 +742,8 @@ class Reassembler:
     A frame flood on many topics thus costs a bounded amount of memory; it can still push out a
     genuine message in flight, which is then lost like any message on a lossy link. A frame that
     contradicts earlier frames of its msg_id is rejected and ignored; a completed payload whose
-    hash fails is dropped. Frames of a recently delivered msg_id (MQTT QoS 1 re-delivery) are
-    ignored."""
+    hash fails is dropped. A frame of a recently delivered msg_id (an MQTT QoS 1 re-delivery, or an
+    exact replay) raises RepeatedFrame: nothing is delivered twice, and the caller can say why."""
 
     def __init__(self, max_message_bytes: int, timeout_s: float, max_pending: int,
                  max_pending_bytes: int | None = None) -> None:
@@ -791,7 +800,7 @@ class Reassembler:
             )
         key = (stream, f.msg_id)
         if key in self._delivered:
-            return None
+            raise RepeatedFrame(f.msg_id)
         pending = self._pending.get(key)
         if pending is None:
             pending = self._admit(key, f, now)

@@ -26,7 +26,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
 from device_runtime.auth import new_nonce
 from device_runtime.protocol import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, ProtocolError, Reassembler,
-                                     chunk)
+                                     RepeatedFrame, chunk)
 
 LOG = logging.getLogger("fedara.transport")
 
@@ -42,7 +42,7 @@ STOP_STATUS_TIMEOUT_S = 2.0
 EXPIRE_INTERVAL_S = 1.0
 StatusFrames = Callable[[bool, str], bytes]
 """(online, connection nonce) -> the sealed status payload (status.StatusSigner)."""
-STAT_KEYS = ("frames_in", "frames_rejected", "messages_in", "messages_expired",
+STAT_KEYS = ("frames_in", "frames_rejected", "frames_repeated", "messages_in", "messages_expired",
              "bytes_out", "bytes_in", "reconnects")
 
 
@@ -105,14 +105,17 @@ class MqttEndpoint:
     acknowledged, so a peer that answers the status reaches this endpoint (and the offline frame on a clean
     stop()). `max_pending_bytes` bounds the chunks held for incomplete messages over all topics together
     (default: `max_message_bytes`).
+    `unsubscriptions` are filters this endpoint must not hold: each CONNECT drops them first, since a persistent
+    session (same client id, clean_session False) keeps an earlier run's subscriptions.
     Credentials given as arguments take precedence over those in the URL. `connected` is set
     while the broker has accepted the connection and acknowledged the subscriptions.
     """
 
     def __init__(self, client_id: str, broker_url: str, *, subscriptions: list[str] | tuple[str, ...] = (),
-                 status: tuple[str, StatusFrames] | None = None, username: str | None = None,
-                 password: str | None = None, tls_ca: str | os.PathLike[str] | None = None,
-                 tls_cert: str | os.PathLike[str] | None = None, tls_key: str | os.PathLike[str] | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 unsubscriptions: list[str] | tuple[str, ...] = (), status: tuple[str, StatusFrames] | None = None,
+                 username: str | None = None, password: str | None = None,
+                 tls_ca: str | os.PathLike[str] | None = None, tls_cert: str | os.PathLike[str] | None = None,
+                 tls_key: str | os.PathLike[str] | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
                  max_pending_messages: int = DEFAULT_MAX_PENDING_MESSAGES,
@@ -131,6 +134,7 @@ class MqttEndpoint:
             raise ValueError("tls_cert and tls_key must be given together")
         self.client_id = client_id
         self.subscriptions = tuple(subscriptions)
+        self.unsubscriptions = tuple(f for f in unsubscriptions if f not in self.subscriptions)
         self.max_frame_bytes = max_frame_bytes
         self.qos = qos
         self.connected = threading.Event()
@@ -322,6 +326,8 @@ class MqttEndpoint:
         self._nonce = self._armed_nonce
         self._arm_will(client)
         LOG.info("%s: connected to %s:%d", self.client_id, self.url.host, self.url.port)
+        if self.unsubscriptions:  # the broker handles it before the SUBSCRIBE below, whose ack marks us ready
+            client.unsubscribe(list(self.unsubscriptions))
         if self.subscriptions:
             _, self._subscribe_mid = client.subscribe([(topic, self.qos) for topic in self.subscriptions])
         else:
@@ -367,6 +373,10 @@ class MqttEndpoint:
         self._bump("bytes_in", len(frame))
         try:
             payload = self._reassembler.feed(frame, now, stream=topic)
+        except RepeatedFrame as exc:
+            LOG.info("%s: ignored a frame on %s: %s", self.client_id, topic, exc)
+            self._bump("frames_repeated")
+            payload = None
         except ProtocolError as exc:
             LOG.warning("%s: dropped frame on %s: %s", self.client_id, topic, exc)
             self._bump("frames_rejected")  # after the log line: a reader of the count finds it logged

@@ -667,12 +667,13 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
                        if aggregators else None)
     subscriptions = server_subscriptions(args.prefix, updates=not aggregators)
     subscriptions += [wire.engine_filter(args.prefix)] if aggregators else []
+    anything_a_server_held = [*server_subscriptions(args.prefix), wire.engine_filter(args.prefix)]
     local, local_aggregators = LocalDevices(), LocalDevices("aggregator")
     with broker_url(args) as url, contextlib.ExitStack() as stack:
         endpoint = MqttEndpoint(f"fedara-server-{args.prefix.replace('/', '_')}", url,
-                                subscriptions=subscriptions, username=args.username,
-                                password=args.password, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                                tls_key=args.tls_key, max_frame_bytes=args.max_message_bytes,
+                                subscriptions=subscriptions, unsubscriptions=anything_a_server_held,
+                                username=args.username, password=args.password, tls_ca=args.tls_ca,
+                                tls_cert=args.tls_cert, tls_key=args.tls_key, max_frame_bytes=args.max_message_bytes,
                                 max_message_bytes=max_inbound, max_pending_bytes=PENDING_UPDATES_BUDGETED * max_inbound,
                                 clean_session=False)
         endpoint.start()

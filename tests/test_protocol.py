@@ -605,11 +605,11 @@ def test_missing_frame_leaves_message_pending():
     assert reassembler.pending_ids == ("m1",)
 
 
-def test_redelivered_frame_after_completion_is_ignored():
+def test_redelivered_frame_after_completion_is_refused_as_a_repeat_and_delivers_nothing():
     (only,) = chunk(payload_of(10), FRAME_1K, "m1")
     reassembler = new_reassembler()
     assert reassembler.feed(only, 0.0) is not None
-    assert reassembler.feed(only, 1.0) is None and reassembler.pending_ids == ()
+    assert feed_reason(reassembler, only) == "repeat" and reassembler.pending_ids == ()
 
 
 def test_rejects_frame_shorter_than_its_header():

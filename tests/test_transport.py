@@ -177,6 +177,17 @@ def test_persistent_session_gets_messages_sent_while_it_was_offline(broker_url: 
     assert device.get(WAIT_S) == (DEV1.down, b"queued task")
 
 
+def test_a_filter_dropped_from_the_subscriptions_is_unsubscribed_from_the_persistent_session(broker_url: str,
+                                                                                         connect) -> None:
+    """A server restarted with other filters (say, with aggregators reading the updates) under the same client id
+    would otherwise still receive what its earlier run subscribed to."""
+    connect("server", broker_url, subscriptions=[DEV1.up, DEV1.update]).stop()
+    server = connect("server", broker_url, subscriptions=[DEV1.up], unsubscriptions=[DEV1.up, DEV1.update])
+    device = connect("dev1", broker_url)
+    device.publish(DEV1.update, b"for the aggregators", "update-1", wait=True)
+    device.publish(DEV1.up, b"for the server", "up-1", wait=True)
+    assert server.get(WAIT_S) == (DEV1.up, b"for the server") and server.get(0.5) is None
+
 def test_broker_with_persistence_keeps_retained_status_across_restart(start_mosquitto, connect,
                                                                      tmp_path: Path) -> None:
     broker = start_mosquitto(persistence_dir=tmp_path)
@@ -211,6 +222,18 @@ def test_invalid_frame_is_dropped_logged_and_counted(mosquitto_broker, connect, 
     assert "[truncated]" in caplog.text
     assert server.stats["messages_in"] == 0
 
+
+def test_a_frame_sent_again_is_delivered_once_and_its_repeat_logged_and_counted(mosquitto_broker, connect, caplog):
+    """An exact replay seconds later looks like a QoS 1 re-delivery: dropped with a logged reason, not delivered."""
+    server = connect("server", mosquitto_broker.url, subscriptions=[DEV1.up])
+    (frame,) = chunk(b"payload", SMALL_FRAME, "up-1")
+    with caplog.at_level(logging.INFO, logger="fedara.transport"):
+        for _ in range(2):
+            paho.mqtt.publish.single(DEV1.up, frame, qos=1, hostname="127.0.0.1", port=mosquitto_broker.port)
+        wait_until(lambda: server.stats["frames_repeated"] == 1)
+    assert server.get(WAIT_S) == (DEV1.up, b"payload") and server.get(0.5) is None
+    assert server.stats["messages_in"] == 1 and server.stats["frames_rejected"] == 0
+    assert "message 'up-1' was delivered moments ago (a re-delivery or a replay) [repeat]" in caplog.text
 
 class CountAtLog(logging.Handler):
     """The endpoint's rejected-frame count at the moment each warning is logged."""
