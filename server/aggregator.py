@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", required=True, help="this member's name, unique in the group ([A-Za-z0-9_.-])")
     p.add_argument("--enroll", required=True, metavar="FILE",
                    help="the server's enrollment file: the devices' keys and the server key")
-    p.add_argument("--workdir", default=None, help="where its counter state lives (default: aggregators/NAME)")
+    p.add_argument("--workdir", default=None,
+                   help="where its counter state lives; keep it across runs (default: aggregators/NAME)")
     return p
 
 

@@ -685,8 +685,9 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
             stack.callback(local_aggregators.stop)
             (out.path / AGGREGATORS_DIR).mkdir(exist_ok=True)
             for name in aggregators:
+                # A member's counters live with the deployment's (like a device's workdir): kept across runs
                 local_aggregators.spawn(name, aggregator_command(args, url, name, f"fedara-{run_id}", enrollment,
-                                                                 out.path / AGGREGATORS_DIR / name),
+                                                                 auth_state / AGGREGATORS_DIR / name),
                                         out.path / AGGREGATORS_DIR / f"{name}.log",
                                         env={PASSWORD_ENV: args.password} if args.password else None)
         if shards:

@@ -148,6 +148,19 @@ def test_the_engine_refuses_what_is_sealed_under_another_key_than_the_server_key
     assert wire.kind_of(engine_side.open(genuine.seal(msg), RUN, device_id="agg-0")) == kind
 
 
+@pytest.mark.parametrize("side", ["engine", "aggregator"])
+def test_a_link_started_again_on_its_state_refuses_what_it_took_before(side: str, tmp_path: Path):
+    """A brief of last week's run published to a member of today's run before today's engine has spoken (or a
+    receipt of last week's member to today's engine) is refused: the last counter taken is on disk."""
+    receiver, sender = (wire.engine_link, wire.aggregator_link) if side == "engine" else (wire.aggregator_link,
+                                                                                         wire.engine_link)
+    earlier = sender(SERVER_KEY, tmp_path / "sender", OPEN_MAX).seal(wire.message(wire.READY, "agg-0"))
+    latest = sender(SERVER_KEY, tmp_path / "sender", OPEN_MAX).seal(wire.message(wire.READY, "agg-0"))
+    assert wire.kind_of(receiver(SERVER_KEY, tmp_path / "receiver", OPEN_MAX).open(latest, RUN, device_id="agg-0"))
+    with pytest.raises(Refused) as info:
+        receiver(SERVER_KEY, tmp_path / "receiver", OPEN_MAX).open(earlier, RUN, device_id="agg-0")
+    assert info.value.reason == Refusal.REPLAY
+
 def test_the_open_rounds_brief_again_keeps_what_was_folded(federation):
     engine, tasks, (member, _) = federation
     deliver(engine, member, device_update(engine, "dev_000", tasks["dev_000"], 1.0))
