@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import server.run_setup as run_setup  # noqa: E402
+import server.shards as shards  # noqa: E402
 import server.simulate as simulate  # noqa: E402
 from server.data import DATASETS  # noqa: E402
 from server.objective import DEFAULT_LAM_WARMUP  # noqa: E402
@@ -292,14 +293,15 @@ def bench_plan(config: BenchConfig) -> BenchPlan:
 def install_dataset_cache() -> Callable[[], None]:
     """Load the dataset once per process instead of once per run; returns the function that undoes it.
 
-    ``run_setup.load_shards`` reloads and re-standardizes the whole dataset for every run; the loaded arrays
-    depend only on the arguments and ``load_shards`` copies what it keeps, so reusing them changes no number.
+    ``shards.data_from_args`` reloads and re-standardizes the whole dataset for every run; the loaded arrays
+    depend only on the arguments and the partition copies what each device keeps, so reusing them changes no
+    number.
     """
-    original = run_setup.load_dataset
-    run_setup.load_dataset = functools.lru_cache(maxsize=1)(original)
+    original = shards.load_dataset
+    shards.load_dataset = functools.lru_cache(maxsize=1)(original)
 
     def restore() -> None:
-        run_setup.load_dataset = original
+        shards.load_dataset = original
 
     return restore
 

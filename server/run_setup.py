@@ -20,13 +20,11 @@ from export.artifacts import ArtifactSet, build_artifacts_of_kind
 from server.algorithms.base import Algorithm
 from server.checkpoint import CHECKPOINT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from server.cli import parse_tiers
-from server.data import load_dataset
 from server.lowrank import FE_PREFIX, RankPlan, ResolvedPlan, factorize_model, resolve_plan
 from server.models import SplitModel, build_model
-from server.partition import make_client_shards
 from server.rank_assignment import DEFAULT_TIERS, check_tiers
 from server.report import METRICS_CSV, METRICS_FILE, write_metrics, write_metrics_csv, write_report
-from server.shards import DEVICE_ID, subset
+from server.shards import DEVICE_ID, data_from_args, partition_from_args
 from server.strategy import to_numpy
 
 LOG = logging.getLogger("fedara.setup")
@@ -50,13 +48,11 @@ def model_names(args: argparse.Namespace) -> list[str]:
 def load_shards(args: argparse.Namespace, count: int) -> tuple[SplitModel, tuple[int, ...], dict[str, Shard]]:
     """The initial model (the first of --model), its input shape and ``count`` device shards by device id (the
     same for both drivers given the same flags: a seeded subset of --max-samples, then the partition)."""
-    data = subset(load_dataset(args.dataset, args.data_dir, seed=args.seed), args.max_samples, args.seed)
+    data = data_from_args(args)
     model = build_model(model_names(args)[0], data.input_shape, data.num_classes, seed=args.seed)
     if not count:
         return model, tuple(data.input_shape), {}
-    shards = make_client_shards(data, args.partition, count, args.seed, alpha=args.alpha,
-                                classes_per_client=args.classes_per_client, min_samples=args.min_samples)
-    return model, tuple(data.input_shape), dict(zip(device_ids(count), shards))
+    return model, tuple(data.input_shape), dict(zip(device_ids(count), partition_from_args(data, args, count)))
 
 
 def all_models(args: argparse.Namespace, first: SplitModel, input_shape: tuple[int, ...]) -> dict[str, SplitModel]:

@@ -36,20 +36,15 @@ def subset(data: LabeledData, max_samples: int | None, seed: int) -> LabeledData
     return LabeledData(data.x[keep], data.y[keep], data.num_classes, data.name)
 
 
-def dataset_shards(dataset: str, data_dir: str | Path | None, partition: str, clients: int, seed: int, *,
-                   alpha: float, classes_per_client: int, min_samples: int,
-                   max_samples: int | None) -> list[Shard]:
-    """Load ``dataset``, keep its seeded subset and partition it among ``clients`` (the servers' recipe)."""
-    data = subset(load_dataset(dataset, data_dir, seed=seed), max_samples, seed)
-    return make_client_shards(data, partition, clients, seed, alpha=alpha, classes_per_client=classes_per_client,
-                              min_samples=min_samples)
+def data_from_args(args: argparse.Namespace) -> LabeledData:
+    """The seeded subset (``--max-samples``) of ``--dataset`` that every driver partitions."""
+    return subset(load_dataset(args.dataset, args.data_dir, seed=args.seed), args.max_samples, args.seed)
 
 
-def shards_from_args(args: argparse.Namespace) -> list[Shard]:
-    """``dataset_shards`` for parsed flags named as in server.simulate and server.broker_loop."""
-    return dataset_shards(args.dataset, args.data_dir, args.partition, args.clients, args.seed, alpha=args.alpha,
-                          classes_per_client=args.classes_per_client, min_samples=args.min_samples,
-                          max_samples=args.max_samples)
+def partition_from_args(data: LabeledData, args: argparse.Namespace, clients: int) -> list[Shard]:
+    """``data`` among ``clients`` by the partition flags, named as in server.simulate and server.broker_loop."""
+    return make_client_shards(data, args.partition, clients, args.seed, alpha=args.alpha,
+                              classes_per_client=args.classes_per_client, min_samples=args.min_samples)
 
 
 def describe(path: Path, shard: Shard) -> str:
@@ -98,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
-        shards = shards_from_args(args)
+        shards = partition_from_args(data_from_args(args), args, args.clients)
     except PartitionError as exc:
         print(f"error: --partition {args.partition} of --dataset {args.dataset} (--max-samples {args.max_samples}) "
               f"among --clients {args.clients} (--min-samples {args.min_samples}): {exc}", file=sys.stderr)
