@@ -6,9 +6,11 @@ a device-only install (numpy, onnxruntime, paho-mqtt)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -21,6 +23,7 @@ from device_runtime.protocol import DEFAULT_MAX_FRAME_BYTES
 from server.mosquitto_config import TlsFiles, write_mosquitto_conf
 
 MOSQUITTO_BIN = Path("/usr/sbin/mosquitto")
+MOSQUITTO_PUB = shutil.which("mosquitto_pub")
 BROKER_START_TIMEOUT_S = 10.0
 BROKER_STOP_TIMEOUT_S = 5.0
 ACCEPT_POLL_S = 0.02
@@ -139,6 +142,34 @@ def start_mosquitto(tmp_path: Path) -> Iterator[Callable[..., MosquittoProcess]]
     yield start
     for broker in brokers:
         broker.stop()
+
+
+@contextlib.contextmanager
+def attack_broker(folder: Path, max_frame_bytes: int) -> Iterator[MosquittoProcess]:
+    """A mosquitto for a module's attack scenario (conf and log in ``folder``) and ``mosquitto_pub`` to attack
+    it with; skips without them, except under CI=true where that is a failure."""
+    if not MOSQUITTO_BIN.exists() or MOSQUITTO_PUB is None:
+        reason = "needs Debian's mosquitto and mosquitto-clients (scripts/setup.sh installs both)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    port = free_loopback_port()
+    conf = write_mosquitto_conf(folder / "mosquitto.conf", port, max_frame_bytes,
+                                run_as_user="root" if os.geteuid() == 0 else None)
+    broker = MosquittoProcess(conf, port, folder / "mosquitto.log")
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def mosquitto_pub(port: int, topic: str, frame: bytes, path: Path) -> None:
+    """One frame through ``mosquitto_pub -f`` (QoS 1, written to ``path`` first), as anyone on an open broker
+    can."""
+    path.write_bytes(frame)
+    subprocess.run([MOSQUITTO_PUB, "-h", "127.0.0.1", "-p", str(port), "-q", "1", "-t", topic, "-f", str(path)],
+                   check=True, capture_output=True)
 
 
 @pytest.fixture

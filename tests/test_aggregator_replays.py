@@ -13,9 +13,7 @@ aggregators judge them) and of this run so far (the transports drop them as repe
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -34,12 +32,10 @@ from paho.mqtt.enums import CallbackAPIVersion
 from server.broker_loop import AGGREGATORS_DIR, SERVER_LOG
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.enrollment import enroll, save_enrollment
-from server.mosquitto_config import write_mosquitto_conf
 from server.report import METRICS_FILE, read_metrics
-from tests.conftest import MOSQUITTO_BIN, MosquittoProcess, free_loopback_port
+from tests.conftest import MosquittoProcess, attack_broker, mosquitto_pub
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MOSQUITTO_PUB = shutil.which("mosquitto_pub")
 PREFIX = "fedara"
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
          "--threads", "1", "--join-timeout", "300", "--round-deadline", "300", "--prefix", PREFIX,
@@ -115,13 +111,6 @@ def aggregator_logs(run: Path) -> dict[str, str]:
     return {log.stem: log.read_text() for log in sorted((run / AGGREGATORS_DIR).glob("*.log"))}
 
 
-def publish(port: int, topic: str, frame: bytes, path: Path) -> None:
-    """One frame through ``mosquitto_pub -f`` (QoS 1), as anyone on an open broker can."""
-    path.write_bytes(frame)
-    subprocess.run([MOSQUITTO_PUB, "-h", "127.0.0.1", "-p", str(port), "-q", "1", "-t", topic, "-f", str(path)],
-                   check=True, capture_output=True)
-
-
 @dataclass
 class Attack:
     clean: Path
@@ -177,21 +166,9 @@ def unrefused(attack: Attack) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def attack(tmp_path_factory: pytest.TempPathFactory) -> Attack:
-    if not MOSQUITTO_BIN.exists() or MOSQUITTO_PUB is None:
-        reason = "needs Debian's mosquitto and mosquitto-clients (scripts/setup.sh installs both)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
     base = tmp_path_factory.mktemp("aggregator-replays")
-    port = free_loopback_port()
-    conf = write_mosquitto_conf(base / "mosquitto.conf", port, BROKER_LIMIT,
-                                run_as_user="root" if os.geteuid() == 0 else None)
-    broker = MosquittoProcess(conf, port, base / "mosquitto.log")
-    broker.start()
-    try:
+    with attack_broker(base, BROKER_LIMIT) as broker:
         return run_attack(base, broker)
-    finally:
-        broker.stop()
 
 
 @contextlib.contextmanager
@@ -240,7 +217,7 @@ def run_attack(base: Path, broker: MosquittoProcess) -> Attack:
                      ATTACK_WAIT_S)
             replayed += aggregation_frames(recorder)
         for i, (topic, frame) in enumerate(replayed):
-            publish(broker.port, topic, frame, base / f"frame-{i}.bin")
+            mosquitto_pub(broker.port, topic, frame, base / f"frame-{i}.bin")
         partial = Attack(base / "clean", attacked, replayed, earlier_frames)
         wait_for(lambda: unrefused(partial) == {"messages": [], "updates": 0}, "refusal of every replayed frame",
                  proc, ATTACK_WAIT_S)

@@ -9,9 +9,6 @@ first round with the captured bytes, two forgeries under a wrong key, and frame 
 """
 from __future__ import annotations
 
-import os
-import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -30,12 +27,10 @@ from device_runtime.messages import ErrorCode, error_message
 from device_runtime.protocol import FRAME_HEADER_BYTES, Message, MessageType, Topics, chunk
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.enrollment import enroll, save_enrollment
-from server.mosquitto_config import write_mosquitto_conf
-from tests.conftest import MOSQUITTO_BIN, MosquittoProcess, free_loopback_port
+from tests.conftest import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub
 from tests.sealing import seal_down, seal_up
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MOSQUITTO_PUB = shutil.which("mosquitto_pub")
 PREFIX = "fedara"
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
          "--threads", "1", "--join-timeout", "300", "--round-deadline", "300", "--prefix", PREFIX]
@@ -107,13 +102,6 @@ def finish(proc: subprocess.Popen, lines: list[str], timeout: float = 300) -> No
     assert proc.wait(timeout) == 0, "".join(lines[-40:])
 
 
-def publish(port: int, topic: str, frame: bytes, path: Path) -> None:
-    """One frame through ``mosquitto_pub -f`` (QoS 1), as anyone on an open broker can."""
-    path.write_bytes(frame)
-    subprocess.run([MOSQUITTO_PUB, "-h", "127.0.0.1", "-p", str(port), "-q", "1", "-t", topic, "-f", str(path)],
-                   check=True, capture_output=True)
-
-
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -134,21 +122,9 @@ class Runs:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    if not MOSQUITTO_BIN.exists() or MOSQUITTO_PUB is None:
-        reason = "needs Debian's mosquitto and mosquitto-clients (scripts/setup.sh installs both)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
     base = tmp_path_factory.mktemp("replays")
-    port = free_loopback_port()
-    conf = write_mosquitto_conf(base / "mosquitto.conf", port, 256 * 1024,
-                                run_as_user="root" if os.geteuid() == 0 else None)
-    broker = MosquittoProcess(conf, port, base / "mosquitto.log")
-    broker.start()
-    try:
-        return attack(base, broker, port)
-    finally:
-        broker.stop()
+    with attack_broker(base, 256 * 1024) as broker:
+        return attack(base, broker, broker.port)
 
 
 def attack(base: Path, broker: MosquittoProcess, port: int) -> Runs:
@@ -200,7 +176,7 @@ def attack(base: Path, broker: MosquittoProcess, port: int) -> Runs:
     assert proc.poll() is None, "the run ended before the flood was measured: raise ROUNDS"
     rss_after = rss_mib(proc.pid)
     for i, (topic, frame) in enumerate(replays + forgeries):
-        publish(port, topic, frame, base / f"frame-{i}.bin")
+        mosquitto_pub(port, topic, frame, base / f"frame-{i}.bin")
     server_log = base / "attacked" / "server.log"
     deadline = time.monotonic() + ATTACK_TIMEOUT_S
     while len([line for line in server_log.read_text().splitlines() if "dropped a message on" in line
