@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-
 from tests.test_hostile import open_server, world  # noqa: F401 (world: the fixture open_server needs)
 
 HANDLE_S = 0.4
