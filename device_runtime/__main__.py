@@ -20,6 +20,7 @@ import sys
 import threading
 
 from device_runtime.help_format import DefaultsHelpFormatter
+from device_runtime.log_budget import hold_back_floods
 
 PASSWORD_ENV = "FEDARA_MQTT_PASSWORD"
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, str(args.threads))
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format=f"%(asctime)s {args.device_id} %(name)s %(levelname)s %(message)s")
+    hold_back_floods()
 
     from device_runtime.agent import DeviceAgent, DeviceRefused, Interrupted, Workdir
     from device_runtime.auth import read_key_file

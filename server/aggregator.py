@@ -27,6 +27,7 @@ import numpy as np
 
 from device_runtime.auth import Direction, KeyRing, Verifier
 from device_runtime.link import Link, Refused
+from device_runtime.log_budget import hold_back_floods
 from device_runtime.messages import MessageError, parse_update
 from device_runtime.protocol import (Message, MessageType, ProtocolError, TopicKind, decode, device_id_from_topic)
 from device_runtime.task import tensor_bytes
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")  # its log: what it folded, refused
+    hold_back_floods()
     args.password = args.password or os.environ.get(PASSWORD_ENV)
     if args.broker is None:
         return fail("--broker is required: the mqtt://HOST:PORT of the broker the server and devices use")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from device_runtime.help_format import DefaultsHelpFormatter
+from device_runtime.log_budget import hold_back_floods
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX
 from device_runtime.protocol import DEFAULT_MAX_FRAME_BYTES
 from server.algorithms import ALGORITHMS
@@ -213,10 +214,12 @@ class _StderrHandler(logging.StreamHandler):
 
 def console_logging() -> None:
     """Warnings and errors on the terminal (progress lines are printed, not logged there); replaces the root
-    handler onnxruntime.training installs on import. A run's server.log gets INFO through its own handler."""
+    handler onnxruntime.training installs on import. A run's server.log gets INFO through its own handler. Both
+    are spared floods of refusal lines (log_budget)."""
     handler = _StderrHandler()
     handler.setLevel(logging.WARNING)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s", handlers=[handler], force=True)
+    hold_back_floods()
 
 
 def fail(message: str) -> int:

@@ -1,0 +1,72 @@
+"""A log budget against floods: on an open broker anyone can publish junk as fast as the broker takes it, and
+every frame refused is a log line. Unbounded, that fills a board's SD card or the server's disk, and a full disk
+stops the run (checkpoints, heads). Each kind of line (its logger and format string) gets a token bucket: a
+burst, then a steady rate. Lines over the budget are held back and counted; the next line of that kind that
+passes says how many were held back. Errors always pass. Counters such as the transport's ``frames_rejected``
+still count every refusal.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+
+BURST_LINES = 200
+"""Lines of one kind that pass at once: more than any genuine run writes of one kind in a few seconds."""
+LINES_PER_S = 20.0
+"""Steady rate per kind once the burst is spent: about 5 KB/s of one kind instead of megabytes."""
+FLOOD_LOGGERS = ("fedara.transport", "fedara.server", "fedara.engine", "fedara.aggregator", "fedara.device")
+"""The loggers that write a line per inbound message refused."""
+
+
+class LineBudget:
+    """One token bucket per key; the pure core of FloodFilter (time comes in as ``now``, seconds)."""
+
+    def __init__(self, burst: int = BURST_LINES, per_s: float = LINES_PER_S) -> None:
+        if burst < 1 or not per_s > 0:
+            raise ValueError(f"burst must be >= 1 and per_s > 0, got {burst} and {per_s}")
+        self.burst, self.per_s = burst, per_s
+        self._tokens: dict[Hashable, tuple[float, float]] = {}  # key -> (tokens, at)
+        self._held: dict[Hashable, int] = {}
+
+    def admit(self, key: Hashable, now: float) -> int | None:
+        """None when this line is held back; else how many lines of its kind were held back since the last one
+        that passed."""
+        tokens, at = self._tokens.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + max(0.0, now - at) * self.per_s)
+        if tokens < 1.0:
+            self._tokens[key] = (tokens, now)
+            self._held[key] = self._held.get(key, 0) + 1
+            return None
+        self._tokens[key] = (tokens - 1.0, now)
+        return self._held.pop(key, 0)
+
+
+class FloodFilter(logging.Filter):
+    """A logger filter spending a LineBudget per (logger, format string); a line that passes after some were
+    held back ends with how many."""
+
+    def __init__(self, budget: LineBudget | None = None) -> None:
+        super().__init__()
+        self.budget = budget or LineBudget()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        held = self.budget.admit((record.name, str(record.msg)), record.created)
+        if held is None:
+            return False
+        if held:
+            record.msg = f"{record.getMessage()} [{held} more like this held back by the log budget]"
+            record.args = None
+        return True
+
+
+def hold_back_floods(loggers: tuple[str, ...] = FLOOD_LOGGERS) -> FloodFilter:
+    """Put one FloodFilter on ``loggers`` (a process's entry point calls this once; again is harmless)."""
+    for name in loggers:
+        for old in [f for f in logging.getLogger(name).filters if isinstance(f, FloodFilter)]:
+            logging.getLogger(name).removeFilter(old)
+    flood = FloodFilter()
+    for name in loggers:
+        logging.getLogger(name).addFilter(flood)
+    return flood
