@@ -2,8 +2,9 @@
 every frame refused is a log line. Unbounded, that fills a board's SD card or the server's disk, and a full disk
 stops the run (checkpoints, heads). Each kind of line (its logger and format string) gets a token bucket: a
 burst, then a steady rate. Lines over the budget are held back and counted; the next line of that kind that
-passes says how many were held back. Errors always pass. Counters such as the transport's ``frames_rejected``
-still count every refusal.
+passes says how many were held back. Errors always pass, and so do the INFO lines of a fleet's genuine events
+(a thousand devices joining at once); the transport's lines are each about one inbound frame, so all of them
+are budgeted. Counters such as the transport's ``frames_rejected`` still count every refusal.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ BURST_LINES = 200
 """Lines of one kind that pass at once: more than any genuine run writes of one kind in a few seconds."""
 LINES_PER_S = 20.0
 """Steady rate per kind once the burst is spent: about 5 KB/s of one kind instead of megabytes."""
-FLOOD_LOGGERS = ("fedara.transport", "fedara.server", "fedara.engine", "fedara.aggregator", "fedara.device")
-"""The loggers that write a line per inbound message refused."""
+FLOOD_LOGGERS = {"fedara.transport": logging.INFO, "fedara.server": logging.WARNING,
+                 "fedara.engine": logging.WARNING, "fedara.aggregator": logging.WARNING,
+                 "fedara.device": logging.WARNING}
+"""The loggers that write a line per inbound message refused, and the lowest level budgeted on each."""
 
 
 class LineBudget:
@@ -42,15 +45,15 @@ class LineBudget:
 
 
 class FloodFilter(logging.Filter):
-    """A logger filter spending a LineBudget per (logger, format string); a line that passes after some were
-    held back ends with how many."""
+    """A logger filter spending a LineBudget per (logger, format string) on lines from ``lowest`` up to WARNING;
+    a line that passes after some were held back ends with how many."""
 
-    def __init__(self, budget: LineBudget | None = None) -> None:
+    def __init__(self, budget: LineBudget | None = None, lowest: int = logging.WARNING) -> None:
         super().__init__()
-        self.budget = budget or LineBudget()
+        self.budget, self.lowest = budget or LineBudget(), lowest
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR:
+        if not self.lowest <= record.levelno < logging.ERROR:
             return True
         held = self.budget.admit((record.name, str(record.msg)), record.created)
         if held is None:
@@ -61,12 +64,12 @@ class FloodFilter(logging.Filter):
         return True
 
 
-def hold_back_floods(loggers: tuple[str, ...] = FLOOD_LOGGERS) -> FloodFilter:
-    """Put one FloodFilter on ``loggers`` (a process's entry point calls this once; again is harmless)."""
-    for name in loggers:
-        for old in [f for f in logging.getLogger(name).filters if isinstance(f, FloodFilter)]:
-            logging.getLogger(name).removeFilter(old)
-    flood = FloodFilter()
-    for name in loggers:
-        logging.getLogger(name).addFilter(flood)
-    return flood
+def hold_back_floods(loggers: dict[str, int] | None = None) -> None:
+    """Put a FloodFilter on each of ``loggers`` (default FLOOD_LOGGERS), all spending one LineBudget (a process's
+    entry point calls this once; again replaces them)."""
+    budget = LineBudget()
+    for name, lowest in (FLOOD_LOGGERS if loggers is None else loggers).items():
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, FloodFilter)]:
+            logger.removeFilter(old)
+        logger.addFilter(FloodFilter(budget, lowest))

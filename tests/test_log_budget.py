@@ -75,6 +75,14 @@ def test_errors_pass_whatever_the_budget(budgeted):
     assert len(lines.lines) == 4
 
 
+def test_lines_below_the_budgeted_level_pass_whatever_the_budget(budgeted):
+    """A fleet's genuine events (a thousand devices joining at once) are INFO lines on the server's loggers."""
+    logger, lines = budgeted
+    for i in range(4):
+        log_at(logger, logging.INFO, 100.0, "dev_%03d joined", i)
+    assert len(lines.lines) == 4
+
+
 def test_the_server_cli_logging_puts_the_budget_on_every_flood_logger():
     console_logging()
     assert all(any(isinstance(f, FloodFilter) for f in logging.getLogger(name).filters) for name in FLOOD_LOGGERS)
