@@ -20,6 +20,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -216,9 +217,13 @@ def run_attack(base: Path, broker: MosquittoProcess) -> Attack:
             wait_for(lambda: any((LIVE, 2) == (d, int(r)) for text in aggregator_logs(attacked).values()
                                  for _, d, r in FOLDED.findall(text)), f"{LIVE}'s round-2 update folded", proc,
                      ATTACK_WAIT_S)
+            live_updates = f"{PREFIX}/dev/{LIVE}/update"  # the fold may come before the recorder's copy
+            wait_for(lambda: sum(t == live_updates for t, _ in recorder.snapshot()) >= 2,
+                     f"{LIVE}'s round-2 update recorded", proc, ATTACK_WAIT_S)
             replayed += aggregation_frames(recorder)
-        for i, (topic, frame) in enumerate(replayed):
-            mosquitto_pub(broker.port, topic, frame, base / f"frame-{i}.bin")
+        with ThreadPoolExecutor(8) as pool:  # while devices are paused: seconds, not one process after another
+            list(pool.map(lambda i: mosquitto_pub(broker.port, *replayed[i], base / f"frame-{i}.bin"),
+                          range(len(replayed))))
         partial = Attack(base / "clean", attacked, replayed, earlier_frames)
         wait_for(lambda: unrefused(partial) == {"messages": [], "updates": 0}, "refusal of every replayed frame",
                  proc, ATTACK_WAIT_S)
