@@ -48,19 +48,25 @@ class Link:
         self.state_dir = None if state_dir is None else Path(state_dir)
 
     @classmethod
+    def on_disk(cls, keys: KeyRing, sends: Direction, takes: Collection[Direction],
+                run_free: Collection[MessageType], max_inbound: int, state_dir: str | os.PathLike[str], *,
+                allow_nonfinite: bool = False) -> Link:
+        """A link whose counters and last accepted counters live in ``state_dir``: a fresh epoch for this start,
+        and whatever an earlier start there accepted stays refused."""
+        return cls(keys, start_counters(state_dir), sends, Verifier(keys, takes, load_verifier_state(state_dir)),
+                   run_free, max_inbound, state_dir=state_dir, allow_nonfinite=allow_nonfinite)
+
+    @classmethod
     def server(cls, keys: KeyRing, state_dir: str | os.PathLike[str], max_inbound: int) -> Link:
         """The server's link: sends down, takes up and status; non-finite tensors reach its own checks."""
-        return cls(keys, start_counters(state_dir), Direction.DOWN,
-                   Verifier(keys, {Direction.UP, Direction.STATUS}, load_verifier_state(state_dir)), SERVER_RUN_FREE,
-                   max_inbound, state_dir=state_dir, allow_nonfinite=True)
+        return cls.on_disk(keys, Direction.DOWN, {Direction.UP, Direction.STATUS}, SERVER_RUN_FREE, max_inbound,
+                           state_dir, allow_nonfinite=True)
 
     @classmethod
     def device(cls, device_id: str, key: bytes, state_dir: str | os.PathLike[str], max_inbound: int) -> Link:
         """A device's link: sends up (and status), takes down messages addressed to it only."""
-        keys = KeyRing({device_id: key})
-        return cls(keys, start_counters(state_dir), Direction.UP,
-                   Verifier(keys, {Direction.DOWN}, load_verifier_state(state_dir)), DEVICE_RUN_FREE, max_inbound,
-                   state_dir=state_dir)
+        return cls.on_disk(KeyRing({device_id: key}), Direction.UP, {Direction.DOWN}, DEVICE_RUN_FREE, max_inbound,
+                           state_dir)
 
     def seal(self, msg: Message) -> bytes:
         """``msg`` as an envelope under its device's key with this side's next counter."""

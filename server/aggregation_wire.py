@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from device_runtime.auth import Direction, KeyRing, Verifier, load_verifier_state, start_counters
+from device_runtime.auth import Direction, KeyRing
 from device_runtime.link import Link
 from device_runtime.messages import new_msg_id
 from device_runtime.protocol import Message, MessageType, ProtocolError, check_id, check_topic_prefix, update_filter
@@ -71,19 +71,15 @@ def engine_link(server_key: bytes, state_dir: str | os.PathLike[str], max_inboun
     """The engine's side: sends DOWN to any aggregator name, takes UP sealed under the server key. The last
     counter it took from each member is kept in ``state_dir`` (the deployment's), so no run takes what an
     earlier run's members sent, not even before a member of this run has spoken."""
-    keys = KeyRing({}, shared_key=server_key)
-    return Link(keys, start_counters(state_dir), Direction.DOWN,
-                Verifier(keys, {Direction.UP}, load_verifier_state(state_dir)), {MessageType.AGGREGATION},
-                max_inbound, state_dir=state_dir, allow_nonfinite=True)
+    return Link.on_disk(KeyRing({}, shared_key=server_key), Direction.DOWN, {Direction.UP}, {MessageType.AGGREGATION},
+                        max_inbound, state_dir, allow_nonfinite=True)
 
 
 def aggregator_link(server_key: bytes, state_dir: str | os.PathLike[str], max_inbound: int) -> Link:
     """An aggregator's side: sends UP, takes DOWN sealed under the server key. The last counter it took from the
     engine is kept in ``state_dir``: a member started again there refuses an earlier engine's briefs."""
-    keys = KeyRing({}, shared_key=server_key)
-    return Link(keys, start_counters(state_dir), Direction.UP,
-                Verifier(keys, {Direction.DOWN}, load_verifier_state(state_dir)), {MessageType.AGGREGATION},
-                max_inbound, state_dir=state_dir)
+    return Link.on_disk(KeyRing({}, shared_key=server_key), Direction.UP, {Direction.DOWN}, {MessageType.AGGREGATION},
+                        max_inbound, state_dir)
 
 
 def message(kind: str, aggregator: str, *, run_id: str = NO_RUN, round_index: int = 0, tensors: dict | None = None,
