@@ -67,9 +67,16 @@ class FloodFilter(logging.Filter):
 def hold_back_floods(loggers: dict[str, int] | None = None) -> None:
     """Put a FloodFilter on each of ``loggers`` (default FLOOD_LOGGERS), all spending one LineBudget (a process's
     entry point calls this once; again replaces them)."""
+    loggers = FLOOD_LOGGERS if loggers is None else loggers
+    lift_flood_budget(loggers)
     budget = LineBudget()
-    for name, lowest in (FLOOD_LOGGERS if loggers is None else loggers).items():
+    for name, lowest in loggers.items():
+        logging.getLogger(name).addFilter(FloodFilter(budget, lowest))
+
+
+def lift_flood_budget(loggers: dict[str, int] | None = None) -> None:
+    """Take the FloodFilters off ``loggers`` (default FLOOD_LOGGERS): every line passes again."""
+    for name in FLOOD_LOGGERS if loggers is None else loggers:
         logger = logging.getLogger(name)
-        for old in [f for f in logger.filters if isinstance(f, FloodFilter)]:
-            logger.removeFilter(old)
-        logger.addFilter(FloodFilter(budget, lowest))
+        for flood in [f for f in logger.filters if isinstance(f, FloodFilter)]:
+            logger.removeFilter(flood)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from device_runtime.log_budget import FLOOD_LOGGERS, FloodFilter
+from device_runtime.log_budget import lift_flood_budget
 from device_runtime.protocol import DEFAULT_MAX_FRAME_BYTES
 from server.mosquitto_config import TlsFiles, write_mosquitto_conf
 
@@ -42,16 +42,14 @@ def _ours(handler: logging.Handler) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def restored_root_logger() -> Iterator[None]:
+def restored_logging() -> Iterator[None]:
     """The root logger's handlers and level as they were before the test: a CLI run in-process installs its
     console and run-log handlers, which must not outlive the test (nor log into a closed capture file), and its
     log budget, which would hold back the lines a later test counts."""
     root = logging.getLogger()
     before, level = [h for h in root.handlers if _ours(h)], root.level
     yield
-    for name in FLOOD_LOGGERS:
-        for flood in [f for f in logging.getLogger(name).filters if isinstance(f, FloodFilter)]:
-            logging.getLogger(name).removeFilter(flood)
+    lift_flood_budget()
     for handler in [h for h in root.handlers if _ours(h) and h not in before]:
         root.removeHandler(handler)
         handler.close()
