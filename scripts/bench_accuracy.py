@@ -33,9 +33,10 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -107,6 +108,11 @@ PRESETS = {
 }
 
 
+def simulate_command(argv: Sequence[str]) -> str:
+    """The ``server.simulate`` command line of a run: its key in the results, and what the JSON keeps."""
+    return shlex.join(["python", "-m", "server.simulate", *argv])
+
+
 @dataclass(frozen=True)
 class Partition:
     """A label skew: Dirichlet(α) or pathological (``value`` classes per client)."""
@@ -136,7 +142,7 @@ class RunSpec:
 
     @property
     def command(self) -> str:
-        return shlex.join(["python", "-m", "server.simulate", *self.argv])
+        return simulate_command(self.argv)
 
 
 @dataclass(frozen=True)
@@ -316,7 +322,7 @@ def execute(argv: tuple[str, ...], verbose: bool = False) -> dict:
         simulation = simulate.Simulation(args, run_setup.RunFolder(Path(tmp)), progress)
         records = simulation.run()
     test_samples = {d: int(len(device.shard.y_test)) for d, device in sorted(simulation.devices.items())}
-    return dict(command=shlex.join(["python", "-m", "server.simulate", *argv]), wall_s=time.perf_counter() - start,
+    return dict(command=simulate_command(argv), wall_s=time.perf_counter() - start,
                 cpu_s=time.process_time() - start_cpu, test_samples=test_samples, rounds=records,
                 **simulate.summary(records))
 
@@ -344,7 +350,7 @@ def run_all(argvs: list[tuple[str, ...]], threads: int, jobs: int, on_result: Ca
             for result in pool.imap_unordered(execute, argvs):
                 results.append(result)
                 on_result(result)
-    order = {shlex.join(["python", "-m", "server.simulate", *a]): i for i, a in enumerate(argvs)}
+    order = {simulate_command(a): i for i, a in enumerate(argvs)}
     return sorted(results, key=lambda r: order[r["command"]])
 
 
@@ -388,11 +394,16 @@ def summarize(results: list[dict]) -> list[dict]:
     return rows
 
 
-def _finals(results: list[dict]) -> dict[tuple[str, str, str], dict[int, float]]:
-    out: dict[tuple[str, str, str], dict[int, float]] = {}
+def _per_seed(results: Iterable[dict], value: Callable[[dict], Any]) -> dict[tuple[str, str, str], dict[int, Any]]:
+    """(study, setting, algorithm) -> seed -> ``value(run)``."""
+    out: dict[tuple[str, str, str], dict[int, Any]] = {}
     for r in results:
-        out.setdefault((r["study"], r["setting"], r["algorithm"]), {})[r["seed"]] = r["final_accuracy"]
+        out.setdefault((r["study"], r["setting"], r["algorithm"]), {})[r["seed"]] = value(r)
     return out
+
+
+def _finals(results: Iterable[dict]) -> dict[tuple[str, str, str], dict[int, float]]:
+    return _per_seed(results, lambda r: r["final_accuracy"])
 
 
 def paired(first: dict[int, float], second: dict[int, float]) -> dict:
@@ -452,10 +463,7 @@ def tier_rows(results: list[dict]) -> list[dict]:
 
 def tier_differences(results: list[dict], pairs: list[Pair]) -> list[dict]:
     """Each heterogeneous pair, tier by tier, paired by seed."""
-    per_run: dict[tuple[str, str, str], dict[int, dict[str, float]]] = {}
-    for r in results:
-        if r["setting"].startswith("heterogeneous"):
-            per_run.setdefault((r["study"], r["setting"], r["algorithm"]), {})[r["seed"]] = tier_accuracy(r)
+    per_run = _per_seed((r for r in results if r["setting"].startswith("heterogeneous")), tier_accuracy)
     rows = []
     for p in pairs:
         first, second = per_run.get((p.study, p.setting, p.first)), per_run.get((p.study, p.setting, p.second))
