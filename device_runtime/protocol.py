@@ -677,6 +677,11 @@ def _implied_step(index: int, count: int, total: int, size: int) -> int | None:
     return step if rest == 0 and 1 <= size <= step else None
 
 
+def frame_msg_id(frame: bytes) -> str:
+    """The msg_id a frame's header names, read as the reassembler reads it; raises ProtocolError."""
+    return _parse_frame(frame).msg_id
+
+
 def _parse_frame(frame: object) -> _Frame:
     """Parse one frame and check what it can say about itself alone."""
     if not isinstance(frame, (bytes, bytearray)):

@@ -30,6 +30,7 @@ import psutil
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from device_runtime.protocol import frame_msg_id
 from server.broker_loop import AGGREGATORS_DIR, SERVER_LOG
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.enrollment import enroll, save_enrollment
@@ -100,7 +101,10 @@ def device_processes(server: psutil.Process, ids: tuple[str, ...]) -> dict[str, 
     """The server's local device processes of ``ids`` (started by it, named by ``--device-id``)."""
     found = {}
     for child in server.children():
-        command = child.cmdline()
+        try:
+            command = child.cmdline()
+        except psutil.Error:  # a child that ended (or is ending) since children() listed it
+            continue
         if "device_runtime" in command and "--device-id" in command:
             device_id = command[command.index("--device-id") + 1]
             if device_id in ids:
@@ -148,11 +152,6 @@ def kind_of(topic: str) -> str:
 def replayed_counts(replayed: list[tuple[str, bytes]]) -> Counter:
     """Replayed frames by kind of topic (down, up, update)."""
     return Counter(kind_of(topic) for topic, _ in replayed)
-
-
-def frame_msg_id(frame: bytes) -> str:
-    """The msg_id in a frame's header: the replayed messages are named, not decoded, here."""
-    return frame[6:6 + frame[5]].decode()
 
 
 def unrefused(attack: Attack) -> dict[str, object]:
@@ -224,14 +223,14 @@ def run_attack(base: Path, broker: MosquittoProcess) -> Attack:
         with ThreadPoolExecutor(8) as pool:  # while devices are paused: seconds, not one process after another
             list(pool.map(lambda i: mosquitto_pub(broker.port, *replayed[i], base / f"frame-{i}.bin"),
                           range(len(replayed))))
-        partial = Attack(base / "clean", attacked, replayed, earlier_frames)
-        wait_for(lambda: unrefused(partial) == {"messages": [], "updates": 0}, "refusal of every replayed frame",
+        attack = Attack(base / "clean", attacked, replayed, earlier_frames)
+        wait_for(lambda: unrefused(attack) == {"messages": [], "updates": 0}, "refusal of every replayed frame",
                  proc, ATTACK_WAIT_S)
     finally:
         for device in paused.values():
             device.resume()
     finish(proc)
-    return Attack(base / "clean", attacked, replayed, earlier_frames)
+    return attack
 
 
 def test_the_replay_covers_every_kind_of_aggregation_message_of_both_runs(attack: Attack):

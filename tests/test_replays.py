@@ -24,7 +24,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from device_runtime.messages import ErrorCode, error_message
-from device_runtime.protocol import FRAME_HEADER_BYTES, Message, MessageType, Topics, chunk
+from device_runtime.protocol import FRAME_HEADER_BYTES, Message, MessageType, Topics, chunk, frame_msg_id
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.enrollment import enroll, save_enrollment
 from tests.conftest import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub
@@ -57,7 +57,7 @@ class Capture:
         chosen = None
         found = []
         for t, frame in self.frames:
-            ident = frame[6:6 + frame[5]].decode()
+            ident = frame_msg_id(frame)
             if t == topic and ident.startswith(msg_id_prefix) and ident == (chosen or ident):
                 chosen = ident
                 found.append(frame)
@@ -124,10 +124,11 @@ class Runs:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     base = tmp_path_factory.mktemp("replays")
     with attack_broker(base, 256 * 1024) as broker:
-        return attack(base, broker, broker.port)
+        return attack(base, broker)
 
 
-def attack(base: Path, broker: MosquittoProcess, port: int) -> Runs:
+def attack(base: Path, broker: MosquittoProcess) -> Runs:
+    port = broker.port
     cache = base / "cache"
     enrollment = save_enrollment(base / "enroll.json", enroll({}, [f"dev_{i:03d}" for i in range(4)]))
     capture, stop = Capture(), threading.Event()

@@ -188,6 +188,7 @@ def test_a_filter_dropped_from_the_subscriptions_is_unsubscribed_from_the_persis
     device.publish(DEV1.up, b"for the server", "up-1", wait=True)
     assert server.get(WAIT_S) == (DEV1.up, b"for the server") and server.get(0.5) is None
 
+
 def test_broker_with_persistence_keeps_retained_status_across_restart(start_mosquitto, connect,
                                                                      tmp_path: Path) -> None:
     broker = start_mosquitto(persistence_dir=tmp_path)
@@ -234,6 +235,7 @@ def test_a_frame_sent_again_is_delivered_once_and_its_repeat_logged_and_counted(
     assert server.get(WAIT_S) == (DEV1.up, b"payload") and server.get(0.5) is None
     assert server.stats["messages_in"] == 1 and server.stats["frames_rejected"] == 0
     assert "message 'up-1' was delivered moments ago (a re-delivery or a replay) [repeat]" in caplog.text
+
 
 class CountAtLog(logging.Handler):
     """The endpoint's rejected-frame count at the moment each warning is logged."""
