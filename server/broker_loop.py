@@ -44,6 +44,7 @@ from server import cgroups
 from server.algorithms import get_algorithm
 from server.checkpoint import CheckpointError
 from server.cli import PASSWORD_ENV, add_broker_flags, check_args, console_logging, fail, new_parser, parse, run_folder
+from server.compute_threads import use_server_threads
 from server.coordinator import Coordinator, CoordinatorConfig
 from server.cost_model import CostModelError, peak_predictor
 from server.embedded_broker import EmbeddedBroker
@@ -718,7 +719,7 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(build_parser(), argv)
-    torch.set_num_threads(args.threads)
+    use_server_threads(args.threads)
     console_logging()
     out = RunFolder(run_folder(args, "broker_loop"))
     try:

@@ -29,6 +29,7 @@ from device_runtime.runtimes import open_trainer
 from server.algorithms import get_algorithm
 from server.checkpoint import CheckpointError
 from server.cli import check_args, console_logging, fail, new_parser, parse, run_folder
+from server.compute_threads import device_blas_threads, use_server_threads
 from server.coordinator import Coordinator, CoordinatorConfig
 from server.engine import RoundEngine
 from server.lowrank import factorize_model
@@ -51,8 +52,8 @@ class InProcessDevice:
     """One simulated device: its shard and personal tensors; trainers are shared by the devices of a plan
     (each device's tensors are written into it before its turn, as a device loads them from disk)."""
 
-    def __init__(self, device_id: str, shard: Shard, trainer_for: Callable[[str], Trainer]):
-        self.device_id, self.shard, self.trainer_for = device_id, shard, trainer_for
+    def __init__(self, device_id: str, shard: Shard, trainer_for: Callable[[str], Trainer], threads: int):
+        self.device_id, self.shard, self.trainer_for, self.threads = device_id, shard, trainer_for, threads
         self.plan_hash: str | None = None
         self.personal: dict[str, np.ndarray] = {}
 
@@ -65,7 +66,8 @@ class InProcessDevice:
     def answer(self, task: Task) -> Update:
         trainer = self.trainer_for(self.plan_hash)
         load_weights(trainer, self.personal)
-        update = run_task(trainer, self.shard, task)
+        with device_blas_threads(self.threads):  # a device process's BLAS threads: the same kernels, the same bits
+            update = run_task(trainer, self.shard, task)
         if not task.evaluate_only:
             held = {**trainer.get_fe(), **trainer.get_head()}
             self.personal = {k: held[k] for k in self.personal}
@@ -112,6 +114,7 @@ class Simulation:
     def __init__(self, args: argparse.Namespace, out: RunFolder, progress: Progress | None = None):
         self.args, self.out = args, out
         config = check_args(args)
+        use_server_threads(args.threads)
         if args.clients < 1:
             raise ValueError(f"--clients must be >= 1, got {args.clients}")
         if not 0.0 <= args.min_completion <= 1.0:
@@ -137,7 +140,7 @@ class Simulation:
         self.config = config
         self.by_hash: dict[str, PlanArtifacts] = {}
         self.trainers = Trainers(args.backend, self.by_hash, args.threads)
-        self.devices = {d: InProcessDevice(d, shard, self.trainers) for d, shard in shards.items()}
+        self.devices = {d: InProcessDevice(d, shard, self.trainers, args.threads) for d, shard in shards.items()}
         self.first_round = 1
         if self.saved:
             self._restore()
@@ -209,7 +212,6 @@ def summary(records: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(build_parser(), argv)
-    torch.set_num_threads(args.threads)
     console_logging()
     out = RunFolder(run_folder(args, "simulate"))
     try:
