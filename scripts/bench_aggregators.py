@@ -50,7 +50,7 @@ from server.enrollment import load_server_key, save_enrollment  # noqa: E402
 from server.models import build_model  # noqa: E402
 from server.mosquitto_config import write_mosquitto_conf  # noqa: E402
 from server.run_setup import PlanBook, RunFolder, global_state, initial_personal  # noqa: E402
-from server.strategy import FederationConfig  # noqa: E402
+from server.run_config import FederationConfig  # noqa: E402
 
 MODEL, SHAPE, CLASSES = "fedavgcnn", (3, 32, 32), 10
 TIERS = (1.0, 0.75, 0.5, 0.25, 0.125)

@@ -30,34 +30,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from device_runtime.messages import (ErrorCode, MessageError, error_message, parse_ack,
-                                     parse_error, parse_join, plan_message, task_message)
-from device_runtime.link import Link, Refused
-from device_runtime.profile import ResourceProfile
-from device_runtime.protocol import (Message, MessageType, ProtocolError, TopicKind, Topics,
-                                     device_id_from_topic, server_subscriptions)
-from device_runtime.status import parse_status
-from device_runtime.transport import MqttEndpoint, TransportError
 from server import cgroups
-from server.algorithms import get_algorithm
-from server.checkpoint import CheckpointError
-from server.cli import PASSWORD_ENV, add_broker_flags, check_args, console_logging, fail, new_parser, parse, run_folder
-from server.compute_threads import use_server_threads
-from server.coordinator import Coordinator, CoordinatorConfig
-from server.cost_model import CostModelError, peak_predictor
-from server.embedded_broker import EmbeddedBroker
-from server.engine import RoundEngine
-from server import aggregation_wire as wire
-from server.enrollment import ENROLL_OPEN, LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, load_server_key, run_key_ring
-from server.partition import write_shards
-from server.progress import Progress
-from server.rank_assignment import OverrideError, load_overrides, tier_predictor
-from server.robust import norm_bound_from_args
-from server.run_setup import (PlanBook, RunError, RunFolder, all_models, device_models, global_state, initial_personal,
-                              load_shards, model_names, run_settings, tiers_from_args)
-from server.shards import DEVICE_SHARD_FILENAME
+from server.cli import (PASSWORD_ENV, add_broker_flags, check_args, check_before_loading, console_logging, fail,
+                        new_parser, parse, run_folder)
+from server.enrollment import ENROLL_OPEN
 
 LOG = logging.getLogger("fedara.server")
 POLL_S = 0.2
@@ -78,8 +54,6 @@ SHARDS_DIR, DEVICES_DIR = "shards", "devices"
 SERVER_LOG = "server.log"
 PR_SET_PDEATHSIG = 1
 MAX_OOM_RESTARTS = 2
-
-FederationError = RunError
 
 
 # -- command line -----------------------------------------------------------------------------
@@ -165,6 +139,40 @@ def check_broker_args(args: argparse.Namespace) -> None:
             cgroups.parse_limits(args.local_memory_limit_mb)
         except ValueError as exc:
             raise ValueError(f"--local-memory-limit-mb: {exc}") from None
+
+
+if __name__ == "__main__":  # --help and a mistake in the flags answer before torch and the data load
+    check_before_loading(build_parser(), check_broker_args)
+
+# The run's imports load torch (seconds, tens under load): after the flags are checked.
+import torch  # noqa: E402
+
+from device_runtime.messages import (ErrorCode, MessageError, error_message, parse_ack,
+                                     parse_error, parse_join, plan_message, task_message)
+from device_runtime.link import Link, Refused
+from device_runtime.profile import ResourceProfile
+from device_runtime.protocol import (Message, MessageType, ProtocolError, TopicKind, Topics,
+                                     device_id_from_topic, server_subscriptions)
+from device_runtime.status import parse_status
+from device_runtime.transport import MqttEndpoint, TransportError
+from server.algorithms import get_algorithm
+from server.checkpoint import CheckpointError
+from server.compute_threads import use_server_threads
+from server.coordinator import Coordinator, CoordinatorConfig
+from server.cost_model import CostModelError, peak_predictor
+from server.embedded_broker import EmbeddedBroker
+from server.engine import RoundEngine
+from server import aggregation_wire as wire
+from server.enrollment import LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, load_server_key, run_key_ring
+from server.partition import write_shards
+from server.progress import Progress
+from server.rank_assignment import OverrideError, load_overrides, tier_predictor
+from server.run_config import norm_bound_from_args
+from server.run_setup import (PlanBook, RunError, RunFolder, all_models, device_models, global_state, initial_personal,
+                              load_shards, model_names, run_settings, tiers_from_args)
+from server.shards import DEVICE_SHARD_FILENAME
+
+FederationError = RunError
 
 
 def broker_settings(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import math
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,8 @@ from device_runtime.help_format import DefaultsHelpFormatter
 from device_runtime.log_budget import hold_back_floods
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX
 from device_runtime.protocol import DEFAULT_MAX_FRAME_BYTES
-from server.algorithms import ALGORITHMS
-from server.data import DATASETS
-from server.models import MODELS
-from server.objective import DEFAULT_LAM_WARMUP, DEFAULT_MU
-from server.rank_assignment import DEFAULT_TIERS
-from server.robust import add_norm_bound_arguments, norm_bound_from_args
-from server.strategy import AGGREGATION_RULES, FederationConfig
+from server.run_config import (AGGREGATION_RULES, ALGORITHMS, DATASETS, DEFAULT_LAM_WARMUP, DEFAULT_MU, DEFAULT_TIERS,
+                               MODELS, FederationConfig, add_norm_bound_arguments, norm_bound_from_args)
 
 RUNS_DIR = "runs"
 DEFAULT_CACHE_DIR = "artifacts_cache"
@@ -115,6 +111,19 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
         except ValueError as exc:
             parser.error(str(exc))
     return parser.parse_args(argv)
+
+
+def check_before_loading(parser: argparse.ArgumentParser,
+                         *checks: Callable[[argparse.Namespace], object]) -> None:
+    """Parse this process's command line and run ``check_args`` and ``checks`` on it: a driver calls this before
+    it imports torch, so --help and a mistake in the flags answer at once (one line, exit 2)."""
+    args = parse(parser, sys.argv[1:])
+    try:
+        check_args(args)
+        for check in checks:
+            check(args)
+    except ValueError as exc:
+        sys.exit(fail(str(exc)))
 
 
 def read_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:

@@ -17,7 +17,8 @@ import numpy as np
 from scipy.ndimage import zoom
 from sklearn.datasets import load_digits
 
-DATASETS = ("digits", "fmnist", "cifar10", "cifar100", "synthetic")
+from server.run_config import DATASETS
+
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FMNIST_PACKAGE = "dataset-fashion-mnist"

@@ -33,8 +33,9 @@ from server.coordinator import NO_ANSWER, Coordinator, RoundResult, Verdict
 from server.lowrank import ResolvedPlan
 from server.rank_assignment import choose_ratio
 from server.report import EVAL_DIRECTION, TIER_DIRECTIONS, evaluation_summary
-from server.robust import NormBound, bound_update, rejection_reason
-from server.strategy import FederationConfig, batch_seed, factorize_per_plan, plan_key, to_numpy, to_torch
+from server.robust import bound_update, rejection_reason
+from server.run_config import FederationConfig, NormBound
+from server.strategy import batch_seed, factorize_per_plan, plan_key, to_numpy, to_torch
 
 LOG = logging.getLogger("fedara.engine")
 MAX_PLAN_RESENDS = 3

@@ -10,6 +10,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from server.run_config import MODELS
+
 KERNEL = 5
 POOL = 2
 
@@ -61,7 +63,6 @@ ARCHITECTURES: dict[str, tuple[tuple[int, int], tuple[int, ...]]] = {
     "cnn4": ((16, 32), (800, 500)),
     "cnn5": ((16, 32), (500, 500)),
 }
-MODELS = tuple(ARCHITECTURES)
 
 
 def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int, seed: int | None = None) -> SplitModel:

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-DEFAULT_MU = 1e-3
-DEFAULT_LAM_WARMUP = 10
+from server.run_config import DEFAULT_LAM_WARMUP
+
 ANCHOR_BATCH = 256
 
 

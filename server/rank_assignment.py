@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from server.run_config import DEFAULT_TIERS
 from server.lowrank import FactorizedConv2d, FactorizedLinear, RankPlan, factorize_model, resolve_plan
 
-DEFAULT_TIERS = (1.0, 0.75, 0.5, 0.25, 0.125)
 RUNTIME_BASE_MB = 60.0
 """Resident memory of the device runtime before any model: onnxruntime's C bindings, numpy and Python
 (56 MB measured after import, docs/benchmarks.md)."""

@@ -12,39 +12,17 @@ every measured distance while the rule is on).
 """
 from __future__ import annotations
 
-import argparse
 import math
-from dataclasses import dataclass, replace
-from enum import Enum
+from dataclasses import replace
 
 import torch
 
 from device_runtime.task import Update
 from server.lowrank import reconstruct_state
+from server.run_config import NormAction, NormBound
 from server.strategy import to_numpy, to_torch
 
 
-class NormAction(str, Enum):
-    """What happens to an update beyond the bound."""
-
-    CLIP = "clip"
-    REJECT = "reject"
-
-
-@dataclass(frozen=True)
-class NormBound:
-    """At most ``bound`` (L2, over the whole FE) between a counted client FE and the global FE."""
-
-    bound: float
-    action: NormAction = NormAction.CLIP
-
-    def __post_init__(self) -> None:
-        if isinstance(self.bound, bool) or not isinstance(self.bound, (int, float)) or not math.isfinite(self.bound) \
-                or self.bound <= 0:
-            raise ValueError(f"update norm bound must be a positive finite number, got {self.bound!r}")
-        if self.action not in {a.value for a in NormAction}:
-            raise ValueError(f"update norm action must be one of {[a.value for a in NormAction]}, got {self.action!r}")
-        object.__setattr__(self, "action", NormAction(self.action))
 
 
 def fe_distance(client_dense: dict[str, torch.Tensor], global_fe: dict[str, torch.Tensor]) -> float:
@@ -84,17 +62,3 @@ def rejection_reason(distance: float, rule: NormBound) -> str:
     return f"update is {distance:.6g} from the global FE, over the norm bound {rule.bound:g}"
 
 
-def add_norm_bound_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """The --update-norm-bound / --update-norm-action flags shared by the simulator and the broker loop."""
-    parser.add_argument("--update-norm-bound", type=float, default=None, metavar="FLOAT",
-                        help="robust aggregation: the largest L2 distance a client FE may have from the global FE "
-                             "(whole FE, reconstructed to full rank); default: no bound")
-    parser.add_argument("--update-norm-action", choices=[a.value for a in NormAction], default=NormAction.CLIP.value,
-                        help="beyond the bound: scale the update back onto it (clip) or leave it out (reject)")
-
-
-def norm_bound_from_args(args: argparse.Namespace) -> NormBound | None:
-    """The rule the flags ask for, or None (the default: every update counts as sent)."""
-    if args.update_norm_bound is None:
-        return None
-    return NormBound(args.update_norm_bound, NormAction(args.update_norm_action))

@@ -19,7 +19,8 @@ import numpy as np
 
 from device_runtime.help_format import DefaultsHelpFormatter
 from device_runtime.shard import Shard
-from server.data import DATASETS, DatasetFormatError, DatasetUnavailable, LabeledData, load_dataset
+from server.run_config import DATASETS
+from server.data import DatasetFormatError, DatasetUnavailable, LabeledData, load_dataset
 from server.partition import MIN_SAMPLES, PARTITIONS, PartitionError, make_client_shards, write_shards
 
 DEVICE_ID = "dev_{:03d}"

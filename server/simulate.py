@@ -16,29 +16,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from device_runtime.local_round import Trainer, load_weights, run_task
-from device_runtime.messages import Join, Plan, ShardInfo, update_message
-from device_runtime.profile import ResourceProfile
-from device_runtime.shard import Shard
-from device_runtime.task import Task, Update
 from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
-from device_runtime.runtimes import open_trainer
-from server.algorithms import get_algorithm
-from server.checkpoint import CheckpointError
-from server.cli import check_args, console_logging, fail, new_parser, parse, run_folder
-from server.compute_threads import device_blas_threads, use_server_threads
-from server.coordinator import Coordinator, CoordinatorConfig
-from server.engine import RoundEngine
-from server.lowrank import factorize_model
-from server.progress import Progress
-from server.rank_assignment import OverrideError, load_overrides
-from server.robust import norm_bound_from_args
-from server.run_setup import (PlanArtifacts, PlanBook, RunError, RunFolder, all_models, device_models, global_state,
-                              initial_personal, load_shards, model_names, run_settings, tiers_from_args)
-from server.torch_trainer import TorchTrainer
+from server.cli import check_args, check_before_loading, console_logging, fail, new_parser, parse, run_folder
 
 log = logging.getLogger("fedara.simulate")
 BACKENDS = {"torch": None, "ort": TRAINING_KIND, "portable": PORTABLE_KIND}
@@ -47,6 +26,52 @@ the portable step graph on stock onnxruntime (what MQTT devices run by default).
 DEVICE_PREFIX = "device/"
 NO_DEADLINE_S = 1e9
 
+
+def build_parser() -> argparse.ArgumentParser:
+    p = new_parser("python -m server.simulate", __doc__.split("\n\n")[0])
+    sim = p.add_argument_group("in-process devices")
+    sim.add_argument("--clients", type=int, default=20, help="number of in-process devices")
+    sim.add_argument("--backend", choices=tuple(BACKENDS), default="torch",
+                     help="train with the PyTorch reference, the device runtime's onnxruntime-training trainer (ort) "
+                          "or its portable step graph on stock onnxruntime (portable, what devices run by default)")
+    sim.add_argument("--min-completion", type=float, default=0.5,
+                     help="fraction of a round's training devices that must deliver for it to be aggregated")
+    return p
+
+
+def check_simulate_args(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the first in-process flag out of range."""
+    if args.clients < 1:
+        raise ValueError(f"--clients must be >= 1, got {args.clients}")
+    if not 0.0 <= args.min_completion <= 1.0:
+        raise ValueError(f"--min-completion must be in [0, 1], got {args.min_completion:g}")
+
+
+if __name__ == "__main__":  # --help and a mistake in the flags answer before torch and the data load
+    check_before_loading(build_parser(), check_simulate_args)
+
+# The run's imports load torch (seconds, tens under load): after the flags are checked.
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from device_runtime.local_round import Trainer, load_weights, run_task
+from device_runtime.messages import Join, Plan, ShardInfo, update_message
+from device_runtime.profile import ResourceProfile
+from device_runtime.shard import Shard
+from device_runtime.task import Task, Update
+from device_runtime.runtimes import open_trainer
+from server.algorithms import get_algorithm
+from server.checkpoint import CheckpointError
+from server.compute_threads import device_blas_threads, use_server_threads
+from server.coordinator import Coordinator, CoordinatorConfig
+from server.engine import RoundEngine
+from server.lowrank import factorize_model
+from server.progress import Progress
+from server.rank_assignment import OverrideError, load_overrides
+from server.run_config import norm_bound_from_args
+from server.run_setup import (PlanArtifacts, PlanBook, RunError, RunFolder, all_models, device_models, global_state,
+                              initial_personal, load_shards, model_names, run_settings, tiers_from_args)
+from server.torch_trainer import TorchTrainer
 
 class InProcessDevice:
     """One simulated device: its shard and personal tensors; trainers are shared by the devices of a plan
@@ -91,18 +116,6 @@ class Trainers:
         return self._trainers[plan_hash]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = new_parser("python -m server.simulate", __doc__.split("\n\n")[0])
-    sim = p.add_argument_group("in-process devices")
-    sim.add_argument("--clients", type=int, default=20, help="number of in-process devices")
-    sim.add_argument("--backend", choices=tuple(BACKENDS), default="torch",
-                     help="train with the PyTorch reference, the device runtime's onnxruntime-training trainer (ort) "
-                          "or its portable step graph on stock onnxruntime (portable, what devices run by default)")
-    sim.add_argument("--min-completion", type=float, default=0.5,
-                     help="fraction of a round's training devices that must deliver for it to be aggregated")
-    return p
-
-
 def round_robin_tiers(ids: list[str], tiers: tuple[float, ...], overrides: dict[str, float]) -> dict[str, float]:
     """In-process devices have no memory budget: tiers go round-robin by device id (overrides win)."""
     return {d: overrides.get(d, tiers[i % len(tiers)]) for i, d in enumerate(ids)}
@@ -114,11 +127,8 @@ class Simulation:
     def __init__(self, args: argparse.Namespace, out: RunFolder, progress: Progress | None = None):
         self.args, self.out = args, out
         config = check_args(args)
+        check_simulate_args(args)
         use_server_threads(args.threads)
-        if args.clients < 1:
-            raise ValueError(f"--clients must be >= 1, got {args.clients}")
-        if not 0.0 <= args.min_completion <= 1.0:
-            raise ValueError(f"--min-completion must be in [0, 1], got {args.min_completion:g}")
         self.algorithm = get_algorithm(config.algo)
         overrides = load_overrides(args.rank_overrides) if args.rank_overrides else {}
         tiers = tiers_from_args(args)

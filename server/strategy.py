@@ -1,57 +1,15 @@
-"""A run's hyper-parameters and the small seeded rules the round engine applies: who is sampled, each
+"""The small seeded rules the round engine applies: who is sampled, each
 device's batch seed, and the global model factorized once per distinct plan. No I/O."""
 from __future__ import annotations
 
 import hashlib
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
-from server.algorithms import ALGORITHMS
 from server.lowrank import ResolvedPlan, factorize_state
-from server.objective import DEFAULT_LAM_WARMUP, DEFAULT_MU
-
-
-AGGREGATION_RULES = ("weights", "updates")
-"""weights: ω ← Σ p_k U_k V_kᵀ (the paper's); updates: ω ← ω + Σ p_k (U_k V_kᵀ − U_k⁰ V_k⁰ᵀ), what was sent subtracted."""
-
-
-@dataclass(frozen=True)
-class FederationConfig:
-    """Hyper-parameters of a run; defaults are the paper's (homogeneous λ = 10, lr 5e-3, batch 16, E = 5)."""
-
-    algo: str = "fedara"
-    rounds: int = 100
-    lam: float = 10.0
-    lam_warmup: int = DEFAULT_LAM_WARMUP
-    mu: float = DEFAULT_MU
-    lr: float = 5e-3
-    local_epochs: int = 5
-    batch_size: int = 16
-    join_ratio: float = 1.0
-    seed: int = 0
-    aggregate: str = "weights"
-
-    def __post_init__(self) -> None:
-        if self.algo not in ALGORITHMS:
-            raise ValueError(f"--algo {self.algo!r} is unknown; choose one of {', '.join(ALGORITHMS)}")
-        if self.aggregate not in AGGREGATION_RULES:
-            raise ValueError(f"--aggregate {self.aggregate!r} is unknown; choose one of {', '.join(AGGREGATION_RULES)}")
-        if not 0.0 < self.join_ratio <= 1.0:
-            raise ValueError(f"--join-ratio must be in (0, 1], got {self.join_ratio}")
-        for name in ("rounds", "local_epochs", "batch_size", "lam_warmup"):
-            if getattr(self, name) < (0 if name == "lam_warmup" else 1):
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be at least {0 if name == 'lam_warmup' else 1}, got {getattr(self, name)}")
-        for flag, value, positive in (("--lr", self.lr, True), ("--lam", self.lam, False), ("--frob", self.mu, False)):
-            if not math.isfinite(value) or value < 0 or (positive and value == 0):
-                raise ValueError(f"{flag} must be {'positive' if positive else 'non-negative'}, got {value:g}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def sample_clients(client_ids: list[str], join_ratio: float, round_index: int, seed: int) -> list[str]:

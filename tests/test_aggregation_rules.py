@@ -12,7 +12,7 @@ from server.coordinator import Coordinator, CoordinatorConfig
 from server.engine import RoundEngine
 from server.models import build_model
 from server.run_setup import PlanBook, global_state, initial_personal
-from server.strategy import FederationConfig
+from server.run_config import FederationConfig
 
 SHAPE, CLASSES, RUN = (1, 28, 28), 10, "run0"
 FC = "fe.fc1.weight"  # 512×1024: rank 64 at ratio 0.125

@@ -13,7 +13,7 @@ from server.coordinator import Coordinator, CoordinatorConfig
 from server.engine import MAX_PLAN_RESENDS, RoundEngine
 from server.models import build_model
 from server.run_setup import PlanBook, global_state, initial_personal
-from server.strategy import FederationConfig
+from server.run_config import FederationConfig
 
 SHAPE = (1, 28, 28)
 CLASSES = 10

@@ -48,7 +48,7 @@ from server.engine import RoundEngine
 from server.models import build_model
 from server.progress import Progress
 from server.report import METRICS_FILE, read_metrics
-from server.robust import norm_bound_from_args
+from server.run_config import norm_bound_from_args
 from server.run_setup import PlanBook, RunFolder, global_state, initial_personal
 from server.strategy import factorize_per_plan, plan_key
 from tests.mqtt_peer import MqttPeer

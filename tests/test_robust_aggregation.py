@@ -18,8 +18,8 @@ from server import broker_loop, simulate
 from server.aggregate import StreamingAverage
 from server.lowrank import reconstruct_state
 from server.progress import Progress
-from server.robust import (NormAction, NormBound, bound_update, clip_to_bound, fe_distance,
-                           norm_bound_from_args)
+from server.robust import bound_update, clip_to_bound, fe_distance
+from server.run_config import NormAction, NormBound, norm_bound_from_args
 from server.run_setup import RunFolder
 from server.strategy import plan_key, to_torch
 from tests.test_hostile import (DENSE, EVAL, FACTORED, RUN, SERVER_LOG, TRAINER, World, close, genuine_update,

@@ -17,7 +17,8 @@ from server.lowrank import FE_PREFIX
 from server.report import METRICS_FILE, REPORT_FILE, read_metrics
 from server.run_setup import RunFolder
 from server.simulate import DEVICE_PREFIX, Simulation, build_parser, main
-from server.strategy import FederationConfig, batch_seed, sample_clients, weighted_accuracy
+from server.run_config import FederationConfig
+from server.strategy import batch_seed, sample_clients, weighted_accuracy
 
 QUICK = ["--dataset", "digits", "--clients", "4", "--rounds", "2", "--local-epochs", "1", "--batch-size", "32",
          "--max-samples", "600", "--lr", "0.05", "--lam", "1", "--lam-warmup", "1"]

@@ -12,11 +12,11 @@ from server.algorithms.fedavg import FedAvg
 from server.algorithms.fedrep import FedRep
 from server.algorithms.local import Local
 
-ALGORITHMS: dict[str, type[Algorithm]] = {"fedara": FedAra, "fedavg": FedAvg, "fedrep": FedRep, "local": Local}
+REGISTRY: dict[str, type[Algorithm]] = {"fedara": FedAra, "fedavg": FedAvg, "fedrep": FedRep, "local": Local}
 
 
 def get_algorithm(name: str) -> Algorithm:
     """The algorithm called ``name`` (ValueError naming the choices otherwise)."""
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
-    return ALGORITHMS[name]()
+    if name not in REGISTRY:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(REGISTRY)}")
+    return REGISTRY[name]()

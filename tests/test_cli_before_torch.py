@@ -1,0 +1,41 @@
+"""The drivers answer --help and a mistake in their flags before torch loads: one line, exit 2, in a blink."""
+import subprocess
+import sys
+
+import pytest
+
+from server import run_config
+from server.algorithms import REGISTRY
+from server.models import ARCHITECTURES
+
+
+def imported_modules(stderr: str) -> set[str]:
+    """The modules ``python -X importtime`` reports as imported."""
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
+def run_driver(driver: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-X", "importtime", "-m", driver, *flags], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("driver", ["server.broker_loop", "server.simulate"])
+def test_a_bad_flag_value_is_refused_before_torch_is_imported(driver):
+    done = run_driver(driver, "--lam", "-1")
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert done.returncode == 2
+    assert errors == ["error: --lam must be non-negative, got -1"]
+    modules = imported_modules(done.stderr)
+    assert "server.cli" in modules and "torch" not in modules
+
+
+@pytest.mark.parametrize("driver", ["server.broker_loop", "server.simulate"])
+def test_help_is_printed_without_importing_torch(driver):
+    done = run_driver(driver, "--help")
+    assert done.returncode == 0 and "--rounds" in done.stdout
+    assert "torch" not in imported_modules(done.stderr)
+
+
+def test_the_names_the_command_line_offers_are_the_registries():
+    assert tuple(REGISTRY) == run_config.ALGORITHMS
+    assert tuple(ARCHITECTURES) == run_config.MODELS
