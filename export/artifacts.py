@@ -22,7 +22,7 @@ import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,8 +244,10 @@ def build_artifacts(model: SplitModel, ranks: dict[str, int], input_shape: tuple
 
 
 def build_artifacts_of_kind(kind: str, model: SplitModel, ranks: dict[str, int], input_shape: tuple[int, ...],
-                            num_classes: int, cache_dir: str | os.PathLike) -> ArtifactSet:
-    """The ``kind`` artifact set of ``factorize_model(model, ranks)``, built only if ``cache_dir`` lacks its hash.
+                            num_classes: int, cache_dir: str | os.PathLike,
+                            on_compile: Callable[[], None] | None = None) -> ArtifactSet:
+    """The ``kind`` artifact set of ``factorize_model(model, ranks)``, built only if ``cache_dir`` lacks its hash
+    (``on_compile`` is called first then: compiling takes seconds to minutes, a cached set milliseconds).
 
     Concurrent builders of one hash each write a private temp directory and rename it into place; the first
     rename wins and the others discard their copy. A cached set whose files fail their checksums is refused; a
@@ -260,6 +262,8 @@ def build_artifacts_of_kind(kind: str, model: SplitModel, ranks: dict[str, int],
     cache_dir = Path(cache_dir)
     final = cache_dir / digest
     if not final.exists():
+        if on_compile is not None:
+            on_compile()
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{digest[:12]}-", dir=cache_dir))
         try:

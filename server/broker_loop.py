@@ -165,7 +165,7 @@ from server.engine import RoundEngine
 from server import aggregation_wire as wire
 from server.enrollment import LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, load_server_key, run_key_ring
 from server.partition import write_shards
-from server.progress import Progress
+from server.progress import Progress, print_and_log
 from server.rank_assignment import OverrideError, load_overrides, tier_predictor
 from server.run_config import norm_bound_from_args
 from server.run_setup import (PlanBook, RunError, RunFolder, all_models, device_models, global_state, initial_personal,
@@ -656,7 +656,7 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
     for device_id in shards:
         coordinator.register(device_id)
     models = all_models(args, model, input_shape)
-    plans = PlanBook(model, input_shape, Path(args.cache_dir), others=models)
+    plans = PlanBook(model, input_shape, Path(args.cache_dir), others=models, emit=print_and_log)
     personal = initial_personal(list(models.values()), algorithm)
     shared = global_state(model, algorithm)
     engine = RoundEngine(algorithm, config, coordinator, plans, shared, personal, tiers=tiers, overrides=overrides,
@@ -719,7 +719,7 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
             LOG.info("the run in %s is finished; rewriting its report", out.path)
         else:
             first = saved.round + 1 if saved else 1
-            federation.run(first, Progress(config.rounds, first))
+            federation.run(first, Progress(config.rounds))
     report = out.report(engine.records, dict(settings, run_id=run_id, broker=args.broker or "embedded",
                                              driver="broker_loop"))
     print(f"wrote {out.path / 'metrics.jsonl'}, metrics.csv and {report}", flush=True)

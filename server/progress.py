@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,19 +18,21 @@ def print_and_log(line: str) -> None:
 class Progress:
     """Prints one line per closed round and one per completed evaluation."""
 
-    def __init__(self, rounds: int, first_round: int = 1, emit: Callable[[str], None] | None = None):
-        self.rounds, self.first_round = rounds, first_round
-        self.started = time.monotonic()
+    def __init__(self, rounds: int, emit: Callable[[str], None] | None = None):
+        self.rounds = rounds
+        self.round_seconds: list[float] = []
         self.emit = emit or print_and_log
 
     def _eta(self, round_index: int) -> str:
-        done = round_index - self.first_round + 1
-        if done <= 0:
+        """The rounds left times the mean round so far (rounds only: compiling artifacts and waiting for devices
+        to join happen once, before round 1)."""
+        if not self.round_seconds:
             return "–"
-        left = (time.monotonic() - self.started) / done * (self.rounds - round_index)
+        left = sum(self.round_seconds) / len(self.round_seconds) * (self.rounds - round_index)
         return f"{left / 60:.1f} min" if left >= 120 else f"{left:.0f} s"
 
     def trained(self, record: dict[str, Any]) -> None:
+        self.round_seconds.append(record["seconds"])
         loss = record["train_loss"]
         self.emit(f"round {record['round']}/{self.rounds}  loss {'–' if loss is None else f'{loss:.4f}'}  "
                   f"participants {record['participants']}/{record['selected']}  dropped {len(record['dropped'])}  "

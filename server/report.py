@@ -176,18 +176,20 @@ def device_accuracies(records: Sequence[Mapping[str, Any]]) -> dict[str, tuple[s
 
 
 def tier_accuracy(records: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[int, float]]]:
-    """Per tier, (round, mean accuracy of the tier's devices evaluated that round), largest ratio first."""
-    sums: dict[str, dict[int, list[float]]] = {}
+    """Per tier, (round, the tier's accuracy that round) from the records' ``per_tier``, largest ratio first.
+
+    One definition everywhere (the engine's, printed on the console and kept in metrics.jsonl): a tier's accuracy
+    pools its devices' test samples, Σ correct / Σ test samples, as the run's accuracy does."""
+    points: dict[str, list[tuple[int, float]]] = {}
     for r in records:
-        for entry in (r.get("per_device") or {}).values():
+        for tier, entry in (r.get("per_tier") or {}).items():
             if entry.get("accuracy") is not None:
-                sums.setdefault(str(entry["tier"]), {}).setdefault(r["round"], []).append(entry["accuracy"])
-    return {tier: [(t, sum(a) / len(a)) for t, a in sorted(sums[tier].items())]
-            for tier in sorted(sums, key=_tier_order)}
+                points.setdefault(str(tier), []).append((r["round"], entry["accuracy"]))
+    return {tier: points[tier] for tier in sorted(points, key=_tier_order)}
 
 
 def plot_device_accuracy(records: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
-    """One thin line per device and one thick line per tier (the mean of its devices), coloured by tier."""
+    """One thin line per device and one thick line per tier (its devices' test samples pooled), coloured by tier."""
     figure = Figure(figsize=PLOT_SIZE_IN)
     ax = figure.add_subplot()
     devices = device_accuracies(records)
@@ -196,7 +198,7 @@ def plot_device_accuracy(records: Sequence[Mapping[str, Any]], path: str | os.Pa
         count = sum(1 for t, _ in devices.values() if t == tier)
         rounds, acc = zip(*points)
         ax.plot(rounds, acc, color=colours[tier], linewidth=2.5, marker="o",
-                label=f"ratio {tier}: mean of {count} device{'s' if count != 1 else ''}")
+                label=f"ratio {tier}: {count} device{'s' if count != 1 else ''} pooled")
     for tier, points in devices.values():
         rounds, acc = zip(*points)
         ax.plot(rounds, acc, color=colours[tier], linewidth=0.8, alpha=0.45)
@@ -220,12 +222,13 @@ def device_section(records: Sequence[Mapping[str, Any]]) -> list[str]:
     if not devices:
         return []
     lines = ["## Accuracy per rank tier and device", "",
-             "At each device's last evaluated round; a tier's accuracy is the mean over its devices.", "",
-             "| tier | devices | mean | min | max |", "| --- | --- | --- | --- | --- |"]
-    for tier in tier_accuracy(records):
-        final = [points[-1][1] for t, points in devices.values() if t == tier]
-        lines.append(f"| {tier} | {len(final)} | {sum(final) / len(final):.4f} | {min(final):.4f} | "
-                     f"{max(final):.4f} |")
+             "At the last evaluated round; a tier's accuracy pools its devices' test samples (Σ correct / Σ test "
+             "samples, as the console and metrics.jsonl report it); min and max are over its devices.", "",
+             "| tier | devices | accuracy | min | max |", "| --- | --- | --- | --- | --- |"]
+    for tier, points in tier_accuracy(records).items():
+        final = [p[-1][1] for t, p in devices.values() if t == tier]
+        low, high = (_fmt(min(final), ".4f"), _fmt(max(final), ".4f")) if final else ("–", "–")
+        lines.append(f"| {tier} | {len(final)} | {points[-1][1]:.4f} | {low} | {high} |")
     lines += ["", "| device | tier | accuracy | round |", "| --- | --- | --- | --- |"]
     lines += [f"| {device_id} | {tier} | {points[-1][1]:.4f} | {points[-1][0]} |"
               for device_id, (tier, points) in devices.items()]

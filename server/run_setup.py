@@ -7,6 +7,8 @@ import argparse
 import hashlib
 import json
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,8 +120,9 @@ class PlanBook:
     reference devices."""
 
     def __init__(self, model: SplitModel, input_shape: tuple[int, ...], cache_dir: Path, *, onnx: bool = True,
-                 others: dict[str, SplitModel] | None = None):
+                 others: dict[str, SplitModel] | None = None, emit: Callable[[str], None] | None = None):
         self.model, self.input_shape, self.cache_dir, self.onnx = model, input_shape, cache_dir, onnx
+        self.emit = emit  # progress lines while artifacts compile (the first run of a tier takes tens of seconds)
         self.models = {model.name: model, **(others or {})}
         self._plans: dict[tuple[float, str, str], PlanArtifacts] = {}
 
@@ -134,8 +137,16 @@ class PlanBook:
         model = self.models[name]
         resolved = resolve_plan(model, RankPlan(ratio))
         if self.onnx:
+            started: list[float] = []
+
+            def announce() -> None:
+                started.append(time.monotonic())
+                self.emit(f"compiling the {kind} artifacts of {name} at rank ratio {ratio:g} (once: later runs "
+                          f"take them from {self.cache_dir}) ...")
             built = build_artifacts_of_kind(kind, model, resolved.ranks, self.input_shape, model.num_classes,
-                                            self.cache_dir)
+                                            self.cache_dir, on_compile=announce if self.emit else None)
+            if started:
+                self.emit(f"  compiled in {time.monotonic() - started[0]:.1f} s")
             paths = [*built.files.values(), built.directory / MANIFEST_NAME]
             plan = PlanArtifacts(ratio, resolved, built.hash, dict(built.fe_shapes),
                                  {p.name: p.read_bytes() for p in paths}, built, model)
@@ -194,4 +205,7 @@ def run_settings(args: argparse.Namespace, config_dict: dict[str, Any], extra: t
     """Everything that defines the run's math; a resumed run must match (except RESUME_IGNORED)."""
     keys = ("dataset", "partition", "alpha", "classes_per_client", "min_samples", "max_samples", "model",
             "rank_ratio", "rank_tiers", "update_norm_bound", "update_norm_action", *extra)
-    return dict(config_dict, **{k: getattr(args, k) for k in keys})
+    settings = dict(config_dict, **{k: getattr(args, k) for k in keys})
+    if args.rank_ratio is None:  # the tiers offered, also when they are the defaults
+        settings["rank_tiers"] = ",".join(f"{t:g}" for t in tiers_from_args(args))
+    return settings

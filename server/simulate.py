@@ -66,7 +66,7 @@ from server.compute_threads import device_blas_threads, use_server_threads
 from server.coordinator import Coordinator, CoordinatorConfig
 from server.engine import RoundEngine
 from server.lowrank import factorize_model
-from server.progress import Progress
+from server.progress import Progress, print_and_log
 from server.rank_assignment import OverrideError, load_overrides
 from server.run_config import norm_bound_from_args
 from server.run_setup import (PlanArtifacts, PlanBook, RunError, RunFolder, all_models, device_models, global_state,
@@ -137,7 +137,8 @@ class Simulation:
         model, input_shape, shards = load_shards(args, args.clients)
         models = all_models(args, model, input_shape)
         self.device_models = device_models(list(shards), model_names(args))
-        self.plans = PlanBook(model, input_shape, Path(args.cache_dir), onnx=args.backend != "torch", others=models)
+        self.plans = PlanBook(model, input_shape, Path(args.cache_dir), onnx=args.backend != "torch", others=models,
+                              emit=print_and_log)
         self.run_id = self.saved.state["run_id"] if self.saved else uuid.uuid4().hex[:16]
         coordinator = Coordinator(CoordinatorConfig(
             input_shape=input_shape, num_classes=model.num_classes, min_devices=1, join_ratio=config.join_ratio,
@@ -154,7 +155,7 @@ class Simulation:
         self.first_round = 1
         if self.saved:
             self._restore()
-        self.progress = progress or Progress(config.rounds, self.first_round)
+        self.progress = progress or Progress(config.rounds)
         self._admit()
 
     def _restore(self) -> None:

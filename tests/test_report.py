@@ -88,12 +88,20 @@ def test_the_accuracy_plot_has_a_title_and_a_legend_that_explains_the_band():
         "accuracy: Σ correct / Σ test samples", "± 1 std of the devices' accuracies"]
 
 
-def per_device(**accuracies: tuple[float, str]) -> dict:
-    return {"per_device": {d: {"accuracy": a, "tier": t} for d, (a, t) in accuracies.items()}}
+def per_device(**results: tuple[int, int, str]) -> dict:
+    """A record's per_device and per_tier (as the engine writes them) from each device's (correct, total, tier)."""
+    tiers: dict[str, list[int]] = {}
+    for correct, total, tier in results.values():
+        tiers.setdefault(tier, [0, 0])
+        tiers[tier][0] += correct
+        tiers[tier][1] += total
+    return {"per_device": {d: {"accuracy": c / n, "tier": t} for d, (c, n, t) in results.items()},
+            "per_tier": {t: {"accuracy": c / n, "devices": sum(1 for *_, u in results.values() if u == t)}
+                         for t, (c, n) in tiers.items()}}
 
 
-DEVICE_RECORDS = [record(1, 0.5, **per_device(dev_000=(0.4, "1"), dev_001=(0.6, "0.25"), dev_002=(0.5, "0.25"))),
-                  record(2, 0.7, **per_device(dev_000=(0.8, "1"), dev_001=(0.7, "0.25"))),
+DEVICE_RECORDS = [record(1, 0.5, **per_device(dev_000=(4, 10, "1"), dev_001=(6, 10, "0.25"), dev_002=(15, 30, "0.25"))),
+                  record(2, 0.7, **per_device(dev_000=(8, 10, "1"), dev_001=(7, 10, "0.25"))),
                   record(3, None)]
 
 
@@ -103,15 +111,17 @@ def test_device_accuracies_follow_each_device_over_the_rounds_it_was_evaluated()
                                                  "dev_002": ("0.25", [(1, 0.5)])}
 
 
-def test_tier_accuracy_is_the_mean_over_the_tiers_devices_each_round_largest_ratio_first():
+def test_tier_accuracy_pools_the_tiers_test_samples_each_round_largest_ratio_first():
+    """Σ correct / Σ test samples over the tier's devices, the console's and metrics.jsonl's definition: 21 of 40
+    (0.525), not the mean of the devices' 0.6 and 0.5."""
     tiers = tier_accuracy(DEVICE_RECORDS)
     assert list(tiers) == ["1", "0.25"]
-    assert tiers["0.25"] == [(1, pytest.approx(0.55)), (2, pytest.approx(0.7))]
+    assert tiers["0.25"] == [(1, pytest.approx(0.525)), (2, pytest.approx(0.7))]
 
 
 def test_the_report_tabulates_tiers_and_devices_and_plots_them(tmp_path):
     text = write_report(tmp_path, DEVICE_RECORDS, {}).read_text()
-    assert "| 0.25 | 2 | 0.6000 | 0.5000 | 0.7000 |" in text
+    assert "| 0.25 | 2 | 0.7000 | 0.5000 | 0.7000 |" in text  # round 2 pools dev_001 alone
     assert "| dev_002 | 0.25 | 0.5000 | 1 |" in text
     assert f"]({DEVICE_PLOT})" in text
     assert (tmp_path / DEVICE_PLOT).read_bytes().startswith(PNG_MAGIC)
