@@ -48,6 +48,20 @@ result = trainer.train(shard.x_train, shard.y_train, anchors=anchors, mask=mask,
 print(json.dumps(dict(machine=platform.machine(), trainer=type(trainer).__name__, steps=result.steps,
                       loss=result.loss, heavy=sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "onnx")))))
 """
+PARITY_EPOCH = """
+import sys
+import numpy as np
+from device_runtime.runtimes import open_trainer
+
+given = np.load(sys.argv[2])
+trainer = open_trainer(sys.argv[1])
+trainer.set_fe({k: given[k] for k in given.files if k.startswith("fe.")})
+trainer.set_head({k: given[k] for k in given.files if k.startswith("head.")})
+anchors, mask = trainer.compute_anchors(given["x"], given["y"], batch_size=8)
+trainer.train(given["x"], given["y"], anchors=given["anchors"], mask=given["mask"], lam=float(given["lam"]), mu=1e-3,
+              lr=0.05, epochs=1, batch_size=8, rng=np.random.default_rng(3))
+np.savez(sys.argv[3], anchors=anchors, mask=mask, **trainer.get_fe(), **trainer.get_head())
+"""
 
 
 def _skip_reason() -> str | None:
@@ -150,3 +164,40 @@ def test_the_arm64_device_joins_a_native_federation_and_its_update_is_aggregated
     assert device_log.splitlines()[0] == "aarch64"
     (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert record["round"] == 1 and record["participants"] == 1 and record["bytes_up"] > 0  # arm64_000 alone
+
+
+@pytest.mark.parametrize("ranks, lam", [({}, 0.0), ({"fe.conv2": 80, "fe.fc1": 256}, 2.0)], ids=["dense", "factorized"])
+def test_an_arm64_epoch_equals_the_pytorch_reference(installed: str, work: Path, ranks: dict, lam: float):
+    """tests/test_parity.py's oracle on aarch64's kernels (MLAS's NEON paths, numpy's OpenBLAS for ARM): one epoch
+    of the portable step graph, anchors included, against PyTorch on this host, within the same 1e-5."""
+    from server.lowrank import factorize_model, fe_state
+    from server.objective import compute_anchors
+    from server.training import train_local
+    from tests.test_parity import CLASSES, PARAM_ATOL, SHAPE
+
+    model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
+    reference = factorize_model(model, ranks)
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, CLASSES - 2, 20).astype(np.int64)
+    x = rng.standard_normal((20, *SHAPE)).astype(np.float32)
+    anchors, mask = compute_anchors(reference.fe, x, y, CLASSES, batch_size=8)
+    start = {k: v.detach().numpy().copy() for k, v in reference.state_dict().items()}
+    given, got = work / f"parity-in-{len(ranks)}.npz", work / f"parity-out-{len(ranks)}.npz"
+    np.savez(given, x=x, y=y, anchors=anchors, mask=mask, lam=lam,
+             **{k: v for k, v in start.items() if k in fe_state(reference) or k.startswith("head.")})
+    train_local(reference, x, y, anchors=anchors, mask=mask, lam=lam, mu=1e-3, lr=0.05, epochs=1, batch_size=8,
+                rng=np.random.default_rng(3))
+    artifacts = build_artifacts_of_kind(PORTABLE_KIND, model, ranks, SHAPE, CLASSES, work / "cache")
+    (work / "parity.py").write_text(PARITY_EPOCH)
+    done = emulated(f"{PREFIX}/venv/bin/python {work}/parity.py {artifacts.directory} {given} {got}", work,
+                    ROUND_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    device = dict(np.load(got))
+    np.testing.assert_array_equal(device.pop("mask"), mask)
+    np.testing.assert_allclose(device.pop("anchors"), anchors, atol=1e-5)
+    expected = {k: v.detach().numpy() for k, v in reference.state_dict().items()}
+    assert set(device) == set(expected)
+    moved = max(float(np.abs(expected[k] - start[k]).max()) for k in expected)
+    assert moved > 100 * PARAM_ATOL  # the epoch moved the weights far beyond the tolerance
+    for name, value in device.items():
+        np.testing.assert_allclose(value, expected[name], rtol=0, atol=PARAM_ATOL, err_msg=name)
