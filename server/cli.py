@@ -40,7 +40,8 @@ def add_broker_flags(parser: argparse.ArgumentParser, default_broker: str = "req
     mqtt = parser.add_argument_group("broker")
     mqtt.add_argument("--broker", default=None, help=f"mqtt://host:port or mqtts://... ({default_broker})")
     mqtt.add_argument("--prefix", default=DEFAULT_TOPIC_PREFIX, help="MQTT topic prefix")
-    mqtt.add_argument("--username", default=None)
+    mqtt.add_argument("--username", default=None,
+                      help="MQTT username (default: the user in --broker's URL, else none: anonymous)")
     mqtt.add_argument("--password", default=None, help=f"default: ${PASSWORD_ENV} (never shown here)")
     mqtt.add_argument("--tls-ca", default=None, help="CA certificate to verify an mqtts:// broker")
     mqtt.add_argument("--tls-cert", default=None, help="client certificate (with --tls-key)")
