@@ -39,3 +39,10 @@ def test_help_is_printed_without_importing_torch(driver):
 def test_the_names_the_command_line_offers_are_the_registries():
     assert tuple(REGISTRY) == run_config.ALGORITHMS
     assert tuple(ARCHITECTURES) == run_config.MODELS
+
+
+@pytest.mark.parametrize("driver", ["server.broker_loop", "server.simulate", "device_runtime.__main__"])
+def test_help_reads_as_plain_text_without_rst_literal_marks(driver):
+    module = __import__(driver, fromlist=["build_parser"])
+    text = module.build_parser().format_help()
+    assert "``" not in text and "python -m" in text
