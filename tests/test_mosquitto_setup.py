@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import shlex
 import shutil
 import stat
 import subprocess
@@ -75,6 +76,22 @@ def test_the_output_tells_how_to_start_mosquitto_the_server_and_a_device(tmp_pat
     assert f"/usr/sbin/mosquitto -c {tmp_path / 'm' / 'mosquitto.conf'}" in done.stdout
     assert "-m server.broker_loop --broker mqtt://127.0.0.1:18830 --username server" in done.stdout
     assert "-m device_runtime --broker mqtt://127.0.0.1:18830 --device-id dev_000" in done.stdout
+
+
+def printed_server_command(stdout: str) -> list[str]:
+    """The flags of the server command the set-up printed (what follows ``-m server.broker_loop``)."""
+    (line,) = [line for line in stdout.splitlines() if "-m server.broker_loop " in line]
+    return shlex.split(line.split("-m server.broker_loop ", 1)[1])
+
+
+def test_the_printed_server_command_waits_for_the_enrolled_devices_and_runs_a_short_demo(tmp_path: Path):
+    done = run_setup(tmp_path / "m", "--devices", "2", "--device-id", "board-7", "--bind", "127.0.0.1",
+                     "--user", pwd.getpwuid(os.geteuid()).pw_name)
+    assert done.returncode == 0, done.stderr
+    args = broker_loop.build_parser().parse_args(printed_server_command(done.stdout))
+    assert args.min_devices == 3 and args.enroll == str(tmp_path / "m" / "enrollment.json")
+    assert (args.rounds, args.local_epochs) == (5, 1)
+    assert "for a real run drop --rounds 5 --local-epochs 1" in done.stdout
 
 
 def test_no_devices_is_refused_naming_the_flags(tmp_path: Path):
