@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make a CA and a broker certificate for this host name or IP and listen with TLS only")
     p.add_argument("--user", default="mosquitto", help="the user mosquitto drops to (its conf's `user`)")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
-                   help="largest frame the broker takes, its max_packet_size less 64 KiB of headroom (server's and "
-                        "devices' --max-message-bytes or more)")
+                   help="frames the broker must take (server's and devices' --max-message-bytes or more); its "
+                        "max_packet_size is this plus 64 KiB for the MQTT header and topic")
     return p
 
 
