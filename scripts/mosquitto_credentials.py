@@ -113,11 +113,11 @@ def instructions(setup: MosquittoSetup, args: argparse.Namespace, port: int, dev
               f"{args.user} as its conf says):",
               f"  sudo /usr/sbin/mosquitto -c {setup.conf}",
               f"Run the server against it (it starts when all {len(devices)} enrolled devices have joined; "
-              f"--dataset as the devices' shards):",
+              f"--dataset as the devices' shards; each run gets a new folder under runs/):",
               f"  FEDARA_MQTT_PASSWORD={secret.format(user=args.server_user)} .venv/bin/python -m server.broker_loop "
               f"--broker {url} --username {args.server_user}{tls} --prefix {args.prefix} "
               f"--min-devices {len(devices)} --enroll {args.out / LOCAL_ENROLLMENT} --dataset fmnist "
-              f"{DEMO_TRAINING} --out runs/secured",
+              f"{DEMO_TRAINING}",
               f"  # a short demo: for a real run drop {DEMO_TRAINING} (the paper's 100 rounds of 5 epochs) and set "
               f"--min-devices to the devices a round needs",
               f"Run device {devices[0]} (its username is its id; its shard from python -m server.shards):",

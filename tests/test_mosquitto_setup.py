@@ -95,7 +95,7 @@ def test_the_printed_server_command_waits_for_the_enrolled_devices_and_runs_a_sh
     assert done.returncode == 0, done.stderr
     args = broker_loop.build_parser().parse_args(printed_server_command(done.stdout))
     assert args.min_devices == 3 and args.enroll == str(tmp_path / "m" / "enrollment.json")
-    assert (args.rounds, args.local_epochs) == (5, 1)
+    assert (args.rounds, args.local_epochs) == (5, 1) and args.out is None  # each run its own folder: run it again
     assert "for a real run drop --rounds 5 --local-epochs 1" in done.stdout
 
 
