@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=DefaultsHelpFormatter)
     p.add_argument("--broker", required=True, help="mqtt://[user[:pass]@]host[:port] or mqtts://... (TLS)")
     p.add_argument("--device-id", required=True, help="this device's id: its MQTT client id and topic level")
-    p.add_argument("--data", required=True, help="the device's shard (.npz written by python -m server.shards)")
+    p.add_argument("--data", required=True,
+                   help="the device's shard: an .npz of x_train, y_train, x_test, y_test and num_classes")
     p.add_argument("--workdir", required=True, help="cached artifacts, heads and state survive restarts here")
     p.add_argument("--memory-budget-mb", type=float, default=None,
                    help="memory this device process may use (default: its cgroup's memory limit, else "
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"MQTT password (default: ${PASSWORD_ENV}, which keeps it out of the process list)")
     p.add_argument("--tls-ca", default=None, help="CA certificate to verify an mqtts:// broker")
     p.add_argument("--key-file", required=True,
-                   help="this device's key (64 hex digits; written at enrollment, see server/enrollment.py)")
+                   help="this device's key file (64 hex digits), from the server's operator, who enrolled it")
     p.add_argument("--max-inbound-mb", type=float, default=DEFAULT_MAX_INBOUND_MB,
                    help="largest message taken before a plan sets a model-sized limit (also the reassembly budget)")
     p.add_argument("--max-message-bytes", type=int, default=256 * 1024,

@@ -8,6 +8,9 @@ Workdir layout (everything a restarted device needs):
                          plan of the current run, by round
     state.json           run id, plan hash and the last task answered
     last_answer.bin      the encoded answer to that round, re-sent as is if the same task comes again
+    previous_run/        heads/, state.json and last_answer.bin of the last run that committed a head, kept while
+                         a newer run has committed none: a PLAN of that run (a server resuming it after the newer
+                         one aborted) brings them back; the newer run's first committed training round drops them
 
 Every file is written to a temporary name and renamed, so a kill leaves the old version or the new one.
 Order per task: train, save the head under the round's name, save the answer, save the state (the commit:
@@ -54,6 +57,8 @@ ARTIFACTS_DIR = "artifacts"
 HEADS_DIR = "heads"
 STATE_FILE = "state.json"
 ANSWER_FILE = "last_answer.bin"
+PREVIOUS_RUN_DIR = "previous_run"
+HEAD_NAME = re.compile(r"([0-9a-f]{64})-(\d+)\.npz")
 POLL_S = 0.2
 PLAN_HEADROOM = 8
 """After a plan, the device takes messages up to this many times its plan's artifact files (plus a header): a
@@ -130,8 +135,9 @@ class Workdir:
             shutil.rmtree(tmp, ignore_errors=True)
         return final
 
-    def load_state(self) -> DeviceState:
-        path = self.root / STATE_FILE
+    def load_state(self, folder: Path | None = None) -> DeviceState:
+        """The state saved in ``folder`` (default: the workdir), NO_RUN when there is none or it is unreadable."""
+        path = (folder or self.root) / STATE_FILE
         try:
             state = json.loads(path.read_text())
             return DeviceState(**dict(state, personal=tuple(state.get("personal", ()))))
@@ -163,6 +169,51 @@ class Workdir:
         for head in (self.root / HEADS_DIR).iterdir():
             head.unlink()
         (self.root / ANSWER_FILE).unlink(missing_ok=True)
+
+    def switch_run(self, state: DeviceState, run_id: str) -> DeviceState:
+        """Leave the run of ``state`` for ``run_id``; return the state to go on with.
+
+        A run that committed a head is copied to previous_run/ (replacing it) before its files are dropped; one
+        that committed none is dropped and previous_run/ stays. When previous_run/ holds ``run_id``, its files come
+        back and so does its state. Every step leaves a workdir a restart handles: the copies are made before
+        the originals go, and previous_run/ is dropped last."""
+        previous = self.root / PREVIOUS_RUN_DIR
+        if self._holds_committed_head(state.answered_round):
+            staging = self.root / f"{TMP_PREFIX}{PREVIOUS_RUN_DIR}"
+            shutil.rmtree(staging, ignore_errors=True)
+            self._copy_run(self.root, staging, (ANSWER_FILE, STATE_FILE))
+            shutil.rmtree(previous, ignore_errors=True)
+            os.rename(staging, previous)
+        self.forget_run()
+        kept = self.load_state(previous)
+        if kept.run_id != run_id:
+            return DeviceState(run_id=run_id)
+        self._copy_run(previous, self.root, (ANSWER_FILE,))
+        self.save_state(kept)
+        self.drop_previous_run()
+        return kept
+
+    def kept_run(self) -> str | None:
+        """The run whose files previous_run/ holds, if any."""
+        run_id = self.load_state(self.root / PREVIOUS_RUN_DIR).run_id
+        return None if run_id == NO_RUN else run_id
+
+    def drop_previous_run(self) -> None:
+        """Forget the previous run's files (this run committed a trained head of its own)."""
+        shutil.rmtree(self.root / PREVIOUS_RUN_DIR, ignore_errors=True)
+
+    def _holds_committed_head(self, answered_round: int) -> bool:
+        return any((m := HEAD_NAME.fullmatch(f.name)) and int(m.group(2)) <= answered_round
+                   for f in (self.root / HEADS_DIR).iterdir())
+
+    @staticmethod
+    def _copy_run(source: Path, target: Path, names: tuple[str, ...]) -> None:
+        """Copy a run's heads and the files ``names`` from ``source`` to ``target``, each file whole."""
+        (target / HEADS_DIR).mkdir(parents=True, exist_ok=True)
+        heads = [f.relative_to(source) for f in (source / HEADS_DIR).iterdir() if HEAD_NAME.fullmatch(f.name)]
+        for name in [*heads, *names]:
+            if (source / name).is_file():
+                write_atomic(target / name, (source / name).read_bytes())
 
 
 class DeviceAgent:
@@ -262,11 +313,17 @@ class DeviceAgent:
             self._send_error(code, f"artifacts {plan.plan_hash}: {exc}", run_id=msg.run_id)
             return
         if starts_new_run(self.state, msg.run_id):
-            # Only a verified plan of a new run may cost this run's heads.
-            LOG.info("run %s starts (was %s): fresh heads", msg.run_id, self.state.run_id)
-            self.workdir.forget_run()
+            # Only a verified plan of a new run may set this run's heads aside.
+            was = self.state.run_id
             self._drop_trainer()
-            self.state = DeviceState(run_id=msg.run_id)
+            self.state = self.workdir.switch_run(self.state, msg.run_id)
+            if self.state.answered_round:
+                LOG.info("run %s resumes (was %s): its heads are back, round %d answered", msg.run_id, was,
+                         self.state.answered_round)
+            else:
+                kept = self.workdir.kept_run()
+                LOG.info("run %s starts (was %s): fresh heads%s", msg.run_id, was, "" if kept is None else
+                         f"; run {kept}'s stay in {PREVIOUS_RUN_DIR}/ until this run commits a trained round")
         if self.loaded_hash != plan.plan_hash:
             self._load_plan(plan.plan_hash)
         self._limit_inbound(plan.plan_hash)
@@ -338,6 +395,7 @@ class DeviceAgent:
         self.workdir.save_state(self.state)
         if not task.evaluate_only:
             self.workdir.drop_heads_before(plan_hash, task.round)
+            self.workdir.drop_previous_run()
         self.endpoint.publish(self.topics.update, payload, new_msg_id(MessageType.UPDATE))
 
     def _compute(self, task: Task) -> Update:
@@ -351,8 +409,11 @@ class DeviceAgent:
         finally:
             self.computing = False
         update.metrics["seconds"] = time.perf_counter() - start
-        LOG.info("round %d: %s in %.2f s", task.round, "evaluated" if task.evaluate_only else "trained",
-                 update.metrics["seconds"])
+        if task.evaluate_only:  # not sampled to train, or the run's final evaluation (its round is rounds + 1)
+            LOG.info("evaluated the model of round %d (evaluation only) in %.2f s", task.round - 1,
+                     update.metrics["seconds"])
+        else:
+            LOG.info("round %d: trained in %.2f s", task.round, update.metrics["seconds"])
         return update
 
     def _on_error(self, msg: Message) -> None:

@@ -7,8 +7,9 @@ its workdir. The rules:
 - a TASK for the round (and kind: training or evaluation) it last answered gets the saved answer again, as
   sent (a restarted server or broker asks twice; the same answer is counted once);
 - any other TASK is computed;
-- a verified PLAN of another run starts a new run: this run's personal tensors and saved answer are dropped
-  (the artifact cache stays), and it starts from the plan's initial tensors;
+- a verified PLAN of another run starts a new run from the plan's initial tensors: this run's personal tensors
+  and saved answer are set aside until the new run commits a trained round (a PLAN of this run brings them
+  back; the artifact cache stays);
 - a PLAN of its run starts from the plan's initial tensors only while it holds nothing committed of the run.
 """
 from __future__ import annotations
@@ -48,7 +49,7 @@ def on_task(state: DeviceState, loaded_hash: str | None, run_id: str, plan_hash:
 
 
 def starts_new_run(state: DeviceState, run_id: str) -> bool:
-    """A verified PLAN of another run than the device's: it drops this run's heads and answer."""
+    """A verified PLAN of another run than the device's: it sets this run's heads and answer aside."""
     return run_id != state.run_id
 
 

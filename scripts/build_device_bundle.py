@@ -8,8 +8,8 @@ The tarball holds one folder, ``fedara-device-<version>/``, with
 - ``requirements-device.txt``: numpy and paho-mqtt pinned to the versions installed here and stock onnxruntime
   pinned to the release tested with them (STOCK_ONNXRUNTIME), all installed with --no-deps from the package
   index (never torch or onnx); every pin has wheels for aarch64 and x86_64 (CPython 3.11+);
-- ``fedara-device.env`` (settings template), ``fedara-device.service`` (systemd unit), ``install.sh`` (from
-  scripts/device_bundle/) and ``DEVICE.md`` (docs/device.md).
+- ``fedara-device.env`` (settings template), ``fedara-device.service`` (systemd unit), ``install.sh`` and
+  ``DEVICE.md`` (the board owner's guide), from scripts/device_bundle/.
 It refuses to bundle a device_runtime that imports anything beyond the stdlib, numpy, paho and onnxruntime.
 """
 from __future__ import annotations
@@ -37,9 +37,7 @@ PINNED = ("numpy", "paho-mqtt")  # as installed here
 STOCK_ONNXRUNTIME = "1.27.0"
 WHEEL_REQUIREMENTS = ("numpy>=1.24", "paho-mqtt>=2,<3")  # onnxruntime comes from requirements-device.txt
 TEMPLATES = ROOT / "scripts" / "device_bundle"
-TEMPLATE_FILES = ("install.sh", "fedara-device.service", "fedara-device.env")
-GUIDE = ROOT / "docs" / "device.md"
-GUIDE_NAME = "DEVICE.md"
+TEMPLATE_FILES = ("install.sh", "fedara-device.service", "fedara-device.env", "DEVICE.md")
 REQUIREMENTS_NAME = "requirements-device.txt"
 EXECUTABLE_MODE, FILE_MODE, DIRECTORY_MODE = 0o755, 0o644, 0o755
 
@@ -163,7 +161,7 @@ def build_bundle(out_dir: Path) -> Path:
         work = Path(tmp)
         wheel = build_wheel(version, work)
         (work / REQUIREMENTS_NAME).write_text(requirements)
-        members = {wheel.name: wheel, REQUIREMENTS_NAME: work / REQUIREMENTS_NAME, GUIDE_NAME: GUIDE,
+        members = {wheel.name: wheel, REQUIREMENTS_NAME: work / REQUIREMENTS_NAME,
                    **{f: TEMPLATES / f for f in TEMPLATE_FILES}}
         partial = bundle.with_name(bundle.name + ".partial")
         with tarfile.open(partial, "w:gz") as tar:

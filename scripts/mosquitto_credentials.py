@@ -35,6 +35,8 @@ from server.enrollment import LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, enroll_devices  
 from server.shards import DEVICE_ID  # noqa: E402
 
 PASSWORD_ENV = "FEDARA_MQTT_PASSWORD"
+DEMO_TRAINING = "--rounds 5 --local-epochs 1"
+"""The printed server command's training: a first run in minutes (the paper's is 100 rounds of 5 epochs)."""
 EXIT_BAD_INPUT = 2
 ALL_INTERFACES = "0.0.0.0"
 
@@ -56,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make a CA and a broker certificate for this host name or IP and listen with TLS only")
     p.add_argument("--user", default="mosquitto", help="the user mosquitto drops to (its conf's `user`)")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
-                   help="the broker's message size limit (server's and devices' --max-message-bytes or more)")
+                   help="frames the broker must take (server's and devices' --max-message-bytes or more); its "
+                        "max_packet_size is this plus 64 KiB for the MQTT header and topic")
     return p
 
 
@@ -109,10 +112,14 @@ def instructions(setup: MosquittoSetup, args: argparse.Namespace, port: int, dev
               "Start mosquitto on it (as root; it drops to user "
               f"{args.user} as its conf says):",
               f"  sudo /usr/sbin/mosquitto -c {setup.conf}",
-              "Run the server against it:",
+              f"Run the server against it (it starts when all {len(devices)} enrolled devices have joined; "
+              f"--dataset as the devices' shards; each run gets a new folder under runs/):",
               f"  FEDARA_MQTT_PASSWORD={secret.format(user=args.server_user)} .venv/bin/python -m server.broker_loop "
               f"--broker {url} --username {args.server_user}{tls} --prefix {args.prefix} "
-              f"--min-devices {len(devices)} --enroll {args.out / LOCAL_ENROLLMENT} --out runs/secured",
+              f"--min-devices {len(devices)} --enroll {args.out / LOCAL_ENROLLMENT} --dataset fmnist "
+              f"{DEMO_TRAINING}",
+              f"  # a short demo: for a real run drop {DEMO_TRAINING} (the paper's 100 rounds of 5 epochs) and set "
+              f"--min-devices to the devices a round needs",
               f"Run device {devices[0]} (its username is its id; its shard from python -m server.shards):",
               f"  FEDARA_MQTT_PASSWORD={secret.format(user=devices[0])} .venv/bin/python -m device_runtime "
               f"--broker {url} --device-id {devices[0]}{tls} --prefix {args.prefix} "

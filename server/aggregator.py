@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from device_runtime.auth import Direction, KeyRing, Verifier
+from device_runtime.help_format import DefaultsHelpFormatter
 from device_runtime.link import Link, Refused
 from device_runtime.log_budget import hold_back_floods
 from device_runtime.messages import MessageError, parse_update
@@ -154,7 +155,8 @@ class Aggregator:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m server.aggregator", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m server.aggregator", description=__doc__.split("\n\n")[0],
+                                formatter_class=DefaultsHelpFormatter)
     add_broker_flags(p)
     p.add_argument("--group", default=DEFAULT_GROUP, help="shared-subscription group: its members share the updates")
     p.add_argument("--name", required=True, help="this member's name, unique in the group ([A-Za-z0-9_.-])")

@@ -45,7 +45,7 @@ def add_broker_flags(parser: argparse.ArgumentParser, default_broker: str = "req
     mqtt.add_argument("--password", default=None, help=f"default: ${PASSWORD_ENV} (never shown here)")
     mqtt.add_argument("--tls-ca", default=None, help="CA certificate to verify an mqtts:// broker")
     mqtt.add_argument("--tls-cert", default=None, help="client certificate (with --tls-key)")
-    mqtt.add_argument("--tls-key", default=None)
+    mqtt.add_argument("--tls-key", default=None, help="the private key of --tls-cert")
     mqtt.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                       help="largest MQTT publish (keep under the broker's limit); longer messages go as chunks")
 

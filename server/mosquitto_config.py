@@ -112,9 +112,12 @@ def mosquitto_conf_text(port: int, max_frame_bytes: int, *, persistence_dir: Pat
                         bind: str = "127.0.0.1") -> str:
     """mosquitto.conf for one listener on `bind`:`port` (0.0.0.0: every interface).
 
-    Payloads above `max_frame_bytes` are dropped by the broker (QoS flow still completed, so a
-    client never loops on re-sending them); whole packets above the frame plus topic headroom
-    disconnect the sender. Anonymous access is allowed only when no password file is given.
+    The size limit is `max_packet_size` (mosquitto 2.0 notes that `message_size_limit` should be
+    replaced by it): a packet above a frame of `max_frame_bytes` plus topic headroom disconnects its
+    sender; what fits is judged by the receivers' own limits (reassembly budget, message size,
+    authentication), so at most 64 KiB more per frame gets through. Our clients never send
+    such a packet: they check every frame before publishing (a rejected QoS 1 message would be
+    re-sent by paho for ever). Anonymous access is allowed only when no password file is given.
     Without `persistence_dir`, sessions live in memory and vanish when the broker stops.
     """
     if not 0 < port < 65536:
@@ -125,7 +128,6 @@ def mosquitto_conf_text(port: int, max_frame_bytes: int, *, persistence_dir: Pat
         raise ValueError("an acl_file needs a password_file: ACL users are password-file users")
     lines = ["per_listener_settings false",
              f"allow_anonymous {'false' if password_file else 'true'}",
-             f"message_size_limit {max_frame_bytes}",
              f"max_packet_size {max_frame_bytes + PACKET_HEADROOM_BYTES}",
              f"max_queued_messages {MAX_QUEUED_MESSAGES}",
              "set_tcp_nodelay true",

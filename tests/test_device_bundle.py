@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_runtime.shard import Shard, save_shard
+from device_runtime.shard import SHARD_KEYS, Shard, save_shard
 from device_runtime.artifact_contract import PORTABLE_KIND
 from export.artifacts import build_artifacts_of_kind
 from server.data import load_dataset
@@ -103,6 +104,35 @@ def test_bundle_holds_wheel_requirements_installer_unit_settings_and_guide(bundl
     assert names == sorted([f"fedara_device-{version}-py3-none-any.whl", "requirements-device.txt", "install.sh",
                             "fedara-device.service", "fedara-device.env", "DEVICE.md"])
     assert os.access(bundle_dir / "install.sh", os.X_OK)
+
+
+def test_the_bundles_guide_is_written_for_a_board_owner(bundle_dir: Path):
+    guide = (bundle_dir / "DEVICE.md").read_text()
+    assert guide == (ROOT / "scripts" / "device_bundle" / "DEVICE.md").read_text()
+    for needed in ("--key-file", "/etc/fedara/device.key", "LoadCredential=", "journalctl -u fedara-device",
+                   "fedara-device.env", *SHARD_KEYS, "float32", "int64"):
+        assert needed in guide, needed
+    for outside_the_bundle in (".ci/run", "tests/", "python -m server", "server/", "pytest"):
+        assert outside_the_bundle not in guide, outside_the_bundle
+
+
+def test_the_unit_hands_the_root_only_key_to_its_dynamic_user_as_a_credential(bundle_dir: Path):
+    unit = (bundle_dir / "fedara-device.service").read_text()
+    assert "DynamicUser=yes" in unit and "LoadCredential=device.key:/etc/fedara/device.key" in unit
+    assert "--key-file ${CREDENTIALS_DIRECTORY}/device.key" in unit
+    assert "KEY_FILE" not in (bundle_dir / "fedara-device.env").read_text()
+
+
+def test_systemd_finds_nothing_wrong_with_the_installed_unit(bundle_dir: Path, tmp_path: Path):
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze missing (Debian package 'systemd')")
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)
+    shutil.copy(bundle_dir / "fedara-device.env", tmp_path)
+    unit = tmp_path / "fedara-device.service"
+    unit.write_text((bundle_dir / "fedara-device.service").read_text().replace("@PREFIX@", str(tmp_path)))
+    done = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout + done.stderr) == (0, "")
 
 
 def test_wheel_is_pure_python_and_holds_only_device_runtime(bundle_dir: Path):

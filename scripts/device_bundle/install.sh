@@ -74,10 +74,12 @@ cp "$here/DEVICE.md" "$prefix/DEVICE.md"
 
 cat <<DONE
 Installed the FedARA device runtime in $prefix/venv (runtime: $runtime, $(uname -m)).
-Next:
-  1. Edit $prefix/fedara-device.env (broker, device id, shard path, key file from the server's enrollment).
-  2. sudo cp $prefix/fedara-device.service /etc/systemd/system/
+Next (details in $prefix/DEVICE.md):
+  1. sudo install -D -m 0600 -o root -g root YOUR_ID.key /etc/fedara/device.key
+     sudo install -D -m 0644 YOUR_SHARD.npz /var/lib/fedara-device/shard.npz
+  2. Edit $prefix/fedara-device.env (broker, device id, MQTT password, further flags).
+  3. sudo cp $prefix/fedara-device.service /etc/systemd/system/
      sudo systemctl daemon-reload && sudo systemctl enable --now fedara-device
-  3. journalctl -u fedara-device -f
+  4. journalctl -u fedara-device -f
 Or run it by hand: $venv_python -m device_runtime --help
 DONE
