@@ -327,7 +327,7 @@ class Federation:
         self._status_at = now
         self.status.publish(fleet_snapshot(self.engine, now=now, wall=time.time(), transport=self.endpoint.stats,
                                            refusals=self.refusals, aggregators=self.aggregators_at,
-                                           rounds=self.engine.config.rounds))
+                                           rounds=self.engine.config.rounds, previous=self.status.latest()))
 
     def _send(self, device_id: str, msg: Message) -> None:
         self.endpoint.publish(Topics(self.args.prefix, device_id).down, self.link.seal(msg), msg.msg_id)

@@ -62,11 +62,13 @@ def _tier(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:g}"
 
 
-def _last_answered(records: list[dict[str, Any]], pending: dict[str, Any] | None,
+def _last_answered(previous: Snapshot | None, records: list[dict[str, Any]], pending: dict[str, Any] | None,
                    answered_now: Iterable[str], open_round: int | None) -> dict[str, int]:
-    """Device -> the last round whose task it answered: a record's evaluations came with the next round's answers,
-    the pending record lists who was asked and who dropped, the open round who answered so far."""
-    last: dict[str, int] = {}
+    """Device -> the last round whose task it answered: what the previous snapshot knew (a completed record does
+    not list who trained), a record's evaluations (they came with the next round's answers), the pending record
+    (who was asked, who dropped), the open round (who answered so far)."""
+    last: dict[str, int] = {d["id"]: d["last_answered_round"] for d in (previous or {}).get("devices", ())
+                            if d["last_answered_round"] is not None}
     for record in records:
         for device_id in record.get("per_device", {}):
             last[device_id] = record["round"] + 1
@@ -81,19 +83,20 @@ def _last_answered(records: list[dict[str, Any]], pending: dict[str, Any] | None
 
 def fleet_snapshot(engine: Any, *, now: float, wall: float, transport: Mapping[str, int] | None = None,
                    refusals: Mapping[str, int] | None = None, aggregators: Mapping[str, int] | None = None,
-                   rounds: int | None = None) -> dict[str, Any]:
+                   rounds: int | None = None, previous: Snapshot | None = None) -> dict[str, Any]:
     """Everything the status pages show, as fresh plain data (no reference into the engine survives).
 
     ``engine`` is a server.engine.RoundEngine; ``now`` its monotonic clock, ``wall`` the Unix time at the same
     instant (deadlines are shown as Unix times); ``transport`` the endpoint's counters, ``refusals`` the loop's
-    refusals by label, ``aggregators`` each aggregator's briefed round (0: started, absent: not yet)."""
+    refusals by label, ``aggregators`` each aggregator's briefed round (0: started, absent: not yet), ``previous``
+    the snapshot before this one (what it knew of each device's last answer carries over)."""
     coordinator = engine.coordinator
     records = engine.records
     opened = coordinator.open
     asked = [*opened.train, *opened.evaluate] if opened is not None else []
     answered_now = [d for d in asked if not coordinator.awaits(d)]
-    last_answered = _last_answered(records, engine.pending, answered_now, opened.round if opened else None)
-    last_accuracy = {d: v.get("accuracy") for d, v in records[-1].get("per_device", {}).items()} if records else {}
+    last_answered = _last_answered(previous, records, engine.pending, answered_now, opened.round if opened else None)
+    last_accuracy = {d: v.get("accuracy") for r in records for d, v in r.get("per_device", {}).items()}
     profiles = engine.profiles
     devices = []
     for device_id in sorted(coordinator.devices):
