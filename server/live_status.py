@@ -459,7 +459,10 @@ function drawPlot(s) {
     plot.appendChild(svg("line", {x1: L, x2: W - R, y1: y(a), y2: y(a), stroke: "#eee"}));
     plot.appendChild(text(svg("text", {x: L - 6, y: y(a) + 4, "text-anchor": "end"}), a.toFixed(2)));
   }
-  plot.appendChild(text(svg("text", {x: (L + W - R) / 2, y: H - 6, "text-anchor": "middle"}), "round"));
+  const step = Math.max(1, Math.ceil(maxRound / 10));
+  for (let r = 1; r <= maxRound; r += step)
+    plot.appendChild(text(svg("text", {x: x(r), y: H - B + 14, "text-anchor": "middle"}), String(r)));
+  plot.appendChild(text(svg("text", {x: W - R, y: H - 2, "text-anchor": "end"}), "round"));
   const tiers = [...new Set(s.history.flatMap(h => Object.keys(h.per_tier)))].sort((a, b) => b.localeCompare(a));
   const series = [["all", h => h.accuracy], ...tiers.map(t => ["tier " + t, h => h.per_tier[t]])];
   series.forEach(([name, get], i) => {

@@ -328,6 +328,7 @@ def held_round(status: Callable[[], dict], server: ServerProcess, device_id: str
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # four device and server processes and a browser: minutes on a loaded 2-core machine
 def test_a_run_shows_its_fleet_on_metrics_and_in_a_browser_then_closes_its_port(server_process, tmp_path: Path):
     """One device is suspended between rounds, so the run holds still while /metrics is scraped and compared with
     metrics.jsonl, and while chromium loads the page; the port is closed once the run ended."""
