@@ -41,6 +41,8 @@ DEVICES, ROUNDS = 3, 3
 TIERS = (1.0, 0.25)
 WAIT_S = 240.0
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS_DIR = "runs/test_artifacts"
+"""Where the run test keeps the status page's screenshot (runs/ is git-ignored)."""
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -319,12 +321,12 @@ def check_against_metrics_file(values: dict, run: Path) -> int:
 def held_round(status: Callable[[], dict], server: ServerProcess, device_id: str) -> dict | None:
     """Wait until the open round waits only for the (suspended) ``device_id``: the run holds still. None if it
     ended."""
-    def holding() -> dict | bool:
+    def holding() -> tuple[dict | None] | None:
         if server.proc.poll() is not None:
-            return {}
+            return (None,)
         snapshot = status()
-        return snapshot if (snapshot.get("open_round") or {}).get("waiting_for") == [device_id] else False
-    return wait_for(holding, f"a round waiting for {device_id}") or None
+        return (snapshot,) if (snapshot.get("open_round") or {}).get("waiting_for") == [device_id] else None
+    return wait_for(holding, f"a round waiting for {device_id}")[0]
 
 
 @pytest.mark.slow
@@ -389,4 +391,7 @@ def test_a_run_shows_its_fleet_on_metrics_and_in_a_browser_then_closes_its_port(
     if CHROMIUM is None:
         pytest.skip("chromium is not installed (scripts/setup.sh installs it as root): the page was not loaded "
                     "in a browser; /metrics, read-only and the port were checked")
-    print(f"status page screenshot (test artifact): {screenshot}")
+    kept = REPO_ROOT / ARTIFACTS_DIR / screenshot.name
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(screenshot, kept)
+    print(f"status page screenshot (test artifact): {kept}")
