@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import json
 import os
 import re
@@ -395,3 +396,14 @@ def test_a_run_shows_its_fleet_on_metrics_and_in_a_browser_then_closes_its_port(
     kept.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(screenshot, kept)
     print(f"status page screenshot (test artifact): {kept}")
+
+
+def test_the_status_bench_script_measures_a_tiny_fleet(tmp_path: Path, capsys: pytest.CaptureFixture):
+    """scripts/bench_status.py end to end on a tiny fleet: its table and JSON, not its timings."""
+    spec = importlib.util.spec_from_file_location("bench_status", REPO_ROOT / "scripts" / "bench_status.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--devices", "4", "--records", "2", "--out", str(tmp_path / "bench.json")]) == 0
+    (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert row["devices"] == 4 and row["rounds"] == 2 and row["json_kb"] > 0
+    assert "/metrics ms" in capsys.readouterr().out
