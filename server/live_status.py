@@ -65,20 +65,28 @@ def _tier(ratio: float | None) -> str:
 def _last_answered(previous: Snapshot | None, records: list[dict[str, Any]], pending: dict[str, Any] | None,
                    answered_now: Iterable[str], open_round: int | None) -> dict[str, int]:
     """Device -> the last round whose task it answered: what the previous snapshot knew (a completed record does
-    not list who trained), a record's evaluations (they came with the next round's answers), the pending record
-    (who was asked, who dropped), the open round (who answered so far)."""
+    not list who trained), the ``records`` it had not seen (their evaluations came with the next round's answers),
+    the pending record (who was asked, who dropped), the open round (who answered so far)."""
     last: dict[str, int] = {d["id"]: d["last_answered_round"] for d in (previous or {}).get("devices", ())
                             if d["last_answered_round"] is not None}
+
+    def answered(device_id: str, round_index: int) -> None:
+        last[device_id] = max(round_index, last.get(device_id, round_index))
     for record in records:
         for device_id in record.get("per_device", {}):
-            last[device_id] = record["round"] + 1
+            answered(device_id, record["round"] + 1)
     if pending is not None:
         for device_id in pending.get("tiers", {}):
             if device_id not in pending.get("dropped", {}):
-                last[device_id] = pending["round"]
+                answered(device_id, pending["round"])
     for device_id in answered_now:
-        last[device_id] = open_round
+        answered(device_id, open_round)
     return last
+
+
+def _history(record: dict[str, Any]) -> dict[str, Any]:
+    return {"round": record["round"], "accuracy": record.get("accuracy"),
+            "per_tier": {t: v.get("accuracy") for t, v in record.get("per_tier", {}).items()}}
 
 
 def fleet_snapshot(engine: Any, *, now: float, wall: float, transport: Mapping[str, int] | None = None,
@@ -88,20 +96,25 @@ def fleet_snapshot(engine: Any, *, now: float, wall: float, transport: Mapping[s
 
     ``engine`` is a server.engine.RoundEngine; ``now`` its monotonic clock, ``wall`` the Unix time at the same
     instant (deadlines are shown as Unix times); ``transport`` the endpoint's counters, ``refusals`` the loop's
-    refusals by label, ``aggregators`` each aggregator's briefed round (0: started, absent: not yet), ``previous``
-    the snapshot before this one (what it knew of each device's last answer carries over)."""
+    refusals by label, ``aggregators`` each aggregator's briefed round (0: started, absent: not yet). ``previous``,
+    the snapshot before this one of the same run: what it knew of each device's last answer carries over, and
+    the records it summed are not read again (but its last one: the final evaluation adds to it)."""
     coordinator = engine.coordinator
     records = engine.records
+    done = len(previous["completed"]) if previous and len(previous["completed"]) <= len(records) else 0
+    seen = max(0, done - 1)  # records the previous snapshot holds as they are now
+    new = records[seen:]
     opened = coordinator.open
-    asked = [*opened.train, *opened.evaluate] if opened is not None else []
-    answered_now = [d for d in asked if not coordinator.awaits(d)]
-    last_answered = _last_answered(previous, records, engine.pending, answered_now, opened.round if opened else None)
-    last_accuracy = {d: v.get("accuracy") for r in records for d, v in r.get("per_device", {}).items()}
-    profiles = engine.profiles
+    asked = {*opened.train, *opened.evaluate} if opened is not None else set()
+    answered_now = {d for d in asked if not coordinator.awaits(d)}
+    last_answered = _last_answered(previous, new, engine.pending, answered_now,
+                                   opened.round if opened else None)
+    last_accuracy = {d["id"]: d["last_accuracy"] for d in previous["devices"]} if seen else {}
+    last_accuracy.update({d: v.get("accuracy") for r in new for d, v in r.get("per_device", {}).items()})
     devices = []
     for device_id in sorted(coordinator.devices):
         record = coordinator.devices[device_id]
-        profile = profiles.get(device_id)
+        profile = engine.profiles.get(device_id)
         devices.append({
             "id": device_id, "tier": _tier(record.ratio), "online": record.online, "ready": record.ready,
             "budget_mb": record.budget_mb,
@@ -114,15 +127,14 @@ def fleet_snapshot(engine: Any, *, now: float, wall: float, transport: Mapping[s
     if opened is not None:
         open_round = {"round": opened.round, "train": len(opened.train), "evaluate": len(opened.evaluate),
                       "asked": len(asked), "answered": len(answered_now),
-                      "deadline_unix": wall + (opened.deadline - now),
-                      "waiting_for": sorted(set(asked) - set(answered_now))}
-    history = [{"round": r["round"], "accuracy": r.get("accuracy"),
-                "per_tier": {t: v.get("accuracy") for t, v in r.get("per_tier", {}).items()}} for r in records]
-    completed = [_completed(r) for r in records]
+                      "deadline_unix": wall + (opened.deadline - now), "waiting_for": sorted(asked - answered_now)}
+    kept = previous if seen else {"history": [], "completed": []}
     return {"run_id": coordinator.run_id, "algorithm": engine.algorithm.name, "rounds": rounds,
-            "snapshot_unix": wall, "devices": devices, "open_round": open_round, "completed": completed,
+            "snapshot_unix": wall, "devices": devices, "open_round": open_round,
+            "completed": kept["completed"][:seen] + [_completed(r) for r in new],
             "last_trained_round": (engine.pending or (records[-1] if records else {})).get("round"),
-            "history": history, "transport": dict(transport or {}), "refusals": dict(refusals or {}),
+            "history": kept["history"][:seen] + [_history(r) for r in new],
+            "transport": dict(transport or {}), "refusals": dict(refusals or {}),
             "aggregators": _aggregators(engine, aggregators)}
 
 
