@@ -505,6 +505,7 @@ class Federation:
                 LOG.warning("dropped a %s message from aggregator %s", kind, aggregator)
         except (Refused, wire.WireError) as exc:
             LOG.warning("dropped a message from aggregator %s: %s", aggregator, exc)
+            count_refusal(self.refusals, "aggregator message")
 
     def _to_aggregator(self, aggregator: str, msg: Message) -> None:
         self.endpoint.publish(wire.down_topic(self.args.prefix, aggregator), self.aggregator_link.seal(msg),

@@ -26,9 +26,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
+from paho.mqtt import publish
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from device_runtime.messages import DEFAULT_TOPIC_PREFIX
+from device_runtime.protocol import Topics
 from server import broker_loop
 from server.live_status import (MAX_REFUSAL_KINDS, StatusServer, count_refusal, fleet_snapshot, metric_families,
                                 update_refusal)
@@ -389,6 +392,14 @@ def test_a_run_shows_its_fleet_on_metrics_and_in_a_browser_then_closes_its_port(
                 rows = re.findall(r'<tr data-device="([^"]+)"', page.stdout)
                 assert rows == [f"dev_{i:03d}" for i in range(DEVICES)], page.stdout[-3000:]
                 assert "waiting for: dev_002" in page.stdout
+            if len(checked) == 1:  # junk on a device's topic is refused, and counted by reason
+                broker = next(line.split(" on ")[1].split(",")[0] for line in server.lines if line.startswith("run "))
+                host, broker_port = broker.removeprefix("mqtt://").split(":")
+                publish.single(Topics(DEFAULT_TOPIC_PREFIX, "dev_000").up, b"junk", qos=1, hostname=host,
+                               port=int(broker_port))
+                wait_for(lambda: samples(get(url + "metrics")[1].decode()).get(
+                    ("fedara_refusals_total", (("reason", "frame rejected"),)), 0) >= 1, "the junk refused")
+                snapshot = status()
             assert post(url + "api/status") == 405 and post(url + "metrics") == 405
             after = status()  # the run still holds: the POSTs changed nothing
             assert after["completed"] == snapshot["completed"]
