@@ -90,14 +90,16 @@ def main(argv: list[str] | None = None) -> int:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(SnapshotCollector(lambda: snapshot))
         row = {"devices": devices, "rounds": args.records,
-               "first_snapshot_ms": best_of(lambda: fleet_snapshot(engine, now=0.0, wall=0.0, rounds=args.records)),
+               "first_snapshot_ms": best_of(lambda: fleet_snapshot(engine, now=0.0, wall=0.0,
+                                                                   rounds=args.records)),
                "snapshot_ms": best_of(lambda: fleet_snapshot(engine, now=0.0, wall=0.0, rounds=args.records,
                                                              previous=snapshot)),
                "metrics_ms": best_of(lambda: generate_latest(registry)),
                "api_status_ms": best_of(lambda: json.dumps(snapshot).encode()),
                "json_kb": len(json.dumps(snapshot)) / 1024}
         rows.append(row)
-        print(f"{devices:>8} {args.records:>6} {row['first_snapshot_ms']:>18.1f} {row['snapshot_ms']:>12.1f} {row['metrics_ms']:>12.1f} "
+        print(f"{devices:>8} {args.records:>6} {row['first_snapshot_ms']:>18.1f} {row['snapshot_ms']:>12.1f} "
+              f"{row['metrics_ms']:>12.1f} "
               f"{row['api_status_ms']:>15.1f} {row['json_kb']:>8.0f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "rows": rows}, indent=1) + "\n")

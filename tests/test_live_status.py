@@ -28,12 +28,13 @@ from pathlib import Path
 import psutil
 from paho.mqtt import publish
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX
 from device_runtime.protocol import Topics
 from server import broker_loop
-from server.live_status import (MAX_REFUSAL_KINDS, StatusServer, count_refusal, fleet_snapshot, metric_families,
+from server.live_status import (MAX_REFUSAL_KINDS, SnapshotCollector, StatusServer, count_refusal, fleet_snapshot,
                                 update_refusal)
 from server.report import METRICS_FILE, read_metrics
 from tests.test_engine import answer, join, make_engine
@@ -57,8 +58,7 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 def render(snapshot: dict) -> str:
-    from prometheus_client import CollectorRegistry, generate_latest
-    from server.live_status import SnapshotCollector
+    """What /metrics says of ``snapshot`` (the server's collector, without the process metrics)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(lambda: snapshot))
     return generate_latest(registry).decode()
@@ -114,8 +114,8 @@ def two_rounds_engine():
 
 def test_the_snapshot_shows_the_devices_the_open_round_and_nothing_that_still_belongs_to_the_engine():
     engine = two_rounds_engine()
-    snapshot = fleet_snapshot(engine, now=5.0, wall=1000.0, transport={"frames_rejected": 2}, refusals={"join refused": 1},
-                              rounds=3)
+    snapshot = fleet_snapshot(engine, now=5.0, wall=1000.0, transport={"frames_rejected": 2},
+                              refusals={"join refused": 1}, rounds=3)
     frozen = copy.deepcopy(snapshot)
     assert [(d["id"], d["tier"], d["budget_mb"], d["runtime"], d["online"]) for d in snapshot["devices"]] == [
         ("dev_000", "1", 500.0, "onnxruntime", True), ("dev_001", "0.25", 50.0, "onnxruntime", True)]
@@ -138,19 +138,17 @@ def test_the_snapshot_shows_the_devices_the_open_round_and_nothing_that_still_be
 
 def test_a_snapshot_built_on_the_one_before_equals_one_built_from_scratch():
     engine = two_rounds_engine()
-    first = fleet_snapshot(engine, now=5.0, wall=1000.0)
-    for round_index in (3, 4):
-        engine.close_round(10.0 * round_index)
-        tasks = engine.open_round(round_index, 10.0 * round_index + 1)
-        for device_id, task in tasks.items():
-            answer(engine, device_id, task, now=10.0 * round_index + 2)
-        engine.close_round(10.0 * round_index + 3)
+    before = fleet_snapshot(engine, now=5.0, wall=1000.0)
+    for round_index in (3, 4, 5):
+        engine.close_round(10.0 * round_index)  # completes the record of round_index - 2
         engine.records[-1]["bytes_by_tier"]["1"]["eval"] += 7  # as the final evaluation adds to the last record
-        later = fleet_snapshot(engine, now=50.0, wall=1045.0, previous=first)
-        assert later == fleet_snapshot(engine, now=50.0, wall=1045.0, previous={**first, "completed": []})
+        for device_id, task in engine.open_round(round_index, 10.0 * round_index + 1).items():
+            answer(engine, device_id, task, now=10.0 * round_index + 2)
+        later = fleet_snapshot(engine, now=60.0, wall=1055.0, previous=before)
+        assert later == fleet_snapshot(engine, now=60.0, wall=1055.0, previous={**before, "completed": []})
+        assert [c["round"] for c in later["completed"]] == list(range(1, round_index - 1))
         assert later["completed"][-1]["bytes_by_tier"]["1"]["eval"] == engine.records[-1]["bytes_by_tier"]["1"]["eval"]
-        first = later
-        engine.open_round(round_index + 10, 10.0 * round_index + 4)
+        before = later
 
 
 def test_the_metrics_sum_the_completed_records_and_count_the_open_round_per_tier():
