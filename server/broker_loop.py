@@ -26,13 +26,14 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from server import cgroups
-from server.cli import (PASSWORD_ENV, add_broker_flags, check_args, check_before_loading, console_logging, fail,
-                        new_parser, parse, run_folder)
+from server.cli import (PASSWORD_ENV, STATUS_HOST, add_broker_flags, add_status_flags, check_args,
+                        check_before_loading, check_status_args, console_logging, fail, new_parser, parse, run_folder)
 from server.enrollment import ENROLL_OPEN
 
 LOG = logging.getLogger("fedara.server")
@@ -54,6 +55,8 @@ SHARDS_DIR, DEVICES_DIR = "shards", "devices"
 SERVER_LOG = "server.log"
 PR_SET_PDEATHSIG = 1
 MAX_OOM_RESTARTS = 2
+STATUS_EVERY_S = 0.5
+"""How often the run loop publishes a new snapshot to --status-port while it waits (and after every round)."""
 
 
 # -- command line -----------------------------------------------------------------------------
@@ -95,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="admit the devices of this enrollment file, or any id holding --run-key (open; lab use); "
                            "default: only the --local-devices, enrolled in OUT/enrollment.json")
     auth.add_argument("--run-key", default=None, metavar="FILE", help="the shared key of --enroll open")
+    add_status_flags(p)
     return p
 
 
@@ -134,6 +138,7 @@ def check_broker_args(args: argparse.Namespace) -> None:
     if args.aggregators and args.enroll == ENROLL_OPEN:
         raise ValueError(f"--aggregators {args.aggregators} needs --enroll FILE: with --enroll open every device "
                          "holds the run key, so nothing could seal what the server and its aggregators say")
+    check_status_args(args)
     if args.local_memory_limit_mb:
         try:
             cgroups.parse_limits(args.local_memory_limit_mb)
@@ -162,6 +167,7 @@ from server.coordinator import Coordinator, CoordinatorConfig
 from server.cost_model import CostModelError, peak_predictor
 from server.embedded_broker import EmbeddedBroker
 from server.engine import RoundEngine
+from server.live_status import StatusServer, count_refusal, fleet_snapshot, update_refusal
 from server import aggregation_wire as wire
 from server.enrollment import LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, load_server_key, run_key_ring
 from server.partition import write_shards
@@ -306,7 +312,8 @@ class Federation:
 
     def __init__(self, args: argparse.Namespace, engine: RoundEngine, endpoint: MqttEndpoint, out: RunFolder,
                  local: LocalDevices, settings: dict[str, Any], max_inbound: int, link: Link,
-                 aggregators: tuple[str, ...] = (), aggregator_link: Link | None = None):
+                 aggregators: tuple[str, ...] = (), aggregator_link: Link | None = None,
+                 status: StatusServer | None = None):
         self.args, self.engine, self.endpoint, self.out, self.local = args, engine, endpoint, out, local
         self.link = link
         self.aggregators, self.aggregator_link = aggregators, aggregator_link
@@ -317,6 +324,18 @@ class Federation:
         self.unjoined: dict[str, float] = {}  # online devices without a plan -> when their status said online
         self.reconnects = 0
         self._wire = (0, 0)
+        self.status, self._status_at = status, float("-inf")
+        self.refusals: Counter[str] = Counter()  # refused inbound messages by kind (bounded: live_status.count_refusal)
+
+    def publish_status(self, *, force: bool = False) -> None:
+        """Hand --status-port a fresh snapshot of the run (at most every STATUS_EVERY_S unless ``force``)."""
+        now = time.monotonic()
+        if self.status is None or (not force and now - self._status_at < STATUS_EVERY_S):
+            return
+        self._status_at = now
+        self.status.publish(fleet_snapshot(self.engine, now=now, wall=time.time(), transport=self.endpoint.stats,
+                                           refusals=self.refusals, aggregators=self.aggregators_at,
+                                           rounds=self.engine.config.rounds, previous=self.status.latest()))
 
     def _send(self, device_id: str, msg: Message) -> None:
         self.endpoint.publish(Topics(self.args.prefix, device_id).down, self.link.seal(msg), msg.msg_id)
@@ -338,6 +357,7 @@ class Federation:
                     deadline += time.monotonic() - started
             self._after_reconnect()
             self._ask_unjoined_to_join(time.monotonic())
+            self.publish_status()
             if self.local.processes and not self.local.check() and not self.coordinator.ready_devices():
                 raise RunError(f"every local device exited; see {self.out.path / DEVICES_DIR}/*.log")
         return True
@@ -372,6 +392,7 @@ class Federation:
             device_id, kind = device_id_from_topic(self.args.prefix, topic)
         except ProtocolError as exc:
             LOG.warning("dropped a message on %s: %s", topic, exc)
+            count_refusal(self.refusals, "bad topic")
             return
         if kind == TopicKind.UPDATE and self.aggregators:
             # A persistent session of an earlier run without aggregators still subscribes the update topic.
@@ -381,6 +402,7 @@ class Federation:
             msg = self.link.open(payload, self.coordinator.run_id, device_id=device_id, kind=kind)
         except Refused as exc:
             LOG.warning("dropped a message on %s: %s", topic, exc)
+            count_refusal(self.refusals, f"link {getattr(exc.reason, 'value', 'other')}")
             return
         if kind == TopicKind.STATUS:
             self._on_status(device_id, parse_status(msg).online)
@@ -431,6 +453,7 @@ class Federation:
 
     def _refuse(self, device_id: str, reason: str) -> None:
         LOG.warning("refused %s: %s", device_id, reason)
+        count_refusal(self.refusals, "join refused")
         self._send(device_id, error_message(ErrorCode.REFUSED, reason, device_id=device_id,
                                             run_id=self.coordinator.run_id))
 
@@ -457,6 +480,7 @@ class Federation:
         verdict = self.engine.receive(device_id, msg, time.monotonic())
         if not verdict.accepted:
             LOG.warning("dropped an update from %s (round %d): %s", device_id, msg.round, verdict.reason)
+            count_refusal(self.refusals, update_refusal(verdict.reason))
 
     def _on_aggregator(self, aggregator: str, payload: bytes) -> None:
         """A sealed message from an aggregator: started or briefed, a receipt to judge, or its partial sums."""
@@ -474,6 +498,7 @@ class Federation:
                 if not verdict.accepted:
                     LOG.warning("dropped an update from %s (round %d, via %s): %s", receipt.device_id, receipt.round,
                                 aggregator, verdict.reason)
+                    count_refusal(self.refusals, update_refusal(verdict.reason))
                 self._to_aggregator(aggregator, wire.verdict_message(aggregator, receipt.round, receipt.device_id,
                                                                      verdict.accepted, verdict.reason))
             elif kind == wire.PARTIAL:
@@ -488,6 +513,7 @@ class Federation:
                 LOG.warning("dropped a %s message from aggregator %s", kind, aggregator)
         except (Refused, wire.WireError) as exc:
             LOG.warning("dropped a message from aggregator %s: %s", aggregator, exc)
+            count_refusal(self.refusals, "aggregator message")
 
     def _to_aggregator(self, aggregator: str, msg: Message) -> None:
         self.endpoint.publish(wire.down_topic(self.args.prefix, aggregator), self.aggregator_link.seal(msg),
@@ -584,9 +610,11 @@ class Federation:
             progress.evaluated(self.run_round(t))
             progress.trained(self.engine.pending)
             self.checkpoint(t, finished=False)
+            self.publish_status(force=True)
         if self.engine.pending is not None:
             progress.evaluated(self.run_round(rounds + 1, train=False))
         self.checkpoint(rounds, finished=True)
+        self.publish_status(force=True)
 
     def checkpoint(self, round_index: int, *, finished: bool) -> None:
         state = {"run_id": self.coordinator.run_id, "settings": self.settings, "engine": self.engine.to_state(),
@@ -679,6 +707,11 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
     anything_a_server_held = [*server_subscriptions(args.prefix), wire.engine_filter(args.prefix)]
     local, local_aggregators = LocalDevices(), LocalDevices("aggregator")
     with broker_url(args) as url, contextlib.ExitStack() as stack:
+        status = None
+        if args.status_port is not None:
+            status = stack.enter_context(StatusServer(args.status_host or STATUS_HOST, args.status_port))
+            print(f"status: {status.url} (/metrics for Prometheus, /api/status), read-only, until the run ends",
+                  flush=True)
         endpoint = MqttEndpoint(f"fedara-server-{args.prefix.replace('/', '_')}", url,
                                 subscriptions=subscriptions, unsubscriptions=anything_a_server_held,
                                 username=args.username, password=args.password, tls_ca=args.tls_ca,
@@ -714,7 +747,7 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
                                                       out.path / LOCAL_KEYS_DIR / f"{device_id}.key", frame),
                             out.path / DEVICES_DIR / f"{device_id}.log", group)
         federation = Federation(args, engine, endpoint, out, local, settings, max_inbound, link, aggregators,
-                                aggregator_link)
+                                aggregator_link, status)
         if saved and saved.state["finished"] and saved.round >= config.rounds:
             LOG.info("the run in %s is finished; rewriting its report", out.path)
         else:

@@ -50,6 +50,30 @@ def add_broker_flags(parser: argparse.ArgumentParser, default_broker: str = "req
                       help="largest MQTT publish (keep under the broker's limit); longer messages go as chunks")
 
 
+STATUS_HOST = "127.0.0.1"
+
+
+def add_status_flags(parser: argparse.ArgumentParser) -> None:
+    """The live status flags of the server (server.live_status): where the operator's read-only pages listen."""
+    status = parser.add_argument_group("live status (see server/live_status.py)")
+    status.add_argument("--status-port", type=int, default=None, metavar="PORT",
+                        help="serve /metrics (Prometheus), / (status page) and /api/status read-only on this port while "
+                             "the run lasts (0: any free port, printed at start; default: off)")
+    status.add_argument("--status-host", default=None, metavar="HOST",
+                        help=f"address the status port listens on ({STATUS_HOST}: this machine only; 0.0.0.0 shows "
+                             "the fleet to anyone who can reach the server)")
+
+
+def check_status_args(args: argparse.Namespace) -> None:
+    """Raise ValueError for a --status-port out of range, or --status-host without a port."""
+    if args.status_port is None:
+        if args.status_host is not None:
+            raise ValueError(f"--status-host {args.status_host} needs --status-port PORT")
+        return
+    if not 0 <= args.status_port <= 65535:
+        raise ValueError(f"--status-port must be a TCP port in 0..65535 (0: any free port), got {args.status_port}")
+
+
 def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser with --config and the shared data, model, algorithm and output flags."""
     p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=Formatter)

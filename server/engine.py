@@ -121,6 +121,7 @@ class RoundEngine:
         self.records: list[dict[str, Any]] = []
         self.pending: dict[str, Any] | None = None  # round t's record, awaiting round t+1's evaluations
         self.kinds: dict[str, str] = {}  # device -> the artifact kind its runtime runs
+        self.profiles: dict[str, ResourceProfile] = {}  # device -> the resources its last JOIN reported
         self.demoted: dict[str, float] = {}  # device -> the tier it is held below after it died in a round
         self._resends: dict[str, int] = {}
         self._files_sent: dict[str, str] = {}  # device -> plan hash whose files it was last sent
@@ -165,6 +166,7 @@ class RoundEngine:
             return Admission(refusal=refusal)
         record = self.coordinator.devices[device_id]
         kind = self.kinds[device_id] = join.profile.runtime
+        self.profiles[device_id] = join.profile
         if record.ratio is None or (device_id in self.demoted and record.ratio >= self.demoted[device_id]):
             ratio = self._choose_ratio(device_id, join.profile, record.budget_mb, record.num_train + record.num_test)
             plan = self.plans.get(ratio, kind, self.device_models.get(device_id))
@@ -373,6 +375,10 @@ class RoundEngine:
     def partials_missing(self) -> list[str]:
         """Aggregators told to fold updates this round whose partial sums have not come."""
         return sorted(set(self._told) - set(self._partials))
+
+    def told_to_fold(self) -> dict[str, int]:
+        """Aggregator -> how many of the open round's updates it was told to fold."""
+        return {aggregator: len(told) for aggregator, told in self._told.items()}
 
     def receive_partial(self, aggregator: str, partial: Partial) -> str | None:
         """Take ``aggregator``'s partial sums of the open round; returns why they do not count, or None. They count
