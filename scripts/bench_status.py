@@ -28,7 +28,7 @@ from server.engine import RoundEngine  # noqa: E402
 from server.live_status import SnapshotCollector, fleet_snapshot  # noqa: E402
 from server.models import build_model  # noqa: E402
 from server.run_setup import PlanBook, global_state, initial_personal  # noqa: E402
-from server.strategy import FederationConfig  # noqa: E402
+from server.run_config import FederationConfig  # noqa: E402
 
 SHAPE, CLASSES, TIERS = (1, 28, 28), 10, (1.0, 0.25)
 
