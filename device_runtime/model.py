@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from device_runtime.artifact_contract import EVAL_INPUTS, INPUT, LOGITS, file_sha256
+from device_runtime.artifact_contract import EVAL_INPUTS, INPUT, LOGITS
 from device_runtime.atomic_file import TMP_PREFIX, write_atomic
 from device_runtime.help_format import DefaultsHelpFormatter
 from device_runtime.onnx_bake import bake
@@ -219,9 +219,10 @@ def _open(directory: Path, threads: int) -> Model:
         raise ModelError(f"{directory / INFO_FILE}: format {info.get('format') if isinstance(info, dict) else None!r}"
                          f", this runtime reads {MODEL_FORMAT}")
     graph = directory / info.get("graph", GRAPH_FILE)
-    if file_sha256(graph) != info.get("graph_sha256"):
+    data = graph.read_bytes()  # the session is made from these bytes: the directory may be pruned from now on
+    if hashlib.sha256(data).hexdigest() != info.get("graph_sha256"):
         raise ModelError(f"{graph} does not match the sha256 in {INFO_FILE}: the copy is damaged")
-    session = open_session(str(graph), threads)
+    session = open_session(data, threads)
     inputs = tuple(i.name for i in session.get_inputs())
     if inputs != EVAL_INPUTS:
         raise ModelError(f"{graph} takes inputs {list(inputs)}, expected {list(EVAL_INPUTS)}")

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +180,24 @@ def test_keep_models_keeps_the_newest_and_model_points_at_the_last(artifacts, tm
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["000003-round3", "000004-round3"]
     assert os.readlink(tmp_path / "model") == "models/000004-round3"
     assert device_model.load(tmp_path).info["seq"] == 4
+
+
+def test_readers_always_find_a_complete_model_while_rounds_are_written(artifacts, tmp_path: Path):
+    """keep=1 prunes each model right after the link moves: a reader that resolved the link just before resolves
+    again; no load fails and every prediction comes from a whole model."""
+    trainer = open_trainer(artifacts.directory)
+    store = device_model.ModelStore(tmp_path, keep=1)
+    write_round(store, trainer, 0)
+    x = np.zeros((2, *SHAPE), np.float32)
+    expected = device_model.load(tmp_path).predict(x).tolist()
+    writer = threading.Thread(target=lambda: [write_round(store, trainer, r) for r in range(1, 11)])
+    writer.start()
+    loads = 0
+    while writer.is_alive() or loads == 0:
+        assert device_model.load(tmp_path).predict(x).tolist() == expected
+        loads += 1
+    writer.join()
+    assert device_model.load(tmp_path).info["round"] == 10
 
 
 @pytest.mark.parametrize("fail_at", ["model.json", "rename", "link"])
