@@ -330,7 +330,7 @@ class DeviceAgent:
             self.endpoint.publish(self.topics.update, self.link.reseal(self.workdir.load_answer()),
                                   new_msg_id(MessageType.UPDATE))
             return
-        held = {**self.trainer.get_fe(), **self.trainer.get_head()}  # with the task's weights: the model evaluated
+        kept = self._kept_by(task)
         try:
             update = self._compute(task)
         except ValueError as exc:  # tensors that do not fit the plan (TensorMismatchError) or unknown names
@@ -347,20 +347,34 @@ class DeviceAgent:
         self.workdir.save_state(self.state)
         if not task.evaluate_only:
             self.workdir.drop_heads_before(plan_hash, task.round)
-        self._save_model(plan_hash, task.round, {**held, **task.weights}, update.metrics)
+        self._save_model(plan_hash, task.round, {**kept, **task.weights}, update.metrics)
         self.endpoint.publish(self.topics.update, payload, new_msg_id(MessageType.UPDATE))
+
+    def _kept_by(self, task: Task) -> dict[str, np.ndarray]:
+        """Copies of the tensors the task's weights do not replace (the head, for FedARA): with the task's weights,
+        the model the round evaluates."""
+        received = set(task.weights)
+        kept = {}
+        for names, read in ((self.trainer.fe_names, self.trainer.get_fe), (self.trainer.head_names,
+                                                                           self.trainer.get_head)):
+            if not received.issuperset(names):
+                kept |= read()
+        return kept
 
     def _save_model(self, plan_hash: str, round_index: int, weights: dict, metrics: dict) -> None:
         """Write the model this round evaluated (``WORKDIR/model``); a failure is logged and costs only the file."""
         ratio, description = self.plan_tier or (None, "")
         try:
-            self.models.write(self.trainer.directory / artifact_files(self.trainer.manifest)["eval_model"], weights,
-                              input_shape=self.trainer.input_shape, num_classes=self.trainer.num_classes,
-                              run_id=self.state.run_id, round_index=round_index, rank_tier=ratio, plan_hash=plan_hash,
-                              plan_description=description, correct=metrics["eval_correct"],
-                              total=metrics["eval_total"])
+            eval_graph = self.trainer.directory / artifact_files(self.trainer.manifest)["eval_model"]
+            written = self.models.write(eval_graph, weights, input_shape=self.trainer.input_shape,
+                                        num_classes=self.trainer.num_classes, run_id=self.state.run_id,
+                                        round_index=round_index, rank_tier=ratio, plan_hash=plan_hash,
+                                        plan_description=description, correct=metrics["eval_correct"],
+                                        total=metrics["eval_total"])
         except (OSError, GraphEditError) as exc:
             LOG.warning("round %d: the model file was not written: %s", round_index, exc)
+            return
+        LOG.info("round %d: model written to %s", round_index, written)
 
     def _compute(self, task: Task) -> Update:
         """Evaluate the received FE with this device's head, then train (unless the task is evaluation only)."""

@@ -191,8 +191,8 @@ class Model:
             raise ValueError(f"inputs must be N×{'×'.join(map(str, self.input_shape))} (or one sample of "
                              f"{'×'.join(map(str, self.input_shape))}), got shape {x.shape}")
         if not np.issubdtype(x.dtype, np.floating):
-            raise ValueError(f"inputs must be floats normalized as model.json says ({self.info['input']['normalization']}),"
-                             f" got {x.dtype}")
+            raise ValueError(f"inputs must be floats, normalized as the shard's x arrays (model.json: "
+                             f"input.normalization), got {x.dtype}")
         return x
 
     def predict_proba(self, x: np.ndarray) -> np.ndarray:

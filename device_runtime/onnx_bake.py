@@ -84,6 +84,11 @@ def _bytes_field(number: int, payload: bytes) -> bytes:
     return _varint(number << 3 | LENGTH_DELIMITED) + _varint(len(payload)) + payload
 
 
+def _field_head(number: int, length: int) -> bytes:
+    """The tag and length of a length-delimited field whose payload follows separately."""
+    return _varint(number << 3 | LENGTH_DELIMITED) + _varint(length)
+
+
 def _int_field(number: int, value: int) -> bytes:
     return _varint(number << 3 | VARINT) + _varint(value)
 
@@ -99,13 +104,15 @@ def _string(message: bytes, number: int) -> str | None:
 # -- ONNX messages ----------------------------------------------------------------------------
 
 
-def tensor_proto(name: str, value: np.ndarray) -> bytes:
-    """A float32 TensorProto holding ``value`` as raw little-endian data."""
+def tensor_proto(name: str, value: np.ndarray) -> list[bytes | memoryview]:
+    """A float32 TensorProto holding ``value`` as raw little-endian data, in pieces: the data is a view of
+    ``value``'s memory, not a copy (a model's weights are most of its device's memory)."""
     if value.dtype != np.float32:
         raise GraphEditError(f"weight {name} is {value.dtype}; the inference graph takes float32 weights")
-    dims = b"".join(_int_field(TENSOR_DIMS, int(d)) for d in value.shape)
-    return (dims + _int_field(TENSOR_DATA_TYPE, ONNX_FLOAT) + _bytes_field(TENSOR_NAME, name.encode())
-            + _bytes_field(TENSOR_RAW_DATA, np.ascontiguousarray(value, "<f4").tobytes()))
+    data = memoryview(np.ascontiguousarray(value, "<f4")).cast("B")
+    head = (b"".join(_int_field(TENSOR_DIMS, int(d)) for d in value.shape) + _int_field(TENSOR_DATA_TYPE, ONNX_FLOAT)
+            + _bytes_field(TENSOR_NAME, name.encode()) + _field_head(TENSOR_RAW_DATA, data.nbytes))
+    return [head, data]
 
 
 def softmax_node(source: str, target: str) -> bytes:
@@ -133,7 +140,7 @@ def bake(model: bytes, weights: dict[str, np.ndarray], *, logits: str, probabili
     graphs = [payload for n, wire, _, payload in fields(model) if n == MODEL_GRAPH and wire == LENGTH_DELIMITED]
     if len(graphs) != 1:
         raise GraphEditError(f"expected one graph in the model, found {len(graphs)}")
-    graph = bytearray()
+    graph: list[bytes | memoryview] = []
     inputs_seen, outputs_seen, logits_type = set(), [], None
     for number, wire, raw, payload in fields(graphs[0]):
         if number == GRAPH_INPUT and wire == LENGTH_DELIMITED:
@@ -148,18 +155,22 @@ def bake(model: bytes, weights: dict[str, np.ndarray], *, logits: str, probabili
             outputs_seen.append(name)
             if name == logits:
                 logits_type = _value_info_type(payload)
-        graph += raw
+        graph.append(raw)
     missing = sorted(set(weights) - inputs_seen)
     if missing:
         raise GraphEditError(f"weights {missing[:5]} are not inputs of the graph")
     if logits_type is None or set(outputs_seen) != set(keep_outputs):
         raise GraphEditError(f"graph outputs {outputs_seen} lack some of {list(keep_outputs)}")
     for name, value in weights.items():
-        graph += _bytes_field(GRAPH_INITIALIZER, tensor_proto(name, value))
-    graph += _bytes_field(GRAPH_NODE, softmax_node(logits, probabilities))
-    graph += _bytes_field(GRAPH_OUTPUT, _bytes_field(VALUE_INFO_NAME, probabilities.encode())
-                          + _bytes_field(VALUE_INFO_TYPE, logits_type))
-    out = bytearray()
-    for number, wire, raw, _ in fields(model):
-        out += _bytes_field(MODEL_GRAPH, bytes(graph)) if number == MODEL_GRAPH else raw
-    return bytes(out)
+        tensor = tensor_proto(name, value)
+        graph += [_field_head(GRAPH_INITIALIZER, sum(len(piece) for piece in tensor)), *tensor]
+    graph.append(_bytes_field(GRAPH_NODE, softmax_node(logits, probabilities)))
+    graph.append(_bytes_field(GRAPH_OUTPUT, _bytes_field(VALUE_INFO_NAME, probabilities.encode())
+                              + _bytes_field(VALUE_INFO_TYPE, logits_type)))
+    out: list[bytes | memoryview] = []
+    for number, _, raw, _ in fields(model):
+        if number == MODEL_GRAPH:
+            out += [_field_head(MODEL_GRAPH, sum(len(piece) for piece in graph)), *graph]
+        else:
+            out.append(raw)
+    return b"".join(out)  # the one copy of the weights

@@ -51,8 +51,9 @@ class _BindingSession:
 
 
 def open_session(path: str | bytes, threads: int):
-    """An InferenceSession of the model at ``path`` (or of the model bytes): the public ``onnxruntime.InferenceSession`` on stock
-    onnxruntime; on the training build (torch-free) the same session through its C bindings."""
+    """An InferenceSession of the model at ``path`` (or of these model bytes): the public
+    ``onnxruntime.InferenceSession`` on stock onnxruntime; on the training build (torch-free) the same session
+    through its C bindings."""
     if "onnxruntime" not in sys.modules and training_build_installed():
         capi = load_ort_capi()
         return _BindingSession(capi, path, session_options(capi, threads))

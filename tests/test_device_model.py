@@ -282,7 +282,7 @@ def workdir_with_model(artifacts, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("array, fragments", [
     (np.zeros((2, 3, 28, 28), np.float32), ("must be N×1×28×28", "got shape (2, 3, 28, 28)")),
-    (np.zeros((2, 1, 28, 28), np.uint8), ("must be floats normalized as model.json says", "got uint8")),
+    (np.zeros((2, 1, 28, 28), np.uint8), ("must be floats, normalized as the shard's x arrays", "got uint8")),
 ])
 def test_input_of_the_wrong_shape_or_type_names_input_and_what_fits(workdir_with_model: Path, array, fragments):
     path = workdir_with_model.parent / "bad.npy"
