@@ -95,7 +95,14 @@ def test_predict_on_the_test_split_scores_the_reported_accuracy_without_torch_or
     info = json.loads((workdir / "model" / "model.json").read_text())
     assert (info["round"], info["rank_tier"]) == (ROUNDS + 1, TIERS[device_id])
     assert (info["local_test_correct"], info["local_test_samples"]) == (correct, len(shard.y_test))
-    assert len(list((workdir / "models").iterdir())) == device_model.DEFAULT_KEEP
+    # The round before, a training round: its model is the one evaluated before training, as the device reported.
+    history = sorted((workdir / "models").iterdir())
+    assert [d.name.split("-")[1] for d in history] == [f"round{ROUNDS}", f"round{ROUNDS + 1}"]
+    earlier = lean_device("predict", "--model", str(history[0]), "--json", str(shard_path))
+    assert earlier.returncode == 0, earlier.stderr
+    earlier_correct = int((np.array(json.loads(earlier.stdout)["predictions"]) == shard.y_test).sum())
+    records = read_metrics(federation / METRICS_FILE)
+    assert earlier_correct / len(shard.y_test) == records[-2]["per_device"][device_id]["accuracy"]
 
     npy = workdir.parent / f"{device_id}-test.npy"
     np.save(npy, shard.x_test)
