@@ -117,6 +117,9 @@ class ModelStore:
     def write(self, eval_graph: Path, weights: dict[str, np.ndarray], **info) -> Path:
         """Bake, write and publish one model (``info``: :func:`model_info`'s keywords but the sha and seq); the
         history directory it wrote. Raises OSError or GraphEditError, leaving the current model as it was."""
+        if self.link.exists() and not self.link.is_symlink():
+            raise FileExistsError(f"{self.link} is not the link this device keeps there (a copy put in its place?): "
+                                  f"move it away; the models are in {self.history}")
         graph = inference_graph(eval_graph.read_bytes(), weights)
         entries = self._entries()
         seq = entries[-1][0] + 1 if entries else 1
@@ -150,10 +153,12 @@ class ModelStore:
         """Keep the newest ``keep`` histories (and whatever ``model`` points at); drop leftovers of a crash."""
         current = self.current()
         for _, name in self._entries()[:-self.keep]:
-            if self.history / name != current:
+            if Path(os.path.realpath(self.history / name)) != current:
                 shutil.rmtree(self.history / name, ignore_errors=True)
         for leftover in self.history.glob(f"{TMP_PREFIX}*"):
             shutil.rmtree(leftover, ignore_errors=True)
+        for leftover in self.root.glob(f"{TMP_PREFIX}{MODEL_LINK}-*"):
+            leftover.unlink(missing_ok=True)
 
 
 # -- reading (applications, the predict command) ----------------------------------------------

@@ -207,6 +207,15 @@ def test_readers_always_find_a_complete_model_while_rounds_are_written(artifacts
     assert device_model.load(tmp_path).info["round"] == 10
 
 
+def test_a_directory_put_in_place_of_the_link_is_named_and_left_alone(artifacts, tmp_path: Path):
+    trainer = open_trainer(artifacts.directory)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "mine.txt").write_text("a copy")
+    with pytest.raises(FileExistsError, match="is not the link this device keeps there"):
+        write_round(device_model.ModelStore(tmp_path), trainer, 1)
+    assert (tmp_path / "model" / "mine.txt").read_text() == "a copy"
+
+
 @pytest.mark.parametrize("fail_at", ["model.json", "rename", "link"])
 def test_a_crash_while_writing_leaves_the_previous_model_loadable(artifacts, tmp_path: Path, monkeypatch, fail_at):
     trainer = open_trainer(artifacts.directory)
