@@ -2,6 +2,11 @@
 
     python -m device_runtime --broker mqtt://HOST:1883 --device-id dev_000 --data dev_000.npz \\
         --workdir /var/lib/fedara [--memory-budget-mb 256] [--threads 1] [--runtime auto] [--tls-ca ca.pem]
+    python -m device_runtime predict --workdir /var/lib/fedara images.npy [--json]
+
+After every round it answers, the device writes its personalized model to WORKDIR/model/ (model.onnx for stock
+onnxruntime, model.json); ``predict`` classifies with it, with or without the agent and the broker
+(device_runtime.model).
 
 The MQTT username is the device id unless --username says otherwise; the password comes from
 $FEDARA_MQTT_PASSWORD. The device reconnects on its own, resumes from its workdir after a restart, and exits
@@ -28,11 +33,14 @@ EXIT_OK, EXIT_BAD_INPUT = 0, 2
 DEFAULT_CONNECT_TIMEOUT_S = 300.0
 DEFAULT_MAX_INBOUND_MB = 64.0
 AUTH_DIR = "auth"
+PREDICT_COMMAND = "predict"
+DEFAULT_KEEP_MODELS = 2  # device_runtime.model.DEFAULT_KEEP: not imported, numpy must load after THREAD_ENV_VARS
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m device_runtime", description=__doc__.splitlines()[0],
-                                formatter_class=DefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter,
+                                epilog="python -m device_runtime predict --help: classify with the device's model")
     p.add_argument("--broker", required=True, help="mqtt://[user[:pass]@]host[:port] or mqtts://... (TLS)")
     p.add_argument("--device-id", required=True, help="this device's id: its MQTT client id and topic level")
     p.add_argument("--data", required=True,
@@ -60,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest MQTT publish; longer messages travel as chunks (the broker's limit or less)")
     p.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT_S,
                    help="seconds to wait for the broker at start-up before exiting with status 2 (0: for ever)")
+    p.add_argument("--keep-models", type=int, default=DEFAULT_KEEP_MODELS,
+                   help="model directories kept in WORKDIR/models/ (WORKDIR/model points at the newest)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log verbosity")
     return p
 
@@ -74,9 +84,15 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--tls-ca {args.tls_ca}: no such file")
     if not args.connect_timeout >= 0:
         raise ValueError(f"--connect-timeout must be >= 0 (0: wait for ever), got {args.connect_timeout:g}")
+    if args.keep_models < 1:
+        raise ValueError(f"--keep-models must be >= 1 (the current model is always kept), got {args.keep_models}")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [PREDICT_COMMAND]:
+        from device_runtime.model import predict_main
+        return predict_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
@@ -134,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             "may be killed at the limit", profile.memory_budget_mb, profile.memory_limit_mb,
             profile.memory_limit_source)
     agent = DeviceAgent(args.device_id, shard, profile, endpoint, workdir, topics, link, threads=args.threads,
-                        connect_timeout_s=args.connect_timeout)
+                        connect_timeout_s=args.connect_timeout, keep_models=args.keep_models)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

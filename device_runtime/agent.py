@@ -11,6 +11,8 @@ Workdir layout (everything a restarted device needs):
     previous_run/        heads/, state.json and last_answer.bin of the last run that committed a head, kept while
                          a newer run has committed none: a PLAN of that run (a server resuming it after the newer
                          one aborted) brings them back; the newer run's first committed training round drops them
+    model -> models/...  the personalized model each answered round evaluated, as files an application loads
+                         (device_runtime.model)
 
 Every file is written to a temporary name and renamed, so a kill leaves the old version or the new one.
 Order per task: train, save the head under the round's name, save the answer, save the state (the commit:
@@ -39,6 +41,8 @@ from device_runtime.broker_wait import wait_for_broker
 from device_runtime.device_rules import (DeviceState, TaskAction, answered, on_task, starts_new_run,
                                          takes_initial_tensors)
 from device_runtime.local_round import load_weights, run_task
+from device_runtime.model import DEFAULT_KEEP, ModelStore
+from device_runtime.onnx_bake import GraphEditError
 from device_runtime.messages import (NO_RUN, ErrorCode, Join, MessageError, ShardInfo, ack_message, check_hash,
                                      error_message, join_message, new_msg_id, parse_error, parse_plan, parse_task,
                                      update_message)
@@ -47,7 +51,7 @@ from device_runtime.link import Link, Refused
 from device_runtime.protocol import Message, MessageType, Topics, envelope_limit
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
-from device_runtime.artifact_contract import ArtifactError, verify_artifacts
+from device_runtime.artifact_contract import ArtifactError, artifact_files, verify_artifacts
 from device_runtime.runtimes import open_trainer
 from device_runtime.trainer import LocalTrainer
 from device_runtime.transport import MqttEndpoint
@@ -220,7 +224,8 @@ class DeviceAgent:
     """One device: answers the server's PLAN, TASK and ERROR messages on its down topic."""
 
     def __init__(self, device_id: str, shard: Shard, profile: ResourceProfile, endpoint: MqttEndpoint,
-                 workdir: Workdir, topics: Topics, link: Link, *, threads: int = 1, connect_timeout_s: float = 0.0):
+                 workdir: Workdir, topics: Topics, link: Link, *, threads: int = 1, connect_timeout_s: float = 0.0,
+                 keep_models: int = DEFAULT_KEEP):
         self.device_id = device_id
         self.shard = shard
         self.profile = profile
@@ -234,6 +239,8 @@ class DeviceAgent:
         self.trainer: LocalTrainer | None = None
         self.loaded_hash: str | None = None
         self.computing = False  # true while training or evaluating: a stop request may interrupt it
+        self.models = ModelStore(workdir.root, keep_models)
+        self.plan_tier: tuple[float, str] | None = None  # the loaded plan's (ratio, description), for model.json
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -337,6 +344,7 @@ class DeviceAgent:
                 return
             self.state.personal = tuple(sorted(plan.init))
         self.state.plan_hash = plan.plan_hash
+        self.plan_tier = (plan.ratio, plan.description)
         self.workdir.save_state(self.state)
         LOG.info("plan %s: ratio %s (%s)", plan.plan_hash[:12], plan.ratio, plan.description)
         self._send(ack_message(plan.plan_hash, device_id=self.device_id, run_id=self.state.run_id))
@@ -379,6 +387,7 @@ class DeviceAgent:
             self.endpoint.publish(self.topics.update, self.link.reseal(self.workdir.load_answer()),
                                   new_msg_id(MessageType.UPDATE))
             return
+        kept = self._kept_by(task)
         try:
             update = self._compute(task)
         except ValueError as exc:  # tensors that do not fit the plan (TensorMismatchError) or unknown names
@@ -396,7 +405,34 @@ class DeviceAgent:
         if not task.evaluate_only:
             self.workdir.drop_heads_before(plan_hash, task.round)
             self.workdir.drop_previous_run()
+        self._save_model(plan_hash, task.round, {**kept, **task.weights}, update.metrics)
         self.endpoint.publish(self.topics.update, payload, new_msg_id(MessageType.UPDATE))
+
+    def _kept_by(self, task: Task) -> dict[str, np.ndarray]:
+        """Copies of the tensors the task's weights do not replace (the head, for FedARA): with the task's weights,
+        the model the round evaluates."""
+        received = set(task.weights)
+        kept = {}
+        for names, read in ((self.trainer.fe_names, self.trainer.get_fe), (self.trainer.head_names,
+                                                                           self.trainer.get_head)):
+            if not received.issuperset(names):
+                kept |= read()
+        return kept
+
+    def _save_model(self, plan_hash: str, round_index: int, weights: dict, metrics: dict) -> None:
+        """Write the model this round evaluated (``WORKDIR/model``); a failure is logged and costs only the file."""
+        ratio, description = self.plan_tier or (None, "")
+        try:
+            eval_graph = self.trainer.directory / artifact_files(self.trainer.manifest)["eval_model"]
+            written = self.models.write(eval_graph, weights, input_shape=self.trainer.input_shape,
+                                        num_classes=self.trainer.num_classes, run_id=self.state.run_id,
+                                        round_index=round_index, rank_tier=ratio, plan_hash=plan_hash,
+                                        plan_description=description, correct=metrics["eval_correct"],
+                                        total=metrics["eval_total"])
+        except (OSError, GraphEditError) as exc:
+            LOG.warning("round %d: the model file was not written: %s", round_index, exc)
+            return
+        LOG.info("round %d: model written to %s", round_index, written)
 
     def _compute(self, task: Task) -> Update:
         """Evaluate the received FE with this device's head, then train (unless the task is evaluation only)."""

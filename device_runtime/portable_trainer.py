@@ -36,8 +36,8 @@ class _BindingSession:
     """The C binding's InferenceSession behind the public ``run(output_names, feeds)``: the training build's
     public class sits behind an ``__init__`` that imports torch, so there the bindings are used directly."""
 
-    def __init__(self, capi: Any, path: str, options: Any):
-        self._session = capi.InferenceSession(options, path, True, False)
+    def __init__(self, capi: Any, model: str | bytes, options: Any):
+        self._session = capi.InferenceSession(options, model, isinstance(model, str), False)
         self._session.initialize_session(_PROVIDERS, [{}], set())
 
     def run(self, output_names: list[str] | None, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -50,9 +50,10 @@ class _BindingSession:
         return self._session.outputs_meta
 
 
-def open_session(path: str, threads: int):
-    """An InferenceSession of the model at ``path``: the public ``onnxruntime.InferenceSession`` on stock
-    onnxruntime; on the training build (torch-free) the same session through its C bindings."""
+def open_session(path: str | bytes, threads: int):
+    """An InferenceSession of the model at ``path`` (or of these model bytes): the public
+    ``onnxruntime.InferenceSession`` on stock onnxruntime; on the training build (torch-free) the same session
+    through its C bindings."""
     if "onnxruntime" not in sys.modules and training_build_installed():
         capi = load_ort_capi()
         return _BindingSession(capi, path, session_options(capi, threads))

@@ -1,5 +1,6 @@
 """The device on arm64, by emulation: the bundle installs with pip from the package index inside an arm64 Debian,
-trains a local round on server-built step artifacts, and joins a federation whose server runs natively here.
+trains a local round on server-built step artifacts, joins a federation whose server runs natively here, and
+classifies its test split with the model it kept (``python -m device_runtime predict``).
 
 Needs root on an x86_64 Debian host (``scripts/arm64_emulation.sh`` installs qemu-user-static, debootstrap and
 binfmt-support, and builds the root file system once under .arm64/). Marked ``arm64``: the default suite leaves it
@@ -165,6 +166,14 @@ def test_the_arm64_device_joins_a_native_federation_and_its_update_is_aggregated
     (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert record["round"] == 1 and record["participants"] == 1 and record["bytes_up"] > 0  # arm64_000 alone
 
+    # The owner's model, on the board, broker gone: predict scores what the device reported for the final model.
+    done = emulated(f"{PREFIX}/venv/bin/python -m device_runtime predict --workdir {work}/device --json {shard}",
+                    work, ROUND_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    predictions = np.array(json.loads(done.stdout.strip().splitlines()[-1])["predictions"])
+    y_test = np.load(shard)["y_test"]
+    assert predictions.shape == y_test.shape
+    assert (predictions == y_test).sum() / len(y_test) == record["per_device"]["arm64_000"]["accuracy"]
 
 @pytest.mark.parametrize("ranks, lam", [({}, 0.0), ({"fe.conv2": 80, "fe.fc1": 256}, 2.0)], ids=["dense", "factorized"])
 def test_an_arm64_epoch_equals_the_pytorch_reference(installed: str, work: Path, ranks: dict, lam: float):

@@ -139,8 +139,10 @@ def test_wheel_is_pure_python_and_holds_only_device_runtime(bundle_dir: Path):
     (wheel,) = bundle_dir.glob("*.whl")
     with zipfile.ZipFile(wheel) as archive:
         top = {name.split("/")[0] for name in archive.namelist()}
+        modules = {name for name in archive.namelist() if name.endswith(".py")}
         wheel_meta = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/WHEEL"))).decode()
     assert top == {"device_runtime", wheel.name.removesuffix("-py3-none-any.whl") + ".dist-info"}
+    assert modules == {f"device_runtime/{p.name}" for p in (ROOT / "device_runtime").glob("*.py")}  # predict's too
     assert "Root-Is-Purelib: true" in wheel_meta and "Tag: py3-none-any" in wheel_meta
 
 
