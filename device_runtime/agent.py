@@ -319,7 +319,8 @@ class DeviceAgent:
             return
         if action == TaskAction.RESEND:
             LOG.info("round %d asked again: re-sending the saved answer", task.round)
-            self.endpoint.publish(self.topics.update, self.link.reseal(self.workdir.load_answer()),
+            self.endpoint.publish(self.topics.update_via(task.aggregator),
+                                  self.link.reseal(self.workdir.load_answer()),
                                   new_msg_id(MessageType.UPDATE))
             return
         try:
@@ -338,7 +339,7 @@ class DeviceAgent:
         self.workdir.save_state(self.state)
         if not task.evaluate_only:
             self.workdir.drop_heads_before(plan_hash, task.round)
-        self.endpoint.publish(self.topics.update, payload, new_msg_id(MessageType.UPDATE))
+        self.endpoint.publish(self.topics.update_via(task.aggregator), payload, new_msg_id(MessageType.UPDATE))
 
     def _compute(self, task: Task) -> Update:
         """Evaluate the received FE with this device's head, then train (unless the task is evaluation only)."""
