@@ -29,6 +29,7 @@ NATS_SERVER = "nats-server"
 READY_TIMEOUT_S = 90.0
 PROBE_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
+PORT_ATTEMPTS = 3
 
 
 class NatsClusterError(RuntimeError):
@@ -61,8 +62,17 @@ class NatsCluster:
             raise ValueError(f"--nodes must be >= 1, got {nodes}")
         self.folder = Path(folder)
         self.names = [f"n{i + 1}" for i in range(nodes)]
-        self.ports = [(free_port(), free_port(), free_port()) for _ in range(nodes)]  # client, route, mqtt
+        self.ports = self._free_ports()
         self.processes: list[subprocess.Popen[bytes] | None] = [None] * nodes
+
+    def _free_ports(self) -> list[tuple[int, int, int]]:
+        """(client, route, mqtt) ports per node, all different, each free a moment ago."""
+        ports: list[int] = []
+        while len(ports) < 3 * len(self.names):
+            port = free_port()
+            if port not in ports:
+                ports.append(port)
+        return [tuple(ports[3 * i:3 * i + 3]) for i in range(len(self.names))]
 
     @property
     def mqtt_ports(self) -> list[int]:
@@ -82,10 +92,24 @@ class NatsCluster:
         return self.folder / self.names[i] / "nats.log"
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> NatsCluster:
-        """Start every node; return once MQTT works across the cluster (raises NatsClusterError otherwise)."""
+        """Start every node; return once MQTT works across the cluster (raises NatsClusterError otherwise). A port
+        another process took since it was picked (a shared machine) means new ports and another try."""
         binary = shutil.which(NATS_SERVER) or (Path("/usr/sbin") / NATS_SERVER)
         if not Path(binary).exists():
             raise NatsClusterError(f"{NATS_SERVER} not found (Debian: apt-get install -y nats-server)")
+        for _ in range(PORT_ATTEMPTS - 1):
+            try:
+                return self._start(str(binary), timeout)
+            except NatsClusterError:
+                logs = [self.log(i) for i in range(len(self.names)) if self.log(i).exists()]
+                if not any("address already in use" in log.read_text(errors="replace") for log in logs):
+                    raise
+                for log in logs:
+                    log.unlink()
+                self.ports = self._free_ports()
+        return self._start(str(binary), timeout)
+
+    def _start(self, binary: str, timeout: float) -> NatsCluster:
         routes = [route for _, route, _ in self.ports]
         for i, (name, (client, route, mqtt)) in enumerate(zip(self.names, self.ports)):
             folder = self.folder / name
@@ -93,7 +117,7 @@ class NatsCluster:
             conf = folder / "nats.conf"
             conf.write_text(node_config(name, folder, client, route, mqtt, routes))
             with open(self.log(i), "ab") as log:
-                self.processes[i] = subprocess.Popen([str(binary), "-c", str(conf)], stdout=log,
+                self.processes[i] = subprocess.Popen([binary, "-c", str(conf)], stdout=log,
                                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while not self.mqtt_works():

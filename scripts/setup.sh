@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv with everything the server, the device runtime and the tests need.
-# As root it also installs Debian's mosquitto, mosquitto-clients and dataset-fashion-mnist (nothing is downloaded at run time).
+# As root it also installs Debian's mosquitto, mosquitto-clients, nats-server and dataset-fashion-mnist (nothing is downloaded at run time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -9,6 +9,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   [ -d /usr/share/datasets/fashion-mnist ] || missing+=(dataset-fashion-mnist)
   command -v openssl >/dev/null || missing+=(openssl)
   command -v mosquitto_pub >/dev/null || missing+=(mosquitto-clients)  # the replay tests' outside publisher
+  command -v nats-server >/dev/null || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)  # clustered broker tests
   if [ ${#missing[@]} -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
