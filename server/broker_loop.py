@@ -514,8 +514,9 @@ class Federation:
     def brief_aggregators(self) -> None:
         """Send every aggregator the open round's brief; wait (bounded) until each member of the last round holds
         it. Those that hold it are this round's members: the devices are routed over them."""
-        brief = self._send_brief()
         expected = set(self.engine.members) or set(self.aggregators)
+        self.engine.set_members(())  # until they hold it: a task sent meanwhile names none (the engine reads it)
+        brief = self._send_brief()
         briefed = lambda: {a for a in self.aggregators if self.aggregators_at.get(a) == brief.round}  # noqa: E731
         if not self._pump(lambda: expected <= briefed(), time.monotonic() + self.args.aggregator_timeout):
             LOG.warning("round %d: aggregators %s did not take its brief within --aggregator-timeout %g s: their "
