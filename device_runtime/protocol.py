@@ -258,12 +258,11 @@ def update_filter(prefix: str) -> str:
     return f"{prefix}/dev/+/{TopicKind.UPDATE.value}"
 
 
-def server_subscriptions(prefix: str, *, updates: bool = True) -> list[str]:
-    """Topic filters the server subscribes to: every device's up and status topics, and its update topic unless
-    aggregator processes read the updates (``updates=False``)."""
+def server_subscriptions(prefix: str) -> list[str]:
+    """Topic filters the server subscribes to: every device's up, status and update topics (with aggregators, an
+    update routed to one goes a level below, out of this filter)."""
     check_topic_prefix(prefix)
-    filters = [f"{prefix}/dev/+/{TopicKind.UP.value}", f"{prefix}/dev/+/{TopicKind.STATUS.value}"]
-    return filters + [update_filter(prefix)] if updates else filters
+    return [f"{prefix}/dev/+/{TopicKind.UP.value}", f"{prefix}/dev/+/{TopicKind.STATUS.value}", update_filter(prefix)]
 
 
 def device_id_from_topic(prefix: str, topic: str) -> tuple[str, TopicKind]:

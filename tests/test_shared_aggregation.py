@@ -8,13 +8,17 @@ members when they shared one), only get copies: every update is still folded.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from server import broker_loop
@@ -34,7 +38,8 @@ MOSQUITTO_SUB = shutil.which("mosquitto_sub")
 
 
 def federate(out: Path, cache: Path, broker: str, aggregators: int, *extra: str) -> Path:
-    """A run of DEVICES device processes at two rank tiers (dense and factorized updates both folded)."""
+    """A run of DEVICES device processes at two rank tiers (dense and factorized updates both folded), ROUNDS rounds
+    unless ``extra`` says otherwise."""
     overrides = out.with_name(f"{out.name}-tiers.json")
     overrides.write_text(json.dumps({f"dev_{i:03d}": TIERS[i % len(TIERS)] for i in range(DEVICES)}))
     assert broker_loop.main([*QUICK, "--cache-dir", str(cache), "--out", str(out), "--broker", broker,
@@ -92,6 +97,43 @@ def test_chunked_updates_routed_to_two_members_fold_once_while_outsiders_subscri
     for name, path in outsiders.items():  # each outsider got copies of the routed frames, chunks of every update
         update_frames = [t for t in path.read_text().split() if re.fullmatch(rf"{PREFIX}/dev/dev_\d+/update/agg-\d", t)]
         assert len(update_frames) > DEVICES * ROUNDS, (name, len(update_frames))
+
+
+def kill_member_mid_round_2(run: Path, victim: str, killed: list[str], stop: threading.Event) -> None:
+    """SIGKILL aggregator ``victim`` once it folded a round-2 update (its share of the round is half done)."""
+    log = run / broker_loop.AGGREGATORS_DIR / f"{victim}.log"
+    while not stop.is_set():
+        if log.exists() and "update of round 2" in log.read_text():
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if "server.aggregator" in child.cmdline() and victim in child.cmdline():
+                        child.kill()
+                        killed.append(victim)
+                        return
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_member_killed_mid_round_loses_its_devices_to_the_other_and_no_update(start_mosquitto, tmp_path: Path,
+                                                                                 cache: Path):
+    """agg-0 takes dev_000, dev_001 and dev_003 (rendezvous hashing over agg-0 and agg-1). Killed after its first
+    round-2 fold, it stops answering: after --aggregator-timeout the engine asks its devices again, naming agg-1, and
+    the updates agg-0 was told to fold are awaited again. Every round still has every device."""
+    broker = start_mosquitto(max_frame_bytes=FRAME_BYTES)
+    run, killed, stop = tmp_path / "killed", [], threading.Event()
+    killer = threading.Thread(target=kill_member_mid_round_2, args=(run, "agg-0", killed, stop), daemon=True)
+    killer.start()
+    try:
+        federate(run, cache, broker.url, 2, "--rounds", "3", "--aggregator-timeout", "8")
+    finally:
+        stop.set()
+        killer.join()
+    assert killed == ["agg-0"]
+    assert "aggregator agg-0 stopped answering" in (run / broker_loop.SERVER_LOG).read_text()
+    records = read_metrics(run / METRICS_FILE)
+    assert [(r["round"], r["participants"], r["dropped"]) for r in records] == [(r, DEVICES, {}) for r in (1, 2, 3)]
+    survivor = {(d, r) for a, d, r in folds(run) if a == "agg-1"}
+    assert {(d, 3) for d in ("dev_000", "dev_001", "dev_003")} <= survivor
 
 
 @pytest.mark.parametrize("flags, named", [
