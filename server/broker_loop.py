@@ -311,6 +311,7 @@ class Federation:
         self.heard: dict[str, float] = {}  # aggregator -> when it last said anything (monotonic)
         self.asked: dict[str, float] = {}  # aggregator -> when it was last sent its brief or asked for its partial
         self.brief: wire.Brief | None = None  # the open round's, as last sent
+        self.merged: set[tuple[str, int]] = set()  # (aggregator, round) of every partial taken
         self.probe_s = min(PROBE_MAX_S, args.aggregator_timeout / 4)
         self.coordinator = engine.coordinator
         self.settings = settings
@@ -481,8 +482,11 @@ class Federation:
                 partial = wire.parse_partial(msg)
                 problem = self.engine.receive_partial(aggregator, partial)
                 if problem is None:
+                    self.merged.add((aggregator, partial.round))
                     LOG.info("round %d: partial sums of %s over %d update(s)", partial.round, aggregator,
                              len(partial.devices))
+                elif (aggregator, partial.round) in self.merged:  # it answered a request sent again, too
+                    LOG.info("round %d: the partial sums of %s came again; taken once", partial.round, aggregator)
                 else:
                     LOG.warning("round %d: refused the partial sums of %s: %s", partial.round, aggregator, problem)
             else:
