@@ -162,7 +162,10 @@ def publisher(url: str, brief: wire.Brief, routes: dict[str, str | None], keys: 
     go.wait()
     for topic, payload, msg_id in payloads:
         endpoint.publish(topic, payload, msg_id)
-    time.sleep(5)  # let paho flush its queue before the process ends (the round's end is measured elsewhere)
+    # Before the process ends: the broker acknowledged a last message published after all of them (a NATS cluster
+    # takes them slower than mosquitto), and a few seconds more. The round's end is measured elsewhere.
+    endpoint.publish(f"{PREFIX}/bench-done", b"done", f"done-{brief.round}", wait=True, timeout=TIMEOUT_S)
+    time.sleep(5)
     endpoint.stop()
 
 

@@ -157,12 +157,15 @@ def replayed_counts(replayed: list[tuple[str, bytes]]) -> Counter:
 
 def unrefused(attack: Attack) -> dict[str, object]:
     """What the logs do not yet show refused: the engine<->aggregator messages (by msg_id; a message of several
-    frames is refused once when new, each frame when a repeat) and how many update frames (one line each)."""
+    frames is refused once when new, each frame when a repeat) and how many updates (updates travel in chunks: an
+    earlier run's update is refused once, each frame of this run's is dropped as a repeat)."""
     refusals = attack.refusals()
     named = " ".join(refusals["down"] + refusals["up"])
     missing = sorted({frame_msg_id(f) for t, f in attack.replayed if kind_of(t) != "update"} - set(
         MSG_ID.findall(named)))
-    unanswered = replayed_counts(attack.replayed)["update"] - len(refusals["update"])
+    earlier = {frame_msg_id(f) for t, f in attack.replayed[:attack.earlier] if kind_of(t) == "update"}
+    expected = len(earlier) + replayed_counts(attack.replayed[attack.earlier:])["update"]
+    unanswered = expected - len(refusals["update"])
     return {"messages": missing, "updates": max(0, unanswered)}  # a device's answer sent again is refused too
 
 
