@@ -45,7 +45,8 @@ QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "
 PAUSED = ("dev_001", "dev_002")
 LIVE = "dev_000"
 BROKER_LIMIT = 16 << 20
-"""mosquitto's message size limit here."""
+"""mosquitto's message size limit here, and the processes' frame limit: each update travels in one frame, so a
+device paused at its first recorded update frame has published the whole update."""
 WAIT_S = 120
 ATTACK_WAIT_S = 30
 """Bound on the waits while devices are paused: well inside the broker's keep-alive (1.5 x 30 s), so they stay
@@ -81,7 +82,7 @@ class Recorder:
 def start_server(out: Path, broker_url: str, cache: Path, enrollment: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "server.broker_loop", *QUICK, "--broker", broker_url,
                              "--out", str(out), "--cache-dir", str(cache), "--enroll", str(enrollment),
-                             "--aggregators", "2"],
+                             "--aggregators", "2", "--max-message-bytes", str(BROKER_LIMIT)],
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -157,8 +158,8 @@ def replayed_counts(replayed: list[tuple[str, bytes]]) -> Counter:
 
 def unrefused(attack: Attack) -> dict[str, object]:
     """What the logs do not yet show refused: the engine<->aggregator messages (by msg_id; a message of several
-    frames is refused once when new, each frame when a repeat) and how many updates (updates travel in chunks: an
-    earlier run's update is refused once, each frame of this run's is dropped as a repeat)."""
+    frames is refused once when new, each frame when a repeat) and how many updates (an earlier run's update is
+    refused once whatever its frames, each frame of this run's is dropped as a repeat)."""
     refusals = attack.refusals()
     named = " ".join(refusals["down"] + refusals["up"])
     missing = sorted({frame_msg_id(f) for t, f in attack.replayed if kind_of(t) != "update"} - set(
