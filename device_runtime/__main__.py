@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m device_runtime", description=__doc__.splitlines()[0],
                                 formatter_class=DefaultsHelpFormatter,
                                 epilog="python -m device_runtime predict --help: classify with the device's model")
-    p.add_argument("--broker", required=True, help="mqtt://[user[:pass]@]host[:port] or mqtts://... (TLS)")
+    p.add_argument("--broker", required=True,
+                   help="mqtt://[user[:pass]@]host[:port] or mqtts://... (TLS); several, comma-separated (the nodes "
+                        "of a clustered broker): a lost connection moves to the next")
     p.add_argument("--device-id", required=True, help="this device's id: its MQTT client id and topic level")
     p.add_argument("--data", required=True,
                    help="the device's shard: an .npz of x_train, y_train, x_test, y_test and num_classes")
@@ -114,8 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     from device_runtime.protocol import ProtocolError, Topics
     from device_runtime.runtimes import RuntimeUnavailable, detect
     from device_runtime.shard import ShardError, load_shard
-    from device_runtime.transport import BrokerRefusedError, BrokerURL, MqttEndpoint
+    from device_runtime.transport import BrokerRefusedError, MqttEndpoint, parse_brokers
 
+    try:
+        brokers = parse_brokers(args.broker)
+    except ValueError as exc:  # it names --broker
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     flag = "--device-id/--prefix"
     try:
         topics = Topics(args.prefix or DEFAULT_TOPIC_PREFIX, args.device_id)
@@ -135,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Workdir(args.workdir)
         link = Link.device(args.device_id, key, os.path.join(args.workdir, AUTH_DIR), max_inbound)
         flag = "--broker"
-        username = args.username or BrokerURL.parse(args.broker).username or args.device_id
+        username = args.username or brokers[0].username or args.device_id
         endpoint = MqttEndpoint(args.device_id, args.broker, subscriptions=[topics.down],
                                 status=(topics.status, link.status_signer(args.device_id)), username=username,
                                 password=args.password or os.environ.get(PASSWORD_ENV), tls_ca=args.tls_ca,

@@ -384,7 +384,8 @@ class DeviceAgent:
             return
         if action == TaskAction.RESEND:
             LOG.info("round %d asked again: re-sending the saved answer", task.round)
-            self.endpoint.publish(self.topics.update, self.link.reseal(self.workdir.load_answer()),
+            self.endpoint.publish(self.topics.update_via(task.aggregator),
+                                  self.link.reseal(self.workdir.load_answer()),
                                   new_msg_id(MessageType.UPDATE))
             return
         kept = self._kept_by(task)
@@ -406,7 +407,7 @@ class DeviceAgent:
             self.workdir.drop_heads_before(plan_hash, task.round)
             self.workdir.drop_previous_run()
         self._save_model(plan_hash, task.round, {**kept, **task.weights}, update.metrics)
-        self.endpoint.publish(self.topics.update, payload, new_msg_id(MessageType.UPDATE))
+        self.endpoint.publish(self.topics.update_via(task.aggregator), payload, new_msg_id(MessageType.UPDATE))
 
     def _kept_by(self, task: Task) -> dict[str, np.ndarray]:
         """Copies of the tensors the task's weights do not replace (the head, for FedARA): with the task's weights,

@@ -60,7 +60,6 @@ def wait_for_broker(endpoint: MqttEndpoint, stop: threading.Event, timeout_s: fl
 
     BrokerRefusedError (the broker answered and refused these credentials) passes through.
     """
-    host, port = endpoint.url.host, endpoint.url.port
     started, last_report = clock(), None
     while not stop.is_set():
         try:
@@ -68,6 +67,7 @@ def wait_for_broker(endpoint: MqttEndpoint, stop: threading.Event, timeout_s: fl
             return True
         except ConnectTimeoutError:
             now = clock()
+            host, port = endpoint.url.host, endpoint.url.port  # the broker of the list it tries now
             if timed_out(started, now, timeout_s):
                 raise BrokerUnreachableError(f"no broker at {host}:{port} after --connect-timeout {timeout_s:g} s: "
                                              f"{reason(host, port)}") from None

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from device_runtime.profile import ProfileError, ResourceProfile
-from device_runtime.protocol import MAX_ROUND, Message, MessageType
+from device_runtime.protocol import MAX_ROUND, Message, MessageType, ProtocolError, check_id
 from device_runtime.shard import Shard
 from device_runtime.artifact_contract import ARTIFACT_FILES_BY_KIND, MANIFEST_NAME
 from device_runtime.task import PARAM_GROUPS, RETURNS, Phase, Task, Update
@@ -219,7 +219,8 @@ def parse_ack(msg: Message) -> str:
 def task_message(task: Task, *, plan_hash: str, device_id: str, run_id: str) -> Message:
     meta = {"plan_hash": plan_hash, "lam": task.lam, "mu": task.mu, "lr": task.lr,
             "phases": [[p.params, p.epochs] for p in task.phases], "returns": task.returns,
-            "batch_size": task.batch_size, "seed": task.seed, "deadline": task.deadline}
+            "batch_size": task.batch_size, "seed": task.seed, "deadline": task.deadline,
+            "aggregator": task.aggregator}
     return Message(MessageType.TASK, run_id, task.round, device_id, new_msg_id(MessageType.TASK), meta,
                    tensors=dict(task.weights))
 
@@ -251,8 +252,19 @@ def parse_task(msg: Message) -> tuple[str, Task]:
                 phases=_phases(_field(meta, "phases", kind)), returns=returns,
                 batch_size=_int(_field(meta, "batch_size", kind), "batch_size", 1, 1 << 20),
                 seed=_int(_field(meta, "seed", kind), "seed", 0),
-                deadline=None if deadline is None else _number(deadline, "deadline"))
+                deadline=None if deadline is None else _number(deadline, "deadline"),
+                aggregator=_aggregator(meta.get("aggregator")))
     return check_hash(_field(meta, "plan_hash", kind)), task
+
+
+def _aggregator(value: Any) -> str | None:
+    """The aggregator a TASK routes its answer to: None (the server), or a topic-safe name."""
+    if value is None:
+        return None
+    try:
+        return check_id(value, "task aggregator")
+    except ProtocolError as exc:
+        raise MessageError(str(exc)) from None
 
 
 def update_message(update: Update, *, plan_hash: str, device_id: str, run_id: str) -> Message:

@@ -154,7 +154,7 @@ class TopicKind(str, Enum):
     DOWN = "down"  # server -> device
     UP = "up"  # device -> server
     STATUS = "status"  # device online/offline, carries its last will
-    UPDATE = "update"  # device -> server: its UPDATEs only (aggregators may share them, see server/aggregator.py)
+    UPDATE = "update"  # device -> server: its UPDATEs only (one level below: to an aggregator, server/aggregator.py)
 
 
 @dataclass(eq=False)
@@ -241,8 +241,15 @@ class Topics:
 
     @property
     def update(self) -> str:
-        """Device -> server, UPDATEs only: the topic aggregator processes can share."""
+        """Device -> server, UPDATEs only (read by the server when it folds the updates itself)."""
         return self._topic(TopicKind.UPDATE)
+
+    def update_via(self, aggregator: str | None) -> str:
+        """Where this device's UPDATE goes: the update topic, or below it the level of the aggregator process its
+        task names (each aggregator subscribes only to its own level: see server/aggregator.py)."""
+        if aggregator is None:
+            return self.update
+        return f"{self.update}/{check_id(aggregator, 'aggregator name')}"
 
 
 def update_filter(prefix: str) -> str:
@@ -251,12 +258,11 @@ def update_filter(prefix: str) -> str:
     return f"{prefix}/dev/+/{TopicKind.UPDATE.value}"
 
 
-def server_subscriptions(prefix: str, *, updates: bool = True) -> list[str]:
-    """Topic filters the server subscribes to: every device's up and status topics, and its update topic unless
-    aggregator processes read the updates (``updates=False``)."""
+def server_subscriptions(prefix: str) -> list[str]:
+    """Topic filters the server subscribes to: every device's up, status and update topics (with aggregators, an
+    update routed to one goes a level below, out of this filter)."""
     check_topic_prefix(prefix)
-    filters = [f"{prefix}/dev/+/{TopicKind.UP.value}", f"{prefix}/dev/+/{TopicKind.STATUS.value}"]
-    return filters + [update_filter(prefix)] if updates else filters
+    return [f"{prefix}/dev/+/{TopicKind.UP.value}", f"{prefix}/dev/+/{TopicKind.STATUS.value}", update_filter(prefix)]
 
 
 def device_id_from_topic(prefix: str, topic: str) -> tuple[str, TopicKind]:

@@ -34,7 +34,8 @@ class Phase:
 class Task:
     """Round ``round``: load ``weights`` (the shared tensors, factorized at the device's plan), train ``phases``.
 
-    ``weights`` may be empty (local training: the device keeps its own model)."""
+    ``weights`` may be empty (local training: the device keeps its own model). ``aggregator`` names the aggregator
+    process whose update topic takes the answer (``Topics.update_via``); None: the server's own update topic."""
 
     round: int
     weights: dict[str, np.ndarray]
@@ -46,6 +47,7 @@ class Task:
     seed: int
     returns: str = "fe"
     deadline: float | None = None
+    aggregator: str | None = None
 
     @property
     def evaluate_only(self) -> bool:

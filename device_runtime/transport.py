@@ -4,7 +4,9 @@ Every message goes out as protocol frames of at most `max_frame_bytes` (checked 
 sees them: paho re-sends a frame the broker rejected forever) and comes back whole through one
 Reassembler whose memory is bounded in total over all topics (a flood of frames on many topics
 evicts the oldest incomplete messages instead of growing). MQTT 3.1.1, so the embedded amqtt broker and mosquitto both serve it.
-The paho network thread reconnects on its own and re-subscribes on every connect.
+The paho network thread reconnects on its own and re-subscribes on every connect. Given a list of brokers (the nodes
+of one cluster, ``mqtt://h1:p1,mqtt://h2:p2``), each lost connection or failed attempt moves it to the next one,
+with paho's backoff between attempts; what the endpoint holds (inbox, pending chunks, queued QoS 1 frames) stays.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 KEEPALIVE_S = 30
 RECONNECT_MIN_DELAY_S = 0.2
 RECONNECT_MAX_DELAY_S = 5.0
+RESUBSCRIBE_MAX_DELAY_S = 5.0
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 DEFAULT_REASSEMBLY_TIMEOUT_S = 120.0
 DEFAULT_MAX_PENDING_MESSAGES = 64
@@ -77,6 +80,9 @@ class BrokerURL:
     password: str | None
     tls: bool
 
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.port}"
+
     @classmethod
     def parse(cls, url: str) -> BrokerURL:
         """Parse `url`; raises ValueError naming what is wrong with it."""
@@ -97,6 +103,30 @@ class BrokerURL:
                    tls=parts.scheme == "mqtts")
 
 
+def parse_brokers(text: str) -> tuple[BrokerURL, ...]:
+    """The brokers of a ``--broker`` value: one URL, or several separated by commas (nodes of one cluster, tried
+    in turn). Raises ValueError naming --broker, the bad entry and the fix."""
+    entries = [entry.strip() for entry in str(text).split(",")]
+    if not text or not all(entries):
+        raise ValueError(f"--broker {text!r}: expected mqtt://HOST:PORT or a comma-separated list of them "
+                         "(mqtt://h1:1883,mqtt://h2:1883), with no empty entry")
+    try:
+        brokers = tuple(BrokerURL.parse(entry) for entry in entries)
+    except ValueError as exc:
+        raise ValueError(f"--broker: {exc}; expected mqtt://HOST:PORT or mqtts://HOST:PORT, comma-separated for "
+                         "several") from None
+    if len({b.tls for b in brokers}) > 1:
+        raise ValueError(f"--broker {text!r} mixes mqtt:// and mqtts:// brokers; use one scheme for every node")
+    return brokers
+
+
+def rotate_brokers(text: str, by: int) -> str:
+    """The ``--broker`` list rotated left by ``by`` (local device i starts on node i mod N, then tries the next)."""
+    entries = [entry.strip() for entry in text.split(",")]
+    by %= len(entries)
+    return ",".join(entries[by:] + entries[:by])
+
+
 class MqttEndpoint:
     """One MQTT client: chunked publish with optional PUBACK wait, reassembled inbound queue.
 
@@ -107,6 +137,7 @@ class MqttEndpoint:
     (default: `max_message_bytes`).
     `unsubscriptions` are filters this endpoint must not hold: each CONNECT drops them first, since a persistent
     session (same client id, clean_session False) keeps an earlier run's subscriptions.
+    `broker_url` may list several brokers (``parse_brokers``): a lost connection or a failed attempt moves to the next.
     Credentials given as arguments take precedence over those in the URL. `connected` is set
     while the broker has accepted the connection and acknowledged the subscriptions.
     """
@@ -127,7 +158,9 @@ class MqttEndpoint:
         if max_frame_bytes <= FRAME_HEADER_BYTES:
             raise ValueError(f"max_frame_bytes must exceed the {FRAME_HEADER_BYTES}-byte frame header, "
                              f"got {max_frame_bytes}")
-        self.url = BrokerURL.parse(broker_url)
+        self.brokers = parse_brokers(broker_url)
+        self._broker_index = 0
+        self._credentials = (username, password)
         if not self.url.tls and (tls_ca or tls_cert or tls_key):
             raise ValueError(f"TLS files given but broker URL {broker_url!r} is not mqtts://")
         if (tls_cert is None) != (tls_key is None):
@@ -154,18 +187,22 @@ class MqttEndpoint:
         self._refusal: str | None = None
         self._ever_connected = False
         self._subscribe_mid: int | None = None
+        self._subscribing: tuple[str, ...] = ()  # the filters of the SUBSCRIBE whose ack is awaited
+        self._refused_subscriptions = 0  # SUBSCRIBEs refused in a row (a cluster node that lost a peer does that)
+        self._connection = 0  # counts CONNACKs: a retry scheduled on an earlier connection is dropped
         self._started = False
-        self._client = self._make_client(username if username is not None else self.url.username,
-                                         password if password is not None else self.url.password,
-                                         clean_session, tls_ca, tls_cert, tls_key)
+        self._client = self._make_client(clean_session, tls_ca, tls_cert, tls_key)
 
-    def _make_client(self, username: str | None, password: str | None, clean_session: bool,
-                     tls_ca: str | os.PathLike[str] | None, tls_cert: str | os.PathLike[str] | None,
-                     tls_key: str | os.PathLike[str] | None) -> mqtt.Client:
+    @property
+    def url(self) -> BrokerURL:
+        """The broker this endpoint is connected to, or tries next."""
+        return self.brokers[self._broker_index]
+
+    def _make_client(self, clean_session: bool, tls_ca: str | os.PathLike[str] | None,
+                     tls_cert: str | os.PathLike[str] | None, tls_key: str | os.PathLike[str] | None) -> mqtt.Client:
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id,
                              clean_session=clean_session, protocol=mqtt.MQTTv311)
-        if username is not None:
-            client.username_pw_set(username, password)
+        self._set_credentials(client)
         if self.url.tls:
             client.tls_set(ca_certs=_path_or_none(tls_ca), certfile=_path_or_none(tls_cert),
                            keyfile=_path_or_none(tls_key))
@@ -174,10 +211,30 @@ class MqttEndpoint:
         client.on_socket_open = _set_tcp_nodelay
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
+        client.on_connect_fail = self._on_connect_fail
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
         client.on_publish = self._on_publish
         return client
+
+    def _set_credentials(self, client: mqtt.Client) -> None:
+        """The arguments' credentials, else the current broker URL's."""
+        username, password = self._credentials
+        username = username if username is not None else self.url.username
+        password = password if password is not None else self.url.password
+        if username is not None:
+            client.username_pw_set(username, password)
+
+    def _next_broker(self, client: mqtt.Client) -> None:
+        """Aim the next (re)connect attempt at the next broker of the list (the network thread's backoff stays)."""
+        if len(self.brokers) == 1:
+            return
+        self._broker_index = (self._broker_index + 1) % len(self.brokers)
+        # paho's host/port setters refuse while its state is "connection lost"; its reconnect reads these two
+        # (paho-mqtt 2.x; tests/test_transport.py's failover tests would catch a rename)
+        client._host, client._port = self.url.host, self.url.port  # noqa: SLF001
+        self._set_credentials(client)
+        LOG.info("%s: next attempt on %s", self.client_id, self.url)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -224,7 +281,7 @@ class MqttEndpoint:
             if self._refusal is not None:
                 raise BrokerRefusedError(f"{self.client_id}: broker {self.url.host}:{self.url.port} "
                                          f"refused the connection: {self._refusal}")
-        raise ConnectTimeoutError(f"{self.client_id}: not connected to {self.url.host}:{self.url.port} "
+        raise ConnectTimeoutError(f"{self.client_id}: not connected to {','.join(map(str, self.brokers))} "
                                   f"within {timeout} s")
 
     # -- outbound ---------------------------------------------------------------------------
@@ -323,24 +380,44 @@ class MqttEndpoint:
         if self._ever_connected:
             self._bump("reconnects")
         self._ever_connected = True
+        self._connection += 1
         self._nonce = self._armed_nonce
         self._arm_will(client)
         LOG.info("%s: connected to %s:%d", self.client_id, self.url.host, self.url.port)
         if self.unsubscriptions:  # the broker handles it before the SUBSCRIBE below, whose ack marks us ready
             client.unsubscribe(list(self.unsubscriptions))
         if self.subscriptions:
-            _, self._subscribe_mid = client.subscribe([(topic, self.qos) for topic in self.subscriptions])
+            self._subscribe(client, self.subscriptions)
         else:
             self._mark_ready()
 
+    def _subscribe(self, client: mqtt.Client, filters: tuple[str, ...] | list[str]) -> None:
+        self._subscribing = tuple(filters)
+        _, self._subscribe_mid = client.subscribe([(topic, self.qos) for topic in self._subscribing])
+
     def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: list[Any],
                       properties: Any) -> None:
+        """Ready once every subscription is granted: a refused one is asked for again, with backoff, and this
+        endpoint says online only then (NATS's MQTT refuses some while its cluster lost a node; an ACL that denies
+        one keeps it from ever being ready, and says so every time)."""
         if mid != self._subscribe_mid:
             return
-        denied = [topic for topic, code in zip(self.subscriptions, reason_codes) if code.is_failure]
-        if denied:
-            LOG.warning("%s: broker refused subscriptions to %s", self.client_id, denied)
-        self._mark_ready()
+        denied = [topic for topic, code in zip(self._subscribing, reason_codes) if code.is_failure]
+        if not denied:
+            self._refused_subscriptions = 0
+            self._mark_ready()
+            return
+        self._refused_subscriptions += 1
+        delay = min(RESUBSCRIBE_MAX_DELAY_S, RECONNECT_MIN_DELAY_S * 2 ** self._refused_subscriptions)
+        LOG.warning("%s: broker %s refused subscriptions to %s; asking again in %.1f s", self.client_id, self.url,
+                    denied, delay)
+        retry = threading.Timer(delay, self._resubscribe, (client, denied, self._connection))
+        retry.daemon = True
+        retry.start()
+
+    def _resubscribe(self, client: mqtt.Client, filters: list[str], connection: int) -> None:
+        if self._started and connection == self._connection and client.is_connected():
+            self._subscribe(client, filters)
 
     def _mark_ready(self) -> None:
         """Connected and subscribed: say online (a peer that reacts to it reaches this endpoint) and wake waiters."""
@@ -357,7 +434,12 @@ class MqttEndpoint:
                        properties: Any) -> None:
         self.connected.clear()
         if self._started:
-            LOG.info("%s: disconnected (%s); reconnecting", self.client_id, reason_code)
+            LOG.info("%s: disconnected from %s (%s); reconnecting", self.client_id, self.url, reason_code)
+            self._next_broker(client)
+
+    def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
+        if self._started:
+            self._next_broker(client)
 
     def _on_publish(self, client: mqtt.Client, userdata: Any, mid: int, reason_code: Any,
                     properties: Any) -> None:

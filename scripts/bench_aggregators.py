@@ -1,21 +1,27 @@
-"""Seconds per round and MB/s of a round's updates through mosquitto, with 0, 1, 2, 3 aggregator processes.
+"""Seconds per round and MB/s of a round's updates through a broker, with 0, 1, 2, 3 aggregator processes.
 
-    .venv/bin/python scripts/bench_aggregators.py --clients 150 --aggregators 0,1,2,3 --out docs/bench_aggregators.json
+    .venv/bin/python scripts/bench_aggregators.py --clients 150 --aggregators 0,1,2,3 --brokers mosquitto,nats \
+        --out docs/bench_aggregators.json
 
 K synthetic FedAvgCNN 3×32×32 devices at the five rank tiers round-robin (1.0, 0.75, 0.5, 0.25, 0.125) are enrolled
 in a real round engine; a publisher process seals each device's update of the round under the device's key
 (random tensors of its plan's shapes, built before the clock starts) and publishes all K as fast as mosquitto
 takes them. The server side is the one ``server.broker_loop`` runs (its ``Federation``): with N = 0 the engine
-reads and folds every update itself; with N ≥ 1, N ``python -m server.aggregator`` processes share them through
-``$share/GROUP/PREFIX/dev/+/update``, send receipts, fold what the engine accepts and send their partial sums at
-the close. A round is timed from the publisher's start to the new global model (receipts, verdicts, partial sums
+reads and folds every update itself; with N ≥ 1, N ``python -m server.aggregator`` processes take the updates
+routed to them (``PREFIX/dev/<id>/update/<member>``, the member the engine names for that device), send receipts,
+fold what the engine accepts and send their partial sums at the close. Every message travels in frames of at most
+``--max-message-bytes`` (1 MB, EMQX's default limit: the larger updates go in chunks). A round is timed from the publisher's start to the new global model (receipts, verdicts, partial sums
 and the merge included; the factorization that opens a round is not: it does not depend on N). MB/s is the
 round's update tensor bytes over that time. A first row, "broker only", takes the same publishes off the broker
-with one plain subscriber that opens none of them: the ceiling the broker and the publisher set here. One Debian mosquitto on loopback; every process on this machine.
+with one plain subscriber that opens none of them: the ceiling the broker and the publisher set here.
+``--brokers``: one Debian mosquitto on loopback, and/or a 3-node NATS cluster with MQTT on loopback
+(scripts/nats_cluster.py) where the engine uses node 1, the publisher node 2, member i node i + 2 (mod 3) and the
+plain subscriber node 3. Every process runs on this machine.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -25,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,9 +44,9 @@ from device_runtime.auth import CounterSource, Direction, KeyRing, new_key  # no
 from device_runtime.link import Link  # noqa: E402
 from device_runtime.messages import Join, ShardInfo, update_message  # noqa: E402
 from device_runtime.profile import ResourceProfile  # noqa: E402
-from device_runtime.protocol import seal, server_subscriptions, update_filter  # noqa: E402
+from device_runtime.protocol import Topics, seal, server_subscriptions, update_filter  # noqa: E402
 from device_runtime.task import Update  # noqa: E402
-from device_runtime.transport import MqttEndpoint  # noqa: E402
+from device_runtime.transport import MqttEndpoint, rotate_brokers  # noqa: E402
 from server import aggregation_wire as wire  # noqa: E402
 from server.algorithms import get_algorithm  # noqa: E402
 from server.broker_loop import (AGGREGATORS_DIR, Federation, LocalDevices, aggregator_command,  # noqa: E402
@@ -60,10 +67,21 @@ MOSQUITTO = "/usr/sbin/mosquitto"
 BROKER_LIMIT = 64 << 20
 TIMEOUT_S = 600.0
 MB = 1e6
+FRAME_BYTES = 1 << 20
+NATS_NODES = 3
+
+
+def nats_cluster_module():
+    """scripts/nats_cluster.py, imported from beside this script."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("nats_cluster", Path(__file__).with_name("nats_cluster.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def start_broker(folder: Path) -> tuple[subprocess.Popen, str]:
-    """A mosquitto on a free loopback port whose message limit lets an update cross as one PUBLISH."""
+    """A mosquitto on a free loopback port (its message limit well above the frames)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -77,6 +95,34 @@ def start_broker(folder: Path) -> tuple[subprocess.Popen, str]:
             time.sleep(0.05)
     proc.kill()
     raise SystemExit(f"mosquitto did not start on port {port}")
+
+
+@contextlib.contextmanager
+def broker_of(kind: str, folder: Path) -> Iterator[str]:
+    """The --broker value of a fresh broker of ``kind`` for as long as the block runs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "nats":
+        with nats_cluster_module().NatsCluster(folder / "nats", NATS_NODES) as cluster:
+            yield cluster.broker
+        return
+    proc, url = start_broker(folder)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the platform's word for it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
 
 
 def make_engine(devices: list[str], remote: bool, rounds: int) -> RoundEngine:
@@ -95,8 +141,8 @@ def make_engine(devices: list[str], remote: bool, rounds: int) -> RoundEngine:
     return engine
 
 
-def publisher(url: str, brief: wire.Brief, keys: dict[str, bytes], epoch: int, first_seq: int,
-              ready: mp.Event, go: mp.Event) -> None:
+def publisher(url: str, brief: wire.Brief, routes: dict[str, str | None], keys: dict[str, bytes], epoch: int,
+              first_seq: int, ready: mp.Event, go: mp.Event) -> None:
     """Seal every asked device's update of the round, say ready, publish them all once told to go."""
     rng = np.random.default_rng(brief.round)
     counters = CounterSource(epoch, first_seq)
@@ -107,24 +153,27 @@ def publisher(url: str, brief: wire.Brief, keys: dict[str, bytes], epoch: int, f
         update = Update(brief.round, weights, asked.num_samples, 1.0, 0.5,
                         {"eval_correct": 5, "eval_total": 10, "eval_loss": 1.0})
         msg = update_message(update, plan_hash=asked.plan_hash, device_id=device_id, run_id=brief.run_id)
-        payloads.append((f"{PREFIX}/dev/{device_id}/update", seal(msg, keys[device_id], Direction.UP,
-                                                                   counters.next()), msg.msg_id))
-    endpoint = MqttEndpoint(f"bench-devices-{brief.round}", url, max_frame_bytes=BROKER_LIMIT, clean_session=True)
+        payloads.append((Topics(PREFIX, device_id).update_via(routes[device_id]),
+                         seal(msg, keys[device_id], Direction.UP, counters.next()), msg.msg_id))
+    endpoint = MqttEndpoint(f"bench-devices-{brief.round}", url, max_frame_bytes=FRAME_BYTES, clean_session=True)
     endpoint.start()
     endpoint.wait_connected(30)
     ready.set()
     go.wait()
     for topic, payload, msg_id in payloads:
         endpoint.publish(topic, payload, msg_id)
-    time.sleep(5)  # let paho flush its queue before the process ends (the round's end is measured elsewhere)
+    # Before the process ends: the broker acknowledged a last message published after all of them (a NATS cluster
+    # takes them slower than mosquitto), and a few seconds more. The round's end is measured elsewhere.
+    endpoint.publish(f"{PREFIX}/bench-done", b"done", f"done-{brief.round}", wait=True, timeout=TIMEOUT_S)
+    time.sleep(5)
     endpoint.stop()
 
 
-def run_publisher(url: str, brief: wire.Brief, keys: dict[str, bytes], epoch: int, first_seq: int
-                  ) -> tuple[mp.Process, mp.Event]:
+def run_publisher(url: str, brief: wire.Brief, routes: dict[str, str | None], keys: dict[str, bytes], epoch: int,
+                  first_seq: int) -> tuple[mp.Process, mp.Event]:
     """The publisher process of one round, its payloads built; returns it and the event that starts it."""
     ready, go = mp.Event(), mp.Event()
-    proc = mp.Process(target=publisher, args=(url, brief, keys, epoch, first_seq, ready, go))
+    proc = mp.Process(target=publisher, args=(url, brief, routes, keys, epoch, first_seq, ready, go))
     proc.start()
     if not ready.wait(TIMEOUT_S):
         raise SystemExit("the publisher did not get ready")
@@ -143,7 +192,8 @@ def measure_broker(url: str, clients: int, rounds: int) -> dict:
     engine_log = logging.getLogger("fedara.engine")
     level = engine_log.level
     engine_log.setLevel(logging.ERROR)
-    sink = MqttEndpoint("bench-sink", url, subscriptions=[update_filter(PREFIX)], max_frame_bytes=BROKER_LIMIT,
+    sink = MqttEndpoint("bench-sink", rotate_brokers(url, 2), subscriptions=[update_filter(PREFIX)],
+                        max_frame_bytes=FRAME_BYTES,
                         max_message_bytes=BROKER_LIMIT, max_pending_bytes=4 * BROKER_LIMIT, clean_session=True)
     sink.start()
     sink.wait_connected(30)
@@ -152,7 +202,7 @@ def measure_broker(url: str, clients: int, rounds: int) -> dict:
         for r in range(1, rounds + 1):
             engine.open_round(r, time.monotonic())
             brief = engine.brief(BROKER_LIMIT)
-            proc, go = run_publisher(url, brief, keys, int(time.time()), 0)
+            proc, go = run_publisher(rotate_brokers(url, 1), brief, dict.fromkeys(devices), keys, int(time.time()), 0)
             load = os.getloadavg()[0]
             start = time.perf_counter()
             go.set()
@@ -180,10 +230,10 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
     enrollment = save_enrollment(folder / "enrollment.json", keys)
     names = tuple(f"agg-{i}" for i in range(aggregators))
     args = SimpleNamespace(prefix=PREFIX, join_timeout=120.0, aggregator_timeout=TIMEOUT_S, username=None,
-                           tls_ca=None, tls_cert=None, tls_key=None, max_message_bytes=BROKER_LIMIT)
-    subscriptions = server_subscriptions(PREFIX, updates=not names) + ([wire.engine_filter(PREFIX)] if names else [])
+                           tls_ca=None, tls_cert=None, tls_key=None, max_message_bytes=FRAME_BYTES)
+    subscriptions = server_subscriptions(PREFIX) + ([wire.engine_filter(PREFIX)] if names else [])
     endpoint = MqttEndpoint(f"bench-engine-{aggregators}", url, subscriptions=subscriptions,
-                            max_frame_bytes=BROKER_LIMIT, max_message_bytes=max_inbound,
+                            max_frame_bytes=FRAME_BYTES, max_message_bytes=max_inbound,
                             max_pending_bytes=4 * max_inbound, clean_session=True)
     link = Link.server(KeyRing(keys), folder / "server-state", max_inbound)
     aggregator_link = wire.engine_link(load_server_key(enrollment), folder / "engine-state", max_inbound)
@@ -195,8 +245,8 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
     endpoint.wait_connected(30)
     results = []
     try:
-        for name in names:
-            members.spawn(name, aggregator_command(args, url, name, f"bench-{aggregators}", enrollment,
+        for i, name in enumerate(names):
+            members.spawn(name, aggregator_command(args, rotate_brokers(url, i + 2), name, enrollment,
                                                    folder / AGGREGATORS_DIR / name),
                           folder / AGGREGATORS_DIR / f"{name}.log")
         if names:
@@ -207,7 +257,8 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
             if names:
                 federation.brief_aggregators()
             brief = engine.brief(max_inbound)
-            devices_proc, go = run_publisher(url, brief, keys, epoch, (r - 1) * clients)
+            routes = {d: engine.route(d) for d in devices}
+            devices_proc, go = run_publisher(rotate_brokers(url, 1), brief, routes, keys, epoch, (r - 1) * clients)
             nbytes = update_bytes(brief)
             load = os.getloadavg()[0]
             start = time.perf_counter()
@@ -230,15 +281,15 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| aggregators | K | update MB per round | seconds per round (rounds) | MB/s "
+    lines = ["| broker | aggregators | K | update MB per round | seconds per round (rounds) | MB/s "
              "| updates folded per aggregator, all rounds |",
-             "|---:|---:|---:|---|---:|---|"]
+             "|---|---:|---:|---:|---|---:|---|"]
     for run in runs:
         rounds = run["rounds"]
         seconds = [r["seconds"] for r in rounds]
         best = min(seconds)
         label = "0 (engine alone)" if run["aggregators"] == 0 else run["aggregators"]
-        lines.append(f"| {label} | {run['clients']} | "
+        lines.append(f"| {run['broker']} | {label} | {run['clients']} | "
                      f"{rounds[0]['update_bytes'] / MB:.0f} | {' / '.join(f'{s:.1f}' for s in seconds)} | "
                      f"{rounds[0]['update_bytes'] / MB / best:.0f} (best round) | "
                      f"{', '.join(f'{n}' for n in run['folded_per_aggregator'].values()) or '-'} |")
@@ -250,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=150, help="synthetic devices per round (K)")
     p.add_argument("--aggregators", default="0,1,2,3", help="comma-separated aggregator counts, run side by side")
     p.add_argument("--rounds", type=int, default=2, help="rounds per aggregator count")
+    p.add_argument("--brokers", default="mosquitto", help="comma-separated: mosquitto (one Debian mosquitto), nats "
+                   "(a 3-node NATS cluster, scripts/nats_cluster.py)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     try:
@@ -258,18 +311,22 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--aggregators wants comma-separated counts such as 0,1,2,3, got {args.aggregators!r}")
     if args.clients < 1 or args.rounds < 1 or any(n < 0 for n in counts):
         p.error("--clients and --rounds must be >= 1, aggregator counts >= 0")
+    brokers = args.brokers.split(",")
+    if not brokers or set(brokers) - {"mosquitto", "nats"}:
+        p.error(f"--brokers wants mosquitto and/or nats, comma-separated, got {args.brokers!r}")
     torch.set_num_threads(1)
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        broker, url = start_broker(Path(tmp))
-        try:
-            runs = [measure_broker(url, args.clients, args.rounds)]
-            runs += [measure(url, args.clients, n, args.rounds, Path(tmp) / f"n{n}") for n in counts]
-        finally:
-            broker.terminate()
-            broker.wait()
+        for kind in brokers:
+            with broker_of(kind, Path(tmp) / kind) as url:
+                print(f"{kind}: {url}", flush=True)
+                rows = [measure_broker(url, args.clients, args.rounds)]
+                rows += [measure(url, args.clients, n, args.rounds, Path(tmp) / kind / f"n{n}") for n in counts]
+            runs += [dict(row, broker=kind) for row in rows]
     print(table(runs))
     if args.out:
-        Path(args.out).write_text(json.dumps({"cpu_count": os.cpu_count(), "runs": runs}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"cpu_count": os.cpu_count(), "cpu": cpu_name(), "runs": runs},
+                                             indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with everything the server, the device runtime and the tests need.
-# As root it also installs Debian's mosquitto, mosquitto-clients, dataset-fashion-mnist and chromium (nothing is downloaded at
-# run time; chromium is the status page test's headless browser).
+# As root it also installs Debian's mosquitto, mosquitto-clients, nats-server, dataset-fashion-mnist and chromium (nothing
+# is downloaded at run time; nats-server runs the clustered broker tests, chromium is the status page test's headless browser).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -11,6 +11,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   command -v openssl >/dev/null || missing+=(openssl)
   command -v mosquitto_pub >/dev/null || missing+=(mosquitto-clients)  # the replay tests' outside publisher
   command -v chromium >/dev/null || missing+=(chromium)  # the status page test's headless browser
+  command -v nats-server >/dev/null || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)  # clustered broker tests
   if [ ${#missing[@]} -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null

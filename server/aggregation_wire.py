@@ -1,4 +1,11 @@
-"""What the round engine and its aggregator processes say to each other over the broker, and how it is sealed.
+"""What the round engine and its aggregator processes say to each other over the broker, how it is sealed, and
+which member takes which device's updates.
+
+Routing is by topic: each round the engine assigns every device one member (``route``: rendezvous hashing of the
+device id over the members alive, so a device keeps its member across rounds and only a lost member's devices
+move), names it in the device's authenticated TASK, and the device publishes its UPDATE on
+``PREFIX/dev/<id>/update/<member>``; a member subscribes only to ``PREFIX/dev/+/update/<member>``. So every frame
+of a chunked update reaches the one member, on any MQTT broker, and another subscriber only gets a copy.
 
 The broker is open (anyone may publish anything), so every message between them is an envelope sealed under the
 enrollment file's server key, which no device holds (``server.enrollment.load_server_key``), with the sender's
@@ -6,7 +13,8 @@ fresh counters: a forged or replayed message is refused by the receiver's ``Link
 Aggregator ``A`` speaks on ``PREFIX/agg/A/up`` (direction UP) and hears on ``PREFIX/agg/A/down`` (DOWN); every
 message is of type AGGREGATION with ``meta["kind"]`` one of:
 
-- ``ready``   A -> engine: subscribed (round 0), or holds round r's brief (round r);
+- ``ready``   A -> engine: subscribed (round 0), or holds round r's brief (round r); ``reconnected``: it connected
+              again (what was published to it while away is lost: the engine asks its devices again);
 - ``round``   engine -> A: round r's brief: the run, the dense shapes, each asked device's plan, sample count and
               whether it trains, and the tensors a training update of each plan carries;
 - ``receipt`` A -> engine: A verified a device's update (the device's header fields, its counter, tensor bytes);
@@ -16,7 +24,9 @@ message is of type AGGREGATION with ``meta["kind"]`` one of:
 """
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +36,8 @@ import torch
 from device_runtime.auth import Direction, KeyRing
 from device_runtime.link import Link
 from device_runtime.messages import new_msg_id
-from device_runtime.protocol import Message, MessageType, ProtocolError, check_id, check_topic_prefix, update_filter
+from device_runtime.protocol import (Message, MessageType, ProtocolError, Reason, check_device_id, check_id,
+                                     check_topic_prefix, update_filter)
 from server.aggregate import PartialSum
 
 READY, ROUND, RECEIPT, VERDICT, CLOSE, PARTIAL = "ready", "round", "receipt", "verdict", "close", "partial"
@@ -51,9 +62,26 @@ def engine_filter(prefix: str) -> str:
     return f"{check_topic_prefix(prefix)}/agg/+/up"
 
 
-def shared_update_filter(prefix: str, group: str) -> str:
-    """The shared subscription of an aggregator group: the broker hands each update to one member."""
-    return f"$share/{check_id(group, '--group')}/{update_filter(prefix)}"
+def member_update_filter(prefix: str, aggregator: str) -> str:
+    """What aggregator ``aggregator`` subscribes to: the update topics of the devices routed to it."""
+    return f"{update_filter(prefix)}/{check_id(aggregator, 'aggregator name')}"
+
+
+def device_from_member_topic(prefix: str, aggregator: str, topic: str) -> str:
+    """The device whose update topic (routed to ``aggregator``) ``topic`` is; raises ProtocolError otherwise."""
+    head, tail = f"{check_topic_prefix(prefix)}/dev/", f"/update/{aggregator}"
+    if not (isinstance(topic, str) and topic.startswith(head) and topic.endswith(tail)):
+        raise ProtocolError(Reason.BAD_TOPIC, f"topic {topic!r:.200} is not {head}<device_id>{tail}")
+    return check_device_id(topic[len(head):-len(tail)])
+
+
+def route(device_id: str, members: Iterable[str]) -> str | None:
+    """The member that takes ``device_id``'s updates: the highest SHA-256 of (member, device) over ``members``
+    (rendezvous hashing: the same member every round while it is alive; a lost member's devices spread over the
+    others, no other device moves). None without members."""
+    def score(member: str) -> bytes:
+        return hashlib.sha256(f"{member}\n{device_id}".encode()).digest()
+    return max(sorted(set(members)), key=score, default=None)
 
 
 def aggregator_from_topic(prefix: str, topic: str) -> str | None:

@@ -1,10 +1,10 @@
 """An aggregator process: ``python -m server.aggregator``, one of N that share the round's updates.
 
-    python -m server.aggregator --broker mqtt://HOST:1883 --group aggregators --name agg-0 --enroll enrollment.json
+    python -m server.aggregator --broker mqtt://HOST:1883[,mqtt://HOST2:1883...] --name agg-0 --enroll enrollment.json
 
-Every member of ``--group`` subscribes to ``$share/GROUP/PREFIX/dev/+/update``, so the broker hands each update
-to one of them (mosquitto: round robin over the members, one PUBLISH at a time; an update must therefore travel
-as one PUBLISH: devices need ``--max-message-bytes`` above their update's size). The member authenticates it
+The engine routes each device's updates to one member by topic (``aggregation_wire.route``, named in the device's
+TASK); member ``NAME`` subscribes only to ``PREFIX/dev/+/update/NAME``, so every frame of a chunked update reaches
+it, on any MQTT broker, and an outsider subscribing there gets a copy and takes nothing. The member authenticates it
 (the device's key from ``--enroll``, the same file the server reads), checks it against the round's brief (run,
 round, asked, plan, tensors, sample count) and sends the engine a sealed receipt; it folds the update into its
 own float64 ``StreamingAverage`` only when the engine answers "fold". The engine stays the one authority on what
@@ -30,10 +30,10 @@ from device_runtime.help_format import DefaultsHelpFormatter
 from device_runtime.link import Link, Refused
 from device_runtime.log_budget import hold_back_floods
 from device_runtime.messages import MessageError, parse_update
-from device_runtime.protocol import (Message, MessageType, ProtocolError, TopicKind, decode, device_id_from_topic)
+from device_runtime.protocol import Message, MessageType, ProtocolError, decode
 from device_runtime.task import tensor_bytes
 from device_runtime.tensor_check import tensor_problem
-from device_runtime.transport import MqttEndpoint, TransportError
+from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers
 from server import aggregation_wire as wire
 from server.aggregate import StreamingAverage
 from server.cli import PASSWORD_ENV, add_broker_flags, fail
@@ -41,7 +41,6 @@ from server.enrollment import EnrollmentError, load_enrollment, load_server_key
 from server.strategy import to_torch
 
 LOG = logging.getLogger("fedara.aggregator")
-DEFAULT_GROUP = "aggregators"
 BRIEF_BYTES = 16 << 20
 """What an aggregator takes before its first brief says how large an update may be."""
 CONNECT_TIMEOUT_S = 30.0
@@ -158,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m server.aggregator", description=__doc__.split("\n\n")[0],
                                 formatter_class=DefaultsHelpFormatter)
     add_broker_flags(p)
-    p.add_argument("--group", default=DEFAULT_GROUP, help="shared-subscription group: its members share the updates")
-    p.add_argument("--name", required=True, help="this member's name, unique in the group ([A-Za-z0-9_.-])")
+    p.add_argument("--name", required=True,
+                   help="this member's name: agg-0 .. agg-N-1 for the server's --aggregators N ([A-Za-z0-9_.-])")
     p.add_argument("--enroll", required=True, metavar="FILE",
                    help="the server's enrollment file: the devices' keys and the server key")
     p.add_argument("--workdir", default=None,
@@ -181,10 +180,7 @@ class Shell:
             self._from_engine(payload)
             return
         try:
-            device_id, kind = device_id_from_topic(self.args.prefix, topic)
-            if kind != TopicKind.UPDATE:
-                LOG.warning("%s dropped a message on %s: not an update topic", self.core.name, topic)
-                return
+            device_id = wire.device_from_member_topic(self.args.prefix, self.core.name, topic)
             limit = self.core.brief.max_inbound if self.core.brief else BRIEF_BYTES
             msg = decode(payload, max_bytes=limit, allow_nonfinite=True)
         except ProtocolError as exc:
@@ -194,6 +190,13 @@ class Shell:
         if not isinstance(receipt, str):
             self.send(wire.receipt_message(receipt, self.core.name))
 
+    def ready(self, *, reconnected: bool = False) -> None:
+        """Tell the engine which round's brief this member holds (0: none yet); ``reconnected``: it connected again,
+        so what was published to it meanwhile is lost."""
+        brief = self.core.brief
+        self.send(wire.message(wire.READY, self.core.name, run_id=brief.run_id if brief else wire.NO_RUN,
+                               round_index=brief.round if brief else 0, reconnected=reconnected))
+
     def _from_engine(self, payload: bytes) -> None:
         try:
             msg = self.link.open(payload, wire.NO_RUN, device_id=self.core.name)
@@ -202,7 +205,7 @@ class Shell:
                 brief = wire.parse_brief(msg)
                 self.core.on_brief(brief)
                 self.endpoint.set_max_message_bytes(max(brief.max_inbound, BRIEF_BYTES))
-                self.send(wire.message(wire.READY, self.core.name, run_id=brief.run_id, round_index=brief.round))
+                self.ready()
             elif kind == wire.VERDICT:
                 self.core.on_verdict(msg.round, *wire.parse_verdict(msg))
             elif kind == wire.CLOSE:
@@ -224,7 +227,7 @@ def run(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     link = wire.aggregator_link(server_key, workdir, BRIEF_BYTES)
     core = Aggregator(args.name, KeyRing(keys))
-    subscriptions = [wire.shared_update_filter(args.prefix, args.group), wire.down_topic(args.prefix, args.name)]
+    subscriptions = [wire.member_update_filter(args.prefix, args.name), wire.down_topic(args.prefix, args.name)]
     endpoint = MqttEndpoint(f"fedara-aggregator-{args.name}", args.broker, subscriptions=subscriptions,
                             username=args.username, password=args.password, tls_ca=args.tls_ca,
                             tls_cert=args.tls_cert, tls_key=args.tls_key, max_frame_bytes=args.max_message_bytes,
@@ -233,12 +236,17 @@ def run(args: argparse.Namespace) -> None:
     try:
         endpoint.wait_connected(CONNECT_TIMEOUT_S)
         shell = Shell(args, core, endpoint, link)
-        shell.send(wire.message(wire.READY, args.name))
-        LOG.info("%s: member of group %s on %s", args.name, args.group, args.broker)
+        shell.ready()
+        LOG.info("%s: aggregator on %s", args.name, endpoint.url)
+        reconnects = 0
         while True:
             item = endpoint.get(POLL_S)
             if item is not None:
                 shell.handle(*item)
+            if endpoint.stats["reconnects"] != reconnects and endpoint.connected.is_set():
+                reconnects = endpoint.stats["reconnects"]
+                LOG.info("%s: connected again, to %s", args.name, endpoint.url)
+                shell.ready(reconnected=True)
     finally:
         endpoint.stop()
 
@@ -252,10 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.broker is None:
         return fail("--broker is required: the mqtt://HOST:PORT of the broker the server and devices use")
     try:
-        wire.shared_update_filter(args.prefix, args.group)
-        wire.up_topic(args.prefix, args.name)
+        parse_brokers(args.broker)
+    except ValueError as exc:
+        return fail(str(exc))
+    try:
+        wire.member_update_filter(args.prefix, args.name)
     except ProtocolError as exc:
-        return fail(f"--prefix/--group/--name: {exc}")
+        return fail(f"--prefix/--name: {exc}")
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         run(args)

@@ -9,8 +9,10 @@ After every round it writes OUT/metrics.jsonl, metrics.csv and OUT/checkpoint.np
 from the last completed round); at the end OUT/report.md with its plots. Without ``--broker`` an embedded
 broker serves 127.0.0.1 on a free port. ``--local-devices N`` writes N shards of the dataset to OUT/shards
 and runs ``python -m device_runtime`` on each (workdirs and logs in OUT/devices), ended with SIGTERM at the
-end. ``--aggregators N`` starts N aggregator processes (``server.aggregator``) that share the updates through a
-shared subscription and send the engine their partial sums; without it the server reads every update itself.
+end. ``--broker`` may list several nodes of a clustered broker (``mqtt://h1:1883,mqtt://h2:1883``): every process
+moves to the next on a lost connection, and local device i starts on node i. ``--aggregators N`` starts N
+aggregator processes (``server.aggregator``): each round the engine routes every device's update to one of them by
+topic, and they send the engine their partial sums; without it the server reads every update itself.
 The flags are the simulator's (``server.cli``), plus the broker's, the local devices' and the aggregators'.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers, rotate_brokers
 from server import cgroups
 from server.cli import (PASSWORD_ENV, STATUS_HOST, add_broker_flags, add_status_flags, check_args,
                         check_before_loading, check_status_args, console_logging, fail, new_parser, parse, run_folder)
@@ -46,6 +49,8 @@ DEFAULT_ROUND_DEADLINE_S = 300.0
 DEFAULT_JOIN_TIMEOUT_S = 300.0
 DEFAULT_MIN_COMPLETION = 0.5
 DEFAULT_AGGREGATOR_TIMEOUT_S = 60.0
+PROBE_MAX_S = 5.0
+"""At most this long between two messages the server sends a silent aggregator (its brief, or a partial request)."""
 AGGREGATORS_DIR = "aggregators"
 INBOUND_SLACK_BYTES = 1 << 20
 """Room for headers, metadata and the small messages (JOIN, ACK, ERROR) above the largest update."""
@@ -87,12 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fraction of a round's training devices that must deliver for it to be aggregated")
     agg = p.add_argument_group("aggregation (see server/aggregator.py)")
     agg.add_argument("--aggregators", type=int, default=0,
-                     help="start this many aggregator processes sharing the updates through the broker's shared "
-                          "subscription (needs --broker with shared subscriptions, e.g. mosquitto 2.0; 0: the "
-                          "server folds every update itself)")
+                     help="start this many aggregator processes; each device's updates go to one of them, named in "
+                          "its task (needs --broker: any MQTT 3.1.1 broker or cluster; 0: the server folds every "
+                          "update itself)")
     agg.add_argument("--aggregator-timeout", type=float, default=DEFAULT_AGGREGATOR_TIMEOUT_S,
                      help="seconds the server waits for the aggregators: to start, to take a round's brief, to send "
-                          "their partial sums at the round's close (a late one's updates count as not delivered)")
+                          "their partial sums at the round's close; a member silent this long in a round is lost: its "
+                          "devices are asked again, for the others")
     auth = p.add_argument_group("enrollment (see server/enrollment.py)")
     auth.add_argument("--enroll", default=None, metavar="FILE|open",
                       help="admit the devices of this enrollment file, or any id holding --run-key (open; lab use); "
@@ -116,6 +122,8 @@ def _budgets(text: str | None) -> list[float | None]:
 
 def check_broker_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first broker/device flag out of range (before anything heavy starts)."""
+    if args.broker:
+        parse_brokers(args.broker)
     for flag, value, low in (("--local-devices", args.local_devices, 0), ("--min-devices", args.min_devices or 1, 1)):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
@@ -133,8 +141,8 @@ def check_broker_args(args: argparse.Namespace) -> None:
     if not args.aggregator_timeout > 0:
         raise ValueError(f"--aggregator-timeout must be positive seconds, got {args.aggregator_timeout:g}")
     if args.aggregators and not args.broker:
-        raise ValueError(f"--aggregators {args.aggregators} needs --broker mqtt://HOST:PORT of a broker with shared "
-                         "subscriptions (mosquitto 2.0, EMQX, HiveMQ, VerneMQ); the embedded broker is not one")
+        raise ValueError(f"--aggregators {args.aggregators} needs --broker mqtt://HOST:PORT (mosquitto, or the nodes of "
+                         "a cluster); aggregator processes are not run on the embedded broker")
     if args.aggregators and args.enroll == ENROLL_OPEN:
         raise ValueError(f"--aggregators {args.aggregators} needs --enroll FILE: with --enroll open every device "
                          "holds the run key, so nothing could seal what the server and its aggregators say")
@@ -159,7 +167,6 @@ from device_runtime.profile import ResourceProfile
 from device_runtime.protocol import (Message, MessageType, ProtocolError, TopicKind, Topics,
                                      device_id_from_topic, server_subscriptions)
 from device_runtime.status import parse_status
-from device_runtime.transport import MqttEndpoint, TransportError
 from server.algorithms import get_algorithm
 from server.checkpoint import CheckpointError
 from server.compute_threads import use_server_threads
@@ -284,11 +291,10 @@ def device_command(args: argparse.Namespace, url: str, device_id: str, shard: Pa
     return command
 
 
-def aggregator_command(args: argparse.Namespace, url: str, name: str, group: str, enrollment: Path,
-                       workdir: Path) -> list[str]:
+def aggregator_command(args: argparse.Namespace, url: str, name: str, enrollment: Path, workdir: Path) -> list[str]:
     """A local aggregator process (its MQTT password, if any, goes through the environment)."""
-    command = [sys.executable, "-m", "server.aggregator", "--broker", url, "--prefix", args.prefix, "--group", group,
-               "--name", name, "--enroll", str(enrollment), "--workdir", str(workdir),
+    command = [sys.executable, "-m", "server.aggregator", "--broker", url, "--prefix", args.prefix, "--name", name,
+               "--enroll", str(enrollment), "--workdir", str(workdir),
                "--max-message-bytes", str(args.max_message_bytes)]
     for flag, value in (("--username", args.username), ("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert),
                         ("--tls-key", args.tls_key)):
@@ -318,6 +324,11 @@ class Federation:
         self.link = link
         self.aggregators, self.aggregator_link = aggregators, aggregator_link
         self.aggregators_at: dict[str, int] = {}  # aggregator -> the round whose brief it holds (0: started)
+        self.heard: dict[str, float] = {}  # aggregator -> when it last said anything (monotonic)
+        self.asked: dict[str, float] = {}  # aggregator -> when it was last sent its brief or asked for its partial
+        self.brief: wire.Brief | None = None  # the open round's, as last sent
+        self.merged: set[tuple[str, int]] = set()  # (aggregator, round) of every partial taken
+        self.probe_s = min(PROBE_MAX_S, args.aggregator_timeout / 4)
         self.coordinator = engine.coordinator
         self.settings = settings
         self.max_inbound = max_inbound
@@ -356,6 +367,7 @@ class Federation:
                 if deadline is not None and not handling_counts:
                     deadline += time.monotonic() - started
             self._after_reconnect()
+            self._tend_aggregators(time.monotonic())
             self._ask_unjoined_to_join(time.monotonic())
             self.publish_status()
             if self.local.processes and not self.local.check() and not self.coordinator.ready_devices():
@@ -393,10 +405,6 @@ class Federation:
         except ProtocolError as exc:
             LOG.warning("dropped a message on %s: %s", topic, exc)
             count_refusal(self.refusals, "bad topic")
-            return
-        if kind == TopicKind.UPDATE and self.aggregators:
-            # A persistent session of an earlier run without aggregators still subscribes the update topic.
-            LOG.debug("left an update on %s to the aggregators", topic)
             return
         try:  # authenticated before anything else looks at it
             msg = self.link.open(payload, self.coordinator.run_id, device_id=device_id, kind=kind)
@@ -490,8 +498,11 @@ class Federation:
         try:
             msg = self.aggregator_link.open(payload, self.coordinator.run_id, device_id=aggregator)
             kind = wire.kind_of(msg)
+            self.heard[aggregator] = time.monotonic()
             if kind == wire.READY:
                 self.aggregators_at[aggregator] = msg.round
+                if msg.meta.get("reconnected") is True and self.coordinator.open is not None:
+                    self._ask_again(aggregator)
             elif kind == wire.RECEIPT:
                 receipt = wire.parse_receipt(msg)
                 verdict = self.engine.receive_receipt(aggregator, receipt, time.monotonic())
@@ -505,8 +516,11 @@ class Federation:
                 partial = wire.parse_partial(msg)
                 problem = self.engine.receive_partial(aggregator, partial)
                 if problem is None:
+                    self.merged.add((aggregator, partial.round))
                     LOG.info("round %d: partial sums of %s over %d update(s)", partial.round, aggregator,
                              len(partial.devices))
+                elif (aggregator, partial.round) in self.merged:  # it answered a request sent again, too
+                    LOG.info("round %d: the partial sums of %s came again; taken once", partial.round, aggregator)
                 else:
                     LOG.warning("round %d: refused the partial sums of %s: %s", partial.round, aggregator, problem)
             else:
@@ -528,29 +542,73 @@ class Federation:
                            f"see {self.out.path / AGGREGATORS_DIR}/*.log")
 
     def _send_brief(self) -> wire.Brief:
-        brief = self.engine.brief(self.max_inbound)
+        """The open round's brief to every aggregator (the members, and the others: they may take it and join)."""
+        self.brief = self.engine.brief(self.max_inbound)
+        now = time.monotonic()
         for aggregator in self.aggregators:
-            self._to_aggregator(aggregator, wire.brief_message(brief, aggregator))
-        return brief
+            self._to_aggregator(aggregator, wire.brief_message(self.brief, aggregator))
+            self.asked[aggregator] = now
+        return self.brief
 
     def brief_aggregators(self) -> None:
-        """Send every aggregator the open round's brief; wait (bounded) until each holds it."""
+        """Send every aggregator the open round's brief; wait (bounded) until each member of the last round holds
+        it. Those that hold it are this round's members: the devices are routed over them."""
+        expected = set(self.engine.members) or set(self.aggregators)
+        self.engine.set_members(())  # until they hold it: a task sent meanwhile names none (the engine reads it)
         brief = self._send_brief()
-        briefed = lambda: all(self.aggregators_at.get(a) == brief.round for a in self.aggregators)  # noqa: E731
-        if not self._pump(briefed, time.monotonic() + self.args.aggregator_timeout):
-            late = [a for a in self.aggregators if self.aggregators_at.get(a) != brief.round]
-            LOG.warning("round %d: aggregators %s did not take its brief within --aggregator-timeout %g s: the "
-                        "updates the broker hands them are lost", brief.round, late, self.args.aggregator_timeout)
+        briefed = lambda: {a for a in self.aggregators if self.aggregators_at.get(a) == brief.round}  # noqa: E731
+        if not self._pump(lambda: expected <= briefed(), time.monotonic() + self.args.aggregator_timeout):
+            LOG.warning("round %d: aggregators %s did not take its brief within --aggregator-timeout %g s: their "
+                        "devices go to the others", brief.round, sorted(expected - briefed()),
+                        self.args.aggregator_timeout)
+        members = briefed()
+        if not members:
+            LOG.warning("round %d: no aggregator holds its brief: the server reads the updates itself", brief.round)
+        self.engine.set_members(members)
+        self.heard.update(dict.fromkeys(members, time.monotonic()))
 
     def _collect_partials(self, round_index: int) -> None:
-        """Ask each aggregator told to fold updates for its partial sums; wait for them (bounded)."""
+        """Ask each aggregator told to fold updates for its partial sums; wait for them (bounded), or until a lost
+        member's devices are awaited again."""
         for aggregator in self.engine.partials_missing():
             self._to_aggregator(aggregator, wire.message(wire.CLOSE, aggregator, round_index=round_index))
-        if not self._pump(lambda: not self.engine.partials_missing(),
+            self.asked[aggregator] = time.monotonic()
+        reopened = lambda: self.coordinator.closing(time.monotonic()) is None  # noqa: E731 (a lost member's devices)
+        if not self._pump(lambda: not self.engine.partials_missing() or reopened(),
                           time.monotonic() + self.args.aggregator_timeout):
             LOG.warning("round %d: no partial sums from %s within --aggregator-timeout %g s (their logs: %s)",
                         round_index, self.engine.partials_missing(), self.args.aggregator_timeout,
                         self.out.path / AGGREGATORS_DIR)
+
+    def _tend_aggregators(self, now: float) -> None:
+        """While a round is open: a member silent for --aggregator-timeout is lost (its devices are asked again, to
+        the others); one silent for a while is sent what it should answer (the brief, or the request for its
+        partial: either may have been lost while it or the server changed broker)."""
+        if self.brief is None or self.coordinator.open is None or self.brief.round != self.coordinator.open.round:
+            return
+        missing = self.engine.partials_missing()
+        for aggregator in self.aggregators:
+            member = aggregator in self.engine.members
+            if member and now - self.heard.get(aggregator, now) > self.args.aggregator_timeout:
+                for device_id in self.engine.member_lost(aggregator):
+                    self._send_task(device_id)
+                continue
+            if now - max(self.heard.get(aggregator, 0.0), self.asked.get(aggregator, 0.0)) < self.probe_s:
+                continue
+            if aggregator in missing and self.coordinator.closing(now) is not None:
+                self._to_aggregator(aggregator, wire.message(wire.CLOSE, aggregator, round_index=self.brief.round))
+            elif member or self.aggregators_at.get(aggregator) != self.brief.round:
+                self._to_aggregator(aggregator, wire.brief_message(self.brief, aggregator))
+            self.asked[aggregator] = now
+
+    def _ask_again(self, aggregator: str) -> None:
+        """``aggregator`` connected again: what its devices sent while it was away is lost; send them their task again
+        (a device that answered re-sends its answer)."""
+        devices = self.engine.routed_to(aggregator)
+        if devices:
+            LOG.info("aggregator %s connected again: asking %s again", aggregator, ", ".join(devices))
+        for device_id in devices:
+            self._send_task(device_id)
 
     # -- outbound ---------------------------------------------------------------------------
 
@@ -584,6 +642,7 @@ class Federation:
         deadline = time.time() + max(0.0, opened.deadline - time.monotonic())
         for device_id, task in tasks.items():
             task.deadline = deadline
+            task.aggregator = self.engine.route(device_id)  # over the members that took the brief
             self._send(device_id, task_message(task, plan_hash=self.engine.plan_info(device_id).hash,
                                                device_id=device_id, run_id=self.coordinator.run_id))
         self.gather(round_index)
@@ -595,10 +654,14 @@ class Federation:
 
     def gather(self, round_index: int) -> None:
         """Take answers until every asked device answered or the round's deadline passed, then the aggregators'
-        partial sums."""
-        self._pump(lambda: self.coordinator.closing(time.monotonic()) is not None)
-        if self.aggregators:
+        partial sums (and back to the answers when a member was lost meanwhile: its devices answer again)."""
+        while True:
+            self._pump(lambda: self.coordinator.closing(time.monotonic()) is not None)
+            if not self.aggregators:
+                return
             self._collect_partials(round_index)
+            if self.coordinator.closing(time.monotonic()) is not None:
+                return
 
     def run(self, first_round: int, progress: Progress) -> None:
         """Rounds first_round..rounds, then the evaluation of the final model; checkpoint after each."""
@@ -702,7 +765,7 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
     aggregators = tuple(f"agg-{i}" for i in range(args.aggregators))
     aggregator_link = (wire.engine_link(load_server_key(enrollment), auth_state / AGGREGATORS_DIR, max_inbound)
                        if aggregators else None)
-    subscriptions = server_subscriptions(args.prefix, updates=not aggregators)
+    subscriptions = server_subscriptions(args.prefix)  # with aggregators: the updates when no member is left
     subscriptions += [wire.engine_filter(args.prefix)] if aggregators else []
     anything_a_server_held = [*server_subscriptions(args.prefix), wire.engine_filter(args.prefix)]
     local, local_aggregators = LocalDevices(), LocalDevices("aggregator")
@@ -726,9 +789,10 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
         if aggregators:
             stack.callback(local_aggregators.stop)
             (out.path / AGGREGATORS_DIR).mkdir(exist_ok=True)
-            for name in aggregators:
-                # A member's counters live with the deployment's (like a device's workdir): kept across runs
-                local_aggregators.spawn(name, aggregator_command(args, url, name, f"fedara-{run_id}", enrollment,
+            for i, name in enumerate(aggregators):
+                # A member's counters live with the deployment's (like a device's workdir): kept across runs. Member
+                # i starts on node i + 1 of a --broker list (the server on node 0).
+                local_aggregators.spawn(name, aggregator_command(args, rotate_brokers(url, i + 1), name, enrollment,
                                                                  auth_state / AGGREGATORS_DIR / name),
                                         out.path / AGGREGATORS_DIR / f"{name}.log",
                                         env={PASSWORD_ENV: args.password} if args.password else None)
@@ -741,10 +805,10 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
                 workdir.mkdir(parents=True, exist_ok=True)
                 group = cgroups.create_group(device_id, limits[i % len(limits)]) if limits else None
                 budget = None if group is not None else budgets[i % len(budgets)]
-                # Shared subscriptions hand each PUBLISH to one member: an update must not travel in chunks.
-                frame = max(args.max_message_bytes, max_inbound) if aggregators else args.max_message_bytes
-                local.spawn(device_id, device_command(args, url, device_id, shard_path, workdir, budget,
-                                                      out.path / LOCAL_KEYS_DIR / f"{device_id}.key", frame),
+                # device i starts on node i of a --broker list: a local run spreads over every node
+                local.spawn(device_id, device_command(args, rotate_brokers(url, i), device_id, shard_path, workdir,
+                                                      budget, out.path / LOCAL_KEYS_DIR / f"{device_id}.key",
+                                                      args.max_message_bytes),
                             out.path / DEVICES_DIR / f"{device_id}.log", group)
         federation = Federation(args, engine, endpoint, out, local, settings, max_inbound, link, aggregators,
                                 aggregator_link, status)

@@ -38,7 +38,9 @@ PASSWORD_ENV = "FEDARA_MQTT_PASSWORD"
 def add_broker_flags(parser: argparse.ArgumentParser, default_broker: str = "required") -> None:
     """The broker flags of every server-side process (the server, its aggregators): where and as whom to connect."""
     mqtt = parser.add_argument_group("broker")
-    mqtt.add_argument("--broker", default=None, help=f"mqtt://host:port or mqtts://... ({default_broker})")
+    mqtt.add_argument("--broker", default=None,
+                      help=f"mqtt://host:port or mqtts://..., or several comma-separated (the nodes of a clustered "
+                           f"broker: a lost connection moves to the next) ({default_broker})")
     mqtt.add_argument("--prefix", default=DEFAULT_TOPIC_PREFIX, help="MQTT topic prefix")
     mqtt.add_argument("--username", default=None,
                       help="MQTT username (default: the user in --broker's URL, else none: anonymous)")

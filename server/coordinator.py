@@ -308,6 +308,14 @@ class Coordinator:
             rnd.accepted.remove(device_id)
             rnd.answered[device_id] = reason
 
+    def reopen(self, device_id: str) -> None:
+        """An accepted training update was lost before it was aggregated while the round still runs (the aggregator
+        holding it stopped answering): the round awaits the device's answer again (it re-sends it when asked)."""
+        rnd = self._round
+        if rnd is not None and device_id in rnd.accepted:
+            rnd.accepted.remove(device_id)
+            rnd.answered.pop(device_id, None)
+
     def closing(self, now: float) -> str | None:
         """ALL_ANSWERED or DEADLINE once the open round may close, else None."""
         rnd = self._round

@@ -27,7 +27,7 @@ from device_runtime.profile import ResourceProfile
 from device_runtime.protocol import Message
 from device_runtime.task import Task, Update, tensor_bytes
 from server.aggregate import StreamingAverage
-from server.aggregation_wire import Asked, Brief, Partial, Receipt
+from server.aggregation_wire import Asked, Brief, Partial, Receipt, route
 from server.algorithms.base import Algorithm
 from server.coordinator import NO_ANSWER, Coordinator, RoundResult, Verdict
 from server.lowrank import ResolvedPlan
@@ -135,6 +135,7 @@ class RoundEngine:
         self._update_counters: dict[str, int] = {}  # device -> counter of its last update accepted from a receipt
         self._told: dict[str, dict[str, tuple[Update, int]]] = {}  # aggregator -> device -> (update, bytes) to fold
         self._partials: dict[str, Partial] = {}
+        self.members: tuple[str, ...] = ()  # the aggregators alive this round: each takes its devices' updates
 
     # -- devices --------------------------------------------------------------------------------
 
@@ -264,7 +265,7 @@ class RoundEngine:
                     mu=algo.mu(config.mu, bool(plan.resolved.ranks)) if training else 0.0, lr=config.lr,
                     phases=algo.phases(config.local_epochs) if training else (), batch_size=config.batch_size,
                     seed=batch_seed(config.seed, opened.round, device_id) if training else 0,
-                    returns=algo.returns if training else "none", deadline=deadline)
+                    returns=algo.returns if training else "none", deadline=deadline, aggregator=self.route(device_id))
         nbytes = tensor_bytes(weights)
         if training:
             self._book.bytes_down += nbytes
@@ -344,6 +345,37 @@ class RoundEngine:
 
     # -- remote aggregation: aggregator processes hold the updates (server/aggregator.py) ----------------------
 
+    def set_members(self, members: list[str] | tuple[str, ...] | set[str]) -> None:
+        """The aggregators that hold the open round's brief: the devices are routed over them."""
+        self.members = tuple(sorted(members))
+
+    def route(self, device_id: str) -> str | None:
+        """The aggregator whose topic takes ``device_id``'s update (``aggregation_wire.route``), None when the
+        engine reads the updates itself."""
+        return route(device_id, self.members) if self.remote else None
+
+    def routed_to(self, aggregator: str) -> list[str]:
+        """The devices the open round still awaits whose updates go to ``aggregator``: what it may have missed
+        while it was away from the broker, to ask again."""
+        return [d for d in sorted(self.coordinator.devices)
+                if self.coordinator.awaits(d) and self.route(d) == aggregator]
+
+    def member_lost(self, aggregator: str) -> list[str]:
+        """``aggregator`` stopped answering: for the rest of the round its receipts count for nothing, the updates it
+        was told to fold are awaited again, and its devices go to the other members. Returns the devices to send
+        their task again (naming their new member)."""
+        if aggregator not in self.members:
+            return []
+        moved = self.routed_to(aggregator)
+        self.members = tuple(m for m in self.members if m != aggregator)
+        told = sorted(self._told.pop(aggregator, {}))
+        for device_id in told:
+            self.coordinator.reopen(device_id)
+        LOG.warning("aggregator %s stopped answering: %d device(s) go to %s%s", aggregator, len(moved) + len(told),
+                    ", ".join(self.members) or "no member (none left)",
+                    f"; its updates from {', '.join(told)} are asked for again" if told else "")
+        return sorted(set(moved) | set(told))
+
     def brief(self, max_inbound: int) -> Brief:
         """What the aggregators need to check and fold the open round's updates."""
         opened = self.coordinator.open
@@ -362,6 +394,8 @@ class RoundEngine:
         the tensors' (the aggregator checked them against the brief), plus the device's counter above the last one
         accepted. An accepted training update is one that aggregator is told to fold, and must show in its partial."""
         device_id = receipt.device_id
+        if aggregator not in self.members:
+            return Verdict(False, f"{aggregator} is not a member of round {receipt.round}'s aggregation")
         last = self._update_counters.get(device_id, 0)
         if receipt.counter <= last:
             return Verdict(False, f"replay: counter {receipt.counter} is not above the last accepted {last}")

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from device_runtime.protocol import Topics, server_subscriptions
+from device_runtime.protocol import Topics, server_subscriptions, update_filter
 
 PBKDF2_ITERATIONS = 1000
 PBKDF2_SALT_BYTES = 12
@@ -73,19 +73,20 @@ def password_file_text(users: Mapping[str, str]) -> str:
 
 def acl_text(prefix: str, server_user: str, device_ids: Iterable[str]) -> str:
     """ACL: the server reads every device's up, update and status topics and writes every down topic, and its
-    aggregator processes (``server.aggregator``, connecting as the server user) read the update topics and speak
-    with the engine on ``PREFIX/agg/#``; each device user (username == device id) writes only its own
-    up/update/status and reads only its own down."""
+    aggregator processes (``server.aggregator``, connecting as the server user) read the update topics routed to
+    them (``PREFIX/dev/+/update/<member>``) and speak with the engine on ``PREFIX/agg/#``; each device user
+    (username == device id) writes only its own up/update/status (its update topic and the levels below it, one
+    per aggregator) and reads only its own down."""
     _check_username(server_user)
     device_ids = list(device_ids)
     lines = [f"user {server_user}"]
     lines += [f"topic read {topic_filter}" for topic_filter in server_subscriptions(prefix)]
-    lines += [f"topic readwrite {prefix}/agg/#"]
+    lines += [f"topic read {update_filter(prefix)}/+", f"topic readwrite {prefix}/agg/#"]
     lines += [f"topic write {Topics(prefix, device_id).down}" for device_id in device_ids]
     for device_id in device_ids:
         topics = Topics(prefix, device_id)
         lines += ["", f"user {device_id}", f"topic write {topics.up}", f"topic write {topics.update}",
-                  f"topic write {topics.status}", f"topic read {topics.down}"]
+                  f"topic write {topics.update}/+", f"topic write {topics.status}", f"topic read {topics.down}"]
     return "\n".join(lines) + "\n"
 
 

@@ -16,8 +16,8 @@ import torch
 
 from device_runtime.auth import KeyRing, Refusal
 from device_runtime.link import Refused
-from device_runtime.messages import update_message
-from device_runtime.protocol import Message
+from device_runtime.messages import parse_task, task_message, update_message
+from device_runtime.protocol import Message, ProtocolError, Topics
 from device_runtime.task import Update
 from server import aggregation_wire as wire
 from server.aggregate import PartialSum
@@ -50,6 +50,7 @@ def federation():
     tasks = engine.open_round(1, 0.0)
     brief = engine.brief(OPEN_MAX)
     members = [Aggregator(f"agg-{i}", KeyRing(dict.fromkeys(DEVICES, KEY))) for i in range(2)]
+    engine.set_members([m.name for m in members])
     for member in members:
         member.on_brief(brief)
     return engine, tasks, members
@@ -172,10 +173,58 @@ def test_the_open_rounds_brief_again_keeps_what_was_folded(federation):
 
 @pytest.mark.parametrize("flags, named", [
     (["--name", "agg-0"], "--broker is required"),
-    (["--name", "agg/0", "--broker", "mqtt://127.0.0.1:1"], "--prefix/--group/--name"),
+    (["--name", "agg/0", "--broker", "mqtt://127.0.0.1:1"], "--prefix/--name"),
+    (["--name", "agg-0", "--broker", "mqtt://127.0.0.1:1,127.0.0.1:2"], "--broker: broker URL '127.0.0.1:2'"),
     (["--name", "agg-0", "--broker", "mqtt://127.0.0.1:1"], "does not exist"),
 ])
 def test_the_aggregator_command_exits_2_saying_what_to_fix(flags: list[str], named: str, tmp_path: Path, capsys):
     assert aggregator.main([*flags, "--enroll", str(tmp_path / "missing.json"),
                             "--workdir", str(tmp_path / "work")]) == 2
     assert named in capsys.readouterr().err
+
+
+def test_routing_keeps_each_device_on_its_member_and_moves_only_a_lost_members_devices():
+    devices = [f"dev_{i:03d}" for i in range(60)]
+    three = {d: wire.route(d, ["agg-0", "agg-1", "agg-2"]) for d in devices}
+    assert three == {d: wire.route(d, ["agg-2", "agg-0", "agg-1"]) for d in devices}  # a function of the set
+    assert set(three.values()) == {"agg-0", "agg-1", "agg-2"}
+    two = {d: wire.route(d, ["agg-0", "agg-2"]) for d in devices}
+    assert {d for d in devices if two[d] != three[d]} == {d for d in devices if three[d] == "agg-1"}
+    assert wire.route("dev_000", []) is None
+
+
+def test_each_task_names_its_devices_member_and_a_member_takes_only_its_topic():
+    engine = make_engine(remote=True)
+    for device_id in DEVICES:
+        join(engine, device_id)
+    engine.open_round(1, 0.0)
+    engine.set_members(["agg-0", "agg-1"])
+    for device_id in DEVICES:
+        task = engine.task(device_id)
+        assert task.aggregator == wire.route(device_id, ["agg-0", "agg-1"])
+        assert parse_task(task_message(task, plan_hash=engine.plan_info(device_id).hash, device_id=device_id,
+                                       run_id=RUN))[1].aggregator == task.aggregator
+        topic = Topics("fedara", device_id).update_via(task.aggregator)
+        assert wire.device_from_member_topic("fedara", task.aggregator, topic) == device_id
+        other = "agg-1" if task.aggregator == "agg-0" else "agg-0"
+        with pytest.raises(ProtocolError):
+            wire.device_from_member_topic("fedara", other, topic)
+
+
+def test_a_lost_members_told_updates_are_awaited_again_and_its_devices_routed_to_the_others(federation):
+    engine, tasks, members = federation
+    routed = {d: engine.route(d) for d in DEVICES}
+    lost = routed["dev_000"]
+    by_name = {m.name: m for m in members}
+    deliver(engine, by_name[lost], device_update(engine, "dev_000", tasks["dev_000"], 1.0))
+    assert not engine.coordinator.awaits("dev_000")
+    again = engine.member_lost(lost)
+    assert again == sorted(d for d in DEVICES if routed[d] == lost)
+    assert engine.coordinator.awaits("dev_000") and engine.partials_missing() == []
+    assert all(engine.route(d) != lost for d in DEVICES)
+    late = engine.receive_receipt(lost, by_name[lost].on_update("dev_001", device_update(
+        engine, "dev_001", tasks["dev_001"], 1.0)), 1.0)
+    assert not late.accepted and "not a member" in late.reason
+    survivor = by_name[engine.route("dev_000")]
+    assert deliver(engine, survivor, device_update(engine, "dev_000", tasks["dev_000"], 1.0)).accepted
+    assert engine.partials_missing() == [survivor.name]

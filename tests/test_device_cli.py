@@ -101,6 +101,12 @@ def test_a_flag_out_of_range_is_named_with_its_value(shard_path: Path, tmp_path:
     assert_bad_input(run_device(*device_args(shard_path, tmp_path / "w"), flag, value), message)
 
 
+def test_a_bad_entry_of_a_broker_list_is_named_with_the_flag(shard_path: Path, tmp_path: Path):
+    done = run_device(*device_args(shard_path, tmp_path / "w", "mqtt://127.0.0.1:1883,127.0.0.2:1883"))
+    assert_bad_input(done, "error: --broker: broker URL '127.0.0.2:1883': scheme must be one of",
+                     "comma-separated for several")
+
+
 def test_a_broker_that_does_not_listen_is_reported_as_connection_refused(shard_path: Path, tmp_path: Path):
     port = free_loopback_port()
     started = time.monotonic()

@@ -464,8 +464,12 @@ def test_server_subscribes_to_every_devices_up_status_and_update():
     assert server_subscriptions("fedara") == ["fedara/dev/+/up", "fedara/dev/+/status", "fedara/dev/+/update"]
 
 
-def test_server_leaves_the_updates_to_aggregators_when_they_read_them():
-    assert server_subscriptions("fedara", updates=False) == ["fedara/dev/+/up", "fedara/dev/+/status"]
+def test_an_update_routed_to_an_aggregator_goes_one_level_below_the_update_topic():
+    topics = Topics("fedara", "dev_001")
+    assert (topics.update_via(None), topics.update_via("agg-1")) == ("fedara/dev/dev_001/update",
+                                                                      "fedara/dev/dev_001/update/agg-1")
+    with pytest.raises(ProtocolError):
+        topics.update_via("agg/+")
 
 
 @pytest.mark.parametrize("kind", list(TopicKind))

@@ -18,9 +18,10 @@ import paho.mqtt.publish
 import pytest
 
 from device_runtime import transport
-from device_runtime.protocol import Topics, chunk, server_subscriptions, update_filter
+from device_runtime.protocol import Topics, chunk, server_subscriptions
 from device_runtime.transport import (BrokerRefusedError, BrokerURL, ConnectTimeoutError, FrameTooLargeError,
-                                      MqttEndpoint, PublishError)
+                                      MqttEndpoint, PublishError, parse_brokers, rotate_brokers)
+from server.aggregation_wire import member_update_filter
 from server.mosquitto_config import TlsFiles, acl_text, mosquitto_password_hash, write_mosquitto_auth
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -107,6 +108,47 @@ def test_mqtts_url_means_tls_on_port_8883_by_default() -> None:
 def test_broker_url_with_unknown_scheme_is_rejected() -> None:
     with pytest.raises(ValueError, match="scheme must be one of"):
         BrokerURL.parse("http://127.0.0.1:1883")
+
+
+def test_a_broker_list_parses_every_node_and_rotates() -> None:
+    assert [str(b) for b in parse_brokers("mqtt://h1:1,mqtt://h2:2, mqtt://h3")] == [
+        "mqtt://h1:1", "mqtt://h2:2", "mqtt://h3:1883"]
+    assert rotate_brokers("mqtt://h1:1,mqtt://h2:2,mqtt://h3:3", 4) == "mqtt://h2:2,mqtt://h3:3,mqtt://h1:1"
+
+
+@pytest.mark.parametrize("text, named", [("mqtt://h1:1,,mqtt://h2:2", "no empty entry"),
+                                         ("mqtt://h1:1,h2:2", "scheme must be one of"),
+                                         ("mqtt://h1:1,mqtts://h2:2", "mixes mqtt:// and mqtts://")])
+def test_a_bad_broker_list_is_refused_naming_the_flag(text: str, named: str) -> None:
+    with pytest.raises(ValueError, match="--broker") as info:
+        parse_brokers(text)
+    assert named in str(info.value)
+
+
+def test_a_lost_broker_moves_the_endpoint_to_the_next_of_the_list(start_mosquitto, connect) -> None:
+    """Two brokers stand for two nodes of a cluster: the one the endpoints use dies, both carry on on the other,
+    keeping what they held (a message half-received stays pending, the stats go on)."""
+    first, second = start_mosquitto(), start_mosquitto()
+    brokers = f"{first.url},{second.url}"
+    server = connect("server", brokers, subscriptions=[DEV1.up])
+    device = connect("dev1", rotate_brokers(brokers, 2), max_frame_bytes=SMALL_FRAME)
+    assert str(server.url) == str(device.url) == first.url
+    first.stop()
+    wait_until(lambda: not server.connected.is_set() and not device.connected.is_set())
+    server.wait_connected(WAIT_S)
+    device.wait_connected(WAIT_S)
+    assert str(server.url) == str(device.url) == second.url
+    payload = random.Random(1).randbytes(3 * SMALL_FRAME)
+    device.publish(DEV1.up, payload, "up-after-failover", wait=True)
+    assert server.get(WAIT_S) == (DEV1.up, payload)
+    assert server.stats["reconnects"] == device.stats["reconnects"] == 1
+
+
+def test_an_unreachable_first_broker_is_skipped(start_mosquitto, connect) -> None:
+    with socket_bound_but_not_listening() as dead_port:
+        broker = start_mosquitto()
+        endpoint = connect("dev1", f"mqtt://127.0.0.1:{dead_port},{broker.url}")
+        assert str(endpoint.url) == broker.url
 
 
 # -- publish / receive over both brokers -----------------------------------------------------
@@ -302,8 +344,8 @@ def test_password_hash_matches_mosquitto_passwd_output() -> None:
 def test_acl_grants_each_device_only_its_own_topics() -> None:
     device_block = acl_text(PREFIX, "server", ["dev1"]).split("\n\n")[1]
     assert device_block.splitlines() == [
-        "user dev1", f"topic write {DEV1.up}", f"topic write {DEV1.update}", f"topic write {DEV1.status}",
-        f"topic read {DEV1.down}"]
+        "user dev1", f"topic write {DEV1.up}", f"topic write {DEV1.update}", f"topic write {DEV1.update}/+",
+        f"topic write {DEV1.status}", f"topic read {DEV1.down}"]
 
 
 @pytest.fixture
@@ -322,23 +364,19 @@ def test_device_cannot_publish_to_another_devices_up_topic(secured_broker, conne
     assert server.get(WAIT_S) == (DEV1.up, b"own")
 
 
-def test_aggregators_share_the_devices_updates_under_the_server_user(secured_broker, connect) -> None:
-    """The ACL lets the server user's aggregators read the update topics through a shared subscription, and the
-    broker hands each update to one member of the group."""
+def test_each_aggregator_reads_only_the_updates_routed_to_it_under_the_server_user(secured_broker, connect) -> None:
+    """The ACL lets the server user's aggregators read the update levels routed to them, and a device write its own
+    (in chunks: every frame reaches the one member) but not another device's."""
     members = [connect(f"agg-{i}", secured_broker.url, username="server", password="server-pw",
-                       subscriptions=[f"$share/aggregators/{update_filter(PREFIX)}"]) for i in range(2)]
-    device = connect("dev1", secured_broker.url, username="dev1", password="pw1")
-    for i in range(4):
-        device.publish(DEV1.update, f"update {i}".encode(), f"update-{i}", wait=True)
-    received: list[list[bytes]] = [[], []]
-    deadline = time.monotonic() + WAIT_S
-    while len(received[0] + received[1]) < 4 and time.monotonic() < deadline:
-        for member, got in zip(members, received):
-            item = member.get(0.1)
-            if item is not None:
-                got.append(item[1])
-    assert sorted(received[0] + received[1]) == [f"update {i}".encode() for i in range(4)]
-    assert received[0] and received[1]
+                       subscriptions=[member_update_filter(PREFIX, f"agg-{i}")]) for i in range(2)]
+    device = connect("dev1", secured_broker.url, username="dev1", password="pw1", max_frame_bytes=SMALL_FRAME)
+    payloads = [random.Random(i).randbytes(3 * SMALL_FRAME) for i in range(2)]
+    device.publish(DEV2.update_via("agg-0"), b"forged", "update-forged", wait=True)
+    for i, payload in enumerate(payloads):
+        device.publish(DEV1.update_via(f"agg-{i}"), payload, f"update-{i}", wait=True)
+    for i, member in enumerate(members):
+        assert member.get(WAIT_S) == (DEV1.update_via(f"agg-{i}"), payloads[i])
+        assert member.get(0.2) is None
 
 
 def test_device_cannot_read_another_devices_down_topic(secured_broker, connect) -> None:

@@ -1,0 +1,117 @@
+"""A federation on a 3-node NATS cluster (Debian's ``nats-server``, scripts/nats_cluster.py), one node killed.
+
+The server starts on node 1, its two aggregators on nodes 2 and 3, device i on node i mod 3 (every process has the
+whole list and moves to the next node when its node goes). Mid-round 2 node 2 is SIGKILLed, as a crashed machine
+would go: with it go the connections of agg-0 and of dev_001 and dev_004. They reconnect to the other nodes; what was
+in flight is recovered by the protocol's re-send rules (a device that says online while the round awaits it is sent
+its task again, an aggregator that connected again has its devices asked again, and a device that already
+answered re-sends its saved answer). Every round completes with every device, each (device, round) is folded once,
+and the final model is the undisturbed run's on the same cluster up to float rounding.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from server import broker_loop
+from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.report import METRICS_FILE, read_metrics
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "nats_cluster.py"
+QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
+         "--threads", "1", "--join-timeout", "300", "--round-deadline", "300", "--aggregator-timeout", "60"]
+DEVICES, ROUNDS, AGGREGATORS = 6, 3, 2
+KILLED = 1
+"""Node 2 of 3 (index 1): agg-0's, dev_001's and dev_004's."""
+FOLDED = re.compile(r"(agg-\d+) folded (dev_\d+)'s update of round (\d+)")
+RELATIVE_TOLERANCE = 1e-5
+"""The two runs differ only in how float sums are grouped: each member folds in arrival order, in float64 (relative
+error ~K·2^-53 for K = 6 updates), rounded to float32 once per round (half an ulp: 2^-24 ≈ 6e-8 of a weight's
+scale); the next rounds' training carries that difference on. Measured here: max |Δ| / max |W| over the tensors
+2.2e-7 after 3 rounds. The bound leaves 50× room for that growth, and is 1e4 below the change one round of
+training makes (~0.1 of the scale), which a lost or doubly folded update would show."""
+
+
+def load_nats_cluster():
+    spec = importlib.util.spec_from_file_location("nats_cluster", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    if shutil.which("nats-server") is None and not Path("/usr/sbin/nats-server").exists():
+        reason = "needs Debian's nats-server (scripts/setup.sh installs it)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    module = load_nats_cluster()
+    nodes = module.NatsCluster(tmp_path_factory.mktemp("nats"), 3).start()
+    yield nodes
+    nodes.stop()
+
+
+def federate(out: Path, cache: Path, brokers: str) -> Path:
+    assert broker_loop.main([*QUICK, "--cache-dir", str(cache), "--out", str(out), "--broker", brokers,
+                             "--rounds", str(ROUNDS), "--local-devices", str(DEVICES),
+                             "--aggregators", str(AGGREGATORS)]) == 0
+    return out
+
+
+def kill_during_round_2(cluster, run: Path, killed: list[int], stop: threading.Event) -> None:
+    """SIGKILL node KILLED once an aggregator folded a round-2 update (round 2 is open and under way); ``killed``
+    gets the length of the server's log then."""
+    while not stop.is_set():
+        logs = sorted((run / broker_loop.AGGREGATORS_DIR).glob("*.log"))
+        if any("update of round 2" in log.read_text() for log in logs):
+            cluster.kill(KILLED)
+            killed.append(len((run / broker_loop.SERVER_LOG).read_text()))
+            return
+        time.sleep(0.05)
+
+
+def folds(run: Path) -> list[tuple[str, str, int]]:
+    logs = sorted((run / broker_loop.AGGREGATORS_DIR).glob("*.log"))
+    return [(a, d, int(r)) for log in logs for a, d, r in FOLDED.findall(log.read_text())]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_node_killed_mid_round_2_loses_no_device_and_no_update(cluster, tmp_path: Path):
+    cache = tmp_path / "artifacts"
+    undisturbed = federate(tmp_path / "undisturbed", cache, cluster.broker)
+
+    run, killed, stop = tmp_path / "killed", [], threading.Event()
+    killer = threading.Thread(target=kill_during_round_2, args=(cluster, run, killed, stop), daemon=True)
+    killer.start()
+    try:
+        federate(run, cache, cluster.broker)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, "the run ended before round 2 folded anything"
+    server_log = (run / broker_loop.SERVER_LOG).read_text()
+    assert "round 2/" not in server_log[:killed[0]] and "round 2/" in server_log  # killed while round 2 was open
+
+    records = read_metrics(run / METRICS_FILE)
+    assert [r["round"] for r in records] == list(range(1, ROUNDS + 1))
+    assert all(r["participants"] == r["selected"] == DEVICES and r["dropped"] == {} for r in records), records
+    assert all(len(r["per_device"]) == DEVICES for r in records)  # every device evaluated every model
+    folded = sorted((d, r) for _, d, r in folds(run))
+    assert folded == sorted((f"dev_{i:03d}", r) for i in range(DEVICES) for r in range(1, ROUNDS + 1))
+
+    expected, got = load_checkpoint(undisturbed / CHECKPOINT_NAME), load_checkpoint(run / CHECKPOINT_NAME)
+    assert got.round == ROUNDS and set(got.tensors) == set(expected.tensors)
+    relative = {name: float(np.abs(got.tensors[name] - value).max() / np.abs(value).max())
+                for name, value in expected.tensors.items()}
+    print(f"largest |killed - undisturbed| / max |W| over the tensors: {max(relative.values()):.3g}")
+    assert max(relative.values()) <= RELATIVE_TOLERANCE, relative
