@@ -272,12 +272,13 @@ class Verifier:
         return None if learnt is None else learnt[1]
 
     def check(self, msg: Sealed, runs: Container[str] | None = None, *, status: str | None = None,
-              nonce: str | None = None, session: str | None = None) -> Verdict:
+              nonce: str | None = None, session: str | None = None, commit: bool = True) -> Verdict:
         """Accept ``msg`` (and advance the state) or refuse it with a reason; nothing changes on refusal.
 
         ``runs``: the run ids acceptable for this message, None for any (a JOIN or a PLAN). Status frames
         pass their ``status`` (online/offline) and ``nonce``; every message passes the ``session`` its meta
-        names (the caller reads these from the meta, which the tag covers)."""
+        names (the caller reads these from the meta, which the tag covers). ``commit=False`` only says whether
+        the message would be accepted now (a screen before it queues) and changes nothing."""
         key = self.keys.key_for(msg.device_id)
         if key is None:
             return Verdict(False, Refusal.UNKNOWN_DEVICE, f"device {msg.device_id!r} is not enrolled")
@@ -295,8 +296,8 @@ class Verifier:
                 return Verdict(False, Refusal.STALE_CONNECTION,
                                f"offline of connection {str(nonce)[:8]}, current is {str(current)[:8]}")
             unbound = self._unbound(session)
-            if unbound is not None:
-                return unbound
+            if unbound is not None or not commit:
+                return unbound or ACCEPTED
             self._closed.add(msg.device_id)
             return ACCEPTED
         slot = _slot(msg.device_id, msg.direction)
@@ -307,10 +308,8 @@ class Verifier:
         if msg.counter <= last and not repeat:
             return Verdict(False, Refusal.REPLAY, f"counter {msg.counter} is not above the last accepted {last}")
         unbound = self._unbound(session)
-        if unbound is not None:
-            return unbound
-        if repeat:
-            return ACCEPTED
+        if unbound is not None or repeat or not commit:
+            return unbound or ACCEPTED
         self._last[slot] = msg.counter
         if msg.direction == Direction.STATUS and nonce is not None:
             self._nonce[msg.device_id] = nonce

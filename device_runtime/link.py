@@ -105,10 +105,12 @@ class Link:
             raise ValueError(f"no key for device {device_id!r}")
         return StatusSigner(device_id, key, self.counters, self.verifier.session)
 
-    def open(self, payload: bytes, current_run: str, *, device_id: str, kind: TopicKind = TopicKind.UP) -> Message:
+    def open(self, payload: bytes, current_run: str, *, device_id: str, kind: TopicKind = TopicKind.UP,
+             commit: bool = True) -> Message:
         """Decode and verify ``payload`` received on the ``kind`` topic of ``device_id``; raises Refused.
 
-        STATUS frames belong on the status topic and UPDATEs on the update topic, each nowhere else."""
+        STATUS frames belong on the status topic and UPDATEs on the update topic, each nowhere else. With
+        ``commit=False`` nothing changes: it says whether ``payload`` would be taken now (a screen)."""
         try:
             msg = decode(payload, max_bytes=self.max_inbound, allow_nonfinite=self.allow_nonfinite)
         except ProtocolError as exc:
@@ -128,10 +130,10 @@ class Link:
         runs = None if msg.type in self.run_free else {current_run}
         session = msg.meta.get(SESSION_KEY)
         verdict = self.verifier.check(msg, runs, status=state, nonce=nonce,
-                                      session=session if isinstance(session, str) else None)
+                                      session=session if isinstance(session, str) else None, commit=commit)
         if not verdict.accepted:
             raise Refused(verdict.reason or Refusal.BAD_TAG, f"{msg.type.value} {msg.msg_id}: {verdict.detail}",
                           device_id)
-        if self.state_dir is not None:
+        if self.state_dir is not None and commit:
             save_verifier_state(self.state_dir, self.verifier)
         return msg

@@ -568,6 +568,7 @@ class Federation:
         self.gather(round_index)
         _, completed = self.engine.close_round(time.monotonic())
         if train and self.engine.pending is not None:
+            stats = self.endpoint.stats  # a snapshot: read it again
             self.engine.pending.update(wire_bytes_out=stats["bytes_out"] - wire[0],
                                        wire_bytes_in=stats["bytes_in"] - wire[1])
         return completed
