@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from device_runtime.messages import ErrorCode, error_message
-from device_runtime.protocol import FRAME_HEADER_BYTES, MAX_ID_LEN, Topics, chunk
+from device_runtime.protocol import MAX_ID_LEN, Topics, chunk
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.enrollment import enroll, load_enrollment, save_enrollment
 from tests.conftest import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub
