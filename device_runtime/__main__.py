@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {args.device_id} %(name)s %(levelname)s %(message)s")
     hold_back_floods()
 
-    from device_runtime.agent import DeviceAgent, DeviceRefused, Interrupted, Workdir
+    from device_runtime.agent import DeviceAgent, DeviceRefused, Interrupted, Workdir, inbound_screen
     from device_runtime.auth import read_key_file
     from device_runtime.broker_wait import BrokerUnreachableError
     from device_runtime.link import Link
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                                 status=(topics.status, link.status_signer(args.device_id)), username=username,
                                 password=args.password or os.environ.get(PASSWORD_ENV), tls_ca=args.tls_ca,
                                 max_frame_bytes=args.max_message_bytes, max_message_bytes=max_inbound,
-                                clean_session=False)
+                                clean_session=False, screen=inbound_screen(link, args.device_id, topics.down),
+                                max_queued_bytes=max_inbound)
     except (ProtocolError, ShardError, ProfileError, RuntimeUnavailable, ValueError, OSError) as exc:
         print(f"error: {flag}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

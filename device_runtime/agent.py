@@ -47,6 +47,7 @@ from device_runtime.messages import (NO_RUN, ErrorCode, Join, MessageError, Shar
                                      error_message, join_message, new_msg_id, parse_error, parse_plan, parse_task,
                                      update_message)
 from device_runtime.profile import ResourceProfile
+from device_runtime.inbox import Screen
 from device_runtime.link import Link, Refused
 from device_runtime.protocol import Message, MessageType, Topics, envelope_limit
 from device_runtime.shard import Shard
@@ -67,6 +68,21 @@ POLL_S = 0.2
 PLAN_HEADROOM = 8
 """After a plan, the device takes messages up to this many times its plan's artifact files (plus a header): a
 later run's plan may be denser (the smallest default tier, 0.125, stores about 1/8 of a dense layer)."""
+
+
+def inbound_screen(link: Link, device_id: str, down_topic: str) -> Screen:
+    """The screen of a device's inbox (device_runtime/inbox.py): only what its link would take now is queued, under
+    its message type; the rest is dropped on arrival with the reason the agent would log, so a device that trains
+    holds no junk and at most one message per type."""
+    def screen(topic: str, payload: bytes) -> str | None:
+        if topic != down_topic:
+            return None
+        try:
+            return link.open(payload, NO_RUN, device_id=device_id, commit=False).type.value
+        except Refused as exc:  # as text: the exception's context holds the payload, and a handler may keep records
+            LOG.warning("dropped a message: %s", str(exc))
+            return None
+    return screen
 
 
 class DeviceRefused(RuntimeError):

@@ -22,6 +22,15 @@ connection is refused as ``STALE_CONNECTION``. The broker retains the last ``onl
 subscriber (a restarted server): the very frame last accepted is taken again while its connection is open, and
 changes nothing; once that connection's ``offline`` arrived, it is a replay.
 
+Sessions bind what a receiver accepts to its current state. A device mints a fresh random session nonce at every
+process start (its state starts there: a re-flashed board or a new workdir holds no counters) and names it in the
+meta of everything it sends (``SESSION_KEY``, under the tag), its JOIN and status frames included. The server
+learns each device's session from that device's freshest message (the highest counter accepted) and names it in
+everything it sends that device. A Verifier built with its own ``session`` (a device's) refuses, as
+``STALE_SESSION``, a message that does not name it: nothing sealed before the device started, such as a `refused`,
+PLAN or TASK of an earlier run left retained or queued in its persistent session, can move it, even when its
+counter is above everything this fresh device has seen.
+
 Counters are ``epoch << SEQ_BITS | seq``. The epoch is fixed at process start as
 ``max(last persisted epoch + 1, unix time in seconds)`` and persisted before the first message goes out; seq
 counts messages from 1 within the start. The persisted epoch alone makes counters increase across restarts
@@ -64,6 +73,8 @@ TAG_CONTEXT = b"fedara-envelope-v2\x00"
 """Prefix of every tagged string, so a tag made for this protocol means nothing elsewhere."""
 STATUS_ONLINE = "online"
 STATUS_OFFLINE = "offline"
+SESSION_KEY = "session"
+"""Meta key of the session nonce a message is bound to (see the module docstring)."""
 
 
 class Direction(str, Enum):
@@ -84,6 +95,7 @@ class Refusal(str, Enum):
     REPLAY = "replay"  # counter not above the last one accepted: a replay or a reordering
     BAD_COUNTER = "bad_counter"  # not an int in 1..MAX_COUNTER
     STALE_CONNECTION = "stale_connection"  # an offline/will frame of a connection that is not current
+    STALE_SESSION = "stale_session"  # not bound to the receiver's current session: sealed before it started
 
 
 @dataclass(frozen=True)
@@ -220,14 +232,19 @@ def _check_key(key: object, what: str) -> None:
 
 
 class Verifier:
-    """Accepts or refuses sealed messages; state: last counter per (device, direction), current nonces.
+    """Accepts or refuses sealed messages; state: last counter per (device, direction), current nonces, and each
+    sender's session as learnt from its freshest message.
 
     ``accepts`` names the directions this receiver takes: ``{UP, STATUS}`` on a server, ``{DOWN}`` on a
-    device. ``state`` round-trips through JSON (see ``to_state``) so a restarted receiver keeps refusing."""
+    device. ``state`` round-trips through JSON (see ``to_state``) so a restarted receiver keeps refusing.
+    ``session``: this receiver's own session nonce (a device's, fresh per process start), which every message
+    must name; None on a receiver that learns its senders' sessions instead (a server)."""
 
-    def __init__(self, keys: KeyRing, accepts: Container[Direction], state: Mapping[str, object] | None = None) -> None:
+    def __init__(self, keys: KeyRing, accepts: Container[Direction], state: Mapping[str, object] | None = None, *,
+                 session: str | None = None) -> None:
         self.keys = keys
         self.accepts = accepts
+        self.session = session
         state = state or {}
         counters = state.get("counters", {})
         nonces = state.get("nonces", {})
@@ -236,6 +253,10 @@ class Verifier:
         self._last: dict[str, int] = {k: v for k, v in counters.items() if is_counter(v)}
         self._nonce: dict[str, str] = {k: v for k, v in nonces.items() if isinstance(v, str)}
         self._closed: set[str] = {d for d in state.get("closed", []) if isinstance(d, str)}  # current connection ended
+        sessions = state.get("sessions", {})
+        self._sessions: dict[str, tuple[int, str]] = {  # sender -> (counter, session) of its freshest message
+            d: (v[0], v[1]) for d, v in (sessions.items() if isinstance(sessions, dict) else ())
+            if isinstance(v, list) and len(v) == 2 and is_counter(v[0]) and isinstance(v[1], str)}
 
     def last_counter(self, device_id: str, direction: Direction) -> int:
         """The last counter accepted from (device, direction); 0 when none was."""
@@ -245,13 +266,19 @@ class Verifier:
         """The nonce of the device's current connection (its last accepted ``online``)."""
         return self._nonce.get(device_id)
 
+    def session_of(self, device_id: str) -> str | None:
+        """The session ``device_id`` named in its freshest accepted message (None before any)."""
+        learnt = self._sessions.get(device_id)
+        return None if learnt is None else learnt[1]
+
     def check(self, msg: Sealed, runs: Container[str] | None = None, *, status: str | None = None,
-              nonce: str | None = None) -> Verdict:
+              nonce: str | None = None, session: str | None = None, commit: bool = True) -> Verdict:
         """Accept ``msg`` (and advance the state) or refuse it with a reason; nothing changes on refusal.
 
         ``runs``: the run ids acceptable for this message, None for any (a JOIN or a PLAN). Status frames
-        pass their ``status`` (online/offline) and ``nonce``; the caller reads both from the frame's meta,
-        which the tag covers."""
+        pass their ``status`` (online/offline) and ``nonce``; every message passes the ``session`` its meta
+        names (the caller reads these from the meta, which the tag covers). ``commit=False`` only says whether
+        the message would be accepted now (a screen before it queues) and changes nothing."""
         key = self.keys.key_for(msg.device_id)
         if key is None:
             return Verdict(False, Refusal.UNKNOWN_DEVICE, f"device {msg.device_id!r} is not enrolled")
@@ -268,24 +295,40 @@ class Verifier:
             if nonce is None or nonce != current:
                 return Verdict(False, Refusal.STALE_CONNECTION,
                                f"offline of connection {str(nonce)[:8]}, current is {str(current)[:8]}")
+            unbound = self._unbound(session)
+            if unbound is not None or not commit:
+                return unbound or ACCEPTED
             self._closed.add(msg.device_id)
             return ACCEPTED
         slot = _slot(msg.device_id, msg.direction)
         last = self._last.get(slot, 0)
-        if (msg.direction == Direction.STATUS and msg.counter == last and nonce == self._nonce.get(msg.device_id)
-                and msg.device_id not in self._closed):
-            return ACCEPTED  # the retained online of the open connection, handed to a new subscriber again
-        if msg.counter <= last:
+        # the retained online of the open connection, handed to a new subscriber again: changes nothing
+        repeat = (msg.direction == Direction.STATUS and msg.counter == last and nonce == self._nonce.get(msg.device_id)
+                  and msg.device_id not in self._closed)
+        if msg.counter <= last and not repeat:
             return Verdict(False, Refusal.REPLAY, f"counter {msg.counter} is not above the last accepted {last}")
+        unbound = self._unbound(session)
+        if unbound is not None or repeat or not commit:
+            return unbound or ACCEPTED
         self._last[slot] = msg.counter
         if msg.direction == Direction.STATUS and nonce is not None:
             self._nonce[msg.device_id] = nonce
             self._closed.discard(msg.device_id)
+        if self.session is None and session is not None and msg.counter > self._sessions.get(msg.device_id, (0,))[0]:
+            self._sessions[msg.device_id] = (msg.counter, session)
         return ACCEPTED
+
+    def _unbound(self, session: str | None) -> Verdict | None:
+        """The refusal of a message that does not name this receiver's own session, or None."""
+        if self.session is None or session == self.session:
+            return None
+        return Verdict(False, Refusal.STALE_SESSION, f"bound to session {str(session)[:8]}, this receiver's is "
+                       f"{self.session[:8]} (sealed before it started)")
 
     def to_state(self) -> dict[str, object]:
         """The state as JSON-ready data, for ``Verifier(keys, accepts, state)``."""
-        return {"counters": dict(self._last), "nonces": dict(self._nonce), "closed": sorted(self._closed)}
+        return {"counters": dict(self._last), "nonces": dict(self._nonce), "closed": sorted(self._closed),
+                "sessions": {d: list(v) for d, v in self._sessions.items()}}
 
 
 def _slot(device_id: str, direction: Direction) -> str:

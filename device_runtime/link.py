@@ -5,6 +5,10 @@ outbound message, ``open`` on every inbound payload before anything else looks a
 for anything not to be believed, and only an accepted message advances the Verifier's counters (saved under
 ``state_dir`` after each accept, so a restarted receiver still refuses what it accepted before).
 
+Sessions (auth module docstring): a device's link has a session nonce fresh at every process start, names it in
+everything it seals and opens only what names it; the server's link names, in what it seals for a device, the
+session that device's freshest message named.
+
 Which run a message must belong to depends on its type. A server takes a JOIN (a device announces itself with
 the run it last knew) and a STATUS from any run, everything else only from its current run. A device takes every
 message from any run: the server's counters are fresh across runs, so an old run's message is refused as a
@@ -15,10 +19,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection
+from dataclasses import replace
 from pathlib import Path
 
-from device_runtime.auth import (CounterSource, Direction, KeyRing, Refusal, Verifier, load_verifier_state,
-                                 save_verifier_state, start_counters)
+from device_runtime.auth import (SESSION_KEY, CounterSource, Direction, KeyRing, Refusal, Verifier, load_verifier_state,
+                                 new_nonce, save_verifier_state, start_counters)
 from device_runtime.protocol import Message, MessageType, ProtocolError, Reason, TopicKind, decode, seal
 from device_runtime.status import StatusError, StatusSigner, parse_status
 
@@ -50,11 +55,13 @@ class Link:
     @classmethod
     def on_disk(cls, keys: KeyRing, sends: Direction, takes: Collection[Direction],
                 run_free: Collection[MessageType], max_inbound: int, state_dir: str | os.PathLike[str], *,
-                allow_nonfinite: bool = False) -> Link:
+                allow_nonfinite: bool = False, session: str | None = None) -> Link:
         """A link whose counters and last accepted counters live in ``state_dir``: a fresh epoch for this start,
-        and whatever an earlier start there accepted stays refused."""
-        return cls(keys, start_counters(state_dir), sends, Verifier(keys, takes, load_verifier_state(state_dir)),
-                   run_free, max_inbound, state_dir=state_dir, allow_nonfinite=allow_nonfinite)
+        and whatever an earlier start there accepted stays refused. ``session``: this side's own session nonce
+        (see the module docstring), None on a side that learns its peers' sessions."""
+        verifier = Verifier(keys, takes, load_verifier_state(state_dir), session=session)
+        return cls(keys, start_counters(state_dir), sends, verifier, run_free, max_inbound, state_dir=state_dir,
+                   allow_nonfinite=allow_nonfinite)
 
     @classmethod
     def server(cls, keys: KeyRing, state_dir: str | os.PathLike[str], max_inbound: int) -> Link:
@@ -63,16 +70,27 @@ class Link:
                            state_dir, allow_nonfinite=True)
 
     @classmethod
-    def device(cls, device_id: str, key: bytes, state_dir: str | os.PathLike[str], max_inbound: int) -> Link:
-        """A device's link: sends up (and status), takes down messages addressed to it only."""
+    def device(cls, device_id: str, key: bytes, state_dir: str | os.PathLike[str], max_inbound: int, *,
+               session: str | None = None) -> Link:
+        """A device's link: sends up (and status), takes down messages addressed to it and bound to its session
+        (default: a fresh one, for this process start)."""
         return cls.on_disk(KeyRing({device_id: key}), Direction.UP, {Direction.DOWN}, DEVICE_RUN_FREE, max_inbound,
-                           state_dir)
+                           state_dir, session=session or new_nonce())
+
+    @property
+    def session(self) -> str | None:
+        """This side's own session nonce (a device's), or None."""
+        return self.verifier.session
 
     def seal(self, msg: Message) -> bytes:
-        """``msg`` as an envelope under its device's key with this side's next counter."""
+        """``msg`` as an envelope under its device's key with this side's next counter, bound to the session (this
+        side's own, else the one its peer last named; none before the peer named one)."""
         key = self.keys.key_for(msg.device_id)
         if key is None:
             raise ValueError(f"no key for device {msg.device_id!r}: enroll it before sending to it")
+        session = self.verifier.session or self.verifier.session_of(msg.device_id)
+        if session is not None:
+            msg = replace(msg, meta={**msg.meta, SESSION_KEY: session})
         return seal(msg, key, self.sends, self.counters.next())
 
     def reseal(self, payload: bytes) -> bytes:
@@ -85,12 +103,14 @@ class Link:
         key = self.keys.key_for(device_id)
         if key is None:
             raise ValueError(f"no key for device {device_id!r}")
-        return StatusSigner(device_id, key, self.counters)
+        return StatusSigner(device_id, key, self.counters, self.verifier.session)
 
-    def open(self, payload: bytes, current_run: str, *, device_id: str, kind: TopicKind = TopicKind.UP) -> Message:
+    def open(self, payload: bytes, current_run: str, *, device_id: str, kind: TopicKind = TopicKind.UP,
+             commit: bool = True) -> Message:
         """Decode and verify ``payload`` received on the ``kind`` topic of ``device_id``; raises Refused.
 
-        STATUS frames belong on the status topic and UPDATEs on the update topic, each nowhere else."""
+        STATUS frames belong on the status topic and UPDATEs on the update topic, each nowhere else. With
+        ``commit=False`` nothing changes: it says whether ``payload`` would be taken now (a screen)."""
         try:
             msg = decode(payload, max_bytes=self.max_inbound, allow_nonfinite=self.allow_nonfinite)
         except ProtocolError as exc:
@@ -108,10 +128,12 @@ class Link:
                 raise Refused(Reason.BAD_META, str(exc), device_id) from None
             state, nonce = status.state, status.nonce
         runs = None if msg.type in self.run_free else {current_run}
-        verdict = self.verifier.check(msg, runs, status=state, nonce=nonce)
+        session = msg.meta.get(SESSION_KEY)
+        verdict = self.verifier.check(msg, runs, status=state, nonce=nonce,
+                                      session=session if isinstance(session, str) else None, commit=commit)
         if not verdict.accepted:
             raise Refused(verdict.reason or Refusal.BAD_TAG, f"{msg.type.value} {msg.msg_id}: {verdict.detail}",
                           device_id)
-        if self.state_dir is not None:
+        if self.state_dir is not None and commit:
             save_verifier_state(self.state_dir, self.verifier)
         return msg

@@ -2,9 +2,11 @@
 every frame refused is a log line. Unbounded, that fills a board's SD card or the server's disk, and a full disk
 stops the run (checkpoints, heads). Each kind of line (its logger and format string) gets a token bucket: a
 burst, then a steady rate. Lines over the budget are held back and counted; the next line of that kind that
-passes says how many were held back. Errors always pass, and so do the INFO lines of a fleet's genuine events
-(a thousand devices joining at once); the transport's lines are each about one inbound frame, so all of them
-are budgeted. Counters such as the transport's ``frames_rejected`` still count every refusal.
+passes says how many were held back. Errors always pass. INFO lines are budgeted too (the transport's, the
+server's, the engine's and the device's: each is caused by something that arrived, and anyone can make things
+arrive), but an INFO line's kind also has its subject, its first argument when that is text (a device id): a
+thousand devices joining at once each spend their own budget, while one device's line repeated a thousand times
+is held back. Counters such as the transport's ``frames_rejected`` still count every refusal.
 """
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ BURST_LINES = 200
 """Lines of one kind that pass at once: more than any genuine run writes of one kind in a few seconds."""
 LINES_PER_S = 20.0
 """Steady rate per kind once the burst is spent: about 5 KB/s of one kind instead of megabytes."""
-FLOOD_LOGGERS = {"fedara.transport": logging.INFO, "fedara.server": logging.WARNING,
-                 "fedara.engine": logging.WARNING, "fedara.aggregator": logging.WARNING,
-                 "fedara.device": logging.WARNING}
-"""The loggers that write a line per inbound message refused, and the lowest level budgeted on each."""
+FLOOD_LOGGERS = {"fedara.transport": logging.INFO, "fedara.server": logging.INFO,
+                 "fedara.engine": logging.INFO, "fedara.aggregator": logging.WARNING,
+                 "fedara.device": logging.INFO}
+"""The loggers that write a line per inbound message (refused or taken), and the lowest level budgeted on each."""
+MAX_KINDS = 10_000
+"""Kinds of line a LineBudget tracks at once; past it, the longest-unused kind is forgotten (its budget refills)."""
 
 
 class LineBudget:
@@ -34,8 +38,12 @@ class LineBudget:
     def admit(self, key: Hashable, now: float) -> int | None:
         """None when this line is held back; else how many lines of its kind were held back since the last one
         that passed."""
-        tokens, at = self._tokens.get(key, (float(self.burst), now))
+        tokens, at = self._tokens.pop(key, (float(self.burst), now))  # re-inserted below: the newest kind last
         tokens = min(float(self.burst), tokens + max(0.0, now - at) * self.per_s)
+        if len(self._tokens) >= MAX_KINDS:
+            oldest = next(iter(self._tokens))
+            del self._tokens[oldest]
+            self._held.pop(oldest, None)
         if tokens < 1.0:
             self._tokens[key] = (tokens, now)
             self._held[key] = self._held.get(key, 0) + 1
@@ -55,13 +63,20 @@ class FloodFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if not self.lowest <= record.levelno < logging.ERROR:
             return True
-        held = self.budget.admit((record.name, str(record.msg)), record.created)
+        held = self.budget.admit(_kind(record), record.created)
         if held is None:
             return False
         if held:
             record.msg = f"{record.getMessage()} [{held} more like this held back by the log budget]"
             record.args = None
         return True
+
+
+def _kind(record: logging.LogRecord) -> Hashable:
+    """A line's kind: its logger and format string, and for an INFO line its subject (first argument, if text)."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    subject = args[0] if record.levelno < logging.WARNING and args and isinstance(args[0], str) else None
+    return record.name, str(record.msg), subject
 
 
 def hold_back_floods(loggers: dict[str, int] | None = None) -> None:

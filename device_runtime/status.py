@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from device_runtime.auth import NONCE_BYTES, STATUS_OFFLINE, STATUS_ONLINE, CounterSource, Direction
+from device_runtime.auth import NONCE_BYTES, SESSION_KEY, STATUS_OFFLINE, STATUS_ONLINE, CounterSource, Direction
 from device_runtime.messages import NO_RUN
 from device_runtime.protocol import Message, MessageType, seal
 
@@ -31,10 +31,12 @@ class Status:
         return STATUS_ONLINE if self.online else STATUS_OFFLINE
 
 
-def status_message(status: Status, *, device_id: str) -> Message:
-    """The STATUS message saying ``status`` for ``device_id``; of no run, as a connection outlives runs."""
+def status_message(status: Status, *, device_id: str, session: str | None = None) -> Message:
+    """The STATUS message saying ``status`` for ``device_id``; of no run, as a connection outlives runs. A device
+    names its ``session`` (auth.SESSION_KEY), so the server knows it before any JOIN arrives."""
+    meta = {"state": status.state, "nonce": status.nonce}
     return Message(MessageType.STATUS, NO_RUN, 0, device_id, f"status-{status.state}-{status.nonce}",
-                   {"state": status.state, "nonce": status.nonce})
+                   meta if session is None else {**meta, SESSION_KEY: session})
 
 
 def parse_status(msg: Message) -> Status:
@@ -52,9 +54,9 @@ def parse_status(msg: Message) -> Status:
 class StatusSigner:
     """Mints a device's sealed status frames: ``signer(online, nonce) -> envelope bytes``."""
 
-    def __init__(self, device_id: str, key: bytes, counters: CounterSource) -> None:
-        self.device_id, self._key, self._counters = device_id, key, counters
+    def __init__(self, device_id: str, key: bytes, counters: CounterSource, session: str | None = None) -> None:
+        self.device_id, self._key, self._counters, self._session = device_id, key, counters, session
 
     def __call__(self, online: bool, nonce: str) -> bytes:
-        msg = status_message(Status(online, nonce), device_id=self.device_id)
+        msg = status_message(Status(online, nonce), device_id=self.device_id, session=self._session)
         return seal(msg, self._key, Direction.STATUS, self._counters.next())

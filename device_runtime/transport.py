@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -27,6 +26,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
 from device_runtime.auth import new_nonce
+from device_runtime.inbox import Inbox, Screen
 from device_runtime.protocol import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, ProtocolError, Reassembler,
                                      RepeatedFrame, chunk)
 
@@ -134,7 +134,8 @@ class MqttEndpoint:
     offline under that nonce, and publishes a retained online frame with it once the subscriptions are
     acknowledged, so a peer that answers the status reaches this endpoint (and the offline frame on a clean
     stop()). `max_pending_bytes` bounds the chunks held for incomplete messages over all topics together
-    (default: `max_message_bytes`).
+    (default: `max_message_bytes`). Complete messages wait in an Inbox (device_runtime/inbox.py): with `screen`, what
+    it drops never queues and the queue keeps the newest message per kind, within `max_queued_bytes` (None: no bound).
     `unsubscriptions` are filters this endpoint must not hold: each CONNECT drops them first, since a persistent
     session (same client id, clean_session False) keeps an earlier run's subscriptions.
     `broker_url` may list several brokers (``parse_brokers``): a lost connection or a failed attempt moves to the next.
@@ -150,7 +151,8 @@ class MqttEndpoint:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
                  max_pending_messages: int = DEFAULT_MAX_PENDING_MESSAGES,
-                 max_pending_bytes: int | None = None, clean_session: bool = False, qos: int = 1) -> None:
+                 max_pending_bytes: int | None = None, clean_session: bool = False, qos: int = 1,
+                 screen: Screen | None = None, max_queued_bytes: int | None = None) -> None:
         if not client_id:
             raise ValueError("client_id must not be empty (persistent sessions are keyed by it)")
         if qos not in (0, 1):
@@ -177,7 +179,7 @@ class MqttEndpoint:
         self._reassembler = Reassembler(max_message_bytes, reassembly_timeout_s, max_pending_messages,
                                         max_pending_bytes)
         self._next_expiry = 0.0
-        self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self._inbox = Inbox(max_queued_bytes, screen)
         self._stats = dict.fromkeys(STAT_KEYS, 0)
         self._stats_lock = threading.Lock()
         self._acks = threading.Condition()
@@ -352,16 +354,13 @@ class MqttEndpoint:
 
     def get(self, timeout: float | None = None) -> tuple[str, bytes] | None:
         """Next complete (topic, payload), or None when none arrives within `timeout` seconds."""
-        try:
-            return self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        return self._inbox.get(timeout)
 
     @property
     def stats(self) -> dict[str, int]:
         """Snapshot of the traffic counters (frames, messages, bytes, reconnects)."""
         with self._stats_lock:
-            return dict(self._stats)
+            return dict(self._stats, messages_dropped=self._inbox.dropped)
 
     def _bump(self, key: str, amount: int = 1) -> None:
         with self._stats_lock:
@@ -465,7 +464,7 @@ class MqttEndpoint:
             payload = None
         if payload is not None:
             self._bump("messages_in")
-            self._inbox.put((topic, payload))
+            self._inbox.put(topic, payload)
         if now >= self._next_expiry:
             self._next_expiry = now + EXPIRE_INTERVAL_S
             self._expire(now)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from device_runtime.auth import Direction, KeyRing
+from device_runtime.auth import Direction, KeyRing, new_nonce
 from device_runtime.link import Link
 from device_runtime.messages import new_msg_id
 from device_runtime.protocol import (Message, MessageType, ProtocolError, Reason, check_device_id, check_id,
@@ -105,9 +105,10 @@ def engine_link(server_key: bytes, state_dir: str | os.PathLike[str], max_inboun
 
 def aggregator_link(server_key: bytes, state_dir: str | os.PathLike[str], max_inbound: int) -> Link:
     """An aggregator's side: sends UP, takes DOWN sealed under the server key. The last counter it took from the
-    engine is kept in ``state_dir``: a member started again there refuses an earlier engine's briefs."""
+    engine is kept in ``state_dir``: a member started again there refuses an earlier engine's briefs. Like a
+    device, it has a session fresh at every start (its READY names it): it takes only what the engine bound to it."""
     return Link.on_disk(KeyRing({}, shared_key=server_key), Direction.UP, {Direction.DOWN}, {MessageType.AGGREGATION},
-                        max_inbound, state_dir)
+                        max_inbound, state_dir, session=new_nonce())
 
 
 def message(kind: str, aggregator: str, *, run_id: str = NO_RUN, round_index: int = 0, tensors: dict | None = None,

@@ -166,7 +166,7 @@ from device_runtime.link import Link, Refused
 from device_runtime.profile import ResourceProfile
 from device_runtime.protocol import (Message, MessageType, ProtocolError, TopicKind, Topics,
                                      device_id_from_topic, server_subscriptions)
-from device_runtime.status import parse_status
+from device_runtime.status import Status, parse_status
 from server.algorithms import get_algorithm
 from server.checkpoint import CheckpointError
 from server.compute_threads import use_server_threads
@@ -212,10 +212,12 @@ class LocalDevices:
     (``what="aggregator"``: the local aggregator processes, no cgroups).
 
     A device the kernel killed for memory is started again (as systemd's Restart= would on a board), at most
-    ``MAX_OOM_RESTARTS`` times: it rejoins, and the engine gives it a lower tier than the one it died at."""
+    ``MAX_OOM_RESTARTS`` times: it rejoins, and ``on_oom`` (the engine's demote) gives it a lower tier than the one
+    it died at."""
 
-    def __init__(self, what: str = "device") -> None:
+    def __init__(self, what: str = "device", on_oom: Callable[[str, str], None] | None = None) -> None:
         self.what = what
+        self.on_oom = on_oom
         self.processes: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
         self.groups: dict[str, cgroups.MemoryGroup] = {}
@@ -249,6 +251,8 @@ class LocalDevices:
                 self._restarts[device_id] = self._restarts.get(device_id, 0) + 1
                 LOG.warning("local device %s was killed at its %g MiB memory limit (peak %s MiB): starting it "
                             "again; it gets a lower tier", device_id, group.limit_mb, evidence.peak_mb)
+                if self.on_oom is not None:
+                    self.on_oom(device_id, f"was killed at its {group.limit_mb:g} MiB memory limit")
                 group.remove()  # a fresh group: nothing the killed process left is charged to its successor
                 self.groups[device_id] = cgroups.create_group(f"{device_id}-{self._restarts[device_id]}", group.limit_mb)
                 self.spawn(device_id, self._commands[device_id], self.logs[device_id])
@@ -333,6 +337,7 @@ class Federation:
         self.settings = settings
         self.max_inbound = max_inbound
         self.unjoined: dict[str, float] = {}  # online devices without a plan -> when their status said online
+        self.connections: dict[str, str] = {}  # device -> nonce of the connection its last online opened
         self.reconnects = 0
         self._wire = (0, 0)
         self.status, self._status_at = status, float("-inf")
@@ -413,7 +418,7 @@ class Federation:
             count_refusal(self.refusals, f"link {getattr(exc.reason, 'value', 'other')}")
             return
         if kind == TopicKind.STATUS:
-            self._on_status(device_id, parse_status(msg).online)
+            self._on_status(device_id, parse_status(msg))
             return
         if msg.type == MessageType.UPDATE:
             self._on_update(device_id, msg)
@@ -428,9 +433,18 @@ class Federation:
         except MessageError as exc:
             LOG.warning("dropped a malformed %s from %s: %s", msg.type.value, device_id, exc)
 
-    def _on_status(self, device_id: str, online: bool) -> None:
-        now = time.monotonic()
-        if not online:
+    def _on_status(self, device_id: str, status: Status) -> None:
+        """A device's connection opened or closed. An online of the connection already known (its retained frame
+        handed out again, or re-published by anyone on the broker) changes nothing: a task is re-sent at most once
+        per connection the device really opened."""
+        now, online = time.monotonic(), status.online
+        if online and self.connections.get(device_id) == status.nonce:
+            LOG.debug("%s: online again for its current connection: nothing changes", device_id)
+            return
+        if online:
+            self.connections[device_id] = status.nonce
+        else:
+            self.connections.pop(device_id, None)
             self.engine.lost_in_round(device_id)
         if self.coordinator.set_online(device_id, online):
             LOG.info("%s is %s", device_id, "online" if online else "offline")
@@ -648,6 +662,7 @@ class Federation:
         self.gather(round_index)
         _, completed = self.engine.close_round(time.monotonic())
         if train and self.engine.pending is not None:
+            stats = self.endpoint.stats  # a snapshot: read it again
             self.engine.pending.update(wire_bytes_out=stats["bytes_out"] - wire[0],
                                        wire_bytes_in=stats["bytes_in"] - wire[1])
         return completed
@@ -768,7 +783,7 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
     subscriptions = server_subscriptions(args.prefix)  # with aggregators: the updates when no member is left
     subscriptions += [wire.engine_filter(args.prefix)] if aggregators else []
     anything_a_server_held = [*server_subscriptions(args.prefix), wire.engine_filter(args.prefix)]
-    local, local_aggregators = LocalDevices(), LocalDevices("aggregator")
+    local, local_aggregators = LocalDevices(on_oom=engine.demote), LocalDevices("aggregator")
     with broker_url(args) as url, contextlib.ExitStack() as stack:
         status = None
         if args.status_port is not None:

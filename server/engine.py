@@ -123,6 +123,7 @@ class RoundEngine:
         self.kinds: dict[str, str] = {}  # device -> the artifact kind its runtime runs
         self.profiles: dict[str, ResourceProfile] = {}  # device -> the resources its last JOIN reported
         self.demoted: dict[str, float] = {}  # device -> the tier it is held below after it died in a round
+        self._lost: dict[str, float] = {}  # device -> its tier when it went offline during the open round
         self._resends: dict[str, int] = {}
         self._files_sent: dict[str, str] = {}  # device -> plan hash whose files it was last sent
         self._round_weights: dict[tuple, dict[str, np.ndarray]] = {}
@@ -214,16 +215,27 @@ class RoundEngine:
         return self._plan(device_id, self.plan_info(device_id), send_files=True)
 
     def lost_in_round(self, device_id: str) -> None:
-        """A device went offline while a round awaited its training answer (e.g. killed for memory): when it
-        joins again it gets a lower tier than the one it died at."""
+        """A device went offline while a round awaited its training answer. That alone is no evidence that its
+        tier does not fit (a brief disconnect, or anyone on the broker taking its client id over, looks the same):
+        it is demoted only if it misses the round (see close_round) or ``demote`` is told it was killed for
+        memory."""
         record = self.coordinator.devices.get(device_id)
         opened = self.coordinator.open
         if record is None or record.ratio is None or opened is None or device_id not in opened.train:
             return
         if self.algorithm.factorizes and self.coordinator.awaits(device_id) and min(self.tiers) < record.ratio:
-            self.demoted[device_id] = record.ratio
-            LOG.warning("%s went offline during round %d at tier %g: it gets a lower tier when it rejoins",
-                        device_id, opened.round, record.ratio)
+            self._lost.setdefault(device_id, record.ratio)
+            LOG.info("%s went offline during round %d at tier %g: a lower tier if it misses the round",
+                     device_id, opened.round, record.ratio)
+
+    def demote(self, device_id: str, evidence: str) -> None:
+        """Evidence that the device's tier does not fit it (``evidence`` says which): when it joins again it gets
+        a lower tier than the one it had."""
+        record = self.coordinator.devices.get(device_id)
+        if record is None or record.ratio is None or not self.algorithm.factorizes or min(self.tiers) >= record.ratio:
+            return
+        self.demoted[device_id] = min(record.ratio, self.demoted.get(device_id, record.ratio))
+        LOG.warning("%s %s at tier %g: it gets a lower tier when it rejoins", device_id, evidence, record.ratio)
 
     # -- rounds ---------------------------------------------------------------------------------
 
@@ -465,6 +477,9 @@ class RoundEngine:
         for device_id, reason in result.dropped.items():
             if reason == NO_ANSWER:
                 LOG.warning("round %d closed at its deadline without %s's answer", result.round, device_id)
+                if device_id in self._lost:
+                    self.demote(device_id, f"went offline during round {result.round} and missed it")
+        self._lost = {}
         completed = self._complete_previous(result)
         if result.train:
             self.pending = self._training_record(result, now)

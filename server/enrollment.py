@@ -54,8 +54,9 @@ def load_enrollment(path: str | Path) -> dict[str, bytes]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise EnrollmentError(f"enrollment file {path} does not exist: write it with "
-                              "scripts/mosquitto_credentials.py --enroll-file, or pass --enroll open") from None
+        raise EnrollmentError(f"enrollment file {path} does not exist: write it with scripts/mosquitto_credentials.py "
+                              "--out DIR --device-id ID (it writes DIR/enrollment.json) or python -m server.enrollment "
+                              "add FILE ID --keys-dir DIR, or pass --enroll open") from None
     except (OSError, ValueError) as exc:
         raise EnrollmentError(f"enrollment file {path} is unreadable: {exc}") from None
     if not isinstance(data, dict) or data.get("version") != FILE_VERSION or not isinstance(data.get("devices"), dict):
@@ -168,8 +169,10 @@ def run_key_ring(enroll_arg: str | None, run_key_file: str | Path | None, local_
     local_ids = list(local_ids)
     if enroll_arg is None:
         if not local_ids:
-            raise EnrollmentError("no devices are enrolled: pass --enroll FILE (see scripts/mosquitto_credentials.py "
-                                  "--enroll-file) or --enroll open --run-key FILE")
+            raise EnrollmentError("no devices are enrolled: pass --enroll FILE (written by "
+                                  "scripts/mosquitto_credentials.py --out DIR as DIR/enrollment.json, or by "
+                                  "python -m server.enrollment add) or "
+                                  "--enroll open --run-key FILE")
         path = out_dir / LOCAL_ENROLLMENT
         save_enrollment(path, enroll(load_enrollment(path) if path.exists() else {}, local_ids))
         enroll_arg = str(path)

@@ -2,20 +2,25 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from device_runtime.auth import CounterSource, Direction, KeyRing
+from device_runtime.auth import SESSION_KEY, CounterSource, Direction, KeyRing
 from device_runtime.link import Link
 from device_runtime.protocol import Message, decode, seal
 
 KEY = bytes(range(32))
 """The key of every device in these tests, unless a test says otherwise."""
 OPEN_MAX = 1 << 28
+SESSION = "5e55" * 8
+"""The session of every device link these tests make (device_link), which seal_down names by default."""
 _COUNTERS = CounterSource(int(time.time()))
 
 
-def seal_down(msg: Message, key: bytes = KEY) -> bytes:
-    """``msg`` as the server would send it."""
+def seal_down(msg: Message, key: bytes = KEY, session: str | None = SESSION) -> bytes:
+    """``msg`` as the server would send it to a device of ``session`` (None: bound to none)."""
+    if session is not None:
+        msg = replace(msg, meta={**msg.meta, SESSION_KEY: session})
     return seal(msg, key, Direction.DOWN, _COUNTERS.next())
 
 
@@ -43,7 +48,7 @@ def enrollment_file(path: Path, device_ids: list[str], key: bytes = KEY) -> Path
 
 
 def device_link(device_id: str, state_dir: Path, key: bytes = KEY) -> Link:
-    return Link.device(device_id, key, state_dir, OPEN_MAX)
+    return Link.device(device_id, key, state_dir, OPEN_MAX, session=SESSION)
 
 
 def server_link(device_ids: list[str], state_dir: Path, key: bytes = KEY) -> Link:

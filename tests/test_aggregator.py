@@ -149,15 +149,31 @@ def test_the_engine_refuses_what_is_sealed_under_another_key_than_the_server_key
     assert wire.kind_of(engine_side.open(genuine.seal(msg), RUN, device_id="agg-0")) == kind
 
 
+def test_a_member_refuses_what_the_engine_sealed_before_it_started(tmp_path: Path):
+    """A CLOSE the engine bound to an earlier member process, left on the broker, does not move a fresh member
+    (its workdir new: no counter of the engine's was ever seen there)."""
+    engine_side = wire.engine_link(SERVER_KEY, tmp_path / "engine", OPEN_MAX)
+    earlier = wire.aggregator_link(SERVER_KEY, tmp_path / "member", OPEN_MAX)
+    engine_side.open(earlier.seal(wire.message(wire.READY, "agg-0")), RUN, device_id="agg-0")
+    close = engine_side.seal(wire.message(wire.CLOSE, "agg-0", round_index=1))
+    with pytest.raises(Refused) as info:
+        wire.aggregator_link(SERVER_KEY, tmp_path / "fresh-member", OPEN_MAX).open(close, RUN, device_id="agg-0")
+    assert info.value.reason == Refusal.STALE_SESSION
+
+
 @pytest.mark.parametrize("side", ["engine", "aggregator"])
 def test_a_link_started_again_on_its_state_refuses_what_it_took_before(side: str, tmp_path: Path):
     """A brief of last week's run published to a member of today's run before today's engine has spoken (or a
     receipt of last week's member to today's engine) is refused: the last counter taken is on disk."""
     receiver, sender = (wire.engine_link, wire.aggregator_link) if side == "engine" else (wire.aggregator_link,
                                                                                          wire.engine_link)
-    earlier = sender(SERVER_KEY, tmp_path / "sender", OPEN_MAX).seal(wire.message(wire.READY, "agg-0"))
-    latest = sender(SERVER_KEY, tmp_path / "sender", OPEN_MAX).seal(wire.message(wire.READY, "agg-0"))
-    assert wire.kind_of(receiver(SERVER_KEY, tmp_path / "receiver", OPEN_MAX).open(latest, RUN, device_id="agg-0"))
+    senders = [sender(SERVER_KEY, tmp_path / "sender", OPEN_MAX) for _ in range(2)]
+    receiving = receiver(SERVER_KEY, tmp_path / "receiver", OPEN_MAX)
+    if side == "aggregator":  # a member's READY names its session, and the engine binds what it sends to it
+        for engine_side in senders:
+            engine_side.open(receiving.seal(wire.message(wire.READY, "agg-0")), RUN, device_id="agg-0")
+    earlier, latest = (s.seal(wire.message(wire.READY, "agg-0")) for s in senders)
+    assert wire.kind_of(receiving.open(latest, RUN, device_id="agg-0"))
     with pytest.raises(Refused) as info:
         receiver(SERVER_KEY, tmp_path / "receiver", OPEN_MAX).open(earlier, RUN, device_id="agg-0")
     assert info.value.reason == Refusal.REPLAY

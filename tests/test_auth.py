@@ -124,7 +124,7 @@ def test_a_refused_message_changes_no_state():
     verifier = server_verifier()
     verifier.check(sealed(key=KEY_B, counter=99), {RUN})
     verifier.check(sealed(run_id=OTHER_RUN, counter=99), {RUN})
-    assert verifier.to_state() == {"counters": {}, "nonces": {}, "closed": []}
+    assert verifier.to_state() == {"counters": {}, "nonces": {}, "closed": [], "sessions": {}}
     assert verifier.check(sealed(counter=98), {RUN}).accepted
 
 

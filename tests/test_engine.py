@@ -153,14 +153,38 @@ def test_a_rounds_record_is_completed_by_the_next_rounds_evaluations_with_per_ti
     assert completed["per_device"]["dev_001"]["tier"] == "0.5"
 
 
-def test_a_device_lost_during_its_training_round_rejoins_at_a_lower_tier():
+def test_a_device_lost_during_its_training_round_that_misses_it_rejoins_at_a_lower_tier():
     engine = make_engine("fedara", tiers=(1.0, 0.5, 0.25), predictor=lambda profile, samples: (lambda ratio: 10 * ratio))
     join(engine, "dev_000", budget=100)
     assert engine.coordinator.devices["dev_000"].ratio == 1.0
     engine.open_round(1, 0.0)
     engine.lost_in_round("dev_000")
     engine.coordinator.set_online("dev_000", False)
+    join(engine, "dev_000", budget=100)  # back before the round closed: no evidence yet
+    assert engine.coordinator.devices["dev_000"].ratio == 1.0 and engine.demoted == {}
     engine.close_round(20.0)
+    join(engine, "dev_000", budget=100)
+    assert engine.coordinator.devices["dev_000"].ratio == 0.5
+
+
+def test_a_device_back_from_a_brief_disconnect_that_answers_its_round_keeps_its_tier():
+    engine = make_engine("fedara", tiers=(1.0, 0.5, 0.25), predictor=lambda profile, samples: (lambda ratio: 10 * ratio))
+    join(engine, "dev_000", budget=100)
+    tasks = engine.open_round(1, 0.0)
+    engine.lost_in_round("dev_000")
+    join(engine, "dev_000", budget=100)
+    assert answer(engine, "dev_000", tasks["dev_000"]).accepted
+    engine.close_round(2.0)
+    join(engine, "dev_000", budget=100)
+    assert engine.coordinator.devices["dev_000"].ratio == 1.0 and engine.demoted == {}
+
+
+def test_a_device_killed_for_memory_rejoins_at_a_lower_tier_within_the_round():
+    engine = make_engine("fedara", tiers=(1.0, 0.5, 0.25), predictor=lambda profile, samples: (lambda ratio: 10 * ratio))
+    join(engine, "dev_000", budget=100)
+    engine.open_round(1, 0.0)
+    engine.lost_in_round("dev_000")
+    engine.demote("dev_000", "was killed at its 128 MiB memory limit")
     join(engine, "dev_000", budget=100)
     assert engine.coordinator.devices["dev_000"].ratio == 0.5
 

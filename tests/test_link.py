@@ -68,8 +68,14 @@ def test_a_restarted_device_counts_above_its_last_start(pair, tmp_path):
     assert server.open(restarted.seal(message(MessageType.JOIN)), RUN, device_id="dev_a")
 
 
+def joined(server: Link, device: Link) -> None:
+    """The server opens the device's JOIN: it learns the device's session."""
+    server.open(device.seal(message(MessageType.JOIN, run_id="none")), RUN, device_id="dev_a")
+
+
 def test_device_takes_a_plan_of_a_new_run_but_not_an_old_runs_plan_after_it(pair, tmp_path):
     server, device = pair
+    joined(server, device)
     old_plan = server.seal(message(MessageType.PLAN, run_id=OLD_RUN))
     new_plan = server.seal(message(MessageType.PLAN, run_id=RUN))
     assert device.open(new_plan, OLD_RUN, device_id="dev_a").run_id == RUN
@@ -80,6 +86,7 @@ def test_device_takes_a_plan_of_a_new_run_but_not_an_old_runs_plan_after_it(pair
 
 def test_device_refuses_an_old_runs_task_by_its_counter(pair):
     server, device = pair
+    joined(server, device)
     old_task = server.seal(message(MessageType.TASK, run_id=OLD_RUN))
     device.open(server.seal(message(MessageType.PLAN, run_id=RUN)), OLD_RUN, device_id="dev_a")
     assert refusal(device, old_task) == Refusal.REPLAY
@@ -123,3 +130,37 @@ def test_open_mode_server_takes_any_id_under_the_shared_key(tmp_path):
 def test_sealing_for_an_unenrolled_device_names_it(pair):
     with pytest.raises(ValueError, match="dev_z"):
         pair[0].seal(message(MessageType.TASK, device_id="dev_z"))
+
+
+def test_a_fresh_device_refuses_what_the_server_sealed_before_it_started(pair, tmp_path):
+    """A refusal, PLAN and TASK sealed for an earlier process of the device (an earlier run's, left retained or
+    queued on the broker) are refused by a fresh device although no counter of theirs was ever seen there."""
+    server, device = pair
+    joined(server, device)
+    earlier = [server.seal(message(kind)) for kind in (MessageType.ERROR, MessageType.PLAN, MessageType.TASK)]
+    fresh = Link.device("dev_a", KEY, tmp_path / "device", MAX)  # a new process: it has accepted nothing yet
+    assert [refusal(fresh, payload) for payload in earlier] == [Refusal.STALE_SESSION] * 3
+    joined(server, fresh)
+    assert fresh.open(server.seal(message(MessageType.PLAN)), RUN, device_id="dev_a").type == MessageType.PLAN
+
+
+def test_a_message_bound_to_no_session_is_refused_by_a_device(pair):
+    server, device = pair
+    assert refusal(device, server.seal(message(MessageType.ERROR))) == Refusal.STALE_SESSION
+
+
+def test_the_server_binds_to_the_session_of_the_freshest_message_and_remembers_it(pair, tmp_path):
+    server, device = pair
+    late = device.status_signer("dev_a")(True, new_nonce())  # the old process's, delivered after the new one spoke
+    restarted = Link.device("dev_a", KEY, tmp_path / "device", MAX)
+    joined(server, restarted)
+    server.open(late, RUN, device_id="dev_a", kind=TopicKind.STATUS)
+    assert server.verifier.session_of("dev_a") == restarted.session != device.session
+    again = Link.server(KeyRing({"dev_a": KEY}), tmp_path / "server", MAX)
+    assert restarted.open(again.seal(message(MessageType.TASK)), RUN, device_id="dev_a").type == MessageType.TASK
+
+
+def test_a_devices_status_frames_name_its_session(pair):
+    server, device = pair
+    server.open(device.status_signer("dev_a")(True, new_nonce()), RUN, device_id="dev_a", kind=TopicKind.STATUS)
+    assert device.open(server.seal(message(MessageType.ERROR)), RUN, device_id="dev_a").type == MessageType.ERROR

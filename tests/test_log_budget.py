@@ -9,7 +9,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from device_runtime.log_budget import (BURST_LINES, FLOOD_LOGGERS, LINES_PER_S, FloodFilter, LineBudget,
+from device_runtime.log_budget import (BURST_LINES, FLOOD_LOGGERS, LINES_PER_S, MAX_KINDS, FloodFilter, LineBudget,
                                       hold_back_floods)
 from server.cli import console_logging
 from tests.test_transport import DEV1, WAIT_S, connect, wait_until  # noqa: F401 (connect: a fixture)
@@ -76,11 +76,41 @@ def test_errors_pass_whatever_the_budget(budgeted):
 
 
 def test_lines_below_the_budgeted_level_pass_whatever_the_budget(budgeted):
-    """A fleet's genuine events (a thousand devices joining at once) are INFO lines on the server's loggers."""
     logger, lines = budgeted
     for i in range(4):
-        log_at(logger, logging.INFO, 100.0, "dev_%03d joined", i)
+        log_at(logger, logging.DEBUG, 100.0, "frame %d", i)
     assert len(lines.lines) == 4
+
+
+@pytest.fixture
+def info_budgeted(budgeted) -> tuple[logging.Logger, Lines]:
+    """``budgeted`` with its budget spent on INFO lines too (as on the server's, engine's and device's loggers)."""
+    logger, lines = budgeted
+    flood = FloodFilter(LineBudget(burst=2, per_s=1.0), logging.INFO)
+    logger.filters = [flood]
+    return logger, lines
+
+
+def test_info_lines_caused_by_one_devices_messages_are_budgeted(info_budgeted):
+    logger, lines = info_budgeted
+    for _ in range(100):
+        log_at(logger, logging.INFO, 100.0, "%s is online while round %d awaits it", "dev_001", 2)
+    assert len(lines.lines) == 2
+
+
+def test_info_lines_of_a_fleets_devices_each_spend_their_own_budget(info_budgeted):
+    """A thousand devices joining at once all get their line."""
+    logger, lines = info_budgeted
+    for i in range(1000):
+        log_at(logger, logging.INFO, 100.0, "%s joined", f"dev_{i:04d}")
+    assert len(lines.lines) == 1000
+
+
+def test_the_budget_tracks_a_bounded_number_of_kinds():
+    budget = LineBudget(burst=1, per_s=1.0)
+    for i in range(MAX_KINDS + 10):
+        budget.admit(i, 0.0)
+    assert len(budget._tokens) == MAX_KINDS
 
 
 def test_the_server_cli_logging_puts_the_budget_on_every_flood_logger():
