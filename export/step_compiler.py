@@ -110,6 +110,15 @@ def _threshold_backward(grad_out, result, threshold):
     return grad_out * (result > threshold).to(grad_out.dtype)
 
 
+def _pow(x, exponent):
+    """x**1 and x**2 (an MSE and its backward) as a copy and a Mul: onnxruntime's Pow calls pow() per element."""
+    if exponent == 1:
+        return x * 1.0
+    if exponent == 2:
+        return x * x
+    return _TORCH_POW(x, exponent)
+
+
 def _repeat_last(t: torch.Tensor, times: int) -> torch.Tensor:
     """``t`` with every element of its last axis repeated ``times`` times, by one MatMul with a 0/1 matrix (exact:
     each output is one product by 1 plus zeros); onnxruntime broadcasts an inner axis of 2 element by element."""
@@ -157,9 +166,11 @@ def _decompositions() -> dict:
     table[aten.convolution_backward.default] = _convolution_backward
     table[aten.max_pool2d_with_indices_backward.default] = _max_pool2d_backward
     table[aten.threshold_backward.default] = _threshold_backward
+    table[aten.pow.Tensor_Scalar] = _pow
     return table
 
 
+_TORCH_POW = aten.pow.Tensor_Scalar
 _TORCH_POOL_BACKWARD = get_decompositions([aten.max_pool2d_with_indices_backward])[
     aten.max_pool2d_with_indices_backward.default]
 
