@@ -111,12 +111,13 @@ def _threshold_backward(grad_out, result, threshold):
 
 
 def _pow(x, exponent):
-    """x**1 and x**2 (an MSE and its backward) as a copy and a Mul: onnxruntime's Pow calls pow() per element."""
+    """x**1 and x**2 (an MSE and its backward) as a copy and a Mul: onnxruntime's Pow calls pow() per element.
+    Other exponents: NotImplemented, which make_fx takes as "trace the op itself"."""
     if exponent == 1:
         return x * 1.0
     if exponent == 2:
         return x * x
-    return _TORCH_POW(x, exponent)
+    return NotImplemented
 
 
 def _repeat_last(t: torch.Tensor, times: int) -> torch.Tensor:
@@ -170,7 +171,6 @@ def _decompositions() -> dict:
     return table
 
 
-_TORCH_POW = aten.pow.Tensor_Scalar
 _TORCH_POOL_BACKWARD = get_decompositions([aten.max_pool2d_with_indices_backward])[
     aten.max_pool2d_with_indices_backward.default]
 
@@ -286,7 +286,8 @@ def _reference_step(model: nn.Module, data: dict[str, torch.Tensor]) -> dict[str
 def check_parity(model: nn.Module, step: onnx.ModelProto, evaluate: onnx.ModelProto, input_shape: tuple[int, ...],
                  num_classes: int, feature_dim: int, session: Callable[[bytes], object]) -> float:
     """Max |Δ| of one step and one forward in onnxruntime vs PyTorch eager on a random batch whose images are blank
-    in their upper half (ties in max-pool windows); ParityError above PARITY_ATOL. ``session(model_bytes)`` opens an onnxruntime InferenceSession (the caller's build)."""
+    in their upper half (ties in max-pool windows); ParityError above PARITY_ATOL. ``session(model_bytes)`` opens
+    an onnxruntime InferenceSession (the caller's build)."""
     data = example_inputs(input_shape, num_classes, feature_dim, PARITY_BATCH, PARITY_SEED + 1)
     data[INPUT][:, :, :input_shape[1] // 2] = 0.0  # a blank region: equal maxima in pooling windows (ties)
     params = {k: v.detach().numpy() for k, v in model.state_dict().items()}
