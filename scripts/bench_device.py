@@ -24,6 +24,10 @@ worker processes, so that no worker inherits another's memory:
   step + decay / (steps per epoch). The parent makes the servers take turns in blocks of BLOCK calls (the first
   call of a block is not timed), so both meet the same load from other processes. The probe score
   (``device_runtime.probe``) is taken in the ORT process, so the cost model can scale the times.
+Every timed block records the wall clock and the calling thread's CPU time (``time.thread_time``: at 1 thread the
+step's own CPU, without the waits of a shared machine). Per plan the parent also counts the step's GFLOP (torch's
+FlopCounterMode) and derives the FLOP floor at the probe's GFLOP/s. The portable runtime, what a device runs by
+default, is the first column and the source of the cost model.
 The parent writes bench_device.json, bench_device.md (tables) and bench_device.png into ``--out-dir`` and, with
 ``--cost-model``, the data file that ``server.cost_model`` reads (entries it does not re-measure are kept).
 
