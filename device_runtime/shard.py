@@ -3,10 +3,17 @@
 The server writes shards; the device loads its own. The format is a plain
 ``np.savez`` archive (no pickled objects), so a shard can be read safely with
 ``allow_pickle=False`` and without torch.
+
+``np.savez`` stores its members uncompressed, so :func:`load_shard` memory-maps the images
+(``x_train``, ``x_test``) in place instead of reading them: a step gathers its batch from
+the mapped file, and the kernel may drop clean pages under pressure, so a board's data may
+be larger than its memory (half of Fashion-MNIST in one shard is 107 MB). A compressed
+archive (``np.savez_compressed``) still loads, read whole.
 """
 
 from __future__ import annotations
 
+import struct
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -19,6 +26,9 @@ FEATURE_DTYPE = np.float32
 LABEL_DTYPE = np.int64
 SHARD_FILENAME = "client_{:03d}.npz"
 ZIP_MAGIC = b"PK\x03\x04"
+MAPPED_KEYS = ("x_train", "x_test")
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, then file-name and extra-field lengths at offsets 26, 28
+_CHECK_CHUNK_BYTES = 4 << 20  # the finiteness check reads this much at a time: no full-size temporary
 
 
 class ShardError(ValueError):
@@ -76,7 +86,8 @@ def _check_split(split: str, x: object, y: object, num_classes: int) -> None:
         raise ShardError(f"y_{split} must be 1-D, got shape {y.shape}")
     if len(x) != len(y):
         raise ShardError(f"x_{split} has {len(x)} samples but y_{split} has {len(y)} labels")
-    if not np.isfinite(x).all():
+    rows = max(1, _CHECK_CHUNK_BYTES // max(1, x[:1].nbytes))
+    if not all(np.isfinite(x[start:start + rows]).all() for start in range(0, len(x), rows)):
         raise ShardError(f"x_{split} contains NaN or infinite values")
     if len(y) and (y.min() < 0 or y.max() >= num_classes):
         raise ShardError(
@@ -114,7 +125,9 @@ def load_shard(path: str | Path) -> Shard:
             missing = [key for key in SHARD_KEYS if key not in archive.files]
             if missing:
                 raise ShardError(f"shard {path} lacks keys {missing}; expected {list(SHARD_KEYS)}")
-            arrays = {key: archive[key] for key in SHARD_KEYS}
+            arrays = {key: _mapped(path, archive.zip, key) if key in MAPPED_KEYS else archive[key]
+                      for key in SHARD_KEYS}
+            arrays = {key: archive[key] if value is None else value for key, value in arrays.items()}
     except ShardError:
         raise
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as error:
@@ -128,3 +141,35 @@ def load_shard(path: str | Path) -> Shard:
             f"{num_classes.dtype} of shape {num_classes.shape}"
         )
     return Shard(num_classes=int(num_classes), **arrays)
+
+
+def _mapped(path: str | Path, archive: zipfile.ZipFile, key: str) -> np.ndarray | None:
+    """The member ``key`` of the .npz at ``path`` as a read-only memory map, or None where it cannot be mapped
+    (compressed, an unknown .npy version, Fortran order, objects): the caller then reads it whole. Its CRC is
+    checked by one streamed pass."""
+    info = archive.getinfo(key + ".npy")
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
+    with open(path, "rb") as handle:
+        handle.seek(info.header_offset)
+        signature, name_length, extra_length = _LOCAL_HEADER.unpack(handle.read(_LOCAL_HEADER.size))
+        if signature != ZIP_MAGIC:
+            raise ShardError(f"shard {path} is corrupt (member {key} has no local header); write it again")
+        member_start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+        handle.seek(member_start)
+        read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                       (2, 0): np.lib.format.read_array_header_2_0}.get(np.lib.format.read_magic(handle))
+        if read_header is None:
+            return None
+        shape, fortran_order, dtype = read_header(handle)
+        offset = handle.tell()
+    if fortran_order or dtype.hasobject:
+        return None
+    if (offset - member_start) + int(np.prod(shape)) * dtype.itemsize != info.file_size:
+        raise ShardError(f"shard {path} is corrupt (member {key} is not the size its header says); write it again")
+    with archive.open(info) as member:  # the CRC check, streamed: a damaged member is refused, as a read would be
+        while member.read(_CHECK_CHUNK_BYTES):
+            pass
+    if not int(np.prod(shape)):
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)

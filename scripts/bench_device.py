@@ -24,6 +24,10 @@ worker processes, so that no worker inherits another's memory:
   step + decay / (steps per epoch). The parent makes the servers take turns in blocks of BLOCK calls (the first
   call of a block is not timed), so both meet the same load from other processes. The probe score
   (``device_runtime.probe``) is taken in the ORT process, so the cost model can scale the times.
+Every timed block records the wall clock and the calling thread's CPU time (``time.thread_time``: at 1 thread the
+step's own CPU, without the waits of a shared machine). Per plan the parent also counts the step's GFLOP (torch's
+FlopCounterMode) and derives the FLOP floor at the probe's GFLOP/s. The portable runtime, what a device runs by
+default, is the first column and the source of the cost model.
 The parent writes bench_device.json, bench_device.md (tables) and bench_device.png into ``--out-dir`` and, with
 ``--cost-model``, the data file that ``server.cost_model`` reads (entries it does not re-measure are kept).
 
@@ -80,7 +84,8 @@ VARIANT_STEPS = 9  # single steps timed in each ort-memory worker
 SESSION_VARIANTS = {"arena+patterns": (True, True), "arena": (True, False), "patterns": (False, True),
                     "neither": (False, False)}
 PEAK_TOLERANCE = 0.02  # session variants within 2% of the lowest total peak count as equally lean
-LATENCY_VARIANTS = ("ort", "ort_decay", "torch", "torch_decay", "ort_b64", "portable", "portable_decay")
+LATENCY_VARIANTS = ("portable", "portable_decay", "portable_b64", "ort", "ort_decay", "torch", "torch_decay",
+                    "ort_b64")
 DEFAULT_CACHE = ROOT / "artifacts_cache" / "bench_device"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 MIB = 2**20
@@ -109,21 +114,34 @@ def peak_rss_bytes() -> int:
     return _proc_status_bytes("VmHWM")
 
 
-def percentiles_ms(seconds: list[float]) -> dict:
-    """p50 and p95 in milliseconds of a list of durations, and how many there were."""
+def percentiles_ms(seconds: list[float], cpu_seconds: list[float] | None = None) -> dict:
+    """p50 and p95 in milliseconds of a list of durations, and how many there were; with ``cpu_seconds`` (the
+    calling thread's CPU time of the same calls) also ``cpu_p50`` and ``cpu_p95``."""
     p50, p95 = np.percentile(np.asarray(seconds) * 1e3, [50, 95])
-    return dict(p50=float(p50), p95=float(p95), n=len(seconds))
+    out = dict(p50=float(p50), p95=float(p95), n=len(seconds))
+    if cpu_seconds:
+        cpu_p50, cpu_p95 = np.percentile(np.asarray(cpu_seconds) * 1e3, [50, 95])
+        out.update(cpu_p50=float(cpu_p50), cpu_p95=float(cpu_p95))
+    return out
 
 
 def timed_block(step: Callable[[], None], count: int) -> list[float]:
     """Seconds of ``count`` calls of ``step``, after one untimed call that pays for switching caches and threads."""
+    return timed_block_cpu(step, count)["wall"]
+
+
+def timed_block_cpu(step: Callable[[], None], count: int) -> dict[str, list[float]]:
+    """Wall-clock ("wall") and calling-thread CPU seconds ("cpu") of ``count`` calls of ``step``, after one untimed
+    call. At one thread every runtime here computes in the calling thread, so "cpu" is the step's CPU time without
+    the waits a shared machine adds; at more threads it misses the pool's workers (read "wall" there)."""
     step()
-    times = []
+    wall, cpu = [], []
     for _ in range(count):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         step()
-        times.append(time.perf_counter() - start)
-    return times
+        cpu.append(time.thread_time() - start_cpu)
+        wall.append(time.perf_counter() - start)
+    return dict(wall=wall, cpu=cpu)
 
 
 def fixed_batches(x: np.ndarray, y: np.ndarray, batch_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -155,9 +173,10 @@ def steps_per_epoch(batch_size: int) -> int:
     return -(-TRAIN_SAMPLES // batch_size)
 
 
-def amortized_ms(per_variant: dict, step: str, decay: str, batch_size: int) -> float:
-    """p50 of one step with the per-epoch decay spread over the epoch's steps: step + decay / steps."""
-    return per_variant[step]["p50"] + per_variant[decay]["p50"] / steps_per_epoch(batch_size)
+def amortized_ms(per_variant: dict, step: str, decay: str, batch_size: int, key: str = "p50") -> float:
+    """p50 of one step with the per-epoch decay spread over the epoch's steps: step + decay / steps (``key``
+    "cpu_p50": the same in thread-CPU time)."""
+    return per_variant[step][key] + per_variant[decay][key] / steps_per_epoch(batch_size)
 
 
 def _ort_step(trainer, batch: tuple[np.ndarray, np.ndarray], anchors: np.ndarray, mask: np.ndarray,
@@ -280,10 +299,12 @@ def ort_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
 
 
 def portable_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
-    """The compiled step graph on stock onnxruntime: one step at batch 16 ("portable"), and the decay step."""
+    """The compiled step graph on stock onnxruntime: one step at batch 16 ("portable") and 64 ("portable_b64"), and
+    the decay step."""
     from device_runtime.portable_trainer import PortableTrainer
     return _device_steppers(spec, "portable",
-                            lambda threads: PortableTrainer(spec["portable_artifacts"], threads=threads), {"": BATCH})
+                            lambda threads: PortableTrainer(spec["portable_artifacts"], threads=threads),
+                            {"": BATCH, "_b64": LARGE_BATCH})
 
 
 def torch_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
@@ -342,7 +363,7 @@ def step_server(kind: str, spec: dict) -> None:
             print(json.dumps(probe_gflops()), flush=True)
             continue
         name, threads, count = words
-        print(json.dumps(timed_block(steppers[(name, int(threads))], int(count))), flush=True)
+        print(json.dumps(timed_block_cpu(steppers[(name, int(threads))], int(count))), flush=True)
 
 
 class StepProcess:
@@ -367,7 +388,7 @@ class StepProcess:
         self._proc.stdin.flush()
         return self._read()
 
-    def block(self, variant: str, threads: int, count: int) -> list[float]:
+    def block(self, variant: str, threads: int, count: int) -> dict[str, list[float]]:
         return self._ask(f"{variant} {threads} {count}")
 
     def probe(self) -> float:
@@ -396,11 +417,14 @@ def measure_latency(spec: dict, steps: int) -> dict:
         per_threads = {}
         for threads in THREADS:
             times: dict[str, list[float]] = {name: [] for name in LATENCY_VARIANTS}
+            cpu: dict[str, list[float]] = {name: [] for name in LATENCY_VARIANTS}
             while min(len(t) for t in times.values()) < steps:
                 for name, so_far in times.items():
                     server = servers[name.split("_")[0]]
-                    so_far += server.block(name, threads, min(BLOCK, steps - len(so_far)))
-            per_threads[str(threads)] = {name: percentiles_ms(t) for name, t in times.items()}
+                    block = server.block(name, threads, min(BLOCK, steps - len(so_far)))
+                    so_far += block["wall"]
+                    cpu[name] += block["cpu"]
+            per_threads[str(threads)] = {name: percentiles_ms(t, cpu[name]) for name, t in times.items()}
         probes.append(ort.probe())
     return dict(threads=per_threads, probe_gflops=max(probes), probes=probes)
 
@@ -513,6 +537,24 @@ def write_synthetic_shard(path: Path, input_shape: tuple[int, ...], train_sample
     save_shard(path, shard)
 
 
+def step_gflop(model_name: str, input_shape: tuple[int, ...], ranks: dict, batch_size: int = BATCH) -> float:
+    """GFLOP of the matrix products and convolutions of one SGD step of the plan at ``batch_size`` (forward and
+    backward of CE + λ·L_FAC, counted by torch's FlopCounterMode; elementwise work left out): a floor, not an
+    estimate."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from server.lowrank import factorize_model
+    from server.models import build_model
+    from server.objective import local_loss
+    model = factorize_model(build_model(model_name, tuple(input_shape), NUM_CLASSES, seed=SEED), ranks)
+    x, y = torch.zeros(batch_size, *input_shape), torch.arange(batch_size) % NUM_CLASSES
+    anchors, mask = torch.zeros(NUM_CLASSES, model.feature_dim), torch.ones(NUM_CLASSES)
+    with FlopCounterMode(display=False) as counter:
+        loss, _ = local_loss(model, x, y, anchors, mask, LAM)
+        loss.backward()
+    return counter.get_total_flops() / 1e9
+
+
 def shape_name(shape) -> str:
     return "x".join(str(d) for d in shape)
 
@@ -541,6 +583,7 @@ def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path, train_sampl
                     model=model_name, input_shape=list(input_shape), ratios=[], plan=plan.describe(),
                     ranks=plan.ranks, artifacts=str(shipped.directory), portable_artifacts=str(portable.directory),
                     portable_artifact_bytes=portable.total_bytes,
+                    step_gflop=step_gflop(model_name, input_shape, plan.ranks),
                     shard=str(shard), artifact_bytes=shipped.total_bytes, artifact_file_bytes=shipped.sizes,
                     label=f"{model_name} {shape_name(input_shape)} {plan.describe()}")
                 plans.append(by_hash[shipped.hash])
@@ -788,7 +831,8 @@ def best_session_variant(results: list[dict]) -> str:
 
 def derived(result: dict, session: str) -> dict:
     """Per plan: ORT over PyTorch (peak memory, amortized step p50 per thread count), the amortized step p50 of
-    each runtime (step + per-epoch decay / steps per epoch), and the decay's share of an epoch."""
+    each runtime (step + per-epoch decay / steps per epoch), and the decay's share of an epoch; at 1 thread the
+    same in thread-CPU time, and the FLOP floor (``step_gflop`` at the probe's GFLOP/s) with each runtime over it."""
     ort = result["sessions"][session]
     peak_ort = ort["rounds"][str(BATCH)]["peak_rss_bytes"]
     peak_torch = result["torch"]["rounds"][str(BATCH)]["peak_rss_bytes"]
@@ -796,6 +840,12 @@ def derived(result: dict, session: str) -> dict:
                amortized_torch_ms={}, decay_share_ort={}, decay_share_torch={}, amortized_portable_ms={},
                step_portable_over_torch={}, step_portable_over_ort={},
                peak_portable_over_torch=result["portable"]["rounds"][str(BATCH)]["peak_rss_bytes"] / peak_torch)
+    one = result["latency"]["threads"]["1"]
+    cpu = {name: amortized_ms(one, name, name + "_decay", BATCH, "cpu_p50") for name in ("portable", "ort", "torch")}
+    floor_ms = 1e3 * result["step_gflop"] / result["latency"]["probe_gflops"]
+    out.update(cpu_amortized_ms_1t=cpu, cpu_portable_over_torch_1t=cpu["portable"] / cpu["torch"],
+               floor_ms_1t=floor_ms, portable_over_floor_1t=amortized_ms(one, "portable", "portable_decay", BATCH) / floor_ms,
+               cpu_portable_over_floor_1t=cpu["portable"] / floor_ms)
     steps = steps_per_epoch(BATCH)
     for threads, t in result["latency"]["threads"].items():
         ort_ms, torch_ms = amortized_ms(t, "ort", "ort_decay", BATCH), amortized_ms(t, "torch", "torch_decay", BATCH)
@@ -812,21 +862,22 @@ def derived(result: dict, session: str) -> dict:
 
 def cost_model_document(results: list[dict], session: str, command: str) -> dict:
     """The data file server.cost_model reads: per (model, input, ratio), peak MiB per batch size and p50 step ms
-    (per-epoch decay amortized) per thread count and batch size, with the probe score of the process that timed
-    the steps."""
+    (per-epoch decay amortized) per thread count and batch size of the portable runtime (stock onnxruntime, what
+    a device runs by default), with the probe score of the process that timed the steps."""
     from server.cost_model import COST_MODEL_FORMAT
     entries = []
     for r in results:
-        ort = r["sessions"][session]
-        peak = {str(b): ort["rounds"][str(b)]["peak_rss_bytes"] / MIB for b in BATCH_SIZES}
-        step = {threads: {str(BATCH): amortized_ms(t, "ort", "ort_decay", BATCH),
-                          str(LARGE_BATCH): amortized_ms(t, "ort_b64", "ort_decay", LARGE_BATCH)}
+        portable = r["portable"]
+        peak = {str(b): portable["rounds"][str(b)]["peak_rss_bytes"] / MIB for b in BATCH_SIZES}
+        step = {threads: {str(BATCH): amortized_ms(t, "portable", "portable_decay", BATCH),
+                          str(LARGE_BATCH): amortized_ms(t, "portable_b64", "portable_decay", LARGE_BATCH)}
                 for threads, t in r["latency"]["threads"].items()}
         for ratio in r["ratios"]:
             entries.append(dict(model=r["model"], input_shape=r["input_shape"], ratio=ratio, plan=r["plan"],
                                 probe_gflops=r["latency"]["probe_gflops"], peak_mb=peak, step_ms=step))
     return dict(format_version=COST_MODEL_FORMAT, generated_by=command, machine=platform.machine(),
-                session_options=session, train_samples=TRAIN_SAMPLES, lam=LAM, mu=MU, entries=entries)
+                runtime="portable", session_options=session, train_samples=TRAIN_SAMPLES, lam=LAM, mu=MU,
+                entries=entries)
 
 
 def _rows(results: list[dict]):
@@ -851,9 +902,11 @@ def markdown_tables(results: list[dict], session: str) -> str:
              "| PyTorch step ms | PyTorch decay ms/epoch | PyTorch amortized step ms | decay share PyTorch |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     runtimes = ["| model | input | ratio | step p50 / p95 ms 1t: portable | onnxruntime-training | PyTorch "
-                "| portable/PyTorch 1t | portable/training 1t | step p50 ms 2t: portable / training / PyTorch "
+                "| thread-CPU p50 ms 1t: portable / training / PyTorch | portable/PyTorch 1t wall | thread-CPU "
+                "| FLOP floor ms (GFLOP) | portable/floor 1t wall / thread-CPU | portable/training 1t "
+                "| step p50 ms 2t: portable / training / PyTorch "
                 "| peak MiB: portable / training / PyTorch | load ms: portable / training | portable artifacts KiB |",
-                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     sessions = ["| model | input | ratio | " + " | ".join(f"{n} peak MiB / step ms" for n in SESSION_VARIANTS) + " |",
                 "|---|---|---:|" + "---:|" * len(SESSION_VARIANTS)]
     for ratio, r in _rows(results):
@@ -876,11 +929,15 @@ def markdown_tables(results: list[dict], session: str) -> str:
             head + f"| {t1['ort']['p50']:.1f} | {t1['ort_decay']['p50']:.2f} | {d['amortized_ort_ms']['1']:.1f} "
             f"| {100 * d['decay_share_ort']['1']:.1f}% | {t1['torch']['p50']:.1f} | {t1['torch_decay']['p50']:.2f} "
             f"| {d['amortized_torch_ms']['1']:.1f} | {100 * d['decay_share_torch']['1']:.1f}% |")
-        po = r["portable"]
+        po, cpu = r["portable"], d["cpu_amortized_ms_1t"]
         runtimes.append(
             head + f"| {t1['portable']['p50']:.1f} / {t1['portable']['p95']:.1f} | {t1['ort']['p50']:.1f} / "
             f"{t1['ort']['p95']:.1f} | {t1['torch']['p50']:.1f} / {t1['torch']['p95']:.1f} "
-            f"| {d['step_portable_over_torch']['1']:.2f} | {d['step_portable_over_ort']['1']:.2f} "
+            f"| {cpu['portable']:.1f} / {cpu['ort']:.1f} / {cpu['torch']:.1f} "
+            f"| {d['step_portable_over_torch']['1']:.2f} | {d['cpu_portable_over_torch_1t']:.2f} "
+            f"| {d['floor_ms_1t']:.1f} ({r['step_gflop']:.3f}) "
+            f"| {d['portable_over_floor_1t']:.1f} / {d['cpu_portable_over_floor_1t']:.1f} "
+            f"| {d['step_portable_over_ort']['1']:.2f} "
             f"| {t2['portable']['p50']:.1f} / {t2['ort']['p50']:.1f} / {t2['torch']['p50']:.1f} "
             f"| {po['rounds'][str(BATCH)]['peak_rss_bytes'] / MIB:.0f} / "
             f"{ort['rounds'][str(BATCH)]['peak_rss_bytes'] / MIB:.0f} / {pt['rounds'][str(BATCH)]['peak_rss_bytes'] / MIB:.0f} "
@@ -889,7 +946,8 @@ def markdown_tables(results: list[dict], session: str) -> str:
         sessions.append(head + "| " + " | ".join(
             f"{r['sessions'][n]['rounds'][str(BATCH)]['peak_rss_bytes'] / MIB:.0f} / {r['sessions'][n]['step_ms']['p50']:.1f}"
             for n in SESSION_VARIANTS) + " |")
-    return "\n".join(["### Device runtimes side by side (batch 16; ratios with the per-epoch decay amortized)", "",
+    return "\n".join(["### Device runtimes side by side (batch 16; ratios with the per-epoch decay amortized; "
+                      "thread-CPU: the calling thread's CPU time, less noisy on a shared machine)", "",
                       *runtimes, "", "### Memory (1 thread, batch 16)", "", *memory, "", "### Step latency (batch 16)", "", *latency,
                       "", f"### Frobenius decay, once per epoch of {steps_per_epoch(BATCH)} steps (1 thread, batch 16, p50)",
                       "", *decay, "",

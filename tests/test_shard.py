@@ -145,3 +145,36 @@ def test_importing_shard_module_loads_no_server_side_library():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_load_maps_the_images_in_place_and_reads_a_compressed_shard_whole(tmp_path):
+    shard = Shard(**_arrays())
+    save_shard(tmp_path / "stored.npz", shard)
+    mapped = load_shard(tmp_path / "stored.npz")
+    assert isinstance(mapped.x_train, np.memmap) and isinstance(mapped.x_test, np.memmap)
+    assert not mapped.x_train.flags.writeable
+    np.savez_compressed(tmp_path / "deflated.npz", **_arrays())
+    read = load_shard(tmp_path / "deflated.npz")
+    assert not isinstance(read.x_train, np.memmap)
+    np.testing.assert_array_equal(read.x_train, mapped.x_train)
+
+
+def _anon_rss_mib_after_loading(path: Path) -> float:
+    """RssAnon (memory the kernel cannot drop) of a fresh process after it loads the shard and gathers a batch."""
+    code = ("import sys, numpy as np; from device_runtime.shard import load_shard; s = load_shard(sys.argv[1]); "
+            "batch = s.x_train[np.arange(0, len(s.x_train), 97)[:16]]; "
+            "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('RssAnon:')) / 1024)")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
+                          cwd=REPO_ROOT, env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"})
+    return float(done.stdout)
+
+
+def test_loading_a_large_shard_holds_no_copy_of_its_images(tmp_path):
+    """96 MiB of images: the loaded process holds a few MiB of them, not 96 (they are mapped, read on demand)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((24 * 1024, 1, 32, 32), dtype=np.float32)
+    save_shard(tmp_path / "big.npz", Shard(x, np.zeros(len(x), np.int64), x[:8], np.zeros(8, np.int64), 3))
+    del x
+    small = tmp_path / "small.npz"
+    save_shard(small, Shard(**_arrays()))
+    assert _anon_rss_mib_after_loading(tmp_path / "big.npz") < _anon_rss_mib_after_loading(small) + 16

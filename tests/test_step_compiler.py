@@ -153,3 +153,31 @@ def test_portable_and_training_runtimes_stay_together_over_many_steps(fedavgcnn,
     assert results[0].steps == results[1].steps >= LONG_STEPS
     a, b = ({**t.get_fe(), **t.get_head()} for t in (portable, training))
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) <= STEP_ATOL
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 8, 8), (1, 2, 6, 4)])
+def test_the_pool_backward_without_indices_routes_ties_to_the_first_maximum_as_pytorch_does(shape):
+    """Values from {0, 1, 2} tie in most 2×2 windows; the gradient must reach the first maximum (row-major) only."""
+    import torch
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 3, shape, generator=g).float()
+    grad = torch.randn(shape[0], shape[1], shape[2] // 2, shape[3] // 2, generator=g)
+    _, indices = torch.ops.aten.max_pool2d_with_indices(x, [2, 2], [2, 2])
+    expected = torch.ops.aten.max_pool2d_with_indices_backward(grad, x, [2, 2], [2, 2], [0, 0], [1, 1], False,
+                                                                indices)
+    got = step_compiler._max_pool2d_backward(grad, x, [2, 2], [2, 2], [0, 0], [1, 1], False, indices)
+    assert torch.equal(got, expected)
+    every_tie = (x == torch.nn.functional.interpolate(torch.max_pool2d(x, 2), scale_factor=2)).float()
+    assert not torch.equal(every_tie * torch.nn.functional.interpolate(grad, scale_factor=2), expected)
+
+
+def test_the_parity_gate_refuses_a_pool_backward_that_feeds_every_tied_maximum(fedavgcnn, monkeypatch):
+    """The gate's batch is blank in its upper half: equal maxima in pooling windows, which such a graph gets wrong."""
+    def every_maximum(x, kernel):
+        return x == step_compiler._upsample(step_compiler._max_pool(x, kernel), kernel)
+
+    monkeypatch.setattr(step_compiler, "_first_maxima", every_maximum)
+    step, evaluate = step_compiler.compile_step(fedavgcnn, SHAPE, CLASSES, fedavgcnn.feature_dim)
+    with pytest.raises(step_compiler.ParityError):
+        step_compiler.check_parity(fedavgcnn, step, evaluate, SHAPE, CLASSES, fedavgcnn.feature_dim,
+                                   inference_session)
