@@ -22,8 +22,12 @@ import numpy as np
 import pytest
 
 from server import broker_loop
+from server.algorithms import get_algorithm
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.data import load_dataset
+from server.models import build_model
 from server.report import METRICS_FILE, read_metrics
+from server.run_setup import global_state
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "nats_cluster.py"
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
@@ -32,12 +36,13 @@ DEVICES, ROUNDS, AGGREGATORS = 6, 3, 2
 KILLED = 1
 """Node 2 of 3 (index 1): agg-0's, dev_001's and dev_004's."""
 FOLDED = re.compile(r"(agg-\d+) folded (dev_\d+)'s update of round (\d+)")
-RELATIVE_TOLERANCE = 1e-5
-"""The two runs differ only in how float sums are grouped: each member folds in arrival order, in float64 (relative
-error ~K·2^-53 for K = 6 updates), rounded to float32 once per round (half an ulp: 2^-24 ≈ 6e-8 of a weight's
-scale); the next rounds' training carries that difference on. Measured here: max |Δ| / max |W| over the tensors
-2.2e-7 after 3 rounds. The bound leaves 50× room for that growth, and is 1e4 below the change one round of
-training makes (~0.1 of the scale), which a lost or doubly folded update would show."""
+AGREEMENT = 1e-2
+"""The two runs differ only in how float sums are grouped (which member folds which update, merged in float64 and
+rounded to float32 once a round: at most an ulp of a weight). Training carries that on, and a ulp can flip a
+max-pool or ReLU decision of the next round, which moves a weight by ~lr·|grad|: measured here, max |Δ| / max |W|
+from 2.2e-7 (no flip) to 3.5e-4 (one flip), i.e. ‖Δ‖ ≤ 3.3e-4 of what training moved each tensor. The bound is 1 %
+of that movement: 30× that room, while a lost or doubly folded update of one of 6 devices shifts a round by a
+sixth of a device's update. The folds themselves are counted exactly above."""
 
 
 def load_nats_cluster():
@@ -111,7 +116,9 @@ def test_a_node_killed_mid_round_2_loses_no_device_and_no_update(cluster, tmp_pa
 
     expected, got = load_checkpoint(undisturbed / CHECKPOINT_NAME), load_checkpoint(run / CHECKPOINT_NAME)
     assert got.round == ROUNDS and set(got.tensors) == set(expected.tensors)
-    relative = {name: float(np.abs(got.tensors[name] - value).max() / np.abs(value).max())
+    data = load_dataset("digits")
+    initial = global_state(build_model("fedavgcnn", data.input_shape, data.num_classes, seed=0), get_algorithm("fedara"))
+    relative = {name: float(np.linalg.norm(got.tensors[name] - value) / np.linalg.norm(value - initial[name].numpy()))
                 for name, value in expected.tensors.items()}
-    print(f"largest |killed - undisturbed| / max |W| over the tensors: {max(relative.values()):.3g}")
-    assert max(relative.values()) <= RELATIVE_TOLERANCE, relative
+    print(f"largest ‖killed - undisturbed‖ / ‖undisturbed - initial‖ over the tensors: {max(relative.values()):.3g}")
+    assert max(relative.values()) <= AGREEMENT, relative

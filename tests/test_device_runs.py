@@ -11,7 +11,7 @@ import pytest
 from device_runtime.agent import HEADS_DIR, PREVIOUS_RUN_DIR, DeviceAgent, Workdir
 from device_runtime.messages import Plan, plan_message, task_message
 from device_runtime.profile import collect_profile
-from device_runtime.protocol import Message, MessageType, Topics, decode
+from device_runtime.protocol import MessageType, Topics
 from device_runtime.shard import Shard
 from device_runtime.task import Phase, Task
 from server.algorithms import get_algorithm
@@ -19,6 +19,7 @@ from server.models import build_model
 from server.run_setup import PlanBook, global_state, initial_personal
 from server.strategy import factorize_per_plan, plan_key
 from tests.sealing import device_link, seal_down
+from tests.recording_endpoint import RecordingEndpoint
 
 DEVICE = "dev_000"
 PREFIX = "fedara-runs"
@@ -43,22 +44,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     plan = PlanBook(model, INPUT_SHAPE, tmp_path_factory.mktemp("runs") / "cache").get(1.0)
     fe = factorize_per_plan(global_state(model, algorithm), [plan.resolved])[plan_key(plan.resolved)]
     return World(plan.hash, plan.description, plan.files, initial_personal([model], algorithm)[model.name], fe)
-
-
-class RecordingEndpoint:
-    """Stands in for the device's MqttEndpoint: keeps what the agent publishes."""
-
-    def __init__(self) -> None:
-        self.sent: list[bytes] = []
-
-    def publish(self, topic: str, payload: bytes, msg_id: str, retain: bool = False, **kwargs: object) -> None:
-        self.sent.append(payload)
-
-    def set_max_message_bytes(self, max_message_bytes: int) -> None:
-        self.max_message_bytes = max_message_bytes
-
-    def last(self) -> Message:
-        return decode(self.sent[-1], max_bytes=1 << 26)
 
 
 def make_device(directory: Path) -> tuple[DeviceAgent, RecordingEndpoint]:

@@ -44,6 +44,7 @@ from server import simulate
 from server.run_setup import RunFolder, load_shards
 
 from tests.sealing import device_link, enrollment_file, seal_down, write_key
+from tests.recording_endpoint import RecordingEndpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -330,21 +331,8 @@ class Killed(BaseException):
     """Stands for a SIGKILL at a chosen point of the device's work."""
 
 
-class Outbox:
-    """An endpoint that keeps what the agent publishes."""
-
-    def __init__(self) -> None:
-        self.sent: list[bytes] = []
-
-    def publish(self, topic: str, payload: bytes, msg_id: str, retain: bool = False, **kwargs: object) -> None:
-        self.sent.append(payload)
-
-    def set_max_message_bytes(self, max_message_bytes: int) -> None:
-        self.max_message_bytes = max_message_bytes
-
-
-def device_agent(workdir: Path, shard: Shard) -> tuple[DeviceAgent, Outbox]:
-    outbox = Outbox()
+def device_agent(workdir: Path, shard: Shard) -> tuple[DeviceAgent, RecordingEndpoint]:
+    outbox = RecordingEndpoint()
     agent = DeviceAgent("dev_c", shard, collect_profile(None, 1), outbox, Workdir(workdir),
                         Topics(DEFAULT_TOPIC_PREFIX, "dev_c"), device_link("dev_c", workdir.parent / f"{workdir.name}-auth"))
     return agent, outbox

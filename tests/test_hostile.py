@@ -54,6 +54,7 @@ from server.strategy import factorize_per_plan, plan_key
 from tests.mqtt_peer import MqttPeer
 from tests.sealing import device_link, memory_server_link, seal_down
 from tests.sealing import seal_up as encode  # every message as its device would seal it, with a fresh counter
+from tests.recording_endpoint import RecordingEndpoint
 
 RUN = "run1"
 PREFIX = DEFAULT_TOPIC_PREFIX
@@ -533,22 +534,6 @@ def test_chunks_announcing_an_oversize_message_are_refused(world: World, server_
 
 
 # -- the device --------------------------------------------------------------------------------------
-
-
-class RecordingEndpoint:
-    """Stands in for the device's MqttEndpoint: keeps what the agent publishes."""
-
-    def __init__(self) -> None:
-        self.sent: list[bytes] = []
-
-    def publish(self, topic: str, payload: bytes, msg_id: str, retain: bool = False, **kwargs: object) -> None:
-        self.sent.append(payload)
-
-    def set_max_message_bytes(self, max_message_bytes: int) -> None:
-        self.max_message_bytes = max_message_bytes
-
-    def messages(self) -> list[Message]:
-        return [decode(payload, max_bytes=1 << 26) for payload in self.sent]
 
 
 def tiny_shard() -> Shard:
