@@ -6,7 +6,7 @@ would go: with it go the connections of agg-0 and of dev_001 and dev_004. They r
 in flight is recovered by the protocol's re-send rules (a device that says online while the round awaits it is sent
 its task again, an aggregator that connected again has its devices asked again, and a device that already
 answered re-sends its saved answer). Every round completes with every device, each (device, round) is folded once,
-and the final model is the undisturbed run's on the same cluster up to float rounding.
+and the final model is the undisturbed run's on the same cluster up to float rounding carried on by training.
 """
 from __future__ import annotations
 
