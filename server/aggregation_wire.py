@@ -19,7 +19,8 @@ message is of type AGGREGATION with ``meta["kind"]`` one of:
               whether it trains, and the tensors a training update of each plan carries;
 - ``receipt`` A -> engine: A verified a device's update (the device's header fields, its counter, tensor bytes);
 - ``verdict`` engine -> A: fold that update, or why not (the engine alone decides what counts);
-- ``close``   engine -> A: round r closed, send your partial;
+- ``close``   engine -> A: round r closed, send your partial over these updates (every one it was told to
+              fold: a lost verdict is made good here);
 - ``partial`` A -> engine: float64 Σ n_k·W_k, Σ n_k and the devices folded.
 """
 from __future__ import annotations
@@ -216,6 +217,27 @@ def parse_verdict(msg: Message) -> tuple[str, bool, str]:
     if not isinstance(meta.get("device"), str) or not isinstance(meta.get("fold"), bool):
         raise WireError("malformed verdict: needs a device and a boolean fold")
     return meta["device"], meta["fold"], str(meta.get("reason", ""))
+
+
+# -- close -------------------------------------------------------------------------------------
+
+
+def close_message(aggregator: str, round_index: int, fold: Iterable[str]) -> Message:
+    """The engine's request for round ``round_index``'s partial, naming every update it told the member to fold:
+    a verdict lost on the way (the member was away from the broker) is made good here, as a CLOSE is sent again
+    until its partial comes."""
+    return message(CLOSE, aggregator, round_index=round_index, fold=sorted(fold))
+
+
+def parse_close(msg: Message) -> tuple[str, ...]:
+    """The devices a CLOSE names to fold."""
+    fold = msg.meta.get("fold")
+    if not isinstance(fold, list) or not all(isinstance(d, str) for d in fold):
+        raise WireError("malformed close: needs fold, a list of device ids")
+    try:
+        return tuple(check_id(d, "device id") for d in fold)
+    except ProtocolError as exc:
+        raise WireError(f"malformed close: {exc}") from None
 
 
 # -- partial sums ------------------------------------------------------------------------------

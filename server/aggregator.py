@@ -134,17 +134,27 @@ class Aggregator:
         self.folded.append(device_id)
         LOG.info("%s folded %s's update of round %d", self.name, device_id, round_index)
 
-    def on_close(self, round_index: int) -> wire.Partial | str:
-        """This member's partial for the round the engine closed, or why it has none (asked again: the same)."""
-        if self.last_partial is not None and self.last_partial.round == round_index:
-            return self.last_partial
+    def on_close(self, round_index: int, fold: tuple[str, ...]) -> wire.Partial | str:
+        """This member's partial for the round the engine closed, over the updates ``fold`` names (what the engine
+        told it to fold), or why it has none. An update named here whose verdict never came (lost while this member
+        was away from the broker) is folded now; asked again, the same partial."""
         if self.brief is None or self.brief.round != round_index:
             return f"asked for round {round_index}'s partial, holds round {self.brief.round if self.brief else 'none'}"
+        late = [d for d in fold if d in self.awaiting]
+        for device_id in late:
+            LOG.info("%s: the close of round %d names %s, whose verdict never came: folding it", self.name,
+                     round_index, device_id)
+            self.on_verdict(round_index, device_id, True, "named by the close")
+        if self.last_partial is not None and self.last_partial.round == round_index and not late:
+            return self.last_partial
+        lacking = sorted(set(fold) - set(self.folded))
+        if lacking:
+            LOG.warning("%s: round %d's close names %s, whose update this member does not hold", self.name,
+                        round_index, lacking)
         if self.awaiting:
-            LOG.warning("%s: no verdict came for %s before round %d closed; not folded", self.name,
-                        sorted(self.awaiting), round_index)
-        partial = self.average.partial()
-        self.last_partial = wire.Partial(round_index, partial, tuple(self.folded))
+            LOG.warning("%s: round %d closed without folding %s (the engine did not name them)", self.name,
+                        round_index, sorted(self.awaiting))
+        self.last_partial = wire.Partial(round_index, self.average.partial(), tuple(self.folded))
         LOG.info("%s: round %d partial over %d update(s): %s", self.name, round_index, len(self.folded),
                  ",".join(self.folded))
         return self.last_partial
@@ -209,7 +219,7 @@ class Shell:
             elif kind == wire.VERDICT:
                 self.core.on_verdict(msg.round, *wire.parse_verdict(msg))
             elif kind == wire.CLOSE:
-                partial = self.core.on_close(msg.round)
+                partial = self.core.on_close(msg.round, wire.parse_close(msg))
                 if isinstance(partial, str):
                     LOG.warning("%s: %s", self.core.name, partial)
                 else:

@@ -585,7 +585,7 @@ class Federation:
         """Ask each aggregator told to fold updates for its partial sums; wait for them (bounded), or until a lost
         member's devices are awaited again."""
         for aggregator in self.engine.partials_missing():
-            self._to_aggregator(aggregator, wire.message(wire.CLOSE, aggregator, round_index=round_index))
+            self._to_aggregator(aggregator, wire.close_message(aggregator, round_index, self.engine.fold_list(aggregator)))
             self.asked[aggregator] = time.monotonic()
         reopened = lambda: self.coordinator.closing(time.monotonic()) is None  # noqa: E731 (a lost member's devices)
         if not self._pump(lambda: not self.engine.partials_missing() or reopened(),
@@ -610,7 +610,8 @@ class Federation:
             if now - max(self.heard.get(aggregator, 0.0), self.asked.get(aggregator, 0.0)) < self.probe_s:
                 continue
             if aggregator in missing and self.coordinator.closing(now) is not None:
-                self._to_aggregator(aggregator, wire.message(wire.CLOSE, aggregator, round_index=self.brief.round))
+                self._to_aggregator(aggregator, wire.close_message(aggregator, self.brief.round,
+                                                                     self.engine.fold_list(aggregator)))
             elif member or self.aggregators_at.get(aggregator) != self.brief.round:
                 self._to_aggregator(aggregator, wire.brief_message(self.brief, aggregator))
             self.asked[aggregator] = now

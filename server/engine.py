@@ -422,6 +422,10 @@ class RoundEngine:
         """Aggregators told to fold updates this round whose partial sums have not come."""
         return sorted(set(self._told) - set(self._partials))
 
+    def fold_list(self, aggregator: str) -> list[str]:
+        """The devices whose updates ``aggregator`` was told to fold this round, as its CLOSE names them."""
+        return sorted(self._told.get(aggregator, {}))
+
     def told_to_fold(self) -> dict[str, int]:
         """Aggregator -> how many of the open round's updates it was told to fold."""
         return {aggregator: len(told) for aggregator, told in self._told.items()}

@@ -65,6 +65,13 @@ def deliver(engine, member: Aggregator, msg: Message):
     return verdict
 
 
+def close(engine, member: Aggregator) -> wire.Partial:
+    """The member's answer to the engine's CLOSE of round 1 (naming what the engine told it to fold)."""
+    partial = member.on_close(1, tuple(engine.fold_list(member.name)))
+    assert not isinstance(partial, str), partial
+    return partial
+
+
 def test_an_update_under_a_key_not_its_devices_is_refused_with_its_reason(federation, caplog):
     engine, tasks, (member, _) = federation
     with caplog.at_level(logging.WARNING, "fedara.aggregator"):
@@ -107,7 +114,7 @@ def test_merged_partials_give_the_single_aggregators_model(federation):
         deliver(engine, members[i % 2], device_update(engine, device_id, tasks[device_id], 1.0 + i))
         assert alone.receive(device_id, device_update(alone, device_id, alone_tasks[device_id], 1.0 + i), 1.0).accepted
     for member in members:
-        assert engine.receive_partial(member.name, member.on_close(1)) is None
+        assert engine.receive_partial(member.name, close(engine, member)) is None
     engine.close_round(2.0)
     alone.close_round(2.0)
     for name, value in alone.global_state.items():
@@ -118,7 +125,7 @@ def test_merged_partials_give_the_single_aggregators_model(federation):
 def test_a_partial_over_other_updates_than_the_engine_told_is_refused(federation):
     engine, tasks, (member, _) = federation
     deliver(engine, member, device_update(engine, "dev_000", tasks["dev_000"], 1.0))
-    partial = member.on_close(1)
+    partial = close(engine, member)
     forged = wire.Partial(1, partial.sum, ("dev_000", "dev_001"))
     assert "it was told to fold ['dev_000']" in engine.receive_partial(member.name, forged)
 
@@ -127,11 +134,38 @@ def test_a_missing_partial_leaves_its_updates_undelivered(federation):
     engine, tasks, members = federation
     for i, device_id in enumerate(DEVICES):
         deliver(engine, members[i % 2], device_update(engine, device_id, tasks[device_id], 1.0))
-    assert engine.receive_partial("agg-0", members[0].on_close(1)) is None
+    assert engine.receive_partial("agg-0", close(engine, members[0])) is None
     assert engine.partials_missing() == ["agg-1"]
     result, _ = engine.close_round(2.0)
     assert result.dropped == {"dev_001": "aggregator agg-1 sent no partial sums"}
     assert engine.pending["participants"] == 2
+
+
+def test_an_update_whose_verdict_was_lost_is_folded_when_the_close_names_it(federation):
+    """The member was away from the broker when the engine's "fold" verdict went out: the CLOSE (sent again until
+    a partial comes) names the update, and the partial counts."""
+    engine, tasks, (member, _) = federation
+    msg = device_update(engine, "dev_000", tasks["dev_000"], 1.0)
+    receipt = member.on_update("dev_000", msg)
+    assert engine.receive_receipt(member.name, receipt, 1.0).accepted  # its verdict never reaches the member
+    assert member.folded == []
+    assert engine.receive_partial(member.name, close(engine, member)) is None
+    assert member.folded == ["dev_000"]
+
+
+def test_an_update_the_close_does_not_name_is_not_folded(federation):
+    """A verdict that refused it was lost: the close's list leaves it out, so the partial stays over what counts."""
+    engine, tasks, (member, _) = federation
+    member.on_update("dev_000", device_update(engine, "dev_000", tasks["dev_000"], 1.0))
+    partial = member.on_close(1, ())
+    assert partial.devices == () and partial.sum.count == 0
+
+
+def test_a_close_naming_something_other_than_device_ids_is_malformed():
+    with pytest.raises(wire.WireError, match="malformed close"):
+        wire.parse_close(wire.message(wire.CLOSE, "agg-0", round_index=1, fold="dev_000"))
+    with pytest.raises(wire.WireError, match="malformed close"):
+        wire.parse_close(wire.message(wire.CLOSE, "agg-0", round_index=1, fold=["../x"]))
 
 
 @pytest.mark.parametrize("kind", [wire.RECEIPT, wire.PARTIAL])
@@ -155,7 +189,7 @@ def test_a_member_refuses_what_the_engine_sealed_before_it_started(tmp_path: Pat
     engine_side = wire.engine_link(SERVER_KEY, tmp_path / "engine", OPEN_MAX)
     earlier = wire.aggregator_link(SERVER_KEY, tmp_path / "member", OPEN_MAX)
     engine_side.open(earlier.seal(wire.message(wire.READY, "agg-0")), RUN, device_id="agg-0")
-    close = engine_side.seal(wire.message(wire.CLOSE, "agg-0", round_index=1))
+    close = engine_side.seal(wire.close_message("agg-0", 1, ["dev_000"]))
     with pytest.raises(Refused) as info:
         wire.aggregator_link(SERVER_KEY, tmp_path / "fresh-member", OPEN_MAX).open(close, RUN, device_id="agg-0")
     assert info.value.reason == Refusal.STALE_SESSION
