@@ -55,11 +55,15 @@ HETEROGENEOUS_MODEL = "cnn1"
 LOCAL_HETEROGENEOUS_MODELS = ("cnn1", "cnn2", "cnn3", "cnn4", "cnn5")
 RANK_TIERS = ("1.0", "0.75", "0.5", "0.25", "0.125")
 FEDARA_STAR_RATIO = "0.5"
-STUDIES = ("headline", "lambda", "partition")
+STUDIES = ("headline", "lambda", "partition", "curves")
+DEFAULT_STUDIES = ("headline", "lambda", "partition")
+"""What a preset runs unless --study says otherwise; the curves study (40+ rounds per run) is asked for by name."""
 HETERO_LOCAL = "Local CNN1..5"
 ANALYSIS_MARKER = "<!-- analysis: text below this line is written by hand and kept when the script rewrites the file -->"
 JSON_NAME, MARKDOWN_NAME, PLOT_NAME = "accuracy.json", "accuracy.md", "accuracy.png"
 LAMBDA_PLOT_NAME, ESTIMATE_NAME = "accuracy_lambda.png", "accuracy_estimate.json"
+CURVES_PLOT_NAME = "accuracy_curves.png"
+LEAD_START, LEAD_END = "<!-- lead: written by hand, kept when the script rewrites the file -->", "<!-- /lead -->"
 COST_NEUTRAL_FLAGS = ("--seed", "--alpha", "--partition", "--classes-per-client", "--aggregate", "--lam")
 """Flags that change what a run learns but not (to first order) what it costs: one cost class for --estimate."""
 MB = 1e6
@@ -85,9 +89,13 @@ class BenchConfig:
     lambdas: tuple[float, ...] = (0.0, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
     partition_alphas: tuple[float, ...] = (0.1, 0.5)
     classes_per_client: int = 2
-    studies: tuple[str, ...] = STUDIES
+    studies: tuple[str, ...] = DEFAULT_STUDIES
     threads: int = 1
     jobs: int = 2
+    sizes: tuple[int, ...] = (100, 200, 600)
+    curve_seeds: tuple[int, ...] = tuple(range(5))
+    curve_rounds: int = 40
+    device: str = "cpu"
 
     @property
     def lam_warmup(self) -> int:
@@ -100,9 +108,11 @@ class BenchConfig:
 
 PRESETS = {
     "reduced": BenchConfig(),
-    "paper": BenchConfig(clients=20, rounds=PAPER_ROUNDS, max_samples=None, local_epochs=5, lr=5e-3),
+    "paper": BenchConfig(clients=20, rounds=PAPER_ROUNDS, max_samples=None, local_epochs=5, lr=5e-3,
+                         curve_rounds=PAPER_ROUNDS),
     "quick": BenchConfig(dataset="digits", clients=5, seeds=(0,), study_seeds=(0,), rounds=2, max_samples=400,
-                         lambdas=(0.0, 2.0, 10.0), partition_alphas=(0.5,), jobs=1),
+                         lambdas=(0.0, 2.0, 10.0), partition_alphas=(0.5,), jobs=1, sizes=(80, 120), curve_seeds=(0,),
+                         curve_rounds=2),
 }
 
 
@@ -203,7 +213,12 @@ def common_arguments(config: BenchConfig, partition: Partition, seed: int) -> li
             "--seed", str(seed)]
     if config.max_samples:
         args += ["--max-samples", str(config.max_samples)]
-    return args
+    return args + device_arguments(config)
+
+
+def device_arguments(config: BenchConfig) -> list[str]:
+    """``--device cuda`` where the benchmark runs on a GPU; nothing on the CPU (the commands stay as they were)."""
+    return [] if config.device == "cpu" else ["--device", config.device]
 
 
 def heterogeneous_setting(partition: Partition) -> str:
@@ -277,8 +292,46 @@ def partition_plan(config: BenchConfig) -> BenchPlan:
     return plan
 
 
+def size_setting(kind: str, partition: Partition, size: int) -> str:
+    """'heterogeneous Dirichlet α=0.5, 100 samples/client': the curves study's settings."""
+    return f"{kind} {partition.label}, {size} samples/client"
+
+
+def curve_arguments(config: BenchConfig, partition: Partition, size: int, seed: int) -> list[str]:
+    """One (data size, seed) of the curves study: ``size`` samples per client on average (a seeded subset of
+    size × clients, split by the partition and 75/25 into train/test), ``curve_rounds`` rounds with the paper's
+    10-round λ warm-up."""
+    return ["--dataset", config.dataset, "--clients", str(config.clients), *partition.arguments(),
+            "--rounds", str(config.curve_rounds), "--local-epochs", str(config.local_epochs),
+            "--batch-size", str(config.batch_size), "--lr", f"{config.lr:g}", "--lam-warmup", str(DEFAULT_LAM_WARMUP),
+            "--seed", str(seed), "--max-samples", str(size * config.clients), *device_arguments(config)]
+
+
+def curves_plan(config: BenchConfig) -> BenchPlan:
+    """Per data size: heterogeneous FedARA (both rules) against local CNN1..5, and homogeneous FedARA against
+    FedRep, local and FedAvg, every round recorded, ``curve_seeds`` paired seeds."""
+    partition = Partition("dirichlet", config.alpha)
+    lam = config.lam_heterogeneous
+    hetero = [(fedara_label(rule), heterogeneous_fedara(rule, lam)) for rule in ("updates", "weights")]
+    hetero.append((HETERO_LOCAL, heterogeneous_local()))
+    homo = [(label, extra) for label, extra in homogeneous_algorithms(config.lam)
+            if label in ("FedARA", "FedRep", "Local", "FedAvg")]
+    plan = BenchPlan()
+    for seed in config.curve_seeds:
+        for size in config.sizes:
+            common = curve_arguments(config, partition, size, seed)
+            for kind, algorithms in (("heterogeneous", hetero), ("homogeneous", homo)):
+                plan.specs += [RunSpec("curves", size_setting(kind, partition, size), label, seed,
+                                       tuple(common + extra)) for label, extra in algorithms]
+    for size in config.sizes:
+        hetero_setting, homo_setting = (size_setting(kind, partition, size) for kind in ("heterogeneous", "homogeneous"))
+        plan.pairs += [Pair("curves", hetero_setting, fedara_label(rule), HETERO_LOCAL) for rule in ("updates", "weights")]
+        plan.pairs += [Pair("curves", homo_setting, "FedARA", other) for other in ("Local", "FedRep", "FedAvg")]
+    return plan
+
+
 STUDY_PLANS: dict[str, Callable[[BenchConfig], BenchPlan]] = {
-    "headline": headline_plan, "lambda": lambda_plan, "partition": partition_plan}
+    "headline": headline_plan, "lambda": lambda_plan, "partition": partition_plan, "curves": curves_plan}
 
 
 def bench_plan(config: BenchConfig) -> BenchPlan:
@@ -487,16 +540,51 @@ def lambda_rows(results: list[dict], config: BenchConfig) -> list[dict]:
     return rows
 
 
-def curves(results: list[dict]) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """'study: setting' -> algorithm -> (mean, SE) accuracy per round over seeds (the λ sweep left out)."""
+def curves(results: list[dict], studies: Iterable[str] = ("headline", "partition")
+           ) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """'study: setting' -> algorithm -> (mean, SE) accuracy per round over seeds, for ``studies``."""
     out: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
     for (study, setting, algorithm), runs in _groups(results).items():
-        if study == "lambda":
+        if study not in studies:
             continue
         acc = np.array([[rec["accuracy"] for rec in r["rounds"]] for r in runs])
         se = acc.std(axis=0, ddof=1) / math.sqrt(len(runs)) if len(runs) > 1 else np.zeros(acc.shape[1])
         out.setdefault(f"{study}: {setting}", {})[algorithm] = (acc.mean(axis=0), se)
     return out
+
+
+def ahead_from(mean_difference: Sequence[float]) -> int | None:
+    """The first round (1-based) from which the mean paired difference stays above 0 to the last round; None
+    when it is not ahead at the last round."""
+    first = None
+    for t, d in enumerate(mean_difference, start=1):
+        if d > 0:
+            first = first or t
+        else:
+            first = None
+    return first
+
+
+def _accuracy_per_round(run: dict) -> np.ndarray:
+    return np.array([rec["accuracy"] for rec in run["rounds"]], dtype=float)
+
+
+def curve_differences(results: list[dict], pairs: list[Pair]) -> list[dict]:
+    """Each curves-study pair: the final paired difference (mean, SE, seeds ahead), the mean paired difference
+    after every round and the round from which the first stays ahead (``ahead_from``)."""
+    per_seed = _per_seed((r for r in results if r["study"] == "curves"), _accuracy_per_round)
+    rows = []
+    for p in pairs:
+        first, second = per_seed.get((p.study, p.setting, p.first)), per_seed.get((p.study, p.setting, p.second))
+        if p.study != "curves" or not first or not second:
+            continue
+        seeds = sorted(set(first) & set(second))
+        diffs = np.array([first[s] - second[s] for s in seeds])
+        mean = diffs.mean(axis=0)
+        final = paired({s: first[s][-1] for s in seeds}, {s: second[s][-1] for s in seeds})
+        rows.append(dict(asdict(p), **final, rounds=len(mean), per_round=[float(v) for v in mean],
+                         ahead_from=ahead_from(mean)))
+    return rows
 
 
 # -- report --------------------------------------------------------------------------------------------------
@@ -573,6 +661,17 @@ def lambda_table(rows: list[dict], differences: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def curves_table(rows: list[dict]) -> str:
+    """The curves study: per setting and pair, the final paired difference and where the first pulls ahead."""
+    lines = ["| setting | difference | Δ final accuracy, pp (paired mean ± SE) | seeds where the first is ahead "
+             "| first ahead from round (mean paired Δ > 0 to the end) |", "|---|---|---|---|---|"]
+    for r in rows:
+        since = f"round {r['ahead_from']}" if r["ahead_from"] else f"never within {r['rounds']} rounds"
+        lines.append(f"| {r['setting']} | {r['first']} − {r['second']} | {_diff(r)} | {r['ahead']}/{r['seeds']} "
+                     f"| {since} |")
+    return "\n".join(lines)
+
+
 def config_table(config: BenchConfig) -> str:
     lines = ["| parameter | value |", "|---|---|"]
     for key, value in config.to_dict().items():
@@ -612,8 +711,9 @@ def estimate_section(estimate: dict | None) -> list[str]:
 
 
 def markdown_report(config: BenchConfig, command: str, results: list[dict], pairs: list[Pair], wall_s: float,
-                    analysis: str, runs: int, estimate: dict | None = None) -> str:
-    """accuracy.md: command, config, each study's tables, the estimate, example commands, then ``analysis``."""
+                    analysis: str, runs: int, estimate: dict | None = None, lead: str = "") -> str:
+    """accuracy.md: ``lead`` (kept from the last version), command, config, each study's tables, the estimate,
+    example commands, then ``analysis``."""
     differences = paired_differences(results, pairs)
     rows = summarize(results)
     examples: dict[str, str] = {}
@@ -622,6 +722,7 @@ def markdown_report(config: BenchConfig, command: str, results: list[dict], pair
                             f"{r['setting'].split()[0]} {r['algorithm']}")
     parts = [
         f"# Accuracy benchmark: FedARA vs baselines on {config.dataset}", "",
+        *([lead, ""] if lead else []),
         "Generated by `scripts/bench_accuracy.py`. Command:", "", "```", command, "```", "",
         f"Wall time: {wall_s / 60:.1f} min ({runs} runs, {config.jobs} job(s) × {config.threads} thread(s), "
         f"{platform.machine()}, torch {torch.__version__}). A seed is a partition and an initial model; every "
@@ -636,6 +737,12 @@ def markdown_report(config: BenchConfig, command: str, results: list[dict], pair
         if not study_rows:
             continue
         parts += [f"## Study: {study}", ""]
+        if study == "curves":
+            parts += ["### Final accuracy", "", results_table(study_rows), "",
+                      "### Paired differences over the rounds", "",
+                      curves_table(curve_differences(study_results, [p for p in pairs if p.study == study])), "",
+                      f"![accuracy after every round, ± SE over seeds]({CURVES_PLOT_NAME})", ""]
+            continue
         if study == "lambda":
             parts += ["Final accuracy vs λ (heterogeneous, 5 tiers), mean ± SE over seeds; paired columns give the "
                       "seeds where the first is ahead.", "", lambda_table(lambda_rows(results, config), study_diffs),
@@ -660,6 +767,13 @@ def markdown_report(config: BenchConfig, command: str, results: list[dict], pair
         ANALYSIS_MARKER,
     ]
     return "\n".join(parts) + "\n" + analysis
+
+
+def kept_lead(previous: str | None) -> str:
+    """The hand-written lead of an earlier accuracy.md (LEAD_START .. LEAD_END, markers included), or nothing."""
+    if not previous or LEAD_START not in previous or LEAD_END not in previous:
+        return ""
+    return LEAD_START + previous.split(LEAD_START, 1)[1].split(LEAD_END, 1)[0] + LEAD_END
 
 
 def kept_analysis(previous: str | None) -> str:
@@ -774,6 +888,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float)
     p.add_argument("--dataset", choices=DATASETS)
     p.add_argument("--clients", type=_positive)
+    p.add_argument("--sizes", type=_list(_positive, "positive integers"),
+                   help="curves study: samples per client, on average (default 100,200,600)")
+    p.add_argument("--curve-seeds", type=_list(int, "integers"), help="curves study seeds (default 0..4)")
+    p.add_argument("--curve-rounds", type=_positive, help="curves study rounds (default 40; paper: 100)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the PyTorch runs train (server.simulate --device); auto: cuda when torch sees one")
     p.add_argument("--threads", type=_positive, help="torch threads per run (default 1)")
     p.add_argument("--jobs", type=_positive, help="parallel worker processes (default 2; --quick: 1)")
     p.add_argument("--out-dir", type=Path, default=Path("docs"))
@@ -792,9 +912,13 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The preset's config, with every option given on the command line replacing its value."""
     fields = ("studies", "seeds", "study_seeds", "lambdas", "rounds", "max_samples", "local_epochs", "lr", "dataset",
-              "clients", "threads", "jobs")
+              "clients", "threads", "jobs", "sizes", "curve_seeds", "curve_rounds")
     overrides = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
-    config = replace(PRESETS[args.preset], **overrides)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
+                         "use --device cpu or auto")
+    config = replace(PRESETS[args.preset], device=device, **overrides)
     if config.lr <= 0:
         raise ValueError(f"--lr must be positive, got {config.lr:g}")
     if min(config.lambdas) < 0:
@@ -829,9 +953,13 @@ def write_reports(out_dir: Path, config: BenchConfig, command: str, plan: BenchP
     estimate_path = out_dir / ESTIMATE_NAME
     estimate = json.loads(estimate_path.read_text()) if estimate_path.is_file() else None
     md_path.write_text(markdown_report(config, command, results, plan.pairs, wall_s, kept_analysis(previous),
-                                       len(runs), estimate))
-    plot(curves(results), out_dir / PLOT_NAME)
-    written = [md_path, out_dir / PLOT_NAME]
+                                       len(runs), estimate, kept_lead(previous)))
+    written = [md_path]
+    for studies, name in ((("headline", "partition"), PLOT_NAME), (("curves",), CURVES_PLOT_NAME)):
+        data = curves(results, studies)
+        if data:
+            plot(data, out_dir / name)
+            written.append(out_dir / name)
     lam_rows = lambda_rows(results, config)
     if lam_rows:
         plot_lambda(lam_rows, out_dir / LAMBDA_PLOT_NAME)
@@ -924,6 +1052,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.estimate:
         estimate(config, command, args.out_dir, args.estimate_rounds)
         return 0
+    if args.preset == "paper":  # days on a CPU, hours on a GPU: say which before starting
+        estimate(config, command, args.out_dir, sample_rounds=1)
     plan = bench_plan(config)
     unique = plan.unique()
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
@@ -24,6 +24,7 @@ BACKENDS = {"torch": None, "ort": TRAINING_KIND, "portable": PORTABLE_KIND}
 """--backend -> the artifact kind its devices run: the PyTorch reference (none), onnxruntime's training API, or
 the portable step graph on stock onnxruntime (what MQTT devices run by default)."""
 DEVICE_PREFIX = "device/"
+TRAIN_DEVICES = ("cpu", "cuda")
 NO_DEADLINE_S = 1e9
 
 
@@ -36,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "or its portable step graph on stock onnxruntime (portable, what devices run by default)")
     sim.add_argument("--min-completion", type=float, default=0.5,
                      help="fraction of a round's training devices that must deliver for it to be aggregated")
+    sim.add_argument("--workers", type=int, default=1,
+                     help="train a round's devices in this many worker processes (each owns a share of the devices); "
+                          "the model is bit-identical to --workers 1")
+    sim.add_argument("--device", choices=TRAIN_DEVICES, default="cpu",
+                     help="where --backend torch trains the devices' models (cuda: an NVIDIA GPU)")
     return p
 
 
@@ -45,6 +51,16 @@ def check_simulate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--clients must be >= 1, got {args.clients}")
     if not 0.0 <= args.min_completion <= 1.0:
         raise ValueError(f"--min-completion must be in [0, 1], got {args.min_completion:g}")
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if args.device == "cuda":
+        if args.backend != "torch":
+            raise ValueError(f"--device cuda trains with PyTorch: use --backend torch (got --backend {args.backend}; "
+                             "the ONNX backends run on the CPU)")
+        import torch  # only when asked: flag checks otherwise answer before torch loads
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
+                             "use --device cpu")
 
 
 if __name__ == "__main__":  # --help and a mistake in the flags answer before torch and the data load
@@ -66,6 +82,7 @@ from server.compute_threads import device_blas_threads, use_server_threads
 from server.coordinator import Coordinator, CoordinatorConfig
 from server.engine import RoundEngine
 from server.lowrank import factorize_model
+from server.parallel_devices import DevicePool, WorkerError, WorkerSettings
 from server.progress import Progress, print_and_log
 from server.rank_assignment import OverrideError, load_overrides
 from server.run_config import norm_bound_from_args
@@ -102,15 +119,16 @@ class InProcessDevice:
 class Trainers:
     """One trainer per plan: the PyTorch reference or the device runtime's onnxruntime trainer."""
 
-    def __init__(self, backend: str, plans: dict[str, PlanArtifacts], threads: int):
-        self.backend, self.plans, self.threads = backend, plans, threads
+    def __init__(self, backend: str, plans: dict[str, PlanArtifacts], threads: int, device: str = "cpu"):
+        self.backend, self.plans, self.threads, self.device = backend, plans, threads, device
         self._trainers: dict[str, Trainer] = {}
 
     def __call__(self, plan_hash: str) -> Trainer:
         if plan_hash not in self._trainers:
             plan = self.plans[plan_hash]
             if self.backend == "torch":
-                self._trainers[plan_hash] = TorchTrainer(factorize_model(plan.model, plan.resolved.ranks))
+                model = factorize_model(plan.model, plan.resolved.ranks).to(self.device)
+                self._trainers[plan_hash] = TorchTrainer(model)
             else:
                 self._trainers[plan_hash] = open_trainer(plan.artifacts.directory, threads=self.threads)
         return self._trainers[plan_hash]
@@ -150,8 +168,9 @@ class Simulation:
                                   norm_bound=norm_bound_from_args(args))
         self.config = config
         self.by_hash: dict[str, PlanArtifacts] = {}
-        self.trainers = Trainers(args.backend, self.by_hash, args.threads)
+        self.trainers = Trainers(args.backend, self.by_hash, args.threads, args.device)
         self.devices = {d: InProcessDevice(d, shard, self.trainers, args.threads) for d, shard in shards.items()}
+        self.pool: DevicePool | None = None
         self.first_round = 1
         if self.saved:
             self._restore()
@@ -180,10 +199,29 @@ class Simulation:
             device.install(admission.plan)
             self.engine.coordinator.acknowledge(device_id, admission.plan.plan_hash)
 
+    def _answers(self, tasks: dict[str, Task]) -> Iterator[tuple[str, Update]]:
+        """Each device's update, in the order of ``tasks``: trained here one after another, or by the --workers
+        pool (started at the first round; the devices' personal tensors here follow the workers')."""
+        if self.args.workers == 1:
+            yield from ((device_id, self.devices[device_id].answer(task)) for device_id, task in tasks.items())
+            return
+        if self.pool is None:
+            self.pool = DevicePool(self.devices, self.by_hash,
+                                   WorkerSettings(self.args.backend, self.args.threads, self.args.device),
+                                   self.args.workers)
+        for device_id, update, personal in self.pool.answer(tasks):
+            self.devices[device_id].personal = personal
+            yield device_id, update
+
+    def close(self) -> None:
+        """Stop the --workers pool, if one runs."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
     def _round(self, round_index: int, train: bool = True) -> None:
         engine = self.engine
-        for device_id, task in engine.open_round(round_index, time.monotonic(), train=train).items():
-            update = self.devices[device_id].answer(task)
+        for device_id, update in self._answers(engine.open_round(round_index, time.monotonic(), train=train)):
             msg = update_message(update, plan_hash=self.devices[device_id].plan_hash, device_id=device_id,
                                  run_id=self.run_id)
             verdict = engine.receive(device_id, msg, time.monotonic())
@@ -194,12 +232,15 @@ class Simulation:
 
     def run(self) -> list[dict]:
         """Rounds up to --rounds, then the evaluation of the final model; a checkpoint after each round."""
-        for t in range(self.first_round, self.config.rounds + 1):
-            self._round(t)
-            self.progress.trained(self.engine.pending)
-            self._checkpoint(t, finished=False)
-        if self.engine.pending is not None:
-            self._round(self.config.rounds + 1, train=False)
+        try:
+            for t in range(self.first_round, self.config.rounds + 1):
+                self._round(t)
+                self.progress.trained(self.engine.pending)
+                self._checkpoint(t, finished=False)
+            if self.engine.pending is not None:
+                self._round(self.config.rounds + 1, train=False)
+        finally:
+            self.close()
         self._checkpoint(self.config.rounds, finished=True)
         return self.engine.records
 
@@ -230,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         out.path.mkdir(parents=True, exist_ok=True)
         print(f"run folder: {out.path}", flush=True)
         records = simulation.run()
-    except (ValueError, OSError, RunError, CheckpointError, OverrideError) as exc:
+    except (ValueError, OSError, RunError, CheckpointError, OverrideError, WorkerError) as exc:
         return fail(str(exc))
     settings = dict(simulation.settings, run_id=simulation.run_id, driver="simulate", backend=args.backend)
     report = out.report(records, settings)
