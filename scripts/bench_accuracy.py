@@ -3,8 +3,11 @@
     nice -n 5 .venv/bin/python scripts/bench_accuracy.py --jobs 2        # docs/accuracy.*: 71 min on 2 busy cores
     .venv/bin/python scripts/bench_accuracy.py --render-only             # redo the report from docs/accuracy.json
     .venv/bin/python scripts/bench_accuracy.py --preset paper --estimate  # time a sample, print the expected total
+    .venv/bin/python scripts/bench_accuracy.py --preset paper --jobs 8    # the paper's schedule (GPU: --device cuda)
+    .venv/bin/python scripts/bench_accuracy.py --study curves --out-dir docs/curves  # learning curves vs data size
 
-Fashion-MNIST, three studies (``--study``), each cell paired by seed (a seed is a partition and an initial model):
+Fashion-MNIST, four studies (``--study``; the first three by default), each cell paired by seed (a seed is a
+partition and an initial model):
 - headline: heterogeneous FedARA on CNN1 with five rank tiers 1.0/0.75/0.5/0.25/0.125 (round-robin by device id)
   under ``--aggregate weights`` (the paper's rule) and ``updates``, each with its λ = 0 ablation, against
   local-only CNN1..CNN5 (device i trains CNN(i mod 5 + 1), so tier 1.0 sits beside CNN1 and 0.125 beside CNN5);
@@ -13,12 +16,19 @@ Fashion-MNIST, three studies (``--study``), each cell paired by seed (a seed is 
 - lambda: the paper's λ sweep in the heterogeneous setting, both rules.
 - partition: the pathological partition (2 classes per client) beside Dirichlet 0.1 and 0.5, heterogeneous
   FedARA (both rules) and local CNN1..5.
+- curves: accuracy after every round for ``--curve-rounds`` rounds (40; paper 100) with the paper's 10-round λ
+  warm-up, per amount of data per client (``--sizes``), heterogeneous FedARA (both rules) vs local CNN1..5 and
+  homogeneous FedARA vs FedRep, local and FedAvg, ``--curve-seeds`` paired seeds; reports the final paired
+  difference and the first round from which FedARA stays ahead, and plots ``accuracy_curves.png``.
+The paper preset prints its measured estimate (one round of each cost class) before it starts, and every run
+trains on the GPU (``server.simulate --device cuda``) where torch sees one (``--device``).
 Every run is exactly one ``python -m server.simulate`` command (run in-process with its own functions; a run
 two studies share runs once); the JSON keeps each command. Writes ``accuracy.json``, ``accuracy.md`` (tables,
 paired differences with standard errors and wins), ``accuracy.png`` (accuracy vs round) and
 ``accuracy_lambda.png`` (final accuracy vs λ). Text below ``ANALYSIS_MARKER`` in an existing ``accuracy.md`` is
 kept. ``--estimate`` runs one round of one run per cost class instead, and writes the expected total to
-``accuracy_estimate.json`` (shown in ``accuracy.md`` when it lies beside it).
+``accuracy_estimate.json`` (shown in ``accuracy.md`` when it lies beside it). ``--keep-runs`` reuses the runs of
+an earlier ``accuracy.json`` that the benchmark plans (finishing an interrupted one, or adding rows to it).
 """
 from __future__ import annotations
 
@@ -95,6 +105,7 @@ class BenchConfig:
     sizes: tuple[int, ...] = (100, 200, 600)
     curve_seeds: tuple[int, ...] = tuple(range(5))
     curve_rounds: int = 40
+    curve_algorithms: tuple[str, ...] = ()
     device: str = "cpu"
 
     @property
@@ -316,17 +327,19 @@ def curves_plan(config: BenchConfig) -> BenchPlan:
     hetero.append((HETERO_LOCAL, heterogeneous_local()))
     homo = [(label, extra) for label, extra in homogeneous_algorithms(config.lam)
             if label in ("FedARA", "FedRep", "Local", "FedAvg")]
+    wanted = set(config.curve_algorithms or [label for label, _ in hetero + homo])
     plan = BenchPlan()
     for seed in config.curve_seeds:
         for size in config.sizes:
             common = curve_arguments(config, partition, size, seed)
             for kind, algorithms in (("heterogeneous", hetero), ("homogeneous", homo)):
                 plan.specs += [RunSpec("curves", size_setting(kind, partition, size), label, seed,
-                                       tuple(common + extra)) for label, extra in algorithms]
+                                       tuple(common + extra)) for label, extra in algorithms if label in wanted]
     for size in config.sizes:
         hetero_setting, homo_setting = (size_setting(kind, partition, size) for kind in ("heterogeneous", "homogeneous"))
-        plan.pairs += [Pair("curves", hetero_setting, fedara_label(rule), HETERO_LOCAL) for rule in ("updates", "weights")]
-        plan.pairs += [Pair("curves", homo_setting, "FedARA", other) for other in ("Local", "FedRep", "FedAvg")]
+        pairs = [Pair("curves", hetero_setting, fedara_label(rule), HETERO_LOCAL) for rule in ("updates", "weights")]
+        pairs += [Pair("curves", homo_setting, "FedARA", other) for other in ("Local", "FedRep", "FedAvg")]
+        plan.pairs += [p for p in pairs if {p.first, p.second} <= wanted]
     return plan
 
 
@@ -738,7 +751,12 @@ def markdown_report(config: BenchConfig, command: str, results: list[dict], pair
             continue
         parts += [f"## Study: {study}", ""]
         if study == "curves":
-            parts += ["### Final accuracy", "", results_table(study_rows), "",
+            parts += [f"{config.curve_rounds} rounds × {config.local_epochs} local epoch(s) per run, the paper's λ "
+                      f"warm-up ({DEFAULT_LAM_WARMUP} rounds), λ {config.lam_heterogeneous:g} heterogeneous and "
+                      f"{config.lam:g} homogeneous, seeds {', '.join(map(str, config.curve_seeds))}; 'N samples/client' "
+                      "is the average share of a seeded subset of N × clients samples, split 75/25 into train/test "
+                      "(the config's rounds, seeds, max_samples and lam_warmup are the other studies').", "",
+                      "### Final accuracy", "", results_table(study_rows), "",
                       "### Paired differences over the rounds", "",
                       curves_table(curve_differences(study_results, [p for p in pairs if p.study == study])), "",
                       f"![accuracy after every round, ± SE over seeds]({CURVES_PLOT_NAME})", ""]
@@ -759,7 +777,7 @@ def markdown_report(config: BenchConfig, command: str, results: list[dict], pair
         "Accuracy is Σ correct / Σ test samples over every client's local test split, each client with its own "
         "personalized model (FedAvg: the global model); 'std over clients' is the spread of the clients' own "
         "accuracies at the final round, averaged over seeds.", "",
-        f"![accuracy vs round]({PLOT_NAME})", "",
+        *([f"![accuracy vs round]({PLOT_NAME})", ""] if {"headline", "partition"} & set(config.studies) else []),
         *estimate_section(estimate),
         "## The runs (SEED: each seed of the table; the JSON keeps every run's command)", "",
         *[f"- {label}: `{cmd}`" for cmd, label in examples.items()],
@@ -892,6 +910,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="curves study: samples per client, on average (default 100,200,600)")
     p.add_argument("--curve-seeds", type=_list(int, "integers"), help="curves study seeds (default 0..4)")
     p.add_argument("--curve-rounds", type=_positive, help="curves study rounds (default 40; paper: 100)")
+    p.add_argument("--curve-algorithms", type=_list(str, "labels"),
+                   help="curves study: only these rows, e.g. 'FedARA updates,Local CNN1..5,FedARA,Local' (default all)")
+    p.add_argument("--keep-runs", action="store_true",
+                   help="reuse the runs of OUT_DIR/accuracy.json that this benchmark plans (finish an interrupted one)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the PyTorch runs train (server.simulate --device); auto: cuda when torch sees one")
     p.add_argument("--threads", type=_positive, help="torch threads per run (default 1)")
@@ -912,7 +934,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The preset's config, with every option given on the command line replacing its value."""
     fields = ("studies", "seeds", "study_seeds", "lambdas", "rounds", "max_samples", "local_epochs", "lr", "dataset",
-              "clients", "threads", "jobs", "sizes", "curve_seeds", "curve_rounds")
+              "clients", "threads", "jobs", "sizes", "curve_seeds", "curve_rounds", "curve_algorithms")
     overrides = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -1034,7 +1056,9 @@ def estimate(config: BenchConfig, command: str, out_dir: Path, sample_rounds: in
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / ESTIMATE_NAME).write_text(json.dumps(document, indent=1, ensure_ascii=False))
     print(f"expected: {total_core / 3600:.2f} core-hours for {len(unique)} runs, {total_core / config.jobs / 3600:.2f} h "
-          f"on {config.jobs} job(s) with a core each; wrote {out_dir / ESTIMATE_NAME}", flush=True)
+          f"on {config.jobs} job(s) with a core each; {document['total_wall_s'] / config.jobs / 3600:.2f} h of wall "
+          f"time at the samples' speed on {config.device} ({config.jobs} job(s)); wrote {out_dir / ESTIMATE_NAME}",
+          flush=True)
     return document
 
 
@@ -1060,19 +1084,28 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.out_dir / JSON_NAME
     print(f"{len(unique)} runs ({len(plan.specs)} cells); config {config.to_dict()}", flush=True)
     label = {s.command: s for s in reversed(plan.specs)}
-    start = time.perf_counter()
     done: list[dict] = []
+    earlier_s = 0.0
+    if args.keep_runs and json_path.is_file():
+        saved = json.loads(json_path.read_text())
+        done = [run for run in saved["runs"] if run["command"] in label]
+        earlier_s = saved["wall_s"] if done else 0.0
+        print(f"kept {len(done)} run(s) of {json_path} ({earlier_s / 60:.1f} min)", flush=True)
+    kept = {run["command"] for run in done}
+    unique = [s for s in unique if s.command not in kept]
+    start = time.perf_counter() - earlier_s
 
     def on_result(result: dict) -> None:
         done.append(result)
         elapsed = time.perf_counter() - start
         spec = label[result["command"]]
-        print(f"[{len(done)}/{len(unique)}] {spec.setting} | {spec.algorithm} | seed {spec.seed}: "
+        print(f"[{len(done)}/{len(unique) + len(kept)}] {spec.setting} | {spec.algorithm} | seed {spec.seed}: "
               f"final {100 * result['final_accuracy']:.2f}%  best {100 * result['best_accuracy']:.2f}%  "
               f"({result['wall_s']:.0f} s; {elapsed / 60:.1f} min elapsed)", flush=True)
         write_json(json_path, config, command, plan, done, complete=False, wall_s=elapsed)
 
-    runs = run_all([s.argv for s in unique], config.threads, config.jobs, on_result, args.verbose)
+    earlier = list(done)
+    runs = earlier + run_all([s.argv for s in unique], config.threads, config.jobs, on_result, args.verbose)
     wall_s = time.perf_counter() - start
     write_json(json_path, config, command, plan, runs, complete=True, wall_s=wall_s)
     write_reports(args.out_dir, config, command, plan, runs, wall_s)

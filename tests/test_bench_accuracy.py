@@ -229,3 +229,70 @@ def test_estimate_times_one_run_per_cost_class_and_shows_in_the_report(bench, tm
     shutil.copy(quick_run[0] / bench.JSON_NAME, tmp_path / bench.JSON_NAME)
     assert bench.main(["--render-only", "--out-dir", str(tmp_path)]) == 0
     assert "## Expected run time" in (tmp_path / bench.MARKDOWN_NAME).read_text()
+
+
+# -- the curves study -----------------------------------------------------------------------------------------
+
+
+def curve_cell(setting: str, algorithm: str, seed: int, accuracies: list[float]) -> dict:
+    rounds = [dict(round=t, accuracy=a, accuracy_std=0.1, bytes_down=1, bytes_up=1, seconds=1.0)
+              for t, a in enumerate(accuracies, start=1)]
+    return dict(study="curves", setting=setting, algorithm=algorithm, seed=seed, rounds=rounds,
+                final_accuracy=accuracies[-1], best_accuracy=max(accuracies), command=f"{algorithm} {seed}")
+
+
+def test_curves_study_runs_every_size_and_seed_for_forty_rounds_with_the_papers_warmup(bench):
+    config = bench.BenchConfig(studies=("curves",))
+    plan = bench.bench_plan(config)
+    runs = [(s.algorithm, parsed(s)) for s in plan.specs]
+    assert {(a["max_samples"] // a["clients"], a["seed"]) for _, a in runs} == {
+        (size, seed) for size in (100, 200, 600) for seed in range(5)}
+    assert {(a["rounds"], a["lam_warmup"]) for _, a in runs} == {(40, 10)}
+    assert {label for label, _ in runs} == {"FedARA updates", "FedARA weights", "Local CNN1..5", "FedARA", "FedRep",
+                                            "Local", "FedAvg"}
+    assert len(plan.pairs) == 3 * 5 and {p.second for p in plan.pairs} == {"Local CNN1..5", "Local", "FedRep",
+                                                                            "FedAvg"}
+
+
+def test_curve_algorithms_keep_only_those_rows_and_their_pairs(bench):
+    plan = bench.curves_plan(bench.BenchConfig(curve_algorithms=("FedARA updates", "Local CNN1..5")))
+    assert {s.algorithm for s in plan.specs} == {"FedARA updates", "Local CNN1..5"}
+    assert {(p.first, p.second) for p in plan.pairs} == {("FedARA updates", "Local CNN1..5")}
+
+
+def test_ahead_from_is_the_round_after_which_the_difference_stays_positive(bench):
+    assert bench.ahead_from([-0.1, 0.2, -0.1, 0.1, 0.3]) == 4
+    assert bench.ahead_from([0.1, 0.2]) == 1
+    assert bench.ahead_from([0.1, 0.2, 0.0]) is None
+
+
+def test_curve_differences_pair_seeds_round_by_round(bench):
+    results = [curve_cell("x", "FedARA", 0, [0.5, 0.7, 0.8]), curve_cell("x", "FedARA", 1, [0.4, 0.6, 0.9]),
+               curve_cell("x", "Local", 0, [0.6, 0.6, 0.7]), curve_cell("x", "Local", 1, [0.6, 0.7, 0.8])]
+    (row,) = bench.curve_differences(results, [bench.Pair("curves", "x", "FedARA", "Local")])
+    assert row["per_round"] == pytest.approx([-0.15, 0.0, 0.1])
+    assert (row["ahead_from"], row["ahead"], row["seeds"], row["rounds"]) == (3, 2, 2, 3)
+    assert row["mean"] == pytest.approx(0.1)
+    table = bench.curves_table([row, dict(row, ahead_from=None)])
+    assert "| round 3 |" in table and "never within 3 rounds" in table
+
+
+def test_rewriting_the_report_keeps_the_hand_written_lead(bench):
+    config = bench.BenchConfig(seeds=(0,), studies=("headline",))
+    runs = [cell("headline", "homogeneous Dirichlet α=0.5", "FedARA", 0, 0.6)]
+    lead = f"{bench.LEAD_START}\nFederate below 100 samples.\n{bench.LEAD_END}"
+    first = bench.markdown_report(config, "cmd", runs, [], 60.0, "", 1, lead=lead)
+    assert bench.kept_lead(first) == lead
+    assert bench.kept_lead(bench.markdown_report(config, "cmd", runs, [], 60.0, "", 1)) == ""
+
+
+def test_a_gpu_run_passes_device_cuda_to_every_run_and_a_cpu_run_nothing(bench):
+    gpu = bench.bench_plan(bench.BenchConfig(device="cuda", studies=("headline", "curves")))
+    assert all(parsed(s)["device"] == "cuda" for s in gpu.specs)
+    assert all("--device" not in s.argv for s in bench.bench_plan(bench.PRESETS["paper"]).specs)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error of a machine without a GPU")
+def test_device_cuda_without_a_gpu_is_an_error_naming_the_flag(bench, capsys):
+    assert bench.main(["--quick", "--device", "cuda", "--estimate"]) == 2
+    assert "--device cuda" in capsys.readouterr().err
