@@ -1,5 +1,8 @@
 """``server.simulate --workers N`` (devices trained in N spawned worker processes) gives the model of the
-sequential run bit for bit; worker errors and ``--device cuda`` without a GPU are clear errors."""
+sequential run bit for bit; worker errors and ``--device cuda`` without a GPU are clear errors.
+
+The torch case runs in the default suite; the portable (ONNX) case exports and compiles two plans, minutes under
+load, so it is marked slow, as is the local-training case."""
 import subprocess
 import sys
 
@@ -26,8 +29,8 @@ def assert_identical(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None
     assert not different, f"differ: {different[:5]}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["torch", "portable"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("portable", marks=[pytest.mark.slow,
+                                                                             pytest.mark.timeout(1200)])])
 def test_two_workers_give_the_sequential_runs_checkpoint_bit_for_bit(backend, tmp_path):
     flags = ["--backend", backend, "--algo", "fedara", "--model", "fedavgcnn", "--rank-tiers", "1.0,0.5",
              "--aggregate", "updates", "--cache-dir", str(tmp_path / "cache")]
@@ -53,7 +56,6 @@ class FakeDevice:
     shard, plan_hash, personal = None, "no-such-plan", {}
 
 
-@pytest.mark.slow
 def test_an_error_in_a_worker_names_the_worker_the_device_and_the_error():
     pool = DevicePool({"dev_000": FakeDevice()}, {}, WorkerSettings("torch", 1), workers=2)
     try:
