@@ -686,8 +686,11 @@ def curves_table(rows: list[dict]) -> str:
 
 
 def config_table(config: BenchConfig) -> str:
+    """The config as a table (the curves study's fields only where it runs)."""
     lines = ["| parameter | value |", "|---|---|"]
     for key, value in config.to_dict().items():
+        if key in ("sizes", "curve_seeds", "curve_rounds", "curve_algorithms") and "curves" not in config.studies:
+            continue
         shown = ", ".join(f"{v:g}" if isinstance(v, (int, float)) else str(v) for v in value) \
             if isinstance(value, (tuple, list)) else ("all" if value is None else value)
         lines.append(f"| {key} | {shown} |")
