@@ -113,12 +113,16 @@ class DevicePool:
             self._conns.append(parent)
             self._processes.append(process)
         shipped = {h: replace(p, files={}) for h, p in plans.items()}  # the files are for MQTT devices
-        for index, conn in enumerate(self._conns):
-            states = [DeviceState(d, devices[d].shard, devices[d].plan_hash, devices[d].personal)
-                      for d, w in self.owner.items() if w == index]
-            conn.send(("adopt", states, shipped))
-        for index in range(workers):
-            self._receive(index)
+        try:
+            for index, conn in enumerate(self._conns):
+                states = [DeviceState(d, devices[d].shard, devices[d].plan_hash, devices[d].personal)
+                          for d, w in self.owner.items() if w == index]
+                conn.send(("adopt", states, shipped))
+            for index in range(workers):
+                self._receive(index)
+        except BaseException:
+            self.close()
+            raise
 
     def _receive(self, index: int) -> Any:
         try:
