@@ -40,6 +40,7 @@ from device_runtime.messages import new_msg_id
 from device_runtime.protocol import (Message, MessageType, ProtocolError, Reason, check_device_id, check_id,
                                      check_topic_prefix, update_filter)
 from server.aggregate import PartialSum
+from server.update_rule import Answer, Asked
 
 READY, ROUND, RECEIPT, VERDICT, CLOSE, PARTIAL = "ready", "round", "receipt", "verdict", "close", "partial"
 KINDS = (READY, ROUND, RECEIPT, VERDICT, CLOSE, PARTIAL)
@@ -129,15 +130,6 @@ def kind_of(msg: Message) -> str:
 
 
 @dataclass(frozen=True)
-class Asked:
-    """One device asked in a round: its plan, the samples a training update must declare, whether it trains."""
-
-    plan_hash: str
-    num_samples: int
-    trains: bool
-
-
-@dataclass(frozen=True)
 class Brief:
     """What an aggregator needs to check and fold round ``round``'s updates."""
 
@@ -184,10 +176,9 @@ class Receipt:
     meta: dict[str, Any]
     nbytes: int
 
-    def as_update(self) -> Message:
-        """The device's UPDATE as the engine judges it: header and meta, no tensors (the aggregator holds them)."""
-        return Message(MessageType.UPDATE, self.run_id, self.round, self.device_id, self.msg_id, dict(self.meta),
-                       counter=self.counter)
+    def answer(self) -> Answer:
+        """The update as the engine judges it: the device's header and fields, its tensors held by the aggregator."""
+        return Answer(self.device_id, self.run_id, self.round, dict(self.meta), None)
 
 
 def receipt_message(receipt: Receipt, aggregator: str) -> Message:

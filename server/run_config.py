@@ -44,6 +44,7 @@ class FederationConfig:
     join_ratio: float = 1.0
     seed: int = 0
     aggregate: str = "weights"
+    min_completion: float = 0.5
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -52,6 +53,8 @@ class FederationConfig:
             raise ValueError(f"--aggregate {self.aggregate!r} is unknown; choose one of {', '.join(AGGREGATION_RULES)}")
         if not 0.0 < self.join_ratio <= 1.0:
             raise ValueError(f"--join-ratio must be in (0, 1], got {self.join_ratio}")
+        if not 0.0 <= self.min_completion <= 1.0:
+            raise ValueError(f"--min-completion must be in [0, 1], got {self.min_completion:g}")
         for name in ("rounds", "local_epochs", "batch_size", "lam_warmup"):
             if getattr(self, name) < (0 if name == "lam_warmup" else 1):
                 flag = "--" + name.replace("_", "-")
