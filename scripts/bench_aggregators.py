@@ -226,7 +226,7 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
     devices = [f"dev_{i:05d}" for i in range(clients)]
     keys = {d: new_key() for d in devices}
     engine = make_engine(devices, aggregators > 0, rounds)
-    max_inbound = inbound_limit(engine.global_state, 0)
+    max_inbound = inbound_limit(engine.global_state, {})
     enrollment = save_enrollment(folder / "enrollment.json", keys)
     names = tuple(f"agg-{i}" for i in range(aggregators))
     args = SimpleNamespace(prefix=PREFIX, join_timeout=120.0, aggregator_timeout=TIMEOUT_S, username=None,

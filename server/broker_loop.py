@@ -150,6 +150,9 @@ if __name__ == "__main__":  # --help and a mistake in the flags answer before to
     check_before_loading(build_parser(), check_broker_args)
 
 # The run's imports load torch (seconds, tens under load): after the flags are checked.
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
 from device_runtime.messages import (ErrorCode, MessageError, error_message, parse_ack,
                                      parse_error, parse_join, plan_message, task_message)
 from device_runtime.link import Link, Refused
@@ -293,13 +296,13 @@ def aggregator_command(args: argparse.Namespace, url: str, name: str, enrollment
 # -- the driver ---------------------------------------------------------------------------------
 
 
-def inbound_limit(engine: RoundEngine) -> int:
+def inbound_limit(shared: dict[str, torch.Tensor], personal: dict[str, dict[str, np.ndarray]]) -> int:
     """Largest message the server accepts: twice the dense shared model or the largest personal model (no
     plan's update is larger) plus slack, so a hostile device cannot make the server buffer more than that per
     message."""
-    shared = sum(v.numel() * v.element_size() for v in engine.global_state.values())
-    personal = max(sum(v.nbytes for v in p.values()) for p in engine.initial_personal.values())
-    return 2 * max(shared, personal) + INBOUND_SLACK_BYTES
+    shared_bytes = sum(v.numel() * v.element_size() for v in shared.values())
+    personal_bytes = max((sum(v.nbytes for v in p.values()) for p in personal.values()), default=0)
+    return 2 * max(shared_bytes, personal_bytes) + INBOUND_SLACK_BYTES
 
 
 class Federation:
@@ -697,7 +700,7 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
     config, engine, shards, settings, saved = (assembly.config, assembly.engine, assembly.shards, assembly.settings,
                                                assembly.saved)
     run_id = assembly.run_id
-    max_inbound = inbound_limit(engine)
+    max_inbound = inbound_limit(engine.global_state, engine.initial_personal)
     out.path.mkdir(parents=True, exist_ok=True)
     keys, auth_state = run_key_ring(args.enroll, args.run_key, list(shards), out.path)
     link = Link.server(keys, auth_state, max_inbound)

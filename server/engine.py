@@ -144,8 +144,9 @@ class RoundEngine:
 
     @property
     def pending(self) -> dict[str, Any] | None:
-        """The last training round's record, awaiting the evaluations of its model (None: none)."""
-        return None if self._pending is None else self._pending.row()
+        """The last training round's record (with each device's tier), awaiting the evaluations of its model (None:
+        none): a copy, to read."""
+        return None if self._pending is None else self._pending.to_state()
 
     @property
     def min_devices(self) -> int:
@@ -474,7 +475,7 @@ class RoundEngine:
 
     def partials_missing(self) -> list[str]:
         """Aggregators told to fold updates this round whose partial sums have not come."""
-        return self.remote.partials_missing()
+        return self.remote.partials_missing() if self.remote is not None else []
 
     def fold_list(self, aggregator: str) -> list[str]:
         """The devices whose updates ``aggregator`` was told to fold this round, as its CLOSE names them."""

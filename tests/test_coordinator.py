@@ -7,6 +7,7 @@ import pytest
 from device_runtime.messages import Join, ShardInfo, ack_message, update_message
 from device_runtime.profile import ResourceProfile
 from device_runtime.task import Update
+from server.update_rule import Answer
 from server.coordinator import (ALL_ANSWERED, DEADLINE, NO_ANSWER, Coordinator, CoordinatorConfig, Evaluation)
 
 RUN = "run1"
@@ -40,7 +41,7 @@ def update(device_id: str = "dev_000", round_index: int = 1, tensors=None, num_s
            metrics=None, plan_hash: str = PLAN, run_id: str = RUN):
     body = Update(round_index, fe() if tensors is None else tensors, num_samples, 0.5, 0.8,
                   dict(EVAL if metrics is None else metrics))
-    return update_message(body, plan_hash=plan_hash, device_id=device_id, run_id=run_id)
+    return Answer.of_message(update_message(body, plan_hash=plan_hash, device_id=device_id, run_id=run_id))
 
 
 # -- registry -------------------------------------------------------------------------------------
@@ -243,10 +244,9 @@ def test_an_evaluation_answer_carries_no_tensors_whatever_is_expected_of_trainin
     assert not verdict.accepted and "unknown ['fe.b', 'fe.w']" in verdict.reason
 
 
-def test_judge_takes_only_updates():
-    coordinator = make_coordinator(1)
+def test_only_updates_are_judged():
     with pytest.raises(ValueError, match="UPDATE"):
-        coordinator.judge("dev_000", ack_message(PLAN, device_id="dev_000", run_id=RUN), now=0.0)
+        Answer.of_message(ack_message(PLAN, device_id="dev_000", run_id=RUN))
 
 
 # -- closing rounds -------------------------------------------------------------------------------

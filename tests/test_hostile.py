@@ -113,7 +113,7 @@ def build_world(directory: Path) -> World:
     global_fe = global_state(model, ALGORITHM)
     personal = initial_personal([model], ALGORITHM)
     round_fe = factorize_per_plan(global_fe, [plans.get(r).resolved for r in (DENSE, LOW_RANK)])
-    max_inbound = inbound_limit(global_fe, max(sum(v.nbytes for v in p.values()) for p in personal.values()))
+    max_inbound = inbound_limit(global_fe, personal)
     return World(global_fe, personal, plans, round_fe, max_inbound, LocalDevices(), RunFolder(directory / "out"))
 
 
@@ -200,9 +200,9 @@ def server_state(server: Federation) -> tuple:
     return ({name: value.numpy().tobytes() for name, value in engine.global_state.items()},
             (engine._average.count, engine._average.total_weight, sorted(engine._held), engine._next),
             repr(engine._book),
-            json.dumps(server.coordinator.to_state(), sort_keys=True),
+            json.dumps(engine.coordinator.to_state(), sort_keys=True),
             (dict(engine._resends), dict(engine._files_sent), dict(engine.kinds), dict(engine.demoted),
-             dict(server.unjoined)))
+             dict(engine.presence.unjoined)))
 
 
 def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:

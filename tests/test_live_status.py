@@ -180,7 +180,7 @@ def test_the_aggregators_figures_show_what_the_engine_knows_of_them():
     engine = make_engine(remote=True)
     join(engine, "dev_000")
     engine.open_round(1, 0.0)
-    engine._told = {"agg-1": {"dev_000": None}}  # as receive_receipt leaves it for an accepted update
+    engine.remote._told = {"agg-1": {"dev_000": None}}  # as receive_receipt leaves it for an accepted update
     snapshot = fleet_snapshot(engine, now=1.0, wall=1000.0, aggregators={"agg-0": 1, "agg-1": 1, "agg-2": 0})
     assert snapshot["aggregators"] == [
         {"name": "agg-0", "briefed_round": 1, "told": 0, "partial_awaited": False},
