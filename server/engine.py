@@ -33,7 +33,7 @@ from device_runtime.task import Task, Update, tensor_bytes
 from server.aggregate import StreamingAverage
 from server.aggregation_wire import Brief, Partial, Receipt
 from server.algorithms.base import Algorithm
-from server.coordinator import NO_ANSWER, Coordinator, RoundOpen, RoundResult, Verdict
+from server.coordinator import NO_ANSWER, Coordinator, DeviceRecord, RoundOpen, RoundResult, Verdict
 from server.lowrank import ResolvedPlan
 from server.presence import Presence
 from server.rank_assignment import choose_ratio
@@ -151,6 +151,10 @@ class RoundEngine:
     @property
     def min_devices(self) -> int:
         return self.coordinator.config.min_devices
+
+    def registry(self) -> dict[str, DeviceRecord]:
+        """Every device the run knows, by id (to read: the engine changes them)."""
+        return self.coordinator.devices
 
     def awaits(self, device_id: str) -> bool:
         """Whether the open round still waits for this device's answer."""
