@@ -30,7 +30,7 @@ from server.aggregate import StreamingAverage
 from server.aggregation_wire import Asked, Brief, Partial, Receipt, route
 from server.algorithms.base import Algorithm
 from server.coordinator import NO_ANSWER, Coordinator, RoundResult, Verdict
-from server.lowrank import ResolvedPlan
+from fedcore.lowrank import ResolvedPlan
 from server.rank_assignment import choose_ratio
 from server.report import EVAL_DIRECTION, TIER_DIRECTIONS, evaluation_summary
 from server.robust import bound_update, rejection_reason

@@ -22,8 +22,8 @@ from export.artifacts import ArtifactSet, build_artifacts_of_kind
 from server.algorithms.base import Algorithm
 from server.checkpoint import CHECKPOINT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from server.cli import parse_tiers
-from server.lowrank import FE_PREFIX, RankPlan, ResolvedPlan, factorize_model, resolve_plan
-from server.models import SplitModel, build_model
+from fedcore.lowrank import FE_PREFIX, RankPlan, ResolvedPlan, factorize_model, resolve_plan
+from fedcore.models import SplitModel, build_model
 from server.rank_assignment import DEFAULT_TIERS, check_tiers
 from server.report import METRICS_CSV, METRICS_FILE, write_metrics, write_metrics_csv, write_report
 from server.shards import DEVICE_ID, data_from_args, partition_from_args

@@ -65,7 +65,7 @@ from server.checkpoint import CheckpointError
 from server.compute_threads import device_blas_threads, use_server_threads
 from server.coordinator import Coordinator, CoordinatorConfig
 from server.engine import RoundEngine
-from server.lowrank import factorize_model
+from fedcore.lowrank import factorize_model
 from server.progress import Progress, print_and_log
 from server.rank_assignment import OverrideError, load_overrides
 from server.run_config import norm_bound_from_args

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from server.lowrank import ResolvedPlan, factorize_state
+from fedcore.lowrank import ResolvedPlan, factorize_state
 
 
 def sample_clients(client_ids: list[str], join_ratio: float, round_index: int, seed: int) -> list[str]:

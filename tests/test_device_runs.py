@@ -14,8 +14,8 @@ from device_runtime.profile import collect_profile
 from device_runtime.protocol import MessageType, Topics
 from device_runtime.shard import Shard
 from device_runtime.task import Phase, Task
+from fedcore.models import build_model
 from server.algorithms import get_algorithm
-from server.models import build_model
 from server.run_setup import PlanBook, global_state, initial_personal
 from server.strategy import factorize_per_plan, plan_key
 from tests.sealing import device_link, seal_down

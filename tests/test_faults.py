@@ -34,10 +34,10 @@ from device_runtime.protocol import Message, Topics, decode
 from device_runtime.shard import Shard
 from device_runtime.task import Phase, Task
 from export.artifacts import build_artifacts
+from fedcore.models import build_model
 from server import broker_loop
 from server.checkpoint import CHECKPOINT_NAME, STATE_KEY, load_checkpoint
 from server.coordinator import DEADLINE, NO_ANSWER
-from server.models import build_model
 from server.partition import write_shards
 from server.report import METRICS_FILE, read_metrics
 from server import simulate

@@ -37,6 +37,7 @@ from device_runtime.shard import Shard
 from device_runtime.artifact_contract import MANIFEST_NAME
 from device_runtime.task import Phase, Task, Update
 from device_runtime.transport import STAT_KEYS, MqttEndpoint
+from fedcore.models import build_model
 from server import broker_loop, simulate
 from server.algorithms import get_algorithm
 from server.broker_loop import Federation, LocalDevices, inbound_limit
@@ -45,7 +46,6 @@ from server.cli import config_from_args
 from server.coordinator import Coordinator, CoordinatorConfig, RoundResult
 from server import engine as engine_module
 from server.engine import RoundEngine
-from server.models import build_model
 from server.progress import Progress
 from server.report import METRICS_FILE, read_metrics
 from server.run_config import norm_bound_from_args

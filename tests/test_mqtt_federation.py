@@ -30,11 +30,11 @@ from device_runtime.status import parse_status
 from device_runtime.task import Phase, Task
 from device_runtime.transport import MqttEndpoint
 from export.artifacts import build_artifacts
+from fedcore.models import build_model
 from server import broker_loop
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.cost_model import predict
 from server.mosquitto_config import write_mosquitto_auth
-from server.models import build_model
 from server.report import ACCURACY_PLOT, BYTES_PLOT, METRICS_FILE, REPORT_FILE, read_metrics
 from server import simulate
 from server.run_setup import RunFolder
