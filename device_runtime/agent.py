@@ -49,7 +49,8 @@ from device_runtime.messages import (NO_RUN, ErrorCode, Join, MessageError, Shar
 from device_runtime.profile import ResourceProfile
 from device_runtime.inbox import Screen
 from device_runtime.link import Link, Refused
-from device_runtime.protocol import Message, MessageType, Topics, envelope_limit
+from device_runtime.envelope import Message, MessageType, envelope_limit
+from device_runtime.topics import Topics
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
 from device_runtime.artifact_contract import ArtifactError, artifact_files, verify_artifacts

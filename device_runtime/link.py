@@ -24,7 +24,9 @@ from pathlib import Path
 
 from device_runtime.auth import (SESSION_KEY, CounterSource, Direction, KeyRing, Refusal, Verifier, load_verifier_state,
                                  new_nonce, save_verifier_state, start_counters)
-from device_runtime.protocol import Message, MessageType, ProtocolError, Reason, TopicKind, decode, seal
+from device_runtime.envelope import Message, MessageType, decode, seal
+from device_runtime.protocol import ProtocolError, Reason
+from device_runtime.topics import TopicKind
 from device_runtime.status import StatusError, StatusSigner, parse_status
 
 SERVER_RUN_FREE = frozenset((MessageType.JOIN, MessageType.STATUS))

@@ -191,7 +191,7 @@ def ort_memory_worker(spec: dict) -> dict:
     rss_python = rss_bytes()
     from device_runtime.local_round import run_task
     from device_runtime.auth import Direction
-    from device_runtime.protocol import Message, MessageType, seal
+    from device_runtime.envelope import Message, MessageType, seal
     from device_runtime.shard import load_shard
     from device_runtime.task import Phase, Task, tensor_bytes
     from device_runtime.portable_trainer import training_build_installed
@@ -440,7 +440,8 @@ def device_floor_worker(spec: dict, artifacts_key: str) -> dict:
     import device_runtime.agent  # noqa: F401 -- the modules a device process holds
     from device_runtime.local_round import run_task
     from device_runtime.auth import Direction
-    from device_runtime.protocol import Message, MessageType, Reassembler, chunk, decode, seal
+    from device_runtime.envelope import Message, MessageType, decode, seal
+    from device_runtime.framing import Reassembler, chunk
     from device_runtime.runtimes import open_trainer
     from device_runtime.shard import load_shard
     from device_runtime.task import Phase, Task

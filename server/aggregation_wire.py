@@ -37,8 +37,9 @@ import torch
 from device_runtime.auth import Direction, KeyRing, new_nonce
 from device_runtime.link import Link
 from device_runtime.messages import new_msg_id
-from device_runtime.protocol import (Message, MessageType, ProtocolError, Reason, check_device_id, check_id,
-                                     check_topic_prefix, update_filter)
+from device_runtime.envelope import Message, MessageType
+from device_runtime.protocol import ProtocolError, Reason, check_device_id, check_id
+from device_runtime.topics import check_topic_prefix, update_filter
 from server.aggregate import PartialSum
 
 READY, ROUND, RECEIPT, VERDICT, CLOSE, PARTIAL = "ready", "round", "receipt", "verdict", "close", "partial"

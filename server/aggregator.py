@@ -30,7 +30,8 @@ from device_runtime.help_format import DefaultsHelpFormatter
 from device_runtime.link import Link, Refused
 from device_runtime.log_budget import hold_back_floods
 from device_runtime.messages import MessageError, parse_update
-from device_runtime.protocol import Message, MessageType, ProtocolError, decode
+from device_runtime.envelope import Message, MessageType, decode
+from device_runtime.protocol import ProtocolError
 from device_runtime.task import tensor_bytes
 from device_runtime.tensor_check import tensor_problem
 from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers

@@ -164,8 +164,9 @@ from device_runtime.messages import (ErrorCode, MessageError, error_message, par
                                      parse_error, parse_join, plan_message, task_message)
 from device_runtime.link import Link, Refused
 from device_runtime.profile import ResourceProfile
-from device_runtime.protocol import (Message, MessageType, ProtocolError, TopicKind, Topics,
-                                     device_id_from_topic, server_subscriptions)
+from device_runtime.envelope import Message, MessageType
+from device_runtime.protocol import ProtocolError
+from device_runtime.topics import TopicKind, Topics, device_id_from_topic, server_subscriptions
 from device_runtime.status import Status, parse_status
 from server.algorithms import get_algorithm
 from server.checkpoint import CheckpointError

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from device_runtime.messages import Join, MessageError, parse_update
-from device_runtime.protocol import Message, MessageType
+from device_runtime.envelope import Message, MessageType
 from device_runtime.task import Update
 from device_runtime.tensor_check import tensor_problem
 from server.strategy import sample_clients

@@ -24,7 +24,7 @@ import torch
 from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.messages import Join, Plan
 from device_runtime.profile import ResourceProfile
-from device_runtime.protocol import Message
+from device_runtime.envelope import Message
 from device_runtime.task import Task, Update, tensor_bytes
 from server.aggregate import StreamingAverage
 from server.aggregation_wire import Asked, Brief, Partial, Receipt, route

@@ -17,7 +17,9 @@ import torch
 from device_runtime.auth import KeyRing, Refusal
 from device_runtime.link import Refused
 from device_runtime.messages import parse_task, task_message, update_message
-from device_runtime.protocol import Message, ProtocolError, Topics
+from device_runtime.envelope import Message
+from device_runtime.protocol import ProtocolError
+from device_runtime.topics import Topics
 from device_runtime.task import Update
 from server import aggregation_wire as wire
 from server.aggregate import PartialSum

@@ -7,7 +7,9 @@ import pytest
 
 from device_runtime.auth import KeyRing, Refusal, new_nonce
 from device_runtime.link import Link, Refused
-from device_runtime.protocol import Message, MessageType, Reason, TopicKind
+from device_runtime.envelope import Message, MessageType
+from device_runtime.protocol import Reason
+from device_runtime.topics import TopicKind
 
 KEY, OTHER_KEY = bytes([7]) * 32, bytes([8]) * 32
 RUN, OLD_RUN = "run-b", "run-a"

@@ -11,7 +11,8 @@ from device_runtime.messages import (ARTIFACT_BLOBS_BY_KIND, ErrorCode, Join, Me
                                      update_message)
 from device_runtime.profile import ProfileError, ResourceProfile, collect_profile
 from device_runtime.auth import Direction
-from device_runtime.protocol import Message, Reassembler, chunk, decode, seal
+from device_runtime.envelope import Message, decode, seal
+from device_runtime.framing import Reassembler, chunk
 from device_runtime.task import Phase, Task, Update
 
 MAX_BYTES = 1 << 24

@@ -24,7 +24,8 @@ from device_runtime.messages import (ARTIFACT_BLOBS_BY_KIND, DEFAULT_TOPIC_PREFI
                                      ack_message, join_message, parse_error, parse_join, parse_plan, plan_message,
                                      task_message)
 from device_runtime.profile import collect_profile
-from device_runtime.protocol import MessageType, Topics, server_subscriptions
+from device_runtime.envelope import MessageType
+from device_runtime.topics import Topics, server_subscriptions
 from device_runtime.shard import Shard, load_shard, save_shard
 from device_runtime.status import parse_status
 from device_runtime.task import Phase, Task
