@@ -41,12 +41,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from device_runtime.auth import CounterSource, Direction, KeyRing, new_key  # noqa: E402
+from device_runtime.envelope import seal  # noqa: E402
 from device_runtime.link import Link  # noqa: E402
 from device_runtime.messages import Join, ShardInfo, update_message  # noqa: E402
 from device_runtime.profile import ResourceProfile  # noqa: E402
-from device_runtime.envelope import seal  # noqa: E402
-from device_runtime.topics import Topics, server_subscriptions, update_filter  # noqa: E402
 from device_runtime.task import Update  # noqa: E402
+from device_runtime.topics import Topics, server_subscriptions, update_filter  # noqa: E402
 from device_runtime.transport import MqttEndpoint, rotate_brokers  # noqa: E402
 from fedcore.models import build_model  # noqa: E402
 from server import aggregation_wire as wire  # noqa: E402

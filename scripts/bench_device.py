@@ -189,13 +189,13 @@ def _ort_step(trainer, batch: tuple[np.ndarray, np.ndarray], anchors: np.ndarray
 def ort_memory_worker(spec: dict) -> dict:
     """One device process: import, load, anchors, a local round at each batch size; memory after each."""
     rss_python = rss_bytes()
-    from device_runtime.local_round import run_task
     from device_runtime.auth import Direction
     from device_runtime.envelope import Message, MessageType, seal
-    from device_runtime.shard import load_shard
-    from device_runtime.task import Phase, Task, tensor_bytes
+    from device_runtime.local_round import run_task
     from device_runtime.portable_trainer import training_build_installed
     from device_runtime.runtimes import open_trainer
+    from device_runtime.shard import load_shard
+    from device_runtime.task import Phase, Task, tensor_bytes
     from device_runtime.trainer import load_ort_capi
     if spec.get("portable") and not training_build_installed():
         import onnxruntime  # noqa: F401  stock onnxruntime: the public package, as the portable trainer loads it
@@ -438,10 +438,10 @@ def device_floor_worker(spec: dict, artifacts_key: str) -> dict:
     encoded answer, and split the answer into the frames the transport publishes (kept until the next round, as
     paho keeps unacknowledged frames)."""
     import device_runtime.agent  # noqa: F401 -- the modules a device process holds
-    from device_runtime.local_round import run_task
     from device_runtime.auth import Direction
     from device_runtime.envelope import Message, MessageType, decode, seal
     from device_runtime.framing import Reassembler, chunk
+    from device_runtime.local_round import run_task
     from device_runtime.runtimes import open_trainer
     from device_runtime.shard import load_shard
     from device_runtime.task import Phase, Task

@@ -6,8 +6,8 @@ import json
 import numpy as np
 
 from device_runtime.auth import MAX_COUNTER, TAG_BYTES, Direction
-from device_runtime.messages import update_message
 from device_runtime.envelope import seal
+from device_runtime.messages import update_message
 from device_runtime.task import Update
 from fedcore.lowrank import RankPlan, fe_state, resolve_plan
 from fedcore.models import build_model

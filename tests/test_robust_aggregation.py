@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from device_runtime.messages import update_message
 from device_runtime.envelope import Message
+from device_runtime.messages import update_message
 from device_runtime.task import Update, tensor_bytes
 from fedcore.lowrank import reconstruct_state
 from server import broker_loop, simulate
