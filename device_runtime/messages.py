@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from device_runtime.profile import ProfileError, ResourceProfile
-from device_runtime.protocol import MAX_ROUND, Message, MessageType, ProtocolError, check_id
-from device_runtime.shard import Shard
 from device_runtime.artifact_contract import ARTIFACT_FILES_BY_KIND, MANIFEST_NAME
+from device_runtime.envelope import MAX_ROUND, Message, MessageType
+from device_runtime.profile import ProfileError, ResourceProfile
+from device_runtime.protocol import ProtocolError, check_id
+from device_runtime.shard import Shard
 from device_runtime.task import PARAM_GROUPS, RETURNS, Phase, Task, Update
 
 DEFAULT_TOPIC_PREFIX = "fedara"

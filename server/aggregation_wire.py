@@ -35,10 +35,11 @@ import numpy as np
 import torch
 
 from device_runtime.auth import Direction, KeyRing, new_nonce
+from device_runtime.envelope import Message, MessageType
 from device_runtime.link import Link
 from device_runtime.messages import new_msg_id
-from device_runtime.protocol import (Message, MessageType, ProtocolError, Reason, check_device_id, check_id,
-                                     check_topic_prefix, update_filter)
+from device_runtime.protocol import ProtocolError, Reason, check_id
+from device_runtime.topics import TopicKind, check_topic_prefix, device_id_from_topic, update_filter
 from server.aggregate import PartialSum
 from server.update_rule import Answer, Asked
 
@@ -71,10 +72,13 @@ def member_update_filter(prefix: str, aggregator: str) -> str:
 
 def device_from_member_topic(prefix: str, aggregator: str, topic: str) -> str:
     """The device whose update topic (routed to ``aggregator``) ``topic`` is; raises ProtocolError otherwise."""
-    head, tail = f"{check_topic_prefix(prefix)}/dev/", f"/update/{aggregator}"
-    if not (isinstance(topic, str) and topic.startswith(head) and topic.endswith(tail)):
-        raise ProtocolError(Reason.BAD_TOPIC, f"topic {topic!r:.200} is not {head}<device_id>{tail}")
-    return check_device_id(topic[len(head):-len(tail)])
+    tail = f"/{aggregator}"
+    if not (isinstance(topic, str) and topic.endswith(tail)):
+        raise ProtocolError(Reason.BAD_TOPIC, f"topic {topic!r:.200} is not routed to aggregator {aggregator!r}")
+    device_id, kind = device_id_from_topic(prefix, topic[:-len(tail)])
+    if kind != TopicKind.UPDATE:
+        raise ProtocolError(Reason.BAD_TOPIC, f"topic {topic!r:.200} is not an update topic")
+    return device_id
 
 
 def route(device_id: str, members: Iterable[str]) -> str | None:

@@ -26,12 +26,14 @@ from pathlib import Path
 import numpy as np
 
 from device_runtime.auth import Direction, KeyRing, Verifier
+from device_runtime.envelope import Message, MessageType, decode
 from device_runtime.help_format import DefaultsHelpFormatter
 from device_runtime.link import Link, Refused
 from device_runtime.log_budget import hold_back_floods
 from device_runtime.messages import MessageError
-from device_runtime.protocol import Message, MessageType, ProtocolError, decode
+from device_runtime.protocol import ProtocolError
 from device_runtime.task import tensor_bytes
+from device_runtime.topics import check_topic_device
 from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers
 from server import aggregation_wire as wire
 from server.aggregate import StreamingAverage
@@ -82,7 +84,11 @@ class Aggregator:
     def _check(self, topic_device: str, msg: Message) -> wire.Receipt | str:
         brief = self.brief
         if msg.type != MessageType.UPDATE:
-            return f"a {msg.type.value} of {msg.device_id!r} on the update topic of {topic_device!r}"
+            return f"a {msg.type.value} on the update topic of {topic_device!r}"
+        try:
+            check_topic_device(topic_device, msg.device_id)
+        except ProtocolError as exc:
+            return str(exc)
         if brief is None:
             return "no round brief yet"
         verdict = self.verifier.check(msg, {brief.run_id})

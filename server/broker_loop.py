@@ -156,9 +156,10 @@ import torch  # noqa: E402
 from device_runtime.messages import (ErrorCode, MessageError, error_message, parse_ack,
                                      parse_error, parse_join, plan_message, task_message)
 from device_runtime.link import Link, Refused
-from device_runtime.protocol import (Message, MessageType, ProtocolError, TopicKind, Topics,
-                                     device_id_from_topic, server_subscriptions)
-from device_runtime.status import Status, parse_status
+from device_runtime.envelope import Message, MessageType
+from device_runtime.protocol import ProtocolError
+from device_runtime.topics import Topics, device_id_from_topic, server_subscriptions
+from device_runtime.status import Status
 from device_runtime.task import Task
 from server.checkpoint import CheckpointError
 from server.embedded_broker import EmbeddedBroker
@@ -395,13 +396,13 @@ class Federation:
             count_refusal(self.refusals, "bad topic")
             return
         try:  # authenticated before anything else looks at it
-            msg = self.link.open(payload, self.engine.run_id, device_id=device_id, kind=kind)
+            msg, status = self.link.open_with_status(payload, self.engine.run_id, device_id=device_id, kind=kind)
         except Refused as exc:
             LOG.warning("dropped a message on %s: %s", topic, exc)
             count_refusal(self.refusals, f"link {getattr(exc.reason, 'value', 'other')}")
             return
-        if kind == TopicKind.STATUS:
-            self._on_status(device_id, parse_status(msg))
+        if status is not None:
+            self._on_status(device_id, status)
             return
         if msg.type == MessageType.UPDATE:
             self._on_update(device_id, msg)

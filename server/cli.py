@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES
 from device_runtime.help_format import DefaultsHelpFormatter
 from device_runtime.log_budget import hold_back_floods
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX
-from device_runtime.protocol import DEFAULT_MAX_FRAME_BYTES
 from server.run_config import (AGGREGATION_RULES, ALGORITHMS, DATASETS, DEFAULT_LAM_WARMUP, DEFAULT_MU, DEFAULT_TIERS,
                                MODELS, FederationConfig, add_norm_bound_arguments, norm_bound_from_args)
 

@@ -28,13 +28,13 @@ import torch
 from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.messages import Join, Plan
 from device_runtime.profile import ResourceProfile
-from device_runtime.protocol import Message
+from device_runtime.envelope import Message
 from device_runtime.task import Task, Update, tensor_bytes
 from server.aggregate import StreamingAverage
 from server.aggregation_wire import Brief, Partial, Receipt
 from server.algorithms.base import Algorithm
+from fedcore.lowrank import ResolvedPlan
 from server.coordinator import NO_ANSWER, Coordinator, DeviceRecord, RoundOpen, RoundResult, Verdict
-from server.lowrank import ResolvedPlan
 from server.presence import Presence
 from server.rank_assignment import choose_ratio
 from server.remote_folding import RemoteFolding

@@ -36,7 +36,7 @@ MAX_REFUSAL_KINDS = 64
 """Distinct refusal labels kept; any further kind counts as "other" (the label set, and memory, stay bounded)."""
 UPDATE_REFUSALS = (("stale", "stale"), ("late", "late"), ("duplicate", "duplicate"), ("replay", "replay"),
                    ("not asked", "not asked"), ("malformed", "malformed"), ("unknown device", "unknown device"),
-                   ("device id mismatch", "wrong topic"), ("update of run", "wrong run"),
+                   ("a message of", "wrong topic"), ("update of run", "wrong run"),
                    ("update for plan", "wrong plan"), ("tensor", "bad tensors"), ("num_samples", "sample count"),
                    ("metrics lack", "bad evaluation"), ("eval", "bad evaluation"), ("update is", "norm bound"))
 """Prefixes of the engine's update verdicts (server.coordinator, server.robust) and their refusal label."""

@@ -2,8 +2,8 @@
 federation's settings with their checks.
 
 The drivers parse and check their flags with this alone, so a mistake is reported (exit 2) before torch and the
-data load. The modules that implement the names (``server.algorithms``, ``server.models``, ``server.data``) take
-them from here, and a test holds each registry to its names.
+data load. The modules that implement the names (``server.algorithms``, ``server.data``) take them from here;
+``fedcore.models`` sits below ``server`` and keeps its own registry. A test holds each registry to its names.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from enum import Enum
 ALGORITHMS = ("fedara", "fedavg", "fedrep", "local")
 """The algorithms, one file each in server/algorithms/."""
 MODELS = ("fedavgcnn", "cnn1", "cnn2", "cnn3", "cnn4", "cnn5")
-"""The model zoo (server/models.py)."""
+"""The model zoo (fedcore/models.py)."""
 DATASETS = ("digits", "fmnist", "cifar10", "cifar100", "synthetic")
 """What server/data.py reads from files on this machine."""
 DEFAULT_MU = 1e-3

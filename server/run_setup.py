@@ -25,13 +25,13 @@ from export.artifacts import ArtifactSet, build_artifacts_of_kind
 from server.algorithms import get_algorithm
 from server.algorithms.base import Algorithm
 from server.checkpoint import CHECKPOINT_NAME, Checkpoint, load_checkpoint, save_checkpoint
+from fedcore.lowrank import FE_PREFIX, RankPlan, ResolvedPlan, factorize_model, resolve_plan
+from fedcore.models import SplitModel, build_model
 from server.cli import config_from_args, parse_tiers
 from server.compute_threads import use_server_threads
 from server.coordinator import Coordinator, CoordinatorConfig
 from server.cost_model import CostModelError, peak_predictor
 from server.engine import Predictor, RoundEngine
-from server.lowrank import FE_PREFIX, RankPlan, ResolvedPlan, factorize_model, resolve_plan
-from server.models import SplitModel, build_model
 from server.rank_assignment import DEFAULT_TIERS, check_tiers, load_overrides, tier_predictor
 from server.run_config import FederationConfig, norm_bound_from_args
 from server.report import METRICS_CSV, METRICS_FILE, write_metrics, write_metrics_csv, write_report

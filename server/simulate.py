@@ -55,8 +55,8 @@ from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
 from device_runtime.runtimes import open_trainer
 from server.checkpoint import CheckpointError
+from fedcore.lowrank import factorize_model
 from server.compute_threads import device_blas_threads
-from server.lowrank import factorize_model
 from server.progress import Progress, print_and_log
 from server.rank_assignment import OverrideError
 from server.run_setup import Deployment, PlanArtifacts, RunError, RunFolder, assemble

@@ -16,9 +16,11 @@ from typing import Any
 import numpy as np
 
 from device_runtime.messages import parse_update_fields
-from device_runtime.protocol import Message, MessageType
+from device_runtime.envelope import Message, MessageType
+from device_runtime.protocol import ProtocolError
 from device_runtime.task import Update
 from device_runtime.tensor_check import tensor_problem
+from device_runtime.topics import check_topic_device
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,10 @@ class Answer:
 def header_problem(topic_device: str, answer: Answer, open_round: int | None, asked: bool,
                    answered: bool) -> str | None:
     """Why ``answer`` does not answer the open round's ask of ``topic_device`` (None: it may)."""
-    if answer.device_id != topic_device:
-        return f"device id mismatch: topic of {topic_device}, header says {answer.device_id}"
+    try:
+        check_topic_device(topic_device, answer.device_id)
+    except ProtocolError as exc:
+        return str(exc)
     if open_round is None:
         return f"stale: update for round {answer.round}, no round is open"
     if answer.round != open_round:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from device_runtime.log_budget import lift_flood_budget
-from device_runtime.protocol import DEFAULT_MAX_FRAME_BYTES
+from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES
 from server.mosquitto_config import TlsFiles, write_mosquitto_conf
 
 MOSQUITTO_BIN = Path("/usr/sbin/mosquitto")

@@ -30,7 +30,7 @@ import psutil
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from device_runtime.protocol import frame_msg_id
+from device_runtime.framing import frame_msg_id
 from server.broker_loop import AGGREGATORS_DIR, SERVER_LOG
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.enrollment import enroll, save_enrollment

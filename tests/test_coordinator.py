@@ -144,7 +144,7 @@ def test_update_answering_the_open_round_is_accepted():
 
 
 @pytest.mark.parametrize("message, reason", [
-    (update(device_id="dev_001"), "device id mismatch"),
+    (update(device_id="dev_001"), "on a topic of 'dev_000' [bad_topic]"),
     (update(run_id="oldrun"), "this run is run1"),
     (update(round_index=2), "stale: update for round 2, round 1 is open"),
     (update(plan_hash=OTHER_PLAN), "the device's plan is"),

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from device_runtime.__main__ import PASSWORD_ENV
+from device_runtime.envelope import MessageType, decode
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX, parse_task, update_message
-from device_runtime.protocol import MessageType, Topics, decode
 from device_runtime.task import Update
+from device_runtime.topics import Topics
 from device_runtime.transport import BrokerRefusedError, MqttEndpoint
 from server import broker_loop
 from server.mosquitto_config import TlsFiles, write_mosquitto_auth

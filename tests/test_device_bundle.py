@@ -24,10 +24,10 @@ import pytest
 from device_runtime.shard import SHARD_KEYS, Shard, save_shard
 from device_runtime.artifact_contract import PORTABLE_KIND
 from export.artifacts import build_artifacts_of_kind
+from fedcore.lowrank import RankPlan, resolve_plan
+from fedcore.models import build_model
 from server.data import load_dataset
 from server.embedded_broker import EmbeddedBroker
-from server.lowrank import RankPlan, resolve_plan
-from server.models import build_model
 from server.partition import make_client_shards, write_shards
 from tests.sealing import enrollment_file, write_key
 

@@ -15,8 +15,8 @@ import pytest
 
 from device_runtime.artifact_contract import KINDS
 from export.artifacts import build_artifacts_of_kind
-from server.lowrank import RankPlan, resolve_plan
-from server.models import build_model
+from fedcore.lowrank import RankPlan, resolve_plan
+from fedcore.models import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE, CLASSES = (1, 28, 28), 10

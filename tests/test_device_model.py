@@ -21,9 +21,9 @@ from device_runtime.onnx_bake import GraphEditError
 from device_runtime.runtimes import open_trainer
 from device_runtime.shard import load_shard
 from export.artifacts import build_artifacts_of_kind
+from fedcore.lowrank import RankPlan, resolve_plan
+from fedcore.models import build_model
 from server import broker_loop
-from server.lowrank import RankPlan, resolve_plan
-from server.models import build_model
 from server.report import METRICS_FILE, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]

@@ -28,16 +28,17 @@ import pytest
 
 from device_runtime.agent import HEADS_DIR, STATE_FILE, DeviceAgent, Workdir
 from device_runtime.artifact_contract import TRAINING_KIND
+from device_runtime.envelope import Message, decode
 from device_runtime.messages import ARTIFACT_BLOBS_BY_KIND, DEFAULT_TOPIC_PREFIX, Plan, parse_update, plan_message, task_message
 from device_runtime.profile import collect_profile
-from device_runtime.protocol import Message, Topics, decode
 from device_runtime.shard import Shard
 from device_runtime.task import Phase, Task
+from device_runtime.topics import Topics
 from export.artifacts import build_artifacts
+from fedcore.models import build_model
 from server import broker_loop
 from server.checkpoint import CHECKPOINT_NAME, STATE_KEY, load_checkpoint
 from server.coordinator import DEADLINE, NO_ANSWER
-from server.models import build_model
 from server.partition import write_shards
 from server.report import METRICS_FILE, read_metrics
 from server import simulate

@@ -22,8 +22,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from device_runtime.framing import chunk
 from device_runtime.messages import ErrorCode, error_message
-from device_runtime.protocol import MAX_ID_LEN, Topics, chunk
+from device_runtime.protocol import MAX_ID_LEN
+from device_runtime.topics import Topics
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.enrollment import enroll, load_enrollment, save_enrollment
 from tests.conftest import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub

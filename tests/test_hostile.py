@@ -27,16 +27,19 @@ import pytest
 import torch
 
 from device_runtime.agent import HEADS_DIR, DeviceAgent, Workdir
+from device_runtime.artifact_contract import MANIFEST_NAME
+from device_runtime.envelope import Message, MessageType, decode
+from device_runtime.framing import FRAME_HEADER_BYTES, chunk
 from device_runtime.messages import (DEFAULT_TOPIC_PREFIX, ErrorCode, Join, Plan, ShardInfo, ack_message,
                                      error_message, join_message, parse_error, plan_message, task_message,
                                      update_message)
 from device_runtime.profile import ResourceProfile, collect_profile
-from device_runtime.protocol import (FRAME_HEADER_BYTES, Message, MessageType, ProtocolError, Topics, chunk, decode,
-                                     server_subscriptions)
+from device_runtime.protocol import ProtocolError
 from device_runtime.shard import Shard
-from device_runtime.artifact_contract import MANIFEST_NAME
 from device_runtime.task import Phase, Task, Update
+from device_runtime.topics import Topics, server_subscriptions
 from device_runtime.transport import STAT_KEYS, MqttEndpoint
+from fedcore.models import build_model
 from server import broker_loop, simulate
 from server.algorithms import get_algorithm
 from server.broker_loop import Federation, LocalDevices, inbound_limit
@@ -45,7 +48,6 @@ from server.cli import config_from_args
 from server.coordinator import Coordinator, CoordinatorConfig, RoundResult
 from server import engine as engine_module
 from server.engine import RoundEngine
-from server.models import build_model
 from server.progress import Progress
 from server.report import METRICS_FILE, read_metrics
 from server.run_config import norm_bound_from_args

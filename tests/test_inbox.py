@@ -10,9 +10,11 @@ import psutil
 import pytest
 
 from device_runtime.agent import inbound_screen
+from device_runtime.envelope import MessageType
+from device_runtime.framing import chunk
 from device_runtime.inbox import Inbox
 from device_runtime.messages import ErrorCode, error_message
-from device_runtime.protocol import MessageType, Topics, chunk
+from device_runtime.topics import Topics
 from device_runtime.transport import MqttEndpoint
 from tests.conftest import MOSQUITTO_PUB, mosquitto_pub
 from tests.sealing import device_link, read, seal_down

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX
-from device_runtime.protocol import Topics
+from device_runtime.topics import Topics
 from server import broker_loop
 from server.live_status import (MAX_REFUSAL_KINDS, SnapshotCollector, StatusServer, count_refusal, fleet_snapshot,
                                 update_refusal)

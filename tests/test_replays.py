@@ -23,8 +23,10 @@ import psutil
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from device_runtime.envelope import Message, MessageType
+from device_runtime.framing import FRAME_HEADER_BYTES, chunk, frame_msg_id
 from device_runtime.messages import ErrorCode, error_message
-from device_runtime.protocol import FRAME_HEADER_BYTES, Message, MessageType, Topics, chunk, frame_msg_id
+from device_runtime.topics import Topics
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.enrollment import enroll, save_enrollment
 from tests.conftest import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub

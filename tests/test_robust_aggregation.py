@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from device_runtime.envelope import Message
 from device_runtime.messages import update_message
-from device_runtime.protocol import Message
 from device_runtime.task import Update, tensor_bytes
+from fedcore.lowrank import reconstruct_state
 from server import broker_loop, simulate
 from server.aggregate import StreamingAverage
-from server.lowrank import reconstruct_state
 from server.progress import Progress
 from server.robust import bound_update, clip_to_bound, fe_distance
 from server.run_config import NormAction, NormBound, norm_bound_from_args

@@ -10,7 +10,7 @@ from device_runtime.profile import ProfileError, ResourceProfile, collect_profil
 from device_runtime.runtimes import RuntimeUnavailable, detect, open_trainer
 from device_runtime.trainer import DeviceTrainer
 from export.artifacts import build_artifacts_of_kind
-from server.models import build_model
+from fedcore.models import build_model
 
 SHAPE, CLASSES = (1, 28, 28), 10
 

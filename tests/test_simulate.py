@@ -11,9 +11,9 @@ import torch
 
 from device_runtime.messages import update_message
 from device_runtime.task import Phase, Update
+from fedcore.lowrank import FE_PREFIX
 from server.algorithms import FedAra, FedAvg, FedRep, Local, get_algorithm
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from server.lowrank import FE_PREFIX
 from server.report import METRICS_FILE, REPORT_FILE, read_metrics
 from server.run_setup import RunFolder
 from server.simulate import DEVICE_PREFIX, Simulation, build_parser, main

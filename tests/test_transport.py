@@ -18,7 +18,8 @@ import paho.mqtt.publish
 import pytest
 
 from device_runtime import transport
-from device_runtime.protocol import Topics, chunk, server_subscriptions
+from device_runtime.framing import chunk
+from device_runtime.topics import Topics, server_subscriptions
 from device_runtime.transport import (BrokerRefusedError, BrokerURL, ConnectTimeoutError, FrameTooLargeError,
                                       MqttEndpoint, PublishError, parse_brokers, rotate_brokers)
 from server.aggregation_wire import member_update_filter

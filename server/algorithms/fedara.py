@@ -3,14 +3,14 @@
 Each client trains the global FE factorized at its rank tier (spectral init from one SVD per layer) and its
 personal head together, under CE + λ·L_FAC with λ ramped over the first rounds, plus the Frobenius decay
 μ·Σ‖U Vᵀ‖² applied once per local epoch; it sends back only its factors, which the server reconstructs and
-averages by sample count. The math lives in server.lowrank (factorize, reconstruct) and server.objective
+averages by sample count. The math lives in fedcore.lowrank (factorize, reconstruct) and fedcore.objective
 (anchors, L_FAC, λ schedule); this file says how a round uses it.
 """
 from __future__ import annotations
 
 from device_runtime.task import Phase
+from fedcore.objective import lam_at_round
 from server.algorithms.base import Algorithm, Fit
-from server.objective import lam_at_round
 
 
 class FedAra(Algorithm):
