@@ -41,7 +41,7 @@ from server.checkpoint import CHECKPOINT_NAME, STATE_KEY, load_checkpoint
 from server.coordinator import DEADLINE, NO_ANSWER
 from server.partition import write_shards
 from server.report import METRICS_FILE, read_metrics
-from server import simulate
+from server import run_setup, simulate
 from server.run_setup import RunFolder, load_shards
 
 from tests.sealing import device_link, enrollment_file, seal_down, write_key
@@ -235,7 +235,7 @@ def reference_fe(shards: dict[str, Shard], out: Path, cache: Path, monkeypatch: 
     args = sim_args(cache)
     model, input_shape, _ = load_shards(args, 0)
     with monkeypatch.context() as patch:
-        patch.setattr(simulate, "load_shards", lambda _args, count: (model, input_shape, dict(shards)))
+        patch.setattr(run_setup, "load_shards", lambda _args, count: (model, input_shape, dict(shards)))
         folder = out.parent / "reference"
         folder.mkdir()
         simulation = simulate.Simulation(args, RunFolder(folder))
