@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from device_runtime.task import Phase
-from server.lowrank import FE_PREFIX
+from fedcore.lowrank import FE_PREFIX
 
 DENSE = 1.0
 Shapes = dict[str, tuple[int, ...]]
