@@ -15,6 +15,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,9 @@ MOSQUITTO_PUB = shutil.which("mosquitto_pub")
 BROKER_START_TIMEOUT_S = 10.0
 BROKER_STOP_TIMEOUT_S = 5.0
 ACCEPT_POLL_S = 0.02
+WAIT_POLL_S = 0.05
+
+T = TypeVar("T")
 
 if importlib.util.find_spec("torch") is not None:  # a server or dev install
     import torch
@@ -57,6 +61,23 @@ def restored_logging() -> Iterator[None]:
         if handler not in root.handlers:
             root.addHandler(handler)
     root.setLevel(level)
+
+
+def wait_for(condition: Callable[[], T], timeout: float, what: str, *,
+             alive: Callable[[], None] | None = None, poll_s: float = WAIT_POLL_S) -> T:
+    """Poll ``condition`` until it returns something truthy, and return that; fail naming ``what`` once
+    ``timeout`` seconds passed. ``alive``, called before each poll, raises to fail early (the process that should
+    bring the condition about has died)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if alive is not None:
+            alive()
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(poll_s)
 
 
 def free_loopback_port() -> int:
@@ -95,12 +116,17 @@ class MosquittoProcess:
         with open(self.log, "ab") as log:
             self._proc = subprocess.Popen([str(MOSQUITTO_BIN), "-c", str(self.conf)],
                                           stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + BROKER_START_TIMEOUT_S
-        while not _accepts_connections(self.port):
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"mosquitto did not come up on port {self.port}:\n{self.log.read_text()}")
-            time.sleep(ACCEPT_POLL_S)
+        proc = self._proc
+
+        def alive() -> None:
+            if proc.poll() is not None:
+                raise AssertionError(f"mosquitto exited with status {proc.returncode}")
+        try:
+            wait_for(lambda: _accepts_connections(self.port), BROKER_START_TIMEOUT_S,
+                     f"mosquitto to accept connections on port {self.port}", alive=alive, poll_s=ACCEPT_POLL_S)
+        except AssertionError as exc:
+            self.stop()
+            raise RuntimeError(f"{exc}:\n{self.log.read_text()}") from None
 
     def stop(self) -> None:
         """Terminate mosquitto (kill it if it lingers) and wait for it to exit."""
