@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from device_runtime.artifact_contract import KINDS
 from device_runtime.log_budget import lift_flood_budget
 from device_runtime.protocol import DEFAULT_MAX_FRAME_BYTES
 from server.mosquitto_config import TlsFiles, write_mosquitto_conf
@@ -29,6 +30,8 @@ MOSQUITTO_PUB = shutil.which("mosquitto_pub")
 BROKER_START_TIMEOUT_S = 10.0
 BROKER_STOP_TIMEOUT_S = 5.0
 ACCEPT_POLL_S = 0.02
+ARTIFACT_SHAPE, ARTIFACT_CLASSES = (1, 28, 28), 10
+"""The input shape and classes of the ``artifacts`` fixture's model."""
 WAIT_POLL_S = 0.05
 
 T = TypeVar("T")
@@ -78,6 +81,38 @@ def wait_for(condition: Callable[[], T], timeout: float, what: str, *,
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(poll_s)
+
+
+def assert_bad_input(done: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    """A command refused its input as a user's mistake: exit status 2, no traceback, and a last stderr line that
+    holds every fragment."""
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    for fragment in fragments:
+        assert fragment in last, last
+
+
+@pytest.fixture(scope="session")
+def shared_artifact_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One artifact cache for the whole session. Sets are keyed by a hash of all that shapes them (kind, model,
+    ranks, shapes) and written by an atomic rename, so every test that only reads artifacts shares one compile of
+    each; a test that damages or deletes artifacts keeps its own cache."""
+    return tmp_path_factory.getbasetemp() / "artifact-cache"
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def artifacts(request: pytest.FixtureRequest, shared_artifact_cache: Path) -> object:
+    """The ArtifactSet of fedavgcnn (seed 0) at rank ratio 0.5 on ARTIFACT_SHAPE, ARTIFACT_CLASSES, of each
+    runtime kind in turn; read-only."""
+    from export.artifacts import build_artifacts_of_kind  # torch: a server dependency
+    from server.lowrank import RankPlan, resolve_plan
+    from server.models import build_model
+
+    model = build_model("fedavgcnn", ARTIFACT_SHAPE, ARTIFACT_CLASSES, seed=0)
+    ranks = resolve_plan(model, RankPlan(0.5)).ranks
+    return build_artifacts_of_kind(request.param, model, ranks, ARTIFACT_SHAPE, ARTIFACT_CLASSES,
+                                   shared_artifact_cache)
 
 
 def free_loopback_port() -> int:
