@@ -177,10 +177,10 @@ def unrefused(attack: Attack) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def attack(tmp_path_factory: pytest.TempPathFactory) -> Attack:
+def attack(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: Path) -> Attack:
     base = tmp_path_factory.mktemp("aggregator-replays")
     with attack_broker(base, BROKER_LIMIT) as broker:
-        return run_attack(base, broker)
+        return run_attack(base, broker, shared_artifact_cache)
 
 
 @contextlib.contextmanager
@@ -205,8 +205,7 @@ def aggregation_frames(recorder: Recorder) -> list[tuple[str, bytes]]:
     return [(t, f) for t, f in recorder.snapshot() if AGG_TOPIC.fullmatch(t) or UPDATE_TOPIC.fullmatch(t)]
 
 
-def run_attack(base: Path, broker: MosquittoProcess) -> Attack:
-    cache = base / "cache"
+def run_attack(base: Path, broker: MosquittoProcess, cache: Path) -> Attack:
     enrollment = save_enrollment(base / "enroll.json", enroll({}, [f"dev_{i:03d}" for i in range(3)]))
     with recording(broker.port, Recorder({})) as earlier:
         finish(start_server(base / "clean", broker.url, cache, enrollment))

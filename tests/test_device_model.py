@@ -62,11 +62,11 @@ TIERS = {"dev_000": 1.0, "dev_001": 0.25}
 
 
 @pytest.fixture(scope="module")
-def federation(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def federation(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: Path) -> Path:
     """Two device processes (dense and rank 0.25) federate for two rounds and a final evaluation, then stop."""
     base = tmp_path_factory.mktemp("federation")
     (base / "tiers.json").write_text(json.dumps(TIERS))
-    assert broker_loop.main([*QUICK, "--cache-dir", str(base / "cache"), "--out", str(base / "run"), "--rounds",
+    assert broker_loop.main([*QUICK, "--cache-dir", str(shared_artifact_cache), "--out", str(base / "run"), "--rounds",
                              str(ROUNDS), "--local-devices", str(DEVICES), "--rank-overrides",
                              str(base / "tiers.json")]) == 0
     return base / "run"

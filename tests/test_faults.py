@@ -204,8 +204,8 @@ def shard_paths(shards: dict[str, Shard], tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("artifacts")
+def cache(shared_artifact_cache: Path) -> Path:
+    return shared_artifact_cache
 
 
 @pytest.fixture

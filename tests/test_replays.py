@@ -153,15 +153,14 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+def runs(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: Path) -> Runs:
     base = tmp_path_factory.mktemp("replays")
     with attack_broker(base, 256 * 1024) as broker:
-        return attack(base, broker)
+        return attack(base, broker, shared_artifact_cache)
 
 
-def attack(base: Path, broker: MosquittoProcess) -> Runs:
+def attack(base: Path, broker: MosquittoProcess, cache: Path) -> Runs:
     port = broker.port
-    cache = base / "cache"
     enrollment = save_enrollment(base / "enroll.json", enroll({}, [f"dev_{i:03d}" for i in range(4)]))
     capture, stop = Capture(), threading.Event()
     recorder = record(port, stop, capture)
