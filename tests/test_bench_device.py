@@ -24,9 +24,12 @@ def load_script():
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def quick_run(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: Path) -> tuple[Path, str]:
     """(output folder, stdout) of a --quick run that also writes a cost model."""
     out = tmp_path_factory.mktemp("bench_device")
+    shared_artifact_cache.mkdir(parents=True, exist_ok=True)
+    (out / "cache").mkdir()
+    (out / "cache" / "fedara").symlink_to(shared_artifact_cache)  # where the script keeps its artifacts
     done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out-dir", str(out), "--cost-model",
                            str(out / "cost_model.json"), "--cache-dir", str(out / "cache")],
                           capture_output=True, text=True, timeout=480)
