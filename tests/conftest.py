@@ -1,5 +1,6 @@
-"""Shared test set-up: one compute thread per test process, and the broker fixtures (a mosquitto
-subprocess restartable on its port, and the embedded amqtt broker).
+"""Shared test set-up: one compute thread per test process, the broker fixtures (a mosquitto
+subprocess restartable on its port, and the embedded amqtt broker), the one condition wait (``wait_for``: tests
+wait on something they can observe, never a fixed sleep), and the session's shared artifact cache.
 
 Nothing here imports torch or the server's dependencies at load time, so the device-only tests also run on
 a device-only install (numpy, onnxruntime, paho-mqtt)."""
@@ -15,8 +16,8 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
