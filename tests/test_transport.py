@@ -369,9 +369,9 @@ def test_each_aggregator_reads_only_the_updates_routed_to_it_under_the_server_us
     device.publish(DEV2.update_via("agg-0"), b"forged", "update-forged", wait=True)
     for i, payload in enumerate(payloads):
         device.publish(DEV1.update_via(f"agg-{i}"), payload, f"update-{i}", wait=True)
-    for i, member in enumerate(members):
+    for i, member in enumerate(members):  # what a member must not get went before its own, on one connection
         assert member.get(WAIT_S) == (DEV1.update_via(f"agg-{i}"), payloads[i])
-        assert member.get(0.2) is None
+        assert member.get(0) is None
 
 
 def test_device_cannot_read_another_devices_down_topic(secured_broker, connect) -> None:
