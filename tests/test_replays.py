@@ -45,6 +45,9 @@ ATTACK_TIMEOUT_S = 30  # well inside the broker's keep-alive (1.5 x 30 s): pause
 SERVER_REFUSALS = 5
 """dev_000's JOIN, dev_001's offline frame and forged JOIN, dev_003's JOIN and ACK."""
 WAIT_S = 30
+pytestmark = pytest.mark.timeout(900)
+"""The first test sets up three runs (and compiles their artifacts unless the session's cache has them): minutes
+on a loaded 2-core machine, over the suite's 300 s default."""
 """Bound on waits for what takes a moment (a subscription, a message through the broker)."""
 MARKER_TOPIC = f"{PREFIX}/dev/xmarker/up"
 """A marker sent after what a subscriber must have seen: the broker forwards messages to one subscriber in the
