@@ -143,6 +143,10 @@ def test_update_answering_the_open_round_is_accepted():
     assert verdict.accepted and verdict.update.num_samples == 30
 
 
+NOT_ITS_ANSWER = ("device id mismatch", "this run is run1", "stale: update for round 2, round 1 is open")
+"""Refusals of a message that is not the device's answer to the open round: it may still answer."""
+
+
 @pytest.mark.parametrize("message, reason", [
     (update(device_id="dev_001"), "on a topic of 'dev_000' [bad_topic]"),
     (update(run_id="oldrun"), "this run is run1"),
@@ -158,16 +162,30 @@ def test_update_answering_the_open_round_is_accepted():
     (update(metrics={}), "metrics lack"),
 ])
 def test_bad_update_is_rejected_with_its_reason(message, reason):
+    """A refused update is never accepted; it is the device's answer (dropped, with its reason, at the close) only
+    when it answers the open round, else the device is still awaited and the round ends as if it never came."""
     coordinator = make_coordinator(2)
     coordinator.open_round(1, now=0.0)
     verdict = coordinator.judge("dev_000", message, now=1.0)
     assert not verdict.accepted and reason in verdict.reason
+    assert coordinator.judge("dev_001", update(device_id="dev_001"), now=1.0).accepted
+    if reason in NOT_ITS_ANSWER:
+        assert coordinator.awaits("dev_000") and coordinator.closing(now=1.0) is None
+        result = coordinator.close_round(now=DEADLINE_S)
+        assert result.accepted == ("dev_001",) and result.dropped == {"dev_000": NO_ANSWER}
+    else:
+        assert not coordinator.awaits("dev_000") and coordinator.closing(now=1.0) == ALL_ANSWERED
+        result = coordinator.close_round(now=1.0)
+        assert result.accepted == ("dev_001",) and result.dropped == {"dev_000": verdict.reason}
+    assert set(result.evaluations) == {"dev_001"}
 
 
 def test_update_from_an_unknown_device_is_rejected():
     coordinator = make_coordinator(1)
     coordinator.open_round(1, now=0.0)
     assert coordinator.judge("dev_999", update(device_id="dev_999"), now=1.0).reason == "unknown device"
+    assert "dev_999" not in coordinator.devices and coordinator.awaits("dev_000")
+    assert coordinator.close_round(now=DEADLINE_S).dropped == {"dev_000": NO_ANSWER}
 
 
 def test_second_update_of_a_device_is_a_duplicate():
@@ -175,6 +193,7 @@ def test_second_update_of_a_device_is_a_duplicate():
     coordinator.open_round(1, now=0.0)
     coordinator.judge("dev_000", update(), now=1.0)
     assert coordinator.judge("dev_000", update(), now=2.0).reason == "duplicate update for round 1"
+    assert coordinator.close_round(now=DEADLINE_S).accepted == ("dev_000",)  # once
 
 
 def test_update_after_the_deadline_is_late():
@@ -196,6 +215,10 @@ def test_device_joined_after_the_round_opened_was_not_asked():
     coordinator.join("dev_new", Join(PROFILE, SHARD, ()))
     coordinator.assign_plan("dev_new", 1.0, PLAN, SHAPES)
     assert coordinator.judge("dev_new", update(device_id="dev_new"), now=2.0).reason == "not asked in round 1"
+    assert coordinator.judge("dev_000", update(), now=2.0).accepted
+    result = coordinator.close_round(now=2.0)
+    assert result.closed_by == ALL_ANSWERED and result.accepted == ("dev_000",) and "dev_new" not in result.dropped
+    assert set(result.evaluations) == {"dev_000"}
 
 
 def test_evaluation_answer_carries_no_tensors():

@@ -100,7 +100,7 @@ class Impostor(MqttPeer):
 
 
 def test_device_cannot_write_or_read_another_devices_topics_during_a_federation(
-        secured_broker, tls_files: TlsFiles, tmp_path: Path):  # noqa: F811
+        secured_broker, tls_files: TlsFiles, tmp_path: Path, shared_artifact_cache: Path):  # noqa: F811
     devices = start_devices(secured_broker.url, tls_files.cafile, tmp_path)
     try:
         with Impostor(secured_broker.url, tls_files.cafile) as impostor:
@@ -108,7 +108,7 @@ def test_device_cannot_write_or_read_another_devices_topics_during_a_federation(
                                      "--broker", secured_broker.url, "--username", SERVER_USER,
                                      "--password", SERVER_PASSWORD, "--tls-ca", str(tls_files.cafile),
                                      "--join-timeout", "300", "--round-deadline", "300",
-                                     "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"),
+                                     "--cache-dir", str(shared_artifact_cache), "--out", str(tmp_path / "run"),
                                      "--enroll", str(enrolled(tmp_path / "enroll.json"))]) == 0
     finally:
         for device in devices:

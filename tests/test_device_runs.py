@@ -39,10 +39,10 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+def world(shared_artifact_cache: Path) -> World:
     algorithm = get_algorithm("fedara")
     model = build_model("fedavgcnn", INPUT_SHAPE, CLASSES, seed=0)
-    plan = PlanBook(model, INPUT_SHAPE, tmp_path_factory.mktemp("runs") / "cache").get(1.0)
+    plan = PlanBook(model, INPUT_SHAPE, shared_artifact_cache).get(1.0)
     fe = factorize_per_plan(global_state(model, algorithm), [plan.resolved])[plan_key(plan.resolved)]
     return World(plan.hash, plan.description, plan.files, initial_personal([model], algorithm)[model.name], fe)
 

@@ -28,9 +28,9 @@ def model_and_ranks():
 
 
 @pytest.fixture(scope="module")
-def artifact_dir(tmp_path_factory, model_and_ranks) -> Path:
+def artifact_dir(shared_artifact_cache, model_and_ranks) -> Path:
     model, ranks = model_and_ranks
-    return build_artifacts(model, ranks, SHAPE, CLASSES, tmp_path_factory.getbasetemp() / "artifact-cache").directory
+    return build_artifacts(model, ranks, SHAPE, CLASSES, shared_artifact_cache).directory
 
 
 @pytest.fixture

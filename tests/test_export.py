@@ -31,8 +31,8 @@ def ranks(model):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "artifact-cache"
+def cache(shared_artifact_cache) -> Path:
+    return shared_artifact_cache
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from server.report import METRICS_FILE, read_metrics
 from server import run_setup, simulate
 from server.run_setup import RunFolder, load_shards
 
+from tests.conftest import wait_for
 from tests.sealing import device_link, enrollment_file, seal_down, write_key
 from tests.recording_endpoint import RecordingEndpoint
 
@@ -70,16 +70,6 @@ SERVER_LISTENS = "fedara.server INFO run "  # the server's log line once it is c
 
 
 # -- the processes -------------------------------------------------------------------------------
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str, alive: Callable[[], None]) -> None:
-    """Poll ``condition`` until it holds; ``alive`` raises if the run died meanwhile."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        alive()
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:g} s")
-        time.sleep(POLL_S)
 
 
 class FederationProcesses:
@@ -152,7 +142,7 @@ class FederationProcesses:
         return (self.out / SERVER_OUT).read_text()[-3000:]
 
     def wait(self, condition: Callable[[], bool], what: str) -> None:
-        wait_until(condition, RUN_TIMEOUT_S, what, self.alive)
+        wait_for(condition, RUN_TIMEOUT_S, what, alive=self.alive, poll_s=POLL_S)
 
     def wait_mid_round(self, round_index: int) -> None:
         """Until every device but SLOW answered ``round_index``: the round is open and SLOW is computing."""
@@ -215,8 +205,8 @@ def shard_paths(shards: dict[str, Shard], tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("artifacts")
+def cache(shared_artifact_cache: Path) -> Path:
+    return shared_artifact_cache
 
 
 @pytest.fixture

@@ -109,9 +109,9 @@ class World:
     out: RunFolder
 
 
-def build_world(directory: Path) -> World:
+def build_world(directory: Path, cache: Path) -> World:
     model = build_model("fedavgcnn", INPUT_SHAPE, CLASSES, seed=0)
-    plans = PlanBook(model, INPUT_SHAPE, directory / "cache")
+    plans = PlanBook(model, INPUT_SHAPE, cache)
     global_fe = global_state(model, ALGORITHM)
     personal = initial_personal([model], ALGORITHM)
     round_fe = factorize_per_plan(global_fe, [plans.get(r).resolved for r in (DENSE, LOW_RANK)])
@@ -120,8 +120,8 @@ def build_world(directory: Path) -> World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
-    return build_world(tmp_path_factory.mktemp("hostile"))
+def world(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: Path) -> World:
+    return build_world(tmp_path_factory.mktemp("hostile"), shared_artifact_cache)
 
 
 @functools.lru_cache(maxsize=None)
@@ -751,14 +751,15 @@ class Impostor(MqttPeer):
         self.attacks += 1
 
 
-def test_impostor_on_an_open_broker_does_not_change_the_global_fe(embedded_broker, tmp_path: Path):
+def test_impostor_on_an_open_broker_does_not_change_the_global_fe(embedded_broker, tmp_path: Path,
+                                                                  shared_artifact_cache: Path):
     """Garbage, updates forged for another device, from an unknown device, of another run, and replays of a
     device's own updates, sent while a 3-device federation runs: the run ends with the global FE of the
     same federation run in process without any of it."""
     with Impostor(embedded_broker.url) as impostor:
         assert broker_loop.main([*QUICK, "--rounds", str(WIRE_ROUNDS), "--local-devices", str(WIRE_DEVICES),
                                  "--broker", embedded_broker.url, "--join-timeout", "300", "--round-deadline", "300",
-                                 "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")]) == 0
+                                 "--cache-dir", str(shared_artifact_cache), "--out", str(tmp_path / "run")]) == 0
     assert impostor.attacks >= WIRE_ROUNDS and impostor.captured
     records = read_metrics(tmp_path / "run" / METRICS_FILE)
     assert all(r["participants"] == r["selected"] == WIRE_DEVICES and r["dropped"] == {} for r in records)
@@ -772,7 +773,7 @@ def test_impostor_on_an_open_broker_does_not_change_the_global_fe(embedded_broke
         assert refusal in log
 
     args = simulate.build_parser().parse_args([*QUICK, "--rounds", str(WIRE_ROUNDS), "--clients", str(WIRE_DEVICES),
-                                               "--backend", "portable", "--cache-dir", str(tmp_path / "cache")])
+                                               "--backend", "portable", "--cache-dir", str(shared_artifact_cache)])
     (tmp_path / "clean").mkdir()
     simulation = simulate.Simulation(args, RunFolder(tmp_path / "clean"), progress=Progress(WIRE_ROUNDS, emit=lambda line: None))
     simulation.run()

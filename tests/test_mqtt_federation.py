@@ -65,8 +65,8 @@ def tiered_overrides(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("artifacts")
+def cache(shared_artifact_cache: Path) -> Path:
+    return shared_artifact_cache
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,8 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "artifact-cache"
+def cache(shared_artifact_cache):
+    return shared_artifact_cache
 
 
 @pytest.fixture(scope="module", params=KINDS)

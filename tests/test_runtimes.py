@@ -16,10 +16,9 @@ SHAPE, CLASSES = (1, 28, 28), 10
 
 
 @pytest.fixture(scope="module")
-def sets(tmp_path_factory):
+def sets(shared_artifact_cache):
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
-    cache = tmp_path_factory.getbasetemp() / "artifact-cache"
-    return {kind: build_artifacts_of_kind(kind, model, {}, SHAPE, CLASSES, cache) for kind in KINDS}
+    return {kind: build_artifacts_of_kind(kind, model, {}, SHAPE, CLASSES, shared_artifact_cache) for kind in KINDS}
 
 
 def test_auto_takes_the_portable_runtime_whenever_onnxruntime_is_installed():

@@ -23,8 +23,8 @@ LONG_STEPS = 50
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "artifact-cache"
+def cache(shared_artifact_cache):
+    return shared_artifact_cache
 
 
 @pytest.fixture(scope="module")
