@@ -143,7 +143,7 @@ def test_update_answering_the_open_round_is_accepted():
     assert verdict.accepted and verdict.update.num_samples == 30
 
 
-NOT_ITS_ANSWER = ("device id mismatch", "this run is run1", "stale: update for round 2, round 1 is open")
+NOT_ITS_ANSWER = ("on a topic of 'dev_000' [bad_topic]", "this run is run1", "stale: update for round 2, round 1 is open")
 """Refusals of a message that is not the device's answer to the open round: it may still answer."""
 
 
