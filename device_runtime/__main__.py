@@ -113,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     from device_runtime.link import Link
     from device_runtime.messages import DEFAULT_TOPIC_PREFIX
     from device_runtime.profile import ProfileError, collect_profile
-    from device_runtime.protocol import ProtocolError, Topics
+    from device_runtime.protocol import ProtocolError
     from device_runtime.runtimes import RuntimeUnavailable, detect
     from device_runtime.shard import ShardError, load_shard
+    from device_runtime.topics import Topics
     from device_runtime.transport import BrokerRefusedError, MqttEndpoint, parse_brokers
 
     try:

@@ -36,24 +36,25 @@ from pathlib import Path
 
 import numpy as np
 
+from device_runtime.artifact_contract import ArtifactError, artifact_files, verify_artifacts
 from device_runtime.atomic_file import TMP_PREFIX, write_atomic
 from device_runtime.broker_wait import wait_for_broker
 from device_runtime.device_rules import (DeviceState, TaskAction, answered, on_task, starts_new_run,
                                          takes_initial_tensors)
+from device_runtime.envelope import Message, MessageType, envelope_limit
+from device_runtime.inbox import Screen
+from device_runtime.link import Link, Refused
 from device_runtime.local_round import load_weights, run_task
-from device_runtime.model import DEFAULT_KEEP, ModelStore
-from device_runtime.onnx_bake import GraphEditError
 from device_runtime.messages import (NO_RUN, ErrorCode, Join, MessageError, ShardInfo, ack_message, check_hash,
                                      error_message, join_message, new_msg_id, parse_error, parse_plan, parse_task,
                                      update_message)
+from device_runtime.model import DEFAULT_KEEP, ModelStore
+from device_runtime.onnx_bake import GraphEditError
 from device_runtime.profile import ResourceProfile
-from device_runtime.inbox import Screen
-from device_runtime.link import Link, Refused
-from device_runtime.protocol import Message, MessageType, Topics, envelope_limit
+from device_runtime.runtimes import open_trainer
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
-from device_runtime.artifact_contract import ArtifactError, artifact_files, verify_artifacts
-from device_runtime.runtimes import open_trainer
+from device_runtime.topics import Topics
 from device_runtime.trainer import LocalTrainer
 from device_runtime.transport import MqttEndpoint
 

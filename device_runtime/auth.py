@@ -111,7 +111,7 @@ ACCEPTED = Verdict(True)
 
 
 class Sealed(Protocol):
-    """What the Verifier reads of a decoded envelope (protocol.Message has these fields)."""
+    """What the Verifier reads of a decoded envelope (envelope.Message has these fields)."""
 
     device_id: str
     run_id: str

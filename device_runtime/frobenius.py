@@ -4,7 +4,7 @@ FedARA's objective carries μ·Σ_q ‖U_q V_qᵀ‖²_F over the factorized lay
 it cost 39–79% of a factorized step (docs/benchmarks.md), which made low-rank tiers slower than dense. Its
 gradient is tiny (lr·μ ≈ 5e-6 per step), so the trainers leave it out of the step and apply its exact gradient
 once per local epoch with step size s = lr·k (k = optimizer steps taken in that epoch). With plain SGD this
-differs from the per-step term only at second order in s·μ. ``server.lowrank.frobenius_decay_step`` is the
+differs from the per-step term only at second order in s·μ. ``fedcore.lowrank.frobenius_decay_step`` is the
 PyTorch twin; tests hold them equal.
 """
 from __future__ import annotations

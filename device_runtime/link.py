@@ -24,8 +24,10 @@ from pathlib import Path
 
 from device_runtime.auth import (SESSION_KEY, CounterSource, Direction, KeyRing, Refusal, Verifier, load_verifier_state,
                                  new_nonce, save_verifier_state, start_counters)
-from device_runtime.protocol import Message, MessageType, ProtocolError, Reason, TopicKind, decode, seal
-from device_runtime.status import StatusError, StatusSigner, parse_status
+from device_runtime.envelope import Message, MessageType, decode, seal
+from device_runtime.protocol import ProtocolError, Reason
+from device_runtime.status import Status, StatusError, StatusSigner, parse_status
+from device_runtime.topics import TopicKind, check_topic_device
 
 SERVER_RUN_FREE = frozenset((MessageType.JOIN, MessageType.STATUS))
 DEVICE_RUN_FREE = frozenset(MessageType)
@@ -111,16 +113,21 @@ class Link:
 
         STATUS frames belong on the status topic and UPDATEs on the update topic, each nowhere else. With
         ``commit=False`` nothing changes: it says whether ``payload`` would be taken now (a screen)."""
+        return self.open_with_status(payload, current_run, device_id=device_id, kind=kind, commit=commit)[0]
+
+    def open_with_status(self, payload: bytes, current_run: str, *, device_id: str, kind: TopicKind = TopicKind.UP,
+                         commit: bool = True) -> tuple[Message, Status | None]:
+        """``open``, and the Status a STATUS frame says (read here, once, for the Verifier); None for any other
+        message."""
         try:
             msg = decode(payload, max_bytes=self.max_inbound, allow_nonfinite=self.allow_nonfinite)
+            check_topic_device(device_id, msg.device_id)
         except ProtocolError as exc:
             raise Refused(exc.reason, exc.message, device_id) from None
-        if msg.device_id != device_id:
-            raise Refused(Reason.BAD_TOPIC, f"a message of {msg.device_id!r} on a topic of {device_id!r}", device_id)
         for only_type, topic_kind in ((MessageType.STATUS, TopicKind.STATUS), (MessageType.UPDATE, TopicKind.UPDATE)):
             if (msg.type == only_type) != (kind == topic_kind):
                 raise Refused(Reason.BAD_TOPIC, f"a {msg.type.value} message on the {kind.value} topic", device_id)
-        state = nonce = None
+        status = state = nonce = None
         if msg.type == MessageType.STATUS:
             try:
                 status = parse_status(msg)
@@ -136,4 +143,4 @@ class Link:
                           device_id)
         if self.state_dir is not None and commit:
             save_verifier_state(self.state_dir, self.verifier)
-        return msg
+        return msg, status

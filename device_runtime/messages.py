@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from device_runtime.profile import ProfileError, ResourceProfile
-from device_runtime.protocol import MAX_ROUND, Message, MessageType, ProtocolError, check_id
-from device_runtime.shard import Shard
 from device_runtime.artifact_contract import ARTIFACT_FILES_BY_KIND, MANIFEST_NAME
+from device_runtime.envelope import MAX_ROUND, Message, MessageType
+from device_runtime.profile import ProfileError, ResourceProfile
+from device_runtime.protocol import ProtocolError, check_id
+from device_runtime.shard import Shard
 from device_runtime.task import PARAM_GROUPS, RETURNS, Phase, Task, Update
 
 DEFAULT_TOPIC_PREFIX = "fedara"
@@ -277,15 +278,22 @@ def update_message(update: Update, *, plan_hash: str, device_id: str, run_id: st
 def parse_update(msg: Message) -> tuple[str, Update]:
     """(plan hash, Update) of an UPDATE message; tensors are passed through unchecked (the server checks them
     against the device's plan)."""
+    return parse_update_fields(_expect(msg, MessageType.UPDATE), msg.round, dict(msg.tensors))
+
+
+def parse_update_fields(meta: dict, round_index: int, tensors: dict[str, np.ndarray]) -> tuple[str, Update]:
+    """(plan hash, Update) from an UPDATE's fields, its round and its tensors (none where an aggregator verified
+    and holds them: its receipt carries the device's fields)."""
     kind = MessageType.UPDATE
-    meta = _expect(msg, kind)
+    if not isinstance(meta, dict):
+        raise MessageError("update fields must be an object")
     metrics = _field(meta, "metrics", kind)
     if not isinstance(metrics, dict):
         raise MessageError("update field 'metrics' must be an object")
     accuracy = _number(_field(meta, "train_accuracy", kind), "train_accuracy", 0.0)
     if accuracy > 1:
         raise MessageError(f"train_accuracy must be in [0, 1], got {accuracy}")
-    update = Update(round=_int(msg.round, "round", 1, MAX_ROUND), weights=dict(msg.tensors),
+    update = Update(round=_int(round_index, "round", 1, MAX_ROUND), weights=tensors,
                     num_samples=_int(_field(meta, "num_samples", kind), "num_samples", 0),
                     train_loss=_number(_field(meta, "train_loss", kind), "train_loss"),
                     train_accuracy=accuracy, metrics=metrics)

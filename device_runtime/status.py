@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass
 
 from device_runtime.auth import NONCE_BYTES, SESSION_KEY, STATUS_OFFLINE, STATUS_ONLINE, CounterSource, Direction
+from device_runtime.envelope import Message, MessageType, seal
 from device_runtime.messages import NO_RUN
-from device_runtime.protocol import Message, MessageType, seal
 
 _NONCE_RE = re.compile(r"[0-9a-f]{%d}" % (2 * NONCE_BYTES))
 

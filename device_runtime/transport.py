@@ -26,9 +26,9 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
 from device_runtime.auth import new_nonce
+from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Reassembler, RepeatedFrame, chunk
 from device_runtime.inbox import Inbox, Screen
-from device_runtime.protocol import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, ProtocolError, Reassembler,
-                                     RepeatedFrame, chunk)
+from device_runtime.protocol import ProtocolError
 
 LOG = logging.getLogger("fedara.transport")
 

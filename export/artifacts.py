@@ -40,8 +40,8 @@ from device_runtime.artifact_contract import (ARTIFACT_FILES_BY_KIND, FEATURES, 
                                               read_manifest, verify_artifacts)
 from export import step_compiler
 from export.loss_block import FedAraLoss
-from server.lowrank import FE_PREFIX, RankPlan, check_ranks, factorize_model, resolve_plan
-from server.models import MODELS, SplitModel, build_model
+from fedcore.lowrank import FE_PREFIX, RankPlan, check_ranks, factorize_model, resolve_plan
+from fedcore.models import ARCHITECTURES, SplitModel, build_model
 
 OPSET = 17  # training kind; ONNX IR 8: loadable by onnxruntime-training 1.19.2 (which refuses IR > 10)
 TMP_PREFIX = ".building-"
@@ -287,7 +287,7 @@ def _parse_shape(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, choices=MODELS)
+    p.add_argument("--model", required=True, choices=tuple(ARCHITECTURES))
     p.add_argument("--input-shape", required=True, type=_parse_shape, help="C,H,W, e.g. 1,28,28")
     p.add_argument("--classes", required=True, type=int)
     p.add_argument("--ratio", type=float, default=1.0, help="rank ratio r_k in (0, 1]; 1 keeps every layer dense")

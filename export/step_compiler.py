@@ -1,7 +1,7 @@
 """One plain-SGD step of CE + λ·L_FAC compiled into a default-domain ONNX graph: stock onnxruntime trains with it.
 
 The step (forward, backward and the SGD update p ← p − lr·∂L/∂p of every parameter) is traced from
-``server.objective.local_loss`` by ``make_fx`` with a symbolic batch and exported by ``torch.onnx.export(...,
+``fedcore.objective.local_loss`` by ``make_fx`` with a symbolic batch and exported by ``torch.onnx.export(...,
 dynamo=True)`` at opset 18; the eval graph (logits and features) likewise. Three backward ops need help:
 - ``aten.convolution_backward`` has no ONNX translation: decomposed here (:func:`_convolution_backward`);
 - ``aten.max_pool2d_with_indices_backward`` neither: for windows that tile the input it routes the gradient by a mask
@@ -34,8 +34,8 @@ from torch.func import functional_call
 
 from device_runtime.artifact_contract import (ANCHOR_MASK, ANCHORS, BATCH_DIM, EVAL_OUTPUTS, FEATURES, INPUT, LABELS,
                                               LAM, LOGITS, LOSS, LR, STEP_DATA_INPUTS, STEP_OUTPUTS, next_name)
-from server.lowrank import FE_PREFIX
-from server.objective import fac_loss, local_loss
+from fedcore.lowrank import FE_PREFIX
+from fedcore.objective import fac_loss, local_loss
 
 HEAD_PREFIX = "head."
 
@@ -271,7 +271,7 @@ def compile_step(model: nn.Module, input_shape: tuple[int, ...], num_classes: in
 
 
 def _reference_step(model: nn.Module, data: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """One SGD step of ``server.objective.local_loss`` in PyTorch eager: loss, logits and the new parameters."""
+    """One SGD step of ``fedcore.objective.local_loss`` in PyTorch eager: loss, logits and the new parameters."""
     client = copy.deepcopy(model)
     loss, logits = local_loss(client, data[INPUT], data[LABELS], data[ANCHORS], data[ANCHOR_MASK], float(data[LAM]))
     client.zero_grad()

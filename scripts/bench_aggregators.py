@@ -41,12 +41,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from device_runtime.auth import CounterSource, Direction, KeyRing, new_key  # noqa: E402
+from device_runtime.envelope import seal  # noqa: E402
 from device_runtime.link import Link  # noqa: E402
 from device_runtime.messages import Join, ShardInfo, update_message  # noqa: E402
 from device_runtime.profile import ResourceProfile  # noqa: E402
-from device_runtime.protocol import Topics, seal, server_subscriptions, update_filter  # noqa: E402
 from device_runtime.task import Update  # noqa: E402
+from device_runtime.topics import Topics, server_subscriptions, update_filter  # noqa: E402
 from device_runtime.transport import MqttEndpoint, rotate_brokers  # noqa: E402
+from fedcore.models import build_model  # noqa: E402
 from server import aggregation_wire as wire  # noqa: E402
 from server.algorithms import get_algorithm  # noqa: E402
 from server.broker_loop import (AGGREGATORS_DIR, Federation, LocalDevices, aggregator_command,  # noqa: E402
@@ -54,7 +56,6 @@ from server.broker_loop import (AGGREGATORS_DIR, Federation, LocalDevices, aggre
 from server.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
 from server.engine import RoundEngine  # noqa: E402
 from server.enrollment import load_server_key, save_enrollment  # noqa: E402
-from server.models import build_model  # noqa: E402
 from server.mosquitto_config import write_mosquitto_conf  # noqa: E402
 from server.run_setup import PlanBook, RunFolder, global_state, initial_personal  # noqa: E402
 from server.run_config import FederationConfig  # noqa: E402
@@ -226,7 +227,7 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
     devices = [f"dev_{i:05d}" for i in range(clients)]
     keys = {d: new_key() for d in devices}
     engine = make_engine(devices, aggregators > 0, rounds)
-    max_inbound = inbound_limit(engine.global_state, 0)
+    max_inbound = inbound_limit(engine.global_state, {})
     enrollment = save_enrollment(folder / "enrollment.json", keys)
     names = tuple(f"agg-{i}" for i in range(aggregators))
     args = SimpleNamespace(prefix=PREFIX, join_timeout=120.0, aggregator_timeout=TIMEOUT_S, username=None,

@@ -189,13 +189,13 @@ def _ort_step(trainer, batch: tuple[np.ndarray, np.ndarray], anchors: np.ndarray
 def ort_memory_worker(spec: dict) -> dict:
     """One device process: import, load, anchors, a local round at each batch size; memory after each."""
     rss_python = rss_bytes()
-    from device_runtime.local_round import run_task
     from device_runtime.auth import Direction
-    from device_runtime.protocol import Message, MessageType, seal
-    from device_runtime.shard import load_shard
-    from device_runtime.task import Phase, Task, tensor_bytes
+    from device_runtime.envelope import Message, MessageType, seal
+    from device_runtime.local_round import run_task
     from device_runtime.portable_trainer import training_build_installed
     from device_runtime.runtimes import open_trainer
+    from device_runtime.shard import load_shard
+    from device_runtime.task import Phase, Task, tensor_bytes
     from device_runtime.trainer import load_ort_capi
     if spec.get("portable") and not training_build_installed():
         import onnxruntime  # noqa: F401  stock onnxruntime: the public package, as the portable trainer loads it
@@ -241,9 +241,9 @@ def torch_memory_worker(spec: dict) -> dict:
     rss_python = rss_bytes()
     import torch
     from device_runtime.shard import load_shard
-    from server.lowrank import factorize_model
-    from server.models import build_model
-    from server.objective import compute_anchors
+    from fedcore.lowrank import factorize_model
+    from fedcore.models import build_model
+    from fedcore.objective import compute_anchors
     from server.training import train_local
     torch.set_num_threads(1)
     rss_import = rss_bytes()
@@ -311,9 +311,9 @@ def torch_steppers(spec: dict) -> dict[tuple[str, int], Callable[[], None]]:
     """(variant, threads) -> one PyTorch eager step of the same plan, or one decay step on all its factors."""
     import torch
     from device_runtime.shard import load_shard
-    from server.lowrank import decay_factors, factorize_model
-    from server.models import build_model
-    from server.objective import compute_anchors, local_loss
+    from fedcore.lowrank import decay_factors, factorize_model
+    from fedcore.models import build_model
+    from fedcore.objective import compute_anchors, local_loss
     shard = load_shard(spec["shard"])
     model = factorize_model(build_model(spec["model"], tuple(spec["input_shape"]), NUM_CLASSES, seed=SEED),
                             spec["ranks"])
@@ -438,9 +438,10 @@ def device_floor_worker(spec: dict, artifacts_key: str) -> dict:
     encoded answer, and split the answer into the frames the transport publishes (kept until the next round, as
     paho keeps unacknowledged frames)."""
     import device_runtime.agent  # noqa: F401 -- the modules a device process holds
-    from device_runtime.local_round import run_task
     from device_runtime.auth import Direction
-    from device_runtime.protocol import Message, MessageType, Reassembler, chunk, decode, seal
+    from device_runtime.envelope import Message, MessageType, decode, seal
+    from device_runtime.framing import Reassembler, chunk
+    from device_runtime.local_round import run_task
     from device_runtime.runtimes import open_trainer
     from device_runtime.shard import load_shard
     from device_runtime.task import Phase, Task
@@ -480,9 +481,9 @@ def torch_floor_worker(spec: dict) -> dict:
     (``compute_anchors`` + ``train_local``), ``spec["rounds"]`` times."""
     import torch
     from device_runtime.shard import load_shard
-    from server.lowrank import factorize_model
-    from server.models import build_model
-    from server.objective import compute_anchors
+    from fedcore.lowrank import factorize_model
+    from fedcore.models import build_model
+    from fedcore.objective import compute_anchors
     from server.training import train_local
     torch.set_num_threads(1)
     shard = load_shard(spec["shard"])
@@ -543,9 +544,9 @@ def step_gflop(model_name: str, input_shape: tuple[int, ...], ranks: dict, batch
     estimate."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
-    from server.lowrank import factorize_model
-    from server.models import build_model
-    from server.objective import local_loss
+    from fedcore.lowrank import factorize_model
+    from fedcore.models import build_model
+    from fedcore.objective import local_loss
     model = factorize_model(build_model(model_name, tuple(input_shape), NUM_CLASSES, seed=SEED), ranks)
     x, y = torch.zeros(batch_size, *input_shape), torch.arange(batch_size) % NUM_CLASSES
     anchors, mask = torch.zeros(NUM_CLASSES, model.feature_dim), torch.ones(NUM_CLASSES)
@@ -564,8 +565,8 @@ def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path, train_sampl
     synthetic training samples) and the ratios that resolve to it."""
     from device_runtime.artifact_contract import PORTABLE_KIND
     from export.artifacts import build_artifacts, build_artifacts_of_kind
-    from server.lowrank import RankPlan, resolve_plan
-    from server.models import build_model
+    from fedcore.lowrank import RankPlan, resolve_plan
+    from fedcore.models import build_model
     plans: list[dict] = []
     for model_name, input_shape in configs:
         shard = shard_dir / f"{shape_name(input_shape)}.npz"

@@ -22,11 +22,11 @@ from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
 from device_runtime.messages import Join, ShardInfo  # noqa: E402
 from device_runtime.profile import ResourceProfile  # noqa: E402
+from fedcore.models import build_model  # noqa: E402
 from server.algorithms import get_algorithm  # noqa: E402
 from server.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
 from server.engine import RoundEngine  # noqa: E402
 from server.live_status import SnapshotCollector, fleet_snapshot  # noqa: E402
-from server.models import build_model  # noqa: E402
 from server.run_setup import PlanBook, global_state, initial_personal  # noqa: E402
 from server.run_config import FederationConfig  # noqa: E402
 

@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES  # noqa: E402
 from device_runtime.help_format import DefaultsHelpFormatter  # noqa: E402
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX  # noqa: E402
-from device_runtime.protocol import DEFAULT_MAX_FRAME_BYTES  # noqa: E402
 from server.mosquitto_config import (PASSWORDS_FILENAME, MosquittoSetup, Owner, generate_password,  # noqa: E402
                                      parse_passwords, unreadable_ancestor, write_mosquitto_setup)
 from server.enrollment import LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, enroll_devices  # noqa: E402

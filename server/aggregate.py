@@ -4,7 +4,7 @@ The round's result is Σ_k n_k·W_k / Σ_k n_k, with the sums kept in float64. A
 multiplied back on its own: its factors wait in a buffer of bounded width, and a full buffer is folded as ONE
 matrix product, Σ_k n_k U_k V_kᵀ = [n_1 U_1 … n_c U_c] [V_1 … V_c]ᵀ, which BLAS runs near its peak (clients of
 any rank share the buffer: only the inner dimension grows). The fold happens in the layer's matrix view (conv:
-the permuted (c_out·kh, c_in·kw) layout of ``server.lowrank``) and is mapped back to the weight layout once,
+the permuted (c_out·kh, c_in·kw) layout of ``fedcore.lowrank``) and is mapped back to the weight layout once,
 when the sum is read. Sums are associative, so several aggregators can each fold a share of the updates and
 ``merge`` their ``partial`` sums.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.lowrank import FACTOR_SUFFIXES, from_matrix, matrix_shape
+from fedcore.lowrank import FACTOR_SUFFIXES, from_matrix, matrix_shape
 
 DEFAULT_FOLD_COLUMNS = 2048
 """Inner dimension Σ r_k of one fold: several clients per product (5 of FedAvgCNN's r = 384 tier, 32 of r = 64),

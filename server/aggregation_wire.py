@@ -35,11 +35,13 @@ import numpy as np
 import torch
 
 from device_runtime.auth import Direction, KeyRing, new_nonce
+from device_runtime.envelope import Message, MessageType
 from device_runtime.link import Link
 from device_runtime.messages import new_msg_id
-from device_runtime.protocol import (Message, MessageType, ProtocolError, Reason, check_device_id, check_id,
-                                     check_topic_prefix, update_filter)
+from device_runtime.protocol import ProtocolError, Reason, check_id
+from device_runtime.topics import TopicKind, check_topic_prefix, device_id_from_topic, update_filter
 from server.aggregate import PartialSum
+from server.update_rule import Answer, Asked
 
 READY, ROUND, RECEIPT, VERDICT, CLOSE, PARTIAL = "ready", "round", "receipt", "verdict", "close", "partial"
 KINDS = (READY, ROUND, RECEIPT, VERDICT, CLOSE, PARTIAL)
@@ -70,10 +72,13 @@ def member_update_filter(prefix: str, aggregator: str) -> str:
 
 def device_from_member_topic(prefix: str, aggregator: str, topic: str) -> str:
     """The device whose update topic (routed to ``aggregator``) ``topic`` is; raises ProtocolError otherwise."""
-    head, tail = f"{check_topic_prefix(prefix)}/dev/", f"/update/{aggregator}"
-    if not (isinstance(topic, str) and topic.startswith(head) and topic.endswith(tail)):
-        raise ProtocolError(Reason.BAD_TOPIC, f"topic {topic!r:.200} is not {head}<device_id>{tail}")
-    return check_device_id(topic[len(head):-len(tail)])
+    tail = f"/{aggregator}"
+    if not (isinstance(topic, str) and topic.endswith(tail)):
+        raise ProtocolError(Reason.BAD_TOPIC, f"topic {topic!r:.200} is not routed to aggregator {aggregator!r}")
+    device_id, kind = device_id_from_topic(prefix, topic[:-len(tail)])
+    if kind != TopicKind.UPDATE:
+        raise ProtocolError(Reason.BAD_TOPIC, f"topic {topic!r:.200} is not an update topic")
+    return device_id
 
 
 def route(device_id: str, members: Iterable[str]) -> str | None:
@@ -129,15 +134,6 @@ def kind_of(msg: Message) -> str:
 
 
 @dataclass(frozen=True)
-class Asked:
-    """One device asked in a round: its plan, the samples a training update must declare, whether it trains."""
-
-    plan_hash: str
-    num_samples: int
-    trains: bool
-
-
-@dataclass(frozen=True)
 class Brief:
     """What an aggregator needs to check and fold round ``round``'s updates."""
 
@@ -184,10 +180,9 @@ class Receipt:
     meta: dict[str, Any]
     nbytes: int
 
-    def as_update(self) -> Message:
-        """The device's UPDATE as the engine judges it: header and meta, no tensors (the aggregator holds them)."""
-        return Message(MessageType.UPDATE, self.run_id, self.round, self.device_id, self.msg_id, dict(self.meta),
-                       counter=self.counter)
+    def answer(self) -> Answer:
+        """The update as the engine judges it: the device's header and fields, its tensors held by the aggregator."""
+        return Answer(self.device_id, self.run_id, self.round, dict(self.meta), None)
 
 
 def receipt_message(receipt: Receipt, aggregator: str) -> Message:

@@ -26,19 +26,21 @@ from pathlib import Path
 import numpy as np
 
 from device_runtime.auth import Direction, KeyRing, Verifier
+from device_runtime.envelope import Message, MessageType, decode
 from device_runtime.help_format import DefaultsHelpFormatter
 from device_runtime.link import Link, Refused
 from device_runtime.log_budget import hold_back_floods
-from device_runtime.messages import MessageError, parse_update
-from device_runtime.protocol import Message, MessageType, ProtocolError, decode
+from device_runtime.messages import MessageError
+from device_runtime.protocol import ProtocolError
 from device_runtime.task import tensor_bytes
-from device_runtime.tensor_check import tensor_problem
+from device_runtime.topics import check_topic_device
 from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers
 from server import aggregation_wire as wire
 from server.aggregate import StreamingAverage
 from server.cli import PASSWORD_ENV, add_broker_flags, fail
 from server.enrollment import EnrollmentError, load_enrollment, load_server_key
 from server.strategy import to_torch
+from server.update_rule import Answer, body_problem, header_problem
 
 LOG = logging.getLogger("fedara.aggregator")
 BRIEF_BYTES = 16 << 20
@@ -81,32 +83,29 @@ class Aggregator:
 
     def _check(self, topic_device: str, msg: Message) -> wire.Receipt | str:
         brief = self.brief
-        if msg.type != MessageType.UPDATE or msg.device_id != topic_device:
-            return f"a {msg.type.value} of {msg.device_id!r} on the update topic of {topic_device!r}"
+        if msg.type != MessageType.UPDATE:
+            return f"a {msg.type.value} on the update topic of {topic_device!r}"
+        try:
+            check_topic_device(topic_device, msg.device_id)
+        except ProtocolError as exc:
+            return str(exc)
         if brief is None:
             return "no round brief yet"
         verdict = self.verifier.check(msg, {brief.run_id})
         if not verdict.accepted:
             return f"{verdict.detail} [{verdict.reason.value}]"
-        if msg.round != brief.round:
-            return f"stale: update for round {msg.round}, round {brief.round} is open"
+        answer = Answer.of_message(msg)
         asked = brief.devices.get(topic_device)
-        if asked is None:
-            return f"not asked in round {brief.round}"
-        if topic_device in self.forwarded:
-            return f"duplicate update for round {brief.round}"
-        try:
-            plan_hash, update = parse_update(msg)
-        except MessageError as exc:
-            return f"malformed update: {exc}"
-        if plan_hash != asked.plan_hash:
-            return f"update for plan {plan_hash[:12]}, the device's plan is {asked.plan_hash[:12]}"
-        expected = brief.plan_shapes.get(plan_hash, {}) if asked.trains else {}
-        problem = tensor_problem(update.weights, expected, finite=True)
+        problem = header_problem(topic_device, answer, brief.round, asked is not None, topic_device in self.forwarded)
         if problem is not None:
             return problem
-        if update.num_samples != (asked.num_samples if asked.trains else 0):
-            return f"num_samples {update.num_samples}, expected {asked.num_samples if asked.trains else 0}"
+        try:
+            plan_hash, update = answer.parse()
+        except MessageError as exc:
+            return f"malformed update: {exc}"
+        problem = body_problem(plan_hash, update, asked, brief.plan_shapes.get(plan_hash), tensors_checked=False)
+        if problem is not None:
+            return problem
         self.forwarded.add(topic_device)
         if asked.trains:
             self.awaiting[topic_device] = (update.weights, update.num_samples)

@@ -27,7 +27,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -43,11 +42,8 @@ LOG = logging.getLogger("fedara.server")
 POLL_S = 0.2
 CONNECT_TIMEOUT_S = 30.0
 DEVICE_STOP_TIMEOUT_S = 10.0
-REJOIN_GRACE_S = 3.0
-"""An online device that has not joined within this long (it joined before the server listened) is asked to."""
 DEFAULT_ROUND_DEADLINE_S = 300.0
 DEFAULT_JOIN_TIMEOUT_S = 300.0
-DEFAULT_MIN_COMPLETION = 0.5
 DEFAULT_AGGREGATOR_TIMEOUT_S = 60.0
 PROBE_MAX_S = 5.0
 """At most this long between two messages the server sends a silent aggregator (its brief, or a partial request)."""
@@ -88,8 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "building their artifacts does not count)")
     run.add_argument("--round-deadline", type=float, default=DEFAULT_ROUND_DEADLINE_S,
                      help="seconds a round waits for answers")
-    run.add_argument("--min-completion", type=float, default=DEFAULT_MIN_COMPLETION,
-                     help="fraction of a round's training devices that must deliver for it to be aggregated")
     agg = p.add_argument_group("aggregation (see server/aggregator.py)")
     agg.add_argument("--aggregators", type=int, default=0,
                      help="start this many aggregator processes; each device's updates go to one of them, named in "
@@ -133,8 +127,6 @@ def check_broker_args(args: argparse.Namespace) -> None:
     for flag, value in (("--join-timeout", args.join_timeout), ("--round-deadline", args.round_deadline)):
         if not value > 0:
             raise ValueError(f"{flag} must be positive seconds, got {value:g}")
-    if not 0.0 <= args.min_completion <= 1.0:
-        raise ValueError(f"--min-completion must be in [0, 1], got {args.min_completion:g}")
     _budgets(args.local_memory_mb)
     if args.aggregators < 0:
         raise ValueError(f"--aggregators must be >= 0, got {args.aggregators}")
@@ -158,20 +150,18 @@ if __name__ == "__main__":  # --help and a mistake in the flags answer before to
     check_before_loading(build_parser(), check_broker_args)
 
 # The run's imports load torch (seconds, tens under load): after the flags are checked.
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from device_runtime.messages import (ErrorCode, MessageError, error_message, parse_ack,
                                      parse_error, parse_join, plan_message, task_message)
 from device_runtime.link import Link, Refused
-from device_runtime.profile import ResourceProfile
-from device_runtime.protocol import (Message, MessageType, ProtocolError, TopicKind, Topics,
-                                     device_id_from_topic, server_subscriptions)
-from device_runtime.status import Status, parse_status
-from server.algorithms import get_algorithm
+from device_runtime.envelope import Message, MessageType
+from device_runtime.protocol import ProtocolError
+from device_runtime.topics import Topics, device_id_from_topic, server_subscriptions
+from device_runtime.status import Status
+from device_runtime.task import Task
 from server.checkpoint import CheckpointError
-from server.compute_threads import use_server_threads
-from server.coordinator import Coordinator, CoordinatorConfig
-from server.cost_model import CostModelError, peak_predictor
 from server.embedded_broker import EmbeddedBroker
 from server.engine import RoundEngine
 from server.live_status import StatusServer, count_refusal, fleet_snapshot, update_refusal
@@ -179,18 +169,15 @@ from server import aggregation_wire as wire
 from server.enrollment import LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, load_server_key, run_key_ring
 from server.partition import write_shards
 from server.progress import Progress, print_and_log
-from server.rank_assignment import OverrideError, load_overrides, tier_predictor
-from server.run_config import norm_bound_from_args
-from server.run_setup import (PlanBook, RunError, RunFolder, all_models, device_models, global_state, initial_personal,
-                              load_shards, model_names, run_settings, tiers_from_args)
+from server.rank_assignment import OverrideError
+from server.run_setup import Deployment, RunError, RunFolder, assemble
 from server.shards import DEVICE_SHARD_FILENAME
 
 FederationError = RunError
 
 
-def broker_settings(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
-    return run_settings(args, config, ("local_devices", "local_memory_mb", "local_memory_limit_mb", "prefix",
-                                       "aggregators"))
+BROKER_SETTINGS = ("local_devices", "local_memory_mb", "local_memory_limit_mb", "prefix", "aggregators")
+"""The broker loop's own settings a resumed run must match."""
 
 
 # -- local device processes --------------------------------------------------------------------
@@ -310,11 +297,13 @@ def aggregator_command(args: argparse.Namespace, url: str, name: str, enrollment
 # -- the driver ---------------------------------------------------------------------------------
 
 
-def inbound_limit(global_fe: dict[str, torch.Tensor], personal_bytes: int) -> int:
-    """Largest message the server accepts: twice the dense shared model (no plan's update is larger) plus
-    slack, so a hostile device cannot make the server buffer more than that per message."""
-    shared = sum(v.numel() * v.element_size() for v in global_fe.values())
-    return 2 * max(shared, personal_bytes) + INBOUND_SLACK_BYTES
+def inbound_limit(shared: dict[str, torch.Tensor], personal: dict[str, dict[str, np.ndarray]]) -> int:
+    """Largest message the server accepts: twice the dense shared model or the largest personal model (no
+    plan's update is larger) plus slack, so a hostile device cannot make the server buffer more than that per
+    message."""
+    shared_bytes = sum(v.numel() * v.element_size() for v in shared.values())
+    personal_bytes = max((sum(v.nbytes for v in p.values()) for p in personal.values()), default=0)
+    return 2 * max(shared_bytes, personal_bytes) + INBOUND_SLACK_BYTES
 
 
 class Federation:
@@ -333,11 +322,8 @@ class Federation:
         self.brief: wire.Brief | None = None  # the open round's, as last sent
         self.merged: set[tuple[str, int]] = set()  # (aggregator, round) of every partial taken
         self.probe_s = min(PROBE_MAX_S, args.aggregator_timeout / 4)
-        self.coordinator = engine.coordinator
         self.settings = settings
         self.max_inbound = max_inbound
-        self.unjoined: dict[str, float] = {}  # online devices without a plan -> when their status said online
-        self.connections: dict[str, str] = {}  # device -> nonce of the connection its last online opened
         self.reconnects = 0
         self._wire = (0, 0)
         self.status, self._status_at = status, float("-inf")
@@ -375,7 +361,7 @@ class Federation:
             self._tend_aggregators(time.monotonic())
             self._ask_unjoined_to_join(time.monotonic())
             self.publish_status()
-            if self.local.processes and not self.local.check() and not self.coordinator.ready_devices():
+            if self.local.processes and not self.local.check() and not self.engine.ready_devices():
                 raise RunError(f"every local device exited; see {self.out.path / DEVICES_DIR}/*.log")
         return True
 
@@ -385,18 +371,16 @@ class Federation:
         if reconnects == self.reconnects:
             return
         self.reconnects = reconnects
-        awaited = [d for d in self.coordinator.devices if self.coordinator.awaits(d)]
+        awaited = self.engine.awaited()
         LOG.info("reconnected to the broker; re-sending the open round's task to %d device(s)", len(awaited))
         for device_id in awaited:
             self._send_task(device_id)
 
     def _ask_unjoined_to_join(self, now: float) -> None:
-        for device_id, since in list(self.unjoined.items()):
-            if now - since >= REJOIN_GRACE_S:
-                del self.unjoined[device_id]
-                LOG.info("%s is online but has not joined: asking it to", device_id)
-                self._send(device_id, error_message(ErrorCode.REJOIN, "join this run", device_id=device_id,
-                                                    run_id=self.coordinator.run_id))
+        for device_id in self.engine.to_ask_to_join(now):
+            LOG.info("%s is online but has not joined: asking it to", device_id)
+            self._send(device_id, error_message(ErrorCode.REJOIN, "join this run", device_id=device_id,
+                                                run_id=self.engine.run_id))
 
     # -- inbound ----------------------------------------------------------------------------
 
@@ -412,13 +396,13 @@ class Federation:
             count_refusal(self.refusals, "bad topic")
             return
         try:  # authenticated before anything else looks at it
-            msg = self.link.open(payload, self.coordinator.run_id, device_id=device_id, kind=kind)
+            msg, status = self.link.open_with_status(payload, self.engine.run_id, device_id=device_id, kind=kind)
         except Refused as exc:
             LOG.warning("dropped a message on %s: %s", topic, exc)
             count_refusal(self.refusals, f"link {getattr(exc.reason, 'value', 'other')}")
             return
-        if kind == TopicKind.STATUS:
-            self._on_status(device_id, parse_status(msg))
+        if status is not None:
+            self._on_status(device_id, status)
             return
         if msg.type == MessageType.UPDATE:
             self._on_update(device_id, msg)
@@ -434,34 +418,21 @@ class Federation:
             LOG.warning("dropped a malformed %s from %s: %s", msg.type.value, device_id, exc)
 
     def _on_status(self, device_id: str, status: Status) -> None:
-        """A device's connection opened or closed. An online of the connection already known (its retained frame
-        handed out again, or re-published by anyone on the broker) changes nothing: a task is re-sent at most once
-        per connection the device really opened."""
-        now, online = time.monotonic(), status.online
-        if online and self.connections.get(device_id) == status.nonce:
+        """A device's connection opened or closed: the engine decides what changes (see RoundEngine.status)."""
+        change = self.engine.status(device_id, status.online, status.nonce, time.monotonic())
+        if change.ignored:
             LOG.debug("%s: online again for its current connection: nothing changes", device_id)
             return
-        if online:
-            self.connections[device_id] = status.nonce
-        else:
-            self.connections.pop(device_id, None)
-            self.engine.lost_in_round(device_id)
-        if self.coordinator.set_online(device_id, online):
-            LOG.info("%s is %s", device_id, "online" if online else "offline")
-        record = self.coordinator.devices.get(device_id)
-        if online and (record is None or record.plan_hash is None):
-            self.unjoined.setdefault(device_id, now)
-        else:
-            self.unjoined.pop(device_id, None)
-        if online and self.coordinator.awaits(device_id):
+        if change.known:
+            LOG.info("%s is %s", device_id, "online" if status.online else "offline")
+        if change.resend_task:
             # It may have missed its task while away (a restarted broker drops what it had not delivered). A
             # device says online once subscribed; one that already answered re-sends its answer, counted once.
             LOG.info("%s is online while round %d awaits it: sending its task again", device_id,
-                     self.coordinator.open.round)
+                     self.engine.opened.round)
             self._send_task(device_id)
 
     def _on_join(self, device_id: str, msg: Message) -> None:
-        self.unjoined.pop(device_id, None)
         try:
             join = parse_join(msg)
         except MessageError as exc:
@@ -471,13 +442,13 @@ class Federation:
         if admission.refusal is not None:
             self._refuse(device_id, admission.refusal)
             return
-        self._send(device_id, plan_message(admission.plan, device_id=device_id, run_id=self.coordinator.run_id))
+        self._send(device_id, plan_message(admission.plan, device_id=device_id, run_id=self.engine.run_id))
 
     def _refuse(self, device_id: str, reason: str) -> None:
         LOG.warning("refused %s: %s", device_id, reason)
         count_refusal(self.refusals, "join refused")
         self._send(device_id, error_message(ErrorCode.REFUSED, reason, device_id=device_id,
-                                            run_id=self.coordinator.run_id))
+                                            run_id=self.engine.run_id))
 
     def _on_ack(self, device_id: str, msg: Message) -> None:
         problem = self.engine.acknowledge(device_id, parse_ack(msg))
@@ -485,7 +456,7 @@ class Federation:
             LOG.warning("ignored an ACK from %s: %s", device_id, problem)
             return
         LOG.info("%s is ready", device_id)
-        if self.coordinator.awaits(device_id):
+        if self.engine.awaits(device_id):
             if self.aggregators:  # its plan may be new (it rejoined at a lower tier): the aggregators must know it
                 self._send_brief()
             self._send_task(device_id)
@@ -496,7 +467,7 @@ class Federation:
         if report.code in (ErrorCode.ARTIFACTS_MISSING, ErrorCode.ARTIFACTS_CORRUPT):
             plan = self.engine.artifacts_lost(device_id)
             if plan is not None:
-                self._send(device_id, plan_message(plan, device_id=device_id, run_id=self.coordinator.run_id))
+                self._send(device_id, plan_message(plan, device_id=device_id, run_id=self.engine.run_id))
 
     def _on_update(self, device_id: str, msg: Message) -> None:
         verdict = self.engine.receive(device_id, msg, time.monotonic())
@@ -510,12 +481,12 @@ class Federation:
             LOG.warning("dropped a message from %s: not an aggregator of this run", aggregator)
             return
         try:
-            msg = self.aggregator_link.open(payload, self.coordinator.run_id, device_id=aggregator)
+            msg = self.aggregator_link.open(payload, self.engine.run_id, device_id=aggregator)
             kind = wire.kind_of(msg)
             self.heard[aggregator] = time.monotonic()
             if kind == wire.READY:
                 self.aggregators_at[aggregator] = msg.round
-                if msg.meta.get("reconnected") is True and self.coordinator.open is not None:
+                if msg.meta.get("reconnected") is True and self.engine.opened is not None:
                     self._ask_again(aggregator)
             elif kind == wire.RECEIPT:
                 receipt = wire.parse_receipt(msg)
@@ -587,7 +558,7 @@ class Federation:
         for aggregator in self.engine.partials_missing():
             self._to_aggregator(aggregator, wire.close_message(aggregator, round_index, self.engine.fold_list(aggregator)))
             self.asked[aggregator] = time.monotonic()
-        reopened = lambda: self.coordinator.closing(time.monotonic()) is None  # noqa: E731 (a lost member's devices)
+        reopened = lambda: self.engine.closing(time.monotonic()) is None  # noqa: E731 (a lost member's devices)
         if not self._pump(lambda: not self.engine.partials_missing() or reopened(),
                           time.monotonic() + self.args.aggregator_timeout):
             LOG.warning("round %d: no partial sums from %s within --aggregator-timeout %g s (their logs: %s)",
@@ -598,7 +569,7 @@ class Federation:
         """While a round is open: a member silent for --aggregator-timeout is lost (its devices are asked again, to
         the others); one silent for a while is sent what it should answer (the brief, or the request for its
         partial: either may have been lost while it or the server changed broker)."""
-        if self.brief is None or self.coordinator.open is None or self.brief.round != self.coordinator.open.round:
+        if self.brief is None or self.engine.opened is None or self.brief.round != self.engine.opened.round:
             return
         missing = self.engine.partials_missing()
         for aggregator in self.aggregators:
@@ -609,7 +580,7 @@ class Federation:
                 continue
             if now - max(self.heard.get(aggregator, 0.0), self.asked.get(aggregator, 0.0)) < self.probe_s:
                 continue
-            if aggregator in missing and self.coordinator.closing(now) is not None:
+            if aggregator in missing and self.engine.closing(now) is not None:
                 self._to_aggregator(aggregator, wire.close_message(aggregator, self.brief.round,
                                                                      self.engine.fold_list(aggregator)))
             elif member or self.aggregators_at.get(aggregator) != self.brief.round:
@@ -628,55 +599,49 @@ class Federation:
     # -- outbound ---------------------------------------------------------------------------
 
     def _send_task(self, device_id: str) -> None:
-        opened = self.coordinator.open
-        deadline = time.time() + max(0.0, opened.deadline - time.monotonic())
-        task = self.engine.task(device_id, deadline)
+        self._send_built_task(device_id, self.engine.task(device_id, now=time.monotonic(), wall=time.time()))
+
+    def _send_built_task(self, device_id: str, task: Task) -> None:
         self._send(device_id, task_message(task, plan_hash=self.engine.plan_info(device_id).hash,
-                                           device_id=device_id, run_id=self.coordinator.run_id))
+                                           device_id=device_id, run_id=self.engine.run_id))
 
     # -- rounds -----------------------------------------------------------------------------
 
     def wait_for_devices(self) -> None:
-        need = self.coordinator.config.min_devices
-        if self.coordinator.can_start():
+        need = self.engine.min_devices
+        if self.engine.can_start():
             return
-        LOG.info("waiting for %d ready device(s) (%d now)", need, len(self.coordinator.ready_devices()))
-        if not self._pump(self.coordinator.can_start, time.monotonic() + self.args.join_timeout, handling_counts=False):
-            raise RunError(f"only {len(self.coordinator.ready_devices())} of --min-devices {need} devices "
+        LOG.info("waiting for %d ready device(s) (%d now)", need, len(self.engine.ready_devices()))
+        if not self._pump(self.engine.can_start, time.monotonic() + self.args.join_timeout, handling_counts=False):
+            raise RunError(f"only {len(self.engine.ready_devices())} of --min-devices {need} devices "
                            f"ready after --join-timeout {self.args.join_timeout:g} s")
 
     def run_round(self, round_index: int, *, train: bool = True) -> dict[str, Any] | None:
         """Open a round, send its tasks, gather answers until all are in or the deadline passes, close it;
         returns the record the round's evaluations completed."""
         stats = self.endpoint.stats
-        wire = (stats["bytes_out"], stats["bytes_in"])
-        tasks = self.engine.open_round(round_index, time.monotonic(), train=train)
+        wire_before = (stats["bytes_out"], stats["bytes_in"])
+        tasks = self.engine.open_round(round_index, time.monotonic(), train=train, wall=time.time())
         if self.aggregators:
             self.brief_aggregators()
-        opened = self.coordinator.open
-        deadline = time.time() + max(0.0, opened.deadline - time.monotonic())
         for device_id, task in tasks.items():
-            task.deadline = deadline
             task.aggregator = self.engine.route(device_id)  # over the members that took the brief
-            self._send(device_id, task_message(task, plan_hash=self.engine.plan_info(device_id).hash,
-                                               device_id=device_id, run_id=self.coordinator.run_id))
+            self._send_built_task(device_id, task)
         self.gather(round_index)
-        _, completed = self.engine.close_round(time.monotonic())
-        if train and self.engine.pending is not None:
-            stats = self.endpoint.stats  # a snapshot: read it again
-            self.engine.pending.update(wire_bytes_out=stats["bytes_out"] - wire[0],
-                                       wire_bytes_in=stats["bytes_in"] - wire[1])
+        stats = self.endpoint.stats  # a snapshot: read it again
+        _, completed = self.engine.close_round(time.monotonic(), wire=(stats["bytes_out"] - wire_before[0],
+                                                                       stats["bytes_in"] - wire_before[1]))
         return completed
 
     def gather(self, round_index: int) -> None:
         """Take answers until every asked device answered or the round's deadline passed, then the aggregators'
         partial sums (and back to the answers when a member was lost meanwhile: its devices answer again)."""
         while True:
-            self._pump(lambda: self.coordinator.closing(time.monotonic()) is not None)
+            self._pump(lambda: self.engine.closing(time.monotonic()) is not None)
             if not self.aggregators:
                 return
             self._collect_partials(round_index)
-            if self.coordinator.closing(time.monotonic()) is not None:
+            if self.engine.closing(time.monotonic()) is not None:
                 return
 
     def run(self, first_round: int, progress: Progress) -> None:
@@ -696,7 +661,7 @@ class Federation:
         self.publish_status(force=True)
 
     def checkpoint(self, round_index: int, *, finished: bool) -> None:
-        state = {"run_id": self.coordinator.run_id, "settings": self.settings, "engine": self.engine.to_state(),
+        state = {"run_id": self.engine.run_id, "settings": self.settings, "engine": self.engine.to_state(),
                  "finished": finished}
         self.out.save(round_index, self.engine.global_arrays(), state, self.engine.records)
 
@@ -725,55 +690,18 @@ def local_limits(args: argparse.Namespace) -> list[float]:
     return cgroups.parse_limits(args.local_memory_limit_mb)
 
 
-def predictor_for(plans: PlanBook, batch_size: int) -> Callable[[ResourceProfile, int], Callable[[float], float]]:
-    """(profile, shard samples) -> (ratio -> MiB the device needs): the measured cost model
-    (device_runtime/cost_model.json: memory floors, else peaks scaled by the device's probe) where it has the
-    model and input, else the analytic footprint."""
-    analytic = tier_predictor(plans.model, plans.input_shape, batch_size)
-
-    def for_profile(profile: ResourceProfile, shard_samples: int) -> Callable[[float], float]:
-        predict = peak_predictor(plans.model.name, plans.input_shape, batch_size, profile,
-                                 shard_samples=shard_samples)
-        try:
-            predict(1.0)
-        except CostModelError as exc:
-            LOG.info("cost model: %s; using the analytic footprint", exc)
-            return analytic
-        return predict
-    return for_profile
-
-
 def run(args: argparse.Namespace, out: RunFolder) -> None:
-    """Set the run up (or resume it), connect, spawn the local devices, federate, report."""
+    """Set the run up (or resume it), connect, spawn the local devices, federate, report (flags checked)."""
     args.password = args.password or os.environ.get(PASSWORD_ENV)
-    config = check_args(args)
-    check_broker_args(args)
-    algorithm = get_algorithm(config.algo)
-    tiers = tiers_from_args(args)
-    overrides = load_overrides(args.rank_overrides) if args.rank_overrides else {}
     budgets = _budgets(args.local_memory_mb)
-    settings = broker_settings(args, config.to_dict())
-    saved = out.resume_from(args.resume, settings)
-    model, input_shape, shards = load_shards(args, args.local_devices)
-    run_id = saved.state["run_id"] if saved else uuid.uuid4().hex[:16]
-    coordinator = Coordinator(CoordinatorConfig(
-        input_shape=input_shape, num_classes=model.num_classes,
-        min_devices=args.min_devices or args.local_devices or 1, join_ratio=config.join_ratio, seed=config.seed,
-        round_deadline_s=args.round_deadline, min_completion=args.min_completion), run_id)
-    for device_id in shards:
-        coordinator.register(device_id)
-    models = all_models(args, model, input_shape)
-    plans = PlanBook(model, input_shape, Path(args.cache_dir), others=models, emit=print_and_log)
-    personal = initial_personal(list(models.values()), algorithm)
-    shared = global_state(model, algorithm)
-    engine = RoundEngine(algorithm, config, coordinator, plans, shared, personal, tiers=tiers, overrides=overrides,
-                         device_models=device_models(list(shards), model_names(args)),
-                         predictor=predictor_for(plans, config.batch_size), norm_bound=norm_bound_from_args(args),
-                         remote=args.aggregators > 0)
-    if saved:
-        engine.restore(saved.state["engine"], saved.tensors)
-    personal_bytes = max(sum(v.nbytes for v in p.values()) for p in personal.values())
-    max_inbound = inbound_limit(shared, personal_bytes)
+    assembly = assemble(args, out, Deployment(
+        devices=args.local_devices, min_devices=args.min_devices or args.local_devices or 1,
+        round_deadline_s=args.round_deadline, remote=args.aggregators > 0, settings_keys=BROKER_SETTINGS),
+        emit=print_and_log)
+    config, engine, shards, settings, saved = (assembly.config, assembly.engine, assembly.shards, assembly.settings,
+                                               assembly.saved)
+    run_id = assembly.run_id
+    max_inbound = inbound_limit(engine.global_state, engine.initial_personal)
     out.path.mkdir(parents=True, exist_ok=True)
     keys, auth_state = run_key_ring(args.enroll, args.run_key, list(shards), out.path)
     link = Link.server(keys, auth_state, max_inbound)
@@ -800,8 +728,8 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
         endpoint.start()
         stack.callback(endpoint.stop)
         endpoint.wait_connected(CONNECT_TIMEOUT_S)
-        LOG.info("run %s on %s, prefix %s, algorithm %s", run_id, url, args.prefix, algorithm.name)
-        print(f"run {run_id}: {algorithm.name} on {url}, run folder {out.path}", flush=True)
+        LOG.info("run %s on %s, prefix %s, algorithm %s", run_id, url, args.prefix, config.algo)
+        print(f"run {run_id}: {config.algo} on {url}, run folder {out.path}", flush=True)
         if aggregators:
             stack.callback(local_aggregators.stop)
             (out.path / AGGREGATORS_DIR).mkdir(exist_ok=True)
@@ -831,8 +759,7 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
         if saved and saved.state["finished"] and saved.round >= config.rounds:
             LOG.info("the run in %s is finished; rewriting its report", out.path)
         else:
-            first = saved.round + 1 if saved else 1
-            federation.run(first, Progress(config.rounds))
+            federation.run(assembly.first_round(), Progress(config.rounds))
     report = out.report(engine.records, dict(settings, run_id=run_id, broker=args.broker or "embedded",
                                              driver="broker_loop"))
     print(f"wrote {out.path / 'metrics.jsonl'}, metrics.csv and {report}", flush=True)
@@ -840,7 +767,6 @@ def run(args: argparse.Namespace, out: RunFolder) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(build_parser(), argv)
-    use_server_threads(args.threads)
     console_logging()
     out = RunFolder(run_folder(args, "broker_loop"))
     try:

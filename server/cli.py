@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES
 from device_runtime.help_format import DefaultsHelpFormatter
 from device_runtime.log_budget import hold_back_floods
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX
-from device_runtime.protocol import DEFAULT_MAX_FRAME_BYTES
 from server.run_config import (AGGREGATION_RULES, ALGORITHMS, DATASETS, DEFAULT_LAM_WARMUP, DEFAULT_MU, DEFAULT_TIERS,
                                MODELS, FederationConfig, add_norm_bound_arguments, norm_bound_from_args)
 
@@ -116,6 +116,8 @@ def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
     algo.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per SGD step")
     algo.add_argument("--lr", type=float, default=d.lr, help="plain-SGD learning rate")
     algo.add_argument("--join-ratio", type=float, default=d.join_ratio, help="share of devices sampled per round")
+    algo.add_argument("--min-completion", type=float, default=d.min_completion,
+                      help="fraction of a round's training devices that must deliver for it to be aggregated")
     algo.add_argument("--seed", type=int, default=d.seed, help="seeds the partition, the model and every batch order")
     algo.add_argument("--threads", type=int, default=1, help="compute threads, of the server and of each device")
     algo.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="ONNX artifact cache")
@@ -191,7 +193,8 @@ def parse_tiers(text: str | None) -> list[float] | None:
 def config_from_args(args: argparse.Namespace) -> FederationConfig:
     return FederationConfig(algo=args.algo, rounds=args.rounds, lam=args.lam, lam_warmup=args.lam_warmup,
                             mu=args.frob, lr=args.lr, local_epochs=args.local_epochs, batch_size=args.batch_size,
-                            join_ratio=args.join_ratio, seed=args.seed, aggregate=args.aggregate)
+                            join_ratio=args.join_ratio, seed=args.seed, aggregate=args.aggregate,
+                            min_completion=args.min_completion)
 
 
 def check_args(args: argparse.Namespace) -> FederationConfig:

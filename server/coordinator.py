@@ -2,9 +2,8 @@
 
 Every method takes the time ``now`` (monotonic seconds) explicitly and does no I/O: the broker loop feeds
 it what arrives and acts on what it returns. An update is accepted only when it answers the open round's
-task for that device, for the first time, before the deadline, under the device's own topic, with exactly
-the tensors of the device's plan, all finite, and the sample counts the device declared when it joined;
-otherwise the Verdict says why not. A caller may add a last screen of well-formed training updates (the
+task for that device under the one rule of ``server.update_rule``, for this run, before the deadline, with an
+evaluation that fits the test samples the device declared; otherwise the Verdict says why not. A caller may add a last screen of well-formed training updates (the
 robust-aggregation rule), which can refuse an update or change what is aggregated. A round closes when every
 device asked has answered (accepted or rejected) or at its deadline; it counts when at least
 ``min_completion`` of its training devices delivered.
@@ -16,11 +15,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from device_runtime.messages import Join, MessageError, parse_update
-from device_runtime.protocol import Message, MessageType
+from device_runtime.messages import Join, MessageError
 from device_runtime.task import Update
-from device_runtime.tensor_check import tensor_problem
 from server.strategy import sample_clients
+from server.update_rule import Answer, Asked, body_problem, header_problem
 
 ALL_ANSWERED = "all answered"
 DEADLINE = "deadline"
@@ -34,7 +32,8 @@ does not count."""
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    """What the coordinator decides with: the model's input, how many devices a round needs, and its timing."""
+    """What the coordinator decides with: the model's input, how many devices a round needs, and its timing (the
+    join ratio and min completion come from a checked ``FederationConfig``)."""
 
     input_shape: tuple[int, ...]
     num_classes: int
@@ -47,12 +46,8 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         if self.min_devices < 1:
             raise ValueError(f"min_devices must be >= 1, got {self.min_devices}")
-        if not 0.0 < self.join_ratio <= 1.0:
-            raise ValueError(f"join ratio must be in (0, 1], got {self.join_ratio}")
         if not self.round_deadline_s > 0:
             raise ValueError(f"round deadline must be positive, got {self.round_deadline_s}")
-        if not 0.0 <= self.min_completion <= 1.0:
-            raise ValueError(f"min completion must be in [0, 1], got {self.min_completion}")
 
 
 @dataclass
@@ -238,55 +233,44 @@ class Coordinator:
         rnd = self._round
         return rnd is not None and device_id in rnd.expected and device_id not in rnd.answered
 
-    def judge(self, topic_device: str, msg: Message, now: float, screen: Screen | None = None, *,
+    def judge(self, topic_device: str, answer: Answer, now: float, screen: Screen | None = None, *,
               expected: dict[str, tuple[int, ...]] | None = None) -> Verdict:
-        """Accept or reject an UPDATE that arrived on ``topic_device``'s up topic.
+        """Accept or reject an update that arrived on ``topic_device``'s up topic, under ``server.update_rule``
+        plus what only the server knows: the device, the run, the deadline, the evaluation's fit.
 
         A training update must carry exactly the tensors ``expected`` (default: its plan's FE tensors); an
-        evaluation carries none. ``screen``, when given, sees a training update once every other check passed: it may refuse it or
-        return the update to aggregate in its place."""
-        if msg.type != MessageType.UPDATE:
-            raise ValueError(f"judge takes UPDATE messages, got {msg.type}")
-        if msg.device_id != topic_device:
-            return _reject(f"device id mismatch: topic of {topic_device}, header says {msg.device_id}")
+        evaluation carries none. ``screen``, when given, sees a training update once every other check passed: it
+        may refuse it or return the update to aggregate in its place."""
         record = self.devices.get(topic_device)
         if record is None:
             return _reject("unknown device")
-        if msg.run_id != self.run_id:
-            return _reject(f"update of run {msg.run_id}, this run is {self.run_id}")
+        if answer.device_id == topic_device and answer.run_id != self.run_id:
+            return _reject(f"update of run {answer.run_id}, this run is {self.run_id}")
         rnd = self._round
-        if rnd is None:
-            return _reject(f"stale: update for round {msg.round}, no round is open")
-        if msg.round != rnd.plan.round:
-            return _reject(f"stale: update for round {msg.round}, round {rnd.plan.round} is open")
-        if topic_device not in rnd.expected:
-            return _reject(f"not asked in round {rnd.plan.round}")
-        if topic_device in rnd.answered:
-            return _reject(f"duplicate update for round {rnd.plan.round}")
-        verdict = self._judge_answer(record, msg, now, rnd, screen, expected)
+        problem = header_problem(topic_device, answer, None if rnd is None else rnd.plan.round,
+                                 rnd is not None and topic_device in rnd.expected,
+                                 rnd is not None and topic_device in rnd.answered)
+        if problem is not None:
+            return _reject(problem)
+        verdict = self._judge_answer(record, answer, now, rnd, screen, expected)
         rnd.answered[topic_device] = verdict.reason
         return verdict
 
-    def _judge_answer(self, record: DeviceRecord, msg: Message, now: float, rnd: _OpenRound,
+    def _judge_answer(self, record: DeviceRecord, answer: Answer, now: float, rnd: _OpenRound,
                       screen: Screen | None, expected: dict[str, tuple[int, ...]] | None) -> Verdict:
         """Checks of the one answer a device may give; a rejection here is its answer for the round."""
         if now > rnd.plan.deadline:
             return _reject(f"late: round {rnd.plan.round}'s deadline passed")
         try:
-            plan_hash, update = parse_update(msg)
+            plan_hash, update = answer.parse()
         except MessageError as exc:
             return _reject(f"malformed update: {exc}")
-        if plan_hash != record.plan_hash:
-            return _reject(f"update for plan {plan_hash[:12]}, the device's plan is {(record.plan_hash or 'none')[:12]}")
         training = record.device_id in rnd.plan.train
-        if expected is None:
-            expected = self.plan_shapes[plan_hash]
-        problem = tensor_problem(update.weights, expected if training else {}, finite=True)
+        asked = Asked(record.plan_hash, record.num_train if training else 0, training)
+        shapes = expected if expected is not None else self.plan_shapes.get(plan_hash)
+        problem = body_problem(plan_hash, update, asked, shapes, tensors_checked=answer.tensors is None)
         if problem is not None:
             return _reject(problem)
-        expected_samples = record.num_train if training else 0
-        if update.num_samples != expected_samples:
-            return _reject(f"num_samples {update.num_samples}, expected {expected_samples}")
         evaluation = _evaluation(update.metrics, record.num_test)
         if isinstance(evaluation, str):
             return _reject(evaluation)

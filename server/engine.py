@@ -1,11 +1,15 @@
-"""The round engine: every decision of a federation, for any algorithm, with no I/O.
+"""The round engine: every decision of a federation, for any algorithm, with no I/O, behind the one door the
+drivers use.
 
-It owns the device registry and round state machine (``server.coordinator``), the rank tier of each device,
-the plans it is sent (artifact files only when it lacks them, at most ``MAX_PLAN_RESENDS`` times after it
-says it lost them), the tasks of a round, which updates count, the aggregation, the evaluation bookkeeping
-and each round's record. Every method takes the time ``now`` where time matters and returns what to send;
-the two drivers, in-process devices (``server.simulate``) and MQTT devices (``server.broker_loop``), deliver
-it. So a rule is found once, here, and both drivers run the same federation.
+It owns the device registry and round state machine (``server.coordinator``), the devices' presence
+(``server.presence``), the rank tier of each device, the plans it is sent (artifact files only when it lacks
+them, at most ``MAX_PLAN_RESENDS`` times after it says it lost them), the tasks of a round, which updates count
+(``server.update_rule``), the aggregation (the algorithm's ``aggregate_fit``), remote folding by aggregator
+processes (``server.remote_folding``) and each round's record (``server.round_record``). Every method takes the
+time ``now`` where time matters and returns what to send; the two drivers, in-process devices
+(``server.simulate``) and MQTT devices (``server.broker_loop``), deliver it and touch nothing behind it. So a rule
+is found once, here, and both drivers run the same federation. The algorithm (``server.algorithms``) says what is
+shared, trained and returned; the engine branches on none of its properties.
 
 Evaluation is piggy-backed: every task of round t+1 first makes a device evaluate the weights it received
 (round t's model with its own head), so round t's record is completed when round t+1 closes; after the last
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,24 +28,27 @@ import torch
 from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.messages import Join, Plan
 from device_runtime.profile import ResourceProfile
-from device_runtime.protocol import Message
+from device_runtime.envelope import Message
 from device_runtime.task import Task, Update, tensor_bytes
 from server.aggregate import StreamingAverage
-from server.aggregation_wire import Asked, Brief, Partial, Receipt, route
+from server.aggregation_wire import Brief, Partial, Receipt
 from server.algorithms.base import Algorithm
-from server.coordinator import NO_ANSWER, Coordinator, RoundResult, Verdict
-from server.lowrank import ResolvedPlan
+from fedcore.lowrank import ResolvedPlan
+from server.coordinator import NO_ANSWER, Coordinator, DeviceRecord, RoundOpen, RoundResult, Verdict
+from server.presence import Presence
 from server.rank_assignment import choose_ratio
-from server.report import EVAL_DIRECTION, TIER_DIRECTIONS, evaluation_summary
+from server.remote_folding import RemoteFolding
+from server.report import EVAL_DIRECTION
 from server.robust import bound_update, rejection_reason
+from server.round_record import RoundBook, TrainingRecord, tier_label
 from server.run_config import FederationConfig, NormBound
 from server.strategy import batch_seed, factorize_per_plan, plan_key, to_numpy, to_torch
+from server.update_rule import Answer, Asked
 
 LOG = logging.getLogger("fedara.engine")
 MAX_PLAN_RESENDS = 3
 MAX_HELD_BYTES = 256 << 20
 """Accepted updates that may wait for a slower, lower-id device before being folded (order-independence)."""
-DENSE = 1.0
 
 
 class PlanInfo(Protocol):
@@ -71,26 +78,15 @@ class Admission:
     plan: Plan | None = None
 
 
-def tier_label(ratio: float | None) -> str:
-    return "-" if ratio is None else f"{ratio:g}"
+@dataclass(frozen=True)
+class StatusChange:
+    """What a device's status frame changed: nothing (an online of the connection already known), whether the
+    device is known to the run, and whether the open round awaits it (send its task again: it may have missed
+    it while away)."""
 
-
-@dataclass
-class _Book:
-    """What a round moved and how its training went."""
-
-    opened_at: float
-    bytes_down: int = 0
-    bytes_down_eval: int = 0
-    bytes_up: int = 0
-    bytes_artifacts: int = 0
-    by_tier: dict[str, dict[str, int]] = field(default_factory=dict)
-    samples: int = 0
-    loss_sum: float = 0.0
-    accuracy_sum: float = 0.0
-
-    def count(self, tier: str, direction: str, nbytes: int) -> None:
-        self.by_tier.setdefault(tier, dict.fromkeys((*TIER_DIRECTIONS, EVAL_DIRECTION), 0))[direction] += nbytes
+    ignored: bool
+    known: bool = False
+    resend_task: bool = False
 
 
 class RoundEngine:
@@ -102,24 +98,24 @@ class RoundEngine:
                  device_models: dict[str, str] | None = None,
                  predictor: Predictor | None = None, norm_bound: NormBound | None = None, remote: bool = False):
         self.algorithm, self.config, self.coordinator, self.plans = algorithm, config, coordinator, plans
-        self.global_state = global_state
+        self.global_state = global_state  # what the algorithm shares and aggregates (empty: no global model)
         self.initial_personal = initial_personal  # model name -> what a device of that model starts from
         self.device_models = dict(device_models or {})  # device -> its model, where devices differ (local only)
-        if len(set(self.device_models.values())) > 1 and algorithm.aggregates:
+        if len(set(self.device_models.values())) > 1 and global_state:
             raise ValueError(f"--model with several models ({', '.join(sorted(set(self.device_models.values())))}) "
-                             f"needs --algo local: {algorithm.name} shares one model")
-        self.tiers = tiers if algorithm.factorizes else (DENSE,)
-        self.overrides = dict(overrides or {}) if algorithm.factorizes else {}
+                             f"needs an algorithm without a global model: {algorithm.name} shares one")
+        self.tiers, self.overrides = algorithm.offered_tiers(tuple(tiers), dict(overrides or {}))
         self.predictor = predictor
         self.norm_bound = norm_bound
-        if remote and (norm_bound is not None or not algorithm.aggregates):
-            raise ValueError("--aggregators: aggregator processes fold the updates of an algorithm that aggregates "
-                             f"({algorithm.name} {'does not' if not algorithm.aggregates else 'does'}), without "
+        if remote and (norm_bound is not None or not global_state):
+            raise ValueError("--aggregators: aggregator processes fold the updates of an algorithm with a global model "
+                             f"({algorithm.name} {'has none' if not global_state else 'has one'}), without "
                              "--update-norm-bound (the engine never sees their tensors)")
-        self.remote = remote  # aggregator processes hold the updates (server/aggregator.py); the engine judges receipts
         self.dense_shapes = {k: tuple(v.shape) for k, v in global_state.items()}
+        self.remote = RemoteFolding(self.dense_shapes) if remote else None  # aggregator processes hold the updates
+        self.presence = Presence()
         self.records: list[dict[str, Any]] = []
-        self.pending: dict[str, Any] | None = None  # round t's record, awaiting round t+1's evaluations
+        self._pending: TrainingRecord | None = None  # round t's record, awaiting round t+1's evaluations
         self.kinds: dict[str, str] = {}  # device -> the artifact kind its runtime runs
         self.profiles: dict[str, ResourceProfile] = {}  # device -> the resources its last JOIN reported
         self.demoted: dict[str, float] = {}  # device -> the tier it is held below after it died in a round
@@ -128,21 +124,85 @@ class RoundEngine:
         self._files_sent: dict[str, str] = {}  # device -> plan hash whose files it was last sent
         self._round_weights: dict[tuple, dict[str, np.ndarray]] = {}
         self._average: StreamingAverage | None = None
+        self._sent_weight: dict[tuple, float] = {}  # plan -> Σ samples of its accepted updates (the updates rule)
         self._fold_order: list[str] = []
         self._next = 0
         self._held: dict[str, tuple[Update, int]] = {}
         self._held_bytes = 0
-        self._book = _Book(0.0)
-        self._update_counters: dict[str, int] = {}  # device -> counter of its last update accepted from a receipt
-        self._told: dict[str, dict[str, tuple[Update, int]]] = {}  # aggregator -> device -> (update, bytes) to fold
-        self._partials: dict[str, Partial] = {}
-        self.members: tuple[str, ...] = ()  # the aggregators alive this round: each takes its devices' updates
+        self._book = RoundBook(0.0)
+
+    # -- what the drivers read ------------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str:
+        return self.coordinator.run_id
+
+    @property
+    def opened(self) -> RoundOpen | None:
+        """The open round (who is asked what, its deadline), or None."""
+        return self.coordinator.open
+
+    @property
+    def pending(self) -> dict[str, Any] | None:
+        """The last training round's record (with each device's tier), awaiting the evaluations of its model (None:
+        none): a copy, to read."""
+        return None if self._pending is None else self._pending.to_state()
+
+    @property
+    def min_devices(self) -> int:
+        return self.coordinator.config.min_devices
+
+    def registry(self) -> dict[str, DeviceRecord]:
+        """Every device the run knows, by id (to read: the engine changes them)."""
+        return self.coordinator.devices
+
+    def awaits(self, device_id: str) -> bool:
+        """Whether the open round still waits for this device's answer."""
+        return self.coordinator.awaits(device_id)
+
+    def awaited(self) -> list[str]:
+        """The devices the open round still waits for, by id."""
+        return [d for d in sorted(self.coordinator.devices) if self.coordinator.awaits(d)]
+
+    def ready_devices(self) -> list[str]:
+        return self.coordinator.ready_devices()
+
+    def can_start(self) -> bool:
+        """Whether --min-devices devices are ready for a round."""
+        return self.coordinator.can_start()
+
+    def closing(self, now: float) -> str | None:
+        """Why the open round may close now (all answered, or its deadline), or None."""
+        return self.coordinator.closing(now)
 
     # -- devices --------------------------------------------------------------------------------
+
+    def register(self, device_id: str) -> None:
+        """A device the run expects (a local device process), known before it says anything."""
+        self.coordinator.register(device_id)
 
     def plan_info(self, device_id: str) -> PlanInfo:
         record = self.coordinator.devices[device_id]
         return self.plans.get(record.ratio, self.kinds.get(device_id, PORTABLE_KIND), self.device_models.get(device_id))
+
+    def status(self, device_id: str, online: bool, nonce: str, now: float) -> StatusChange:
+        """A device's connection opened (``online``, its ``nonce``) or closed (its last will). An online of the
+        connection already known changes nothing: a task is re-sent at most once per connection the device really
+        opened. Going offline while a round awaits its training is noted (see :meth:`lost_in_round`)."""
+        if online and self.presence.known_connection(device_id, nonce):
+            return StatusChange(ignored=True)
+        record = self.coordinator.devices.get(device_id)
+        if online:
+            self.presence.online(device_id, nonce, now, has_plan=record is not None and record.plan_hash is not None)
+        else:
+            self.presence.offline(device_id)
+            self.lost_in_round(device_id)
+        known = self.coordinator.set_online(device_id, online)
+        return StatusChange(ignored=False, known=known, resend_task=online and self.coordinator.awaits(device_id))
+
+    def to_ask_to_join(self, now: float) -> list[str]:
+        """Online devices that have not joined for a while (they joined before the server listened): ask them."""
+        return self.presence.to_ask_to_join(now)
 
     def _choose_ratio(self, device_id: str, profile: ResourceProfile, budget_mb: float | None,
                       shard_samples: int) -> float:
@@ -163,6 +223,7 @@ class RoundEngine:
         """Admit a device (or say why not) and give it its plan, as artifacts of the kind its runtime runs: its
         tier is chosen once per run, from its memory budget and the cost model, unless an override names it or
         it was demoted."""
+        self.presence.joined(device_id)
         refusal = self.coordinator.join(device_id, join)
         if refusal is not None:
             return Admission(refusal=refusal)
@@ -223,7 +284,7 @@ class RoundEngine:
         opened = self.coordinator.open
         if record is None or record.ratio is None or opened is None or device_id not in opened.train:
             return
-        if self.algorithm.factorizes and self.coordinator.awaits(device_id) and min(self.tiers) < record.ratio:
+        if self.coordinator.awaits(device_id) and min(self.tiers) < record.ratio:
             self._lost.setdefault(device_id, record.ratio)
             LOG.info("%s went offline during round %d at tier %g: a lower tier if it misses the round",
                      device_id, opened.round, record.ratio)
@@ -232,52 +293,58 @@ class RoundEngine:
         """Evidence that the device's tier does not fit it (``evidence`` says which): when it joins again it gets
         a lower tier than the one it had."""
         record = self.coordinator.devices.get(device_id)
-        if record is None or record.ratio is None or not self.algorithm.factorizes or min(self.tiers) >= record.ratio:
+        if record is None or record.ratio is None or min(self.tiers) >= record.ratio:
             return
         self.demoted[device_id] = min(record.ratio, self.demoted.get(device_id, record.ratio))
         LOG.warning("%s %s at tier %g: it gets a lower tier when it rejoins", device_id, evidence, record.ratio)
 
     # -- rounds ---------------------------------------------------------------------------------
 
-    def open_round(self, round_index: int, now: float, *, train: bool = True) -> dict[str, Task]:
-        """Open a round; returns each asked device's task (trainers train, the others only evaluate)."""
+    def open_round(self, round_index: int, now: float, *, train: bool = True,
+                   wall: float | None = None) -> dict[str, Task]:
+        """Open a round; returns each asked device's task (trainers train, the others only evaluate), with the
+        round's deadline on the wall clock when ``wall`` (the wall time of ``now``) is given."""
         opened = self.coordinator.open_round(round_index, now, train=train)
         self._book.opened_at = now  # artifacts sent since the last round closed count in this one
         plans = [self.plan_info(d).resolved for d in opened.train + opened.evaluate]
-        self._round_weights = factorize_per_plan(self.global_state, plans) if self.algorithm.aggregates else {}
-        self._average = StreamingAverage(self.dense_shapes) if self.algorithm.aggregates else None
-        self._sent_weight: dict[tuple, float] = {}  # plan -> Σ samples of its accepted updates (the updates rule)
-        self._fold_order, self._next = sorted(self.coordinator.open.train), 0
-        self._held: dict[str, tuple[Update, int]] = {}  # accepted, waiting for a lower id to be folded first
+        self._round_weights = factorize_per_plan(self.global_state, plans) if self.global_state else {}
+        self._average = StreamingAverage(self.dense_shapes) if self.global_state else None
+        self._sent_weight = {}
+        self._fold_order, self._next = sorted(opened.train), 0
+        self._held = {}  # accepted, waiting for a lower id to be folded first
         self._held_bytes = 0
-        self._told, self._partials = {}, {}
-        return {d: self.task(d) for d in opened.train + opened.evaluate}
+        if self.remote is not None:
+            self.remote.open_round()
+        return {d: self.task(d, now=now, wall=wall) for d in opened.train + opened.evaluate}
 
     def _weights(self, device_id: str) -> dict[str, np.ndarray]:
         """The global model at the device's plan (factorized once per plan and round; a device that got a new
         plan mid-round, e.g. rejoining at a lower tier, adds its plan)."""
-        if not self.algorithm.aggregates:
+        if not self.global_state:
             return {}
         resolved = self.plan_info(device_id).resolved
         if plan_key(resolved) not in self._round_weights:
             self._round_weights.update(factorize_per_plan(self.global_state, [resolved]))
         return self._round_weights[plan_key(resolved)]
 
-    def task(self, device_id: str, deadline: float | None = None) -> Task:
-        """The open round's task for a device it asked (again, after a reconnect: counted each time sent)."""
+    def task(self, device_id: str, *, now: float | None = None, wall: float | None = None) -> Task:
+        """The open round's task for a device it asked (again, after a reconnect: counted each time sent). With
+        ``wall`` (the wall time of ``now``) it carries the round's deadline on the wall clock; it names the
+        aggregator its answer goes to, where aggregator processes fold."""
         opened = self.coordinator.open
         if opened is None or device_id not in opened.train + opened.evaluate:
             raise ValueError(f"round {'none' if opened is None else opened.round} does not ask {device_id}")
         plan = self.plan_info(device_id)
         weights = self._weights(device_id)
         training = device_id in opened.train
-        algo, config = self.algorithm, self.config
-        task = Task(round=opened.round, weights=weights,
-                    lam=algo.lam(opened.round, config.lam, config.lam_warmup) if training else 0.0,
-                    mu=algo.mu(config.mu, bool(plan.resolved.ranks)) if training else 0.0, lr=config.lr,
-                    phases=algo.phases(config.local_epochs) if training else (), batch_size=config.batch_size,
+        config = self.config
+        fit = self.algorithm.configure_fit(opened.round, config.local_epochs, config.lam, config.lam_warmup,
+                                           config.mu, bool(plan.resolved.ranks)) if training else None
+        deadline = None if wall is None else wall + max(0.0, opened.deadline - now)
+        task = Task(round=opened.round, weights=weights, lam=fit.lam if fit else 0.0, mu=fit.mu if fit else 0.0,
+                    lr=config.lr, phases=fit.phases if fit else (), batch_size=config.batch_size,
                     seed=batch_seed(config.seed, opened.round, device_id) if training else 0,
-                    returns=algo.returns if training else "none", deadline=deadline, aggregator=self.route(device_id))
+                    returns=fit.returns if fit else "none", deadline=deadline, aggregator=self.route(device_id))
         nbytes = tensor_bytes(weights)
         if training:
             self._book.bytes_down += nbytes
@@ -287,22 +354,19 @@ class RoundEngine:
         return task
 
     def _expected_shapes(self, device_id: str) -> dict[str, tuple[int, ...]] | None:
-        """The tensors a training update must carry: the plan's FE, plus the head for FedAvg, none for local.
+        """The tensors a training update must carry (the algorithm's ``update_shapes`` of the device's plan).
         None for a device without a plan (unknown, or joined without one): the coordinator refuses its update."""
         record = self.coordinator.devices.get(device_id)
         if record is None or record.plan_hash is None:
             return None
-        if not self.algorithm.aggregates:
-            return {}
-        shapes = dict(self.plan_info(device_id).fe_shapes)
-        if self.algorithm.shares_head:
-            shapes.update({k: tuple(v.shape) for k, v in self._initial(device_id).items()})
-        return shapes
+        personal = {k: tuple(v.shape) for k, v in self._initial(device_id).items()}
+        return self.algorithm.update_shapes(self.plan_info(device_id).fe_shapes, personal)
 
     def receive(self, device_id: str, msg: Message, now: float) -> Verdict:
         """Judge an UPDATE that arrived on ``device_id``'s topic; an accepted training update is folded into
         the round's average in device-id order (see :meth:`_fold_ready`)."""
-        verdict = self.coordinator.judge(device_id, msg, now, expected=self._expected_shapes(device_id),
+        verdict = self.coordinator.judge(device_id, Answer.of_message(msg), now,
+                                         expected=self._expected_shapes(device_id),
                                          screen=self._screen if self.norm_bound else None)
         if not verdict.accepted or device_id not in self.coordinator.open.train:
             return verdict
@@ -357,30 +421,33 @@ class RoundEngine:
 
     # -- remote aggregation: aggregator processes hold the updates (server/aggregator.py) ----------------------
 
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The aggregators alive this round: each takes its devices' updates."""
+        return self.remote.members if self.remote is not None else ()
+
     def set_members(self, members: list[str] | tuple[str, ...] | set[str]) -> None:
         """The aggregators that hold the open round's brief: the devices are routed over them."""
-        self.members = tuple(sorted(members))
+        self.remote.set_members(members)
 
     def route(self, device_id: str) -> str | None:
         """The aggregator whose topic takes ``device_id``'s update (``aggregation_wire.route``), None when the
         engine reads the updates itself."""
-        return route(device_id, self.members) if self.remote else None
+        return self.remote.route(device_id) if self.remote is not None else None
 
     def routed_to(self, aggregator: str) -> list[str]:
         """The devices the open round still awaits whose updates go to ``aggregator``: what it may have missed
         while it was away from the broker, to ask again."""
-        return [d for d in sorted(self.coordinator.devices)
-                if self.coordinator.awaits(d) and self.route(d) == aggregator]
+        return [d for d in self.awaited() if self.route(d) == aggregator]
 
     def member_lost(self, aggregator: str) -> list[str]:
         """``aggregator`` stopped answering: for the rest of the round its receipts count for nothing, the updates it
         was told to fold are awaited again, and its devices go to the other members. Returns the devices to send
         their task again (naming their new member)."""
-        if aggregator not in self.members:
-            return []
         moved = self.routed_to(aggregator)
-        self.members = tuple(m for m in self.members if m != aggregator)
-        told = sorted(self._told.pop(aggregator, {}))
+        told = self.remote.member_lost(aggregator)
+        if told is None:
+            return []
         for device_id in told:
             self.coordinator.reopen(device_id)
         LOG.warning("aggregator %s stopped answering: %d device(s) go to %s%s", aggregator, len(moved) + len(told),
@@ -405,77 +472,44 @@ class RoundEngine:
         """Judge an update ``aggregator`` verified and holds, from its receipt: every rule of :meth:`receive` but
         the tensors' (the aggregator checked them against the brief), plus the device's counter above the last one
         accepted. An accepted training update is one that aggregator is told to fold, and must show in its partial."""
-        device_id = receipt.device_id
-        if aggregator not in self.members:
-            return Verdict(False, f"{aggregator} is not a member of round {receipt.round}'s aggregation")
-        last = self._update_counters.get(device_id, 0)
-        if receipt.counter <= last:
-            return Verdict(False, f"replay: counter {receipt.counter} is not above the last accepted {last}")
-        verdict = self.coordinator.judge(device_id, receipt.as_update(), now, expected={})
-        if verdict.accepted:
-            self._update_counters[device_id] = receipt.counter
-            if device_id in self.coordinator.open.train:
-                self._told.setdefault(aggregator, {})[device_id] = (verdict.update, receipt.nbytes)
-        return verdict
+        opened = self.coordinator.open
+        return self.remote.receive_receipt(
+            aggregator, receipt, lambda: self.coordinator.judge(receipt.device_id, receipt.answer(), now),
+            trains=opened is not None and receipt.device_id in opened.train)
 
     def partials_missing(self) -> list[str]:
         """Aggregators told to fold updates this round whose partial sums have not come."""
-        return sorted(set(self._told) - set(self._partials))
+        return self.remote.partials_missing() if self.remote is not None else []
 
     def fold_list(self, aggregator: str) -> list[str]:
         """The devices whose updates ``aggregator`` was told to fold this round, as its CLOSE names them."""
-        return sorted(self._told.get(aggregator, {}))
+        return self.remote.fold_list(aggregator)
 
     def told_to_fold(self) -> dict[str, int]:
         """Aggregator -> how many of the open round's updates it was told to fold."""
-        return {aggregator: len(told) for aggregator, told in self._told.items()}
+        return self.remote.told_to_fold() if self.remote is not None else {}
 
     def receive_partial(self, aggregator: str, partial: Partial) -> str | None:
-        """Take ``aggregator``'s partial sums of the open round; returns why they do not count, or None. They count
-        only over exactly the updates it was told to fold, with their sample counts and the model's tensors."""
+        """Take ``aggregator``'s partial sums of the open round; returns why they do not count, or None."""
         opened = self.coordinator.open
-        if opened is None or partial.round != opened.round:
-            open_now = "no round" if opened is None else f"round {opened.round}"
-            return f"partial of round {partial.round}, {open_now} is open"
-        if aggregator in self._partials:
-            return "its partial for this round was already taken"
-        told = self._told.get(aggregator, {})
-        if sorted(partial.devices) != sorted(told):
-            return f"it folded {sorted(partial.devices)}, it was told to fold {sorted(told)}"
-        weight = sum(update.num_samples for update, _ in told.values())
-        if partial.sum.count != len(told) or partial.sum.total_weight != weight:
-            return (f"{partial.sum.count} updates of weight {partial.sum.total_weight:g}, expected {len(told)} of "
-                    f"weight {weight:g}")
-        shapes = {k: tuple(v.shape) for k, v in partial.sum.sums.items()}
-        if shapes != self.dense_shapes or not all(bool(v.isfinite().all()) for v in partial.sum.sums.values()):
-            return "its sums do not have the model's tensors, or hold NaN or infinity"
-        self._partials[aggregator] = partial
-        return None
+        return self.remote.receive_partial(aggregator, partial, None if opened is None else opened.round)
 
     def _merge_partials(self, round_index: int) -> None:
-        """Merge the partials that came (in aggregator order) and book their updates (in device-id order); an
-        aggregator's updates without its partial count as not delivered."""
-        merged: dict[str, tuple[Update, int]] = {}
-        for aggregator in sorted(self._told):
-            told = self._told[aggregator]
-            partial = self._partials.get(aggregator)
-            if partial is None:
-                LOG.warning("round %d: no partial sums from aggregator %s: its %d update(s) from %s count as not "
-                            "delivered", round_index, aggregator, len(told), ", ".join(sorted(told)))
-                for device_id in sorted(told):
-                    self.coordinator.withdraw(device_id, f"aggregator {aggregator} sent no partial sums")
-                continue
-            self._average.merge(partial.sum)
-            merged.update(told)
+        """Merge the partials that came and book their updates (in device-id order); an aggregator's updates
+        without its partial count as not delivered."""
+        merged, lost = self.remote.merge(round_index, self._average)
+        for device_id, reason in lost.items():
+            self.coordinator.withdraw(device_id, reason)
         for device_id in sorted(merged):
             self._count(device_id, *merged[device_id])
 
-    def close_round(self, now: float) -> tuple[RoundResult, dict[str, Any] | None]:
-        """Close the open round: aggregate when enough delivered (else keep the model), record it, and
-        complete the previous round's record with the evaluations that came in. Returns the result and the
-        record completed now (None for the first round)."""
+    def close_round(self, now: float, *, wire: tuple[int, int] | None = None) -> tuple[RoundResult, dict[str, Any] | None]:
+        """Close the open round: aggregate when enough delivered (else keep the model), record it (``wire``: the
+        bytes the transport sent and took during the round, where it counts them), and complete the previous
+        round's record with the evaluations that came in. Returns the result and the record completed now (None
+        for the first round)."""
         self._fold_ready(closing=True)
-        if self.remote and self.coordinator.open is not None:
+        if self.remote is not None and self.coordinator.open is not None:
             self._merge_partials(self.coordinator.open.round)
         result = self.coordinator.close_round(now)
         for device_id, reason in result.dropped.items():
@@ -484,97 +518,59 @@ class RoundEngine:
                 if device_id in self._lost:
                     self.demote(device_id, f"went offline during round {result.round} and missed it")
         self._lost = {}
+        if not result.train and self._pending is not None:  # the evaluation after the last round: its downloads
+            self._pending.add_evaluation_bytes(self._book)  # belong to the last round's record
         completed = self._complete_previous(result)
         if result.train:
-            self.pending = self._training_record(result, now)
-        else:  # the evaluation after the last round: its downloads belong to the last round's record
-            self._fold_eval_bytes(completed)
-        self._book = _Book(now)
+            self._pending = self._training_record(result, now, wire)
+        self._book = RoundBook(now)
         return result, completed
 
     def _aggregate(self) -> dict[str, torch.Tensor]:
-        """The new global model from the round's accepted updates, under --aggregate.
+        """The new global model from the round's accepted updates: the algorithm's aggregate_fit over their
+        float64 sample-weighted mean (each client's tensors reconstructed to full rank), under --aggregate."""
+        def sent_mean() -> dict[str, torch.Tensor]:
+            sent = StreamingAverage(self.dense_shapes)  # Σ p_k S_k, one factor set per plan
+            for key, weight in self._sent_weight.items():
+                sent.add(to_torch(self._round_weights[key]), weight)
+            return sent.result(torch.float64)
+        return self.algorithm.aggregate_fit(self.global_state, self._average.result(torch.float64), sent_mean,
+                                            self.config.aggregate)
 
-        weights: Σ p_k W_k, each client's tensors reconstructed to full rank. updates: ω + Σ p_k (W_k − S_k),
-        S_k what client k was sent (its plan's factorization of ω); a dense client's S_k is ω itself, so dense
-        layers and dense clients aggregate the same under both rules. Only one factor set per plan is kept."""
-        mean = self._average.result(torch.float64)
-        if self.config.aggregate == "weights":
-            return {k: v.float() for k, v in mean.items()}
-        sent = StreamingAverage(self.dense_shapes)
-        for key, weight in self._sent_weight.items():
-            sent.add(to_torch(self._round_weights[key]), weight)
-        sent_mean = sent.result(torch.float64)
-        return {k: (self.global_state[k].double() + mean[k] - sent_mean[k]).float() for k in mean}
-
-    def _training_record(self, result: RoundResult, now: float) -> dict[str, Any]:
+    def _training_record(self, result: RoundResult, now: float, wire: tuple[int, int] | None) -> TrainingRecord:
         if result.enough and self._average is not None:
             self.global_state = self._aggregate()
-        elif self.algorithm.aggregates:
+        elif self._average is not None:
             LOG.warning("round %d: %d of %d updates, below --min-completion %g: the global model is kept",
                         result.round, len(result.accepted), len(result.train), self.coordinator.config.min_completion)
-        book = self._book
         tiers = {d: tier_label(self.coordinator.devices[d].ratio) for d in result.train + result.evaluate}
-        return {"round": result.round, "participants": len(result.accepted), "selected": len(result.train),
-                "dropped": result.dropped, "aggregated": result.enough and self.algorithm.aggregates,
-                "algorithm": self.algorithm.name, "aggregate": self.config.aggregate,
-                "closed_by": result.closed_by,
-                "train_loss": book.loss_sum / book.samples if book.samples else None,
-                "train_accuracy": book.accuracy_sum / book.samples if book.samples else None,
-                "bytes_down": book.bytes_down, "bytes_up": book.bytes_up, "bytes_artifacts": book.bytes_artifacts,
-                "bytes_down_eval": book.bytes_down_eval, "bytes_by_tier": book.by_tier, "tiers": tiers,
-                "seconds": now - book.opened_at}
+        return TrainingRecord.of(result, self._book, aggregated=result.enough and self._average is not None,
+                                 algorithm=self.algorithm.name, aggregate=self.config.aggregate, tiers=tiers,
+                                 now=now, wire=wire)
 
     def _complete_previous(self, result: RoundResult) -> dict[str, Any] | None:
         """The evaluations that came with this round measure the previous round's model: finish its record."""
-        if self.pending is None:
+        if self._pending is None:
             return None
-        tiers = self.pending.pop("tiers")
-        per_device = {d: {"accuracy": e.correct / e.total if e.total else None, "tier": tiers.get(d, "-")}
-                      for d, e in sorted(result.evaluations.items())}
-        # In device-id order, not arrival order: the std and mean loss (float sums) must not depend on timing.
-        ordered = [result.evaluations[d] for d in sorted(result.evaluations)]
-        record = dict(self.pending, **evaluation_summary(ordered), per_device=per_device,
-                      per_tier=_per_tier(result.evaluations, tiers))
+        record = self._pending.completed(result.evaluations)
         self.records.append(record)
-        self.pending = None
+        self._pending = None
         return record
-
-    def _fold_eval_bytes(self, record: dict[str, Any] | None) -> None:
-        if record is None:
-            return
-        record["bytes_down_eval"] += self._book.bytes_down_eval
-        for tier, counts in self._book.by_tier.items():
-            bucket = record["bytes_by_tier"].setdefault(tier, dict.fromkeys((*TIER_DIRECTIONS, EVAL_DIRECTION), 0))
-            for direction, nbytes in counts.items():
-                bucket[direction] += nbytes
 
     # -- checkpoints ----------------------------------------------------------------------------
 
     def to_state(self) -> dict[str, Any]:
         """JSON-able state (the global model is saved beside it as tensors; an open round is not kept)."""
-        return {"registry": self.coordinator.to_state(), "records": self.records, "pending": self.pending,
-                "demoted": self.demoted}
+        return {"registry": self.coordinator.to_state(), "records": self.records,
+                "pending": None if self._pending is None else self._pending.to_state(), "demoted": self.demoted}
 
     def restore(self, state: dict[str, Any], global_state: dict[str, np.ndarray]) -> None:
         self.coordinator.restore(state["registry"])
-        self.records, self.pending = state["records"], state["pending"]
+        self.records = state["records"]
+        self._pending = None if state["pending"] is None else TrainingRecord.from_state(state["pending"])
         self.demoted = dict(state.get("demoted", {}))
         if global_state:
             self.global_state = to_torch(global_state)
 
     def global_arrays(self) -> dict[str, np.ndarray]:
         return to_numpy(self.global_state)
-
-
-def _per_tier(evaluations: dict, tiers: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """Accuracy (Σ correct / Σ total) and device count per rank tier."""
-    out: dict[str, dict[str, Any]] = {}
-    for device_id, e in evaluations.items():
-        bucket = out.setdefault(tiers.get(device_id, "-"), {"correct": 0, "total": 0, "devices": 0})
-        bucket["correct"] += e.correct
-        bucket["total"] += e.total
-        bucket["devices"] += 1
-    return {t: {"accuracy": b["correct"] / b["total"] if b["total"] else None, "devices": b["devices"]}
-            for t, b in sorted(out.items())}
-

@@ -36,7 +36,7 @@ MAX_REFUSAL_KINDS = 64
 """Distinct refusal labels kept; any further kind counts as "other" (the label set, and memory, stay bounded)."""
 UPDATE_REFUSALS = (("stale", "stale"), ("late", "late"), ("duplicate", "duplicate"), ("replay", "replay"),
                    ("not asked", "not asked"), ("malformed", "malformed"), ("unknown device", "unknown device"),
-                   ("device id mismatch", "wrong topic"), ("update of run", "wrong run"),
+                   ("a message of", "wrong topic"), ("update of run", "wrong run"),
                    ("update for plan", "wrong plan"), ("tensor", "bad tensors"), ("num_samples", "sample count"),
                    ("metrics lack", "bad evaluation"), ("eval", "bad evaluation"), ("update is", "norm bound"))
 """Prefixes of the engine's update verdicts (server.coordinator, server.robust) and their refusal label."""
@@ -99,21 +99,21 @@ def fleet_snapshot(engine: Any, *, now: float, wall: float, transport: Mapping[s
     refusals by label, ``aggregators`` each aggregator's briefed round (0: started, absent: not yet). ``previous``,
     the snapshot before this one of the same run: what it knew of each device's last answer carries over, and
     the records it summed are not read again (but its last one: the final evaluation adds to it)."""
-    coordinator = engine.coordinator
     records = engine.records
     done = len(previous["completed"]) if previous and len(previous["completed"]) <= len(records) else 0
     seen = max(0, done - 1)  # records the previous snapshot holds as they are now
     new = records[seen:]
-    opened = coordinator.open
+    opened = engine.opened
     asked = {*opened.train, *opened.evaluate} if opened is not None else set()
-    answered_now = {d for d in asked if not coordinator.awaits(d)}
+    answered_now = {d for d in asked if not engine.awaits(d)}
     last_answered = _last_answered(previous, new, engine.pending, answered_now,
                                    opened.round if opened else None)
     last_accuracy = {d["id"]: d["last_accuracy"] for d in previous["devices"]} if seen else {}
     last_accuracy.update({d: v.get("accuracy") for r in new for d, v in r.get("per_device", {}).items()})
     devices = []
-    for device_id in sorted(coordinator.devices):
-        record = coordinator.devices[device_id]
+    registry = engine.registry()
+    for device_id in sorted(registry):
+        record = registry[device_id]
         profile = engine.profiles.get(device_id)
         devices.append({
             "id": device_id, "tier": _tier(record.ratio), "online": record.online, "ready": record.ready,
@@ -129,7 +129,7 @@ def fleet_snapshot(engine: Any, *, now: float, wall: float, transport: Mapping[s
                       "asked": len(asked), "answered": len(answered_now),
                       "deadline_unix": wall + (opened.deadline - now), "waiting_for": sorted(asked - answered_now)}
     kept = previous if seen else {"history": [], "completed": []}
-    return {"run_id": coordinator.run_id, "algorithm": engine.algorithm.name, "rounds": rounds,
+    return {"run_id": engine.run_id, "algorithm": engine.algorithm.name, "rounds": rounds,
             "snapshot_unix": wall, "devices": devices, "open_round": open_round,
             "completed": kept["completed"][:seen] + [_completed(r) for r in new],
             "last_trained_round": (engine.pending or (records[-1] if records else {})).get("round"),

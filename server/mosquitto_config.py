@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from device_runtime.protocol import Topics, server_subscriptions, update_filter
+from device_runtime.topics import Topics, server_subscriptions, update_filter
 
 PBKDF2_ITERATIONS = 1000
 PBKDF2_SALT_BYTES = 12

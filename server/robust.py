@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from device_runtime.task import Update
-from server.lowrank import reconstruct_state
+from fedcore.lowrank import reconstruct_state
 from server.run_config import NormAction, NormBound
 from server.strategy import to_numpy, to_torch
 

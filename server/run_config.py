@@ -2,8 +2,8 @@
 federation's settings with their checks.
 
 The drivers parse and check their flags with this alone, so a mistake is reported (exit 2) before torch and the
-data load. The modules that implement the names (``server.algorithms``, ``server.models``, ``server.data``) take
-them from here, and a test holds each registry to its names.
+data load. The modules that implement the names (``server.algorithms``, ``server.data``) take them from here;
+``fedcore.models`` sits below ``server`` and keeps its own registry. A test holds each registry to its names.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from enum import Enum
 ALGORITHMS = ("fedara", "fedavg", "fedrep", "local")
 """The algorithms, one file each in server/algorithms/."""
 MODELS = ("fedavgcnn", "cnn1", "cnn2", "cnn3", "cnn4", "cnn5")
-"""The model zoo (server/models.py)."""
+"""The model zoo (fedcore/models.py)."""
 DATASETS = ("digits", "fmnist", "cifar10", "cifar100", "synthetic")
 """What server/data.py reads from files on this machine."""
 DEFAULT_MU = 1e-3
@@ -44,6 +44,7 @@ class FederationConfig:
     join_ratio: float = 1.0
     seed: int = 0
     aggregate: str = "weights"
+    min_completion: float = 0.5
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -52,6 +53,8 @@ class FederationConfig:
             raise ValueError(f"--aggregate {self.aggregate!r} is unknown; choose one of {', '.join(AGGREGATION_RULES)}")
         if not 0.0 < self.join_ratio <= 1.0:
             raise ValueError(f"--join-ratio must be in (0, 1], got {self.join_ratio}")
+        if not 0.0 <= self.min_completion <= 1.0:
+            raise ValueError(f"--min-completion must be in [0, 1], got {self.min_completion:g}")
         for name in ("rounds", "local_epochs", "batch_size", "lam_warmup"):
             if getattr(self, name) < (0 if name == "lam_warmup" else 1):
                 flag = "--" + name.replace("_", "-")

@@ -1,6 +1,7 @@
-"""What both drivers build before round 1, from the same flags: the data and its partition into device shards,
-the initial model, the rank plans each device may get (with or without ONNX artifacts), and the run folder's
-files (checkpoint, metrics, report)."""
+"""What both drivers build before round 1, from the same flags, in one assembly (``assemble``; the drivers differ
+only in their ``Deployment``): the data and its partition into device shards, the initial model, the rank plans
+each device may get (with or without ONNX artifacts), the engine, and the run folder's files (checkpoint,
+metrics, report)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,7 @@ import hashlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,15 +18,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from device_runtime.shard import Shard
 from device_runtime.artifact_contract import MANIFEST_NAME, PORTABLE_KIND
+from device_runtime.profile import ResourceProfile
+from device_runtime.shard import Shard
 from export.artifacts import ArtifactSet, build_artifacts_of_kind
+from server.algorithms import get_algorithm
 from server.algorithms.base import Algorithm
 from server.checkpoint import CHECKPOINT_NAME, Checkpoint, load_checkpoint, save_checkpoint
-from server.cli import parse_tiers
-from server.lowrank import FE_PREFIX, RankPlan, ResolvedPlan, factorize_model, resolve_plan
-from server.models import SplitModel, build_model
-from server.rank_assignment import DEFAULT_TIERS, check_tiers
+from fedcore.lowrank import FE_PREFIX, RankPlan, ResolvedPlan, factorize_model, resolve_plan
+from fedcore.models import SplitModel, build_model
+from server.cli import config_from_args, parse_tiers
+from server.compute_threads import use_server_threads
+from server.coordinator import Coordinator, CoordinatorConfig
+from server.cost_model import CostModelError, peak_predictor
+from server.engine import Predictor, RoundEngine
+from server.rank_assignment import DEFAULT_TIERS, check_tiers, load_overrides, tier_predictor
+from server.run_config import FederationConfig, norm_bound_from_args
 from server.report import METRICS_CSV, METRICS_FILE, write_metrics, write_metrics_csv, write_report
 from server.shards import DEVICE_ID, data_from_args, partition_from_args
 from server.strategy import to_numpy
@@ -77,23 +86,14 @@ def tiers_from_args(args: argparse.Namespace) -> tuple[float, ...]:
 
 
 def initial_personal(models: list[SplitModel], algorithm: Algorithm) -> dict[str, dict[str, np.ndarray]]:
-    """By model name: :func:`personal_tensors` of that model."""
-    return {m.name: personal_tensors(m, algorithm) for m in models}
-
-
-def personal_tensors(model: SplitModel, algorithm: Algorithm) -> dict[str, np.ndarray]:
-    """What every device starts from and keeps to itself: the initial head, and the whole model for local
-    training (the server sends it in the PLAN, so no device depends on the weights in its artifact cache)."""
-    state = to_numpy(model.state_dict())
-    return {k: v for k, v in state.items() if algorithm.returns == "none" or not k.startswith(FE_PREFIX)}
+    """By model name: what every device of that model starts from and keeps to itself (the algorithm's
+    ``personal_tensors``)."""
+    return {m.name: to_numpy(algorithm.personal_tensors(m.state_dict())) for m in models}
 
 
 def global_state(model: SplitModel, algorithm: Algorithm) -> dict[str, torch.Tensor]:
-    """What the server aggregates: the FE, FE and head for FedAvg, nothing for local training."""
-    if not algorithm.aggregates:
-        return {}
-    return {k: v.detach().clone() for k, v in model.state_dict().items()
-            if algorithm.shares_head or k.startswith(FE_PREFIX)}
+    """What the server keeps and aggregates (the algorithm's ``global_tensors``; empty: no global model)."""
+    return algorithm.global_tensors(model.state_dict())
 
 
 @dataclass(frozen=True)
@@ -209,3 +209,100 @@ def run_settings(args: argparse.Namespace, config_dict: dict[str, Any], extra: t
     if args.rank_ratio is None:  # the tiers offered, also when they are the defaults
         settings["rank_tiers"] = ",".join(f"{t:g}" for t in tiers_from_args(args))
     return settings
+
+
+# -- the one run assembly of both drivers -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Where a driver's devices run, which is all the drivers differ in when a run is set up: how many devices it
+    starts itself (each on a shard of --dataset), how many a round needs, how long a round waits, whether the
+    devices run ONNX artifacts, whether they report memory budgets (tiers by the cost model; else round-robin by
+    device id), whether aggregator processes fold, and the settings of its own that a resumed run must match."""
+
+    devices: int
+    min_devices: int
+    round_deadline_s: float
+    onnx: bool = True
+    budgets: bool = True
+    remote: bool = False
+    settings_keys: tuple[str, ...] = ()
+
+
+@dataclass
+class Assembly:
+    """A run set up from its flags, resumed from its checkpoint where there is one: the engine the driver talks
+    to, the devices' shards (by id), the plans, the settings and the saved checkpoint."""
+
+    config: FederationConfig
+    engine: RoundEngine
+    plans: PlanBook
+    shards: dict[str, Shard]
+    settings: dict[str, Any]
+    saved: Checkpoint | None
+    device_models: dict[str, str]
+
+    @property
+    def run_id(self) -> str:
+        return self.engine.run_id
+
+    def first_round(self) -> int:
+        return self.saved.round + 1 if self.saved else 1
+
+
+def round_robin_tiers(ids: list[str], tiers: tuple[float, ...], overrides: dict[str, float]) -> dict[str, float]:
+    """Devices without a memory budget: tiers go round-robin by device id (overrides win)."""
+    return {d: overrides.get(d, tiers[i % len(tiers)]) for i, d in enumerate(ids)}
+
+
+def predictor_for(plans: PlanBook, batch_size: int) -> Predictor:
+    """(profile, shard samples) -> (ratio -> MiB the device needs): the measured cost model
+    (device_runtime/cost_model.json: memory floors, else peaks scaled by the device's probe) where it has the
+    model and input, else the analytic footprint."""
+    analytic = tier_predictor(plans.model, plans.input_shape, batch_size)
+
+    def for_profile(profile: ResourceProfile, shard_samples: int) -> Callable[[float], float]:
+        predict = peak_predictor(plans.model.name, plans.input_shape, batch_size, profile,
+                                 shard_samples=shard_samples)
+        try:
+            predict(1.0)
+        except CostModelError as exc:
+            LOG.info("cost model: %s; using the analytic footprint", exc)
+            return analytic
+        return predict
+    return for_profile
+
+
+def assemble(args: argparse.Namespace, out: RunFolder, deployment: Deployment,
+             emit: Callable[[str], None] | None = None) -> Assembly:
+    """Set the run up from its checked flags, for either driver: the algorithm, the tiers, the data and its
+    shards, the models and plans, the engine (restored from --out's checkpoint with --resume)."""
+    config = config_from_args(args)
+    use_server_threads(args.threads)
+    algorithm = get_algorithm(config.algo)
+    tiers = tiers_from_args(args)
+    overrides = load_overrides(args.rank_overrides) if args.rank_overrides else {}
+    settings = run_settings(args, config.to_dict(), deployment.settings_keys)
+    saved = out.resume_from(args.resume, settings)
+    model, input_shape, shards = load_shards(args, deployment.devices)
+    run_id = saved.state["run_id"] if saved else uuid.uuid4().hex[:16]
+    coordinator = Coordinator(CoordinatorConfig(
+        input_shape=input_shape, num_classes=model.num_classes, min_devices=deployment.min_devices,
+        join_ratio=config.join_ratio, seed=config.seed, round_deadline_s=deployment.round_deadline_s,
+        min_completion=config.min_completion), run_id)
+    models = all_models(args, model, input_shape)
+    plans = PlanBook(model, input_shape, Path(args.cache_dir), onnx=deployment.onnx, others=models, emit=emit)
+    models_of = device_models(list(shards), model_names(args))
+    if not deployment.budgets:
+        overrides = round_robin_tiers(sorted(shards), tiers, overrides)
+    engine = RoundEngine(algorithm, config, coordinator, plans, global_state(model, algorithm),
+                         initial_personal(list(models.values()), algorithm), tiers=tiers, overrides=overrides,
+                         device_models=models_of,
+                         predictor=predictor_for(plans, config.batch_size) if deployment.budgets else None,
+                         norm_bound=norm_bound_from_args(args), remote=deployment.remote)
+    for device_id in shards:
+        engine.register(device_id)
+    if saved:  # the global model's tensors (the simulator's checkpoint also holds its devices')
+        engine.restore(saved.state["engine"], {k: v for k, v in saved.tensors.items() if k in engine.dense_shapes})
+    return Assembly(config, engine, plans, shards, settings, saved, models_of)

@@ -12,9 +12,7 @@ import argparse
 import logging
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
 from server.cli import check_args, check_before_loading, console_logging, fail, new_parser, parse, run_folder
@@ -35,8 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--backend", choices=tuple(BACKENDS), default="torch",
                      help="train with the PyTorch reference, the device runtime's onnxruntime-training trainer (ort) "
                           "or its portable step graph on stock onnxruntime (portable, what devices run by default)")
-    sim.add_argument("--min-completion", type=float, default=0.5,
-                     help="fraction of a round's training devices that must deliver for it to be aggregated")
     sim.add_argument("--workers", type=int, default=1,
                      help="train a round's devices in this many worker processes (each owns a share of the devices); "
                           "the model is bit-identical to --workers 1")
@@ -49,8 +45,6 @@ def check_simulate_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first in-process flag out of range."""
     if args.clients < 1:
         raise ValueError(f"--clients must be >= 1, got {args.clients}")
-    if not 0.0 <= args.min_completion <= 1.0:
-        raise ValueError(f"--min-completion must be in [0, 1], got {args.min_completion:g}")
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     if args.device == "cuda":
@@ -76,18 +70,13 @@ from device_runtime.profile import ResourceProfile
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
 from device_runtime.runtimes import open_trainer
-from server.algorithms import get_algorithm
 from server.checkpoint import CheckpointError
-from server.compute_threads import device_blas_threads, use_server_threads
-from server.coordinator import Coordinator, CoordinatorConfig
-from server.engine import RoundEngine
-from server.lowrank import factorize_model
+from fedcore.lowrank import factorize_model
+from server.compute_threads import device_blas_threads
 from server.parallel_devices import DevicePool, WorkerError, WorkerSettings
 from server.progress import Progress, print_and_log
-from server.rank_assignment import OverrideError, load_overrides
-from server.run_config import norm_bound_from_args
-from server.run_setup import (PlanArtifacts, PlanBook, RunError, RunFolder, all_models, device_models, global_state,
-                              initial_personal, load_shards, model_names, run_settings, tiers_from_args)
+from server.rank_assignment import OverrideError
+from server.run_setup import Deployment, PlanArtifacts, RunError, RunFolder, assemble
 from server.torch_trainer import TorchTrainer
 
 class InProcessDevice:
@@ -134,58 +123,33 @@ class Trainers:
         return self._trainers[plan_hash]
 
 
-def round_robin_tiers(ids: list[str], tiers: tuple[float, ...], overrides: dict[str, float]) -> dict[str, float]:
-    """In-process devices have no memory budget: tiers go round-robin by device id (overrides win)."""
-    return {d: overrides.get(d, tiers[i % len(tiers)]) for i, d in enumerate(ids)}
-
-
 class Simulation:
     """The engine and its in-process devices for one run."""
 
     def __init__(self, args: argparse.Namespace, out: RunFolder, progress: Progress | None = None):
         self.args, self.out = args, out
-        config = check_args(args)
+        self.config = check_args(args)
         check_simulate_args(args)
-        use_server_threads(args.threads)
-        self.algorithm = get_algorithm(config.algo)
-        overrides = load_overrides(args.rank_overrides) if args.rank_overrides else {}
-        tiers = tiers_from_args(args)
-        self.settings = run_settings(args, config.to_dict(), ("clients",))
-        self.saved = out.resume_from(args.resume, self.settings)
-        model, input_shape, shards = load_shards(args, args.clients)
-        models = all_models(args, model, input_shape)
-        self.device_models = device_models(list(shards), model_names(args))
-        self.plans = PlanBook(model, input_shape, Path(args.cache_dir), onnx=args.backend != "torch", others=models,
-                              emit=print_and_log)
-        self.run_id = self.saved.state["run_id"] if self.saved else uuid.uuid4().hex[:16]
-        coordinator = Coordinator(CoordinatorConfig(
-            input_shape=input_shape, num_classes=model.num_classes, min_devices=1, join_ratio=config.join_ratio,
-            seed=config.seed, round_deadline_s=NO_DEADLINE_S, min_completion=args.min_completion), self.run_id)
-        self.engine = RoundEngine(self.algorithm, config, coordinator, self.plans, global_state(model, self.algorithm),
-                                  initial_personal(list(models.values()), self.algorithm), tiers=tiers,
-                                  overrides=round_robin_tiers(sorted(shards), tiers, overrides),
-                                  device_models=self.device_models,
-                                  norm_bound=norm_bound_from_args(args))
-        self.config = config
+        run = assemble(args, out, Deployment(devices=args.clients, min_devices=1, round_deadline_s=NO_DEADLINE_S,
+                                             onnx=args.backend != "torch", budgets=False, settings_keys=("clients",)),
+                       emit=print_and_log)
+        self.engine, self.settings, self.saved, self.run_id = run.engine, run.settings, run.saved, run.run_id
         self.by_hash: dict[str, PlanArtifacts] = {}
         self.trainers = Trainers(args.backend, self.by_hash, args.threads, args.device)
-        self.devices = {d: InProcessDevice(d, shard, self.trainers, args.threads) for d, shard in shards.items()}
+        self.devices = {d: InProcessDevice(d, shard, self.trainers, args.threads) for d, shard in run.shards.items()}
         self.pool: DevicePool | None = None
-        self.first_round = 1
+        self.first_round = run.first_round()
         if self.saved:
             self._restore()
-        self.progress = progress or Progress(config.rounds)
+        self.progress = progress or Progress(self.config.rounds)
         self._admit()
 
     def _restore(self) -> None:
-        saved = self.saved
-        tensors = {k: v for k, v in saved.tensors.items() if not k.startswith(DEVICE_PREFIX)}
-        self.engine.restore(saved.state["engine"], tensors)
-        for key, value in saved.tensors.items():
+        """The devices' personal tensors from the checkpoint (the engine restored its own)."""
+        for key, value in self.saved.tensors.items():
             if key.startswith(DEVICE_PREFIX):
                 device_id, name = key[len(DEVICE_PREFIX):].split("/", 1)
                 self.devices[device_id].personal[name] = value
-        self.first_round = saved.round + 1
 
     def _admit(self) -> None:
         """Every device joins and installs its plan (a resumed device keeps its personal tensors)."""
@@ -197,7 +161,7 @@ class Simulation:
                 raise RunError(f"{device_id}: {admission.refusal}")
             self.by_hash[admission.plan.plan_hash] = self.engine.plan_info(device_id)
             device.install(admission.plan)
-            self.engine.coordinator.acknowledge(device_id, admission.plan.plan_hash)
+            self.engine.acknowledge(device_id, admission.plan.plan_hash)
 
     def _answers(self, tasks: dict[str, Task]) -> Iterator[tuple[str, Update]]:
         """Each device's update, in the order of ``tasks``: trained here one after another, or by the --workers

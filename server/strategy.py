@@ -3,13 +3,12 @@ device's batch seed, and the global model factorized once per distinct plan. No 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Iterable
 
 import numpy as np
 import torch
 
-from server.lowrank import ResolvedPlan, factorize_state
+from fedcore.lowrank import ResolvedPlan, factorize_state
 
 
 def sample_clients(client_ids: list[str], join_ratio: float, round_index: int, seed: int) -> list[str]:

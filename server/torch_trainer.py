@@ -6,9 +6,9 @@ import numpy as np
 
 from device_runtime.tensor_check import check_tensors
 from device_runtime.trainer import EvalResult, TrainResult
-from server.lowrank import FE_PREFIX
-from server.models import SplitModel
-from server.objective import compute_anchors
+from fedcore.lowrank import FE_PREFIX
+from fedcore.models import SplitModel
+from fedcore.objective import compute_anchors
 from server.strategy import to_numpy, to_torch
 from server.training import evaluate, train_local
 

@@ -1,7 +1,7 @@
 """Reference local training and evaluation in PyTorch (the oracle the ONNX device path must match).
 
 Each step minimises CE + λ·L_FAC; each local epoch ends with one decoupled Frobenius decay step on the trained
-factors at step size lr × that epoch's step count, as the device does (``server.objective`` says why).
+factors at step size lr × that epoch's step count, as the device does (``fedcore.objective`` says why).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from torch import nn
 
 from device_runtime.batching import epoch_batches
 from device_runtime.trainer import EvalResult, TrainResult
-from server.lowrank import decay_factors
-from server.objective import local_loss, module_device
+from fedcore.lowrank import decay_factors
+from fedcore.objective import local_loss, module_device
 
 EVAL_BATCH = 512
 

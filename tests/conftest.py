@@ -1,5 +1,6 @@
-"""Shared test set-up: one compute thread per test process, and the broker fixtures (a mosquitto
-subprocess restartable on its port, and the embedded amqtt broker).
+"""Shared test set-up: one compute thread per test process, the broker fixtures (a mosquitto
+subprocess restartable on its port, and the embedded amqtt broker), the one condition wait (``wait_for``: tests
+wait on something they can observe, never a fixed sleep), and the session's shared artifact cache.
 
 Nothing here imports torch or the server's dependencies at load time, so the device-only tests also run on
 a device-only install (numpy, onnxruntime, paho-mqtt)."""
@@ -16,11 +17,13 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
+from device_runtime.artifact_contract import KINDS
 from device_runtime.log_budget import lift_flood_budget
-from device_runtime.protocol import DEFAULT_MAX_FRAME_BYTES
+from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES
 from server.mosquitto_config import TlsFiles, write_mosquitto_conf
 
 MOSQUITTO_BIN = Path("/usr/sbin/mosquitto")
@@ -28,6 +31,11 @@ MOSQUITTO_PUB = shutil.which("mosquitto_pub")
 BROKER_START_TIMEOUT_S = 10.0
 BROKER_STOP_TIMEOUT_S = 5.0
 ACCEPT_POLL_S = 0.02
+ARTIFACT_SHAPE, ARTIFACT_CLASSES = (1, 28, 28), 10
+"""The input shape and classes of the ``artifacts`` fixture's model."""
+WAIT_POLL_S = 0.05
+
+T = TypeVar("T")
 
 if importlib.util.find_spec("torch") is not None:  # a server or dev install
     import torch
@@ -57,6 +65,55 @@ def restored_logging() -> Iterator[None]:
         if handler not in root.handlers:
             root.addHandler(handler)
     root.setLevel(level)
+
+
+def wait_for(condition: Callable[[], T], timeout: float, what: str, *,
+             alive: Callable[[], None] | None = None, poll_s: float = WAIT_POLL_S) -> T:
+    """Poll ``condition`` until it returns something truthy, and return that; fail naming ``what`` once
+    ``timeout`` seconds passed. ``alive``, called before each poll, raises to fail early (the process that should
+    bring the condition about has died)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if alive is not None:
+            alive()
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def assert_bad_input(done: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    """A command refused its input as a user's mistake: exit status 2, no traceback, and a last stderr line that
+    holds every fragment."""
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    for fragment in fragments:
+        assert fragment in last, last
+
+
+@pytest.fixture(scope="session")
+def shared_artifact_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One artifact cache for the whole session. Sets are keyed by a hash of all that shapes them (kind, model,
+    ranks, shapes) and written by an atomic rename, so every test that only reads artifacts shares one compile of
+    each; a test that damages or deletes artifacts keeps its own cache."""
+    return tmp_path_factory.getbasetemp() / "artifact-cache"
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def artifacts(request: pytest.FixtureRequest, shared_artifact_cache: Path) -> object:
+    """The ArtifactSet of fedavgcnn (seed 0) at rank ratio 0.5 on ARTIFACT_SHAPE, ARTIFACT_CLASSES, of each
+    runtime kind in turn; read-only."""
+    from export.artifacts import build_artifacts_of_kind  # torch: a server dependency
+    from fedcore.lowrank import RankPlan, resolve_plan
+    from fedcore.models import build_model
+
+    model = build_model("fedavgcnn", ARTIFACT_SHAPE, ARTIFACT_CLASSES, seed=0)
+    ranks = resolve_plan(model, RankPlan(0.5)).ranks
+    return build_artifacts_of_kind(request.param, model, ranks, ARTIFACT_SHAPE, ARTIFACT_CLASSES,
+                                   shared_artifact_cache)
 
 
 def free_loopback_port() -> int:
@@ -95,12 +152,17 @@ class MosquittoProcess:
         with open(self.log, "ab") as log:
             self._proc = subprocess.Popen([str(MOSQUITTO_BIN), "-c", str(self.conf)],
                                           stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + BROKER_START_TIMEOUT_S
-        while not _accepts_connections(self.port):
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"mosquitto did not come up on port {self.port}:\n{self.log.read_text()}")
-            time.sleep(ACCEPT_POLL_S)
+        proc = self._proc
+
+        def alive() -> None:
+            if proc.poll() is not None:
+                raise AssertionError(f"mosquitto exited with status {proc.returncode}")
+        try:
+            wait_for(lambda: _accepts_connections(self.port), BROKER_START_TIMEOUT_S,
+                     f"mosquitto to accept connections on port {self.port}", alive=alive, poll_s=ACCEPT_POLL_S)
+        except AssertionError as exc:
+            self.stop()
+            raise RuntimeError(f"{exc}:\n{self.log.read_text()}") from None
 
     def stop(self) -> None:
         """Terminate mosquitto (kill it if it lingers) and wait for it to exit."""

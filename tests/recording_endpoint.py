@@ -1,7 +1,7 @@
 """An endpoint that stands in for the device's MqttEndpoint in-process: it keeps what the agent publishes."""
 from __future__ import annotations
 
-from device_runtime.protocol import Message, decode
+from device_runtime.envelope import Message, decode
 
 MAX_BYTES = 1 << 26
 

@@ -6,8 +6,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from device_runtime.auth import SESSION_KEY, CounterSource, Direction, KeyRing
+from device_runtime.envelope import Message, decode, seal
 from device_runtime.link import Link
-from device_runtime.protocol import Message, decode, seal
 
 KEY = bytes(range(32))
 """The key of every device in these tests, unless a test says otherwise."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedcore.lowrank import decompose, full_rank, matrix_shape, reconstruct_state
 from server.aggregate import StreamingAverage
-from server.lowrank import decompose, full_rank, matrix_shape, reconstruct_state
 
 SHAPES = {"fe.conv2.weight": (16, 8, 5, 5), "fe.conv2.bias": (16,), "fe.fc1.weight": (64, 200), "fe.fc1.bias": (64,)}
 CONV_RANKS = (None, 20, 10, 5)  # None: the layer arrives dense

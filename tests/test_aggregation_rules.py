@@ -7,10 +7,10 @@ import torch
 from device_runtime.messages import Join, ShardInfo, update_message
 from device_runtime.profile import ResourceProfile
 from device_runtime.task import Update
+from fedcore.models import build_model
 from server.algorithms import get_algorithm
 from server.coordinator import Coordinator, CoordinatorConfig
 from server.engine import RoundEngine
-from server.models import build_model
 from server.run_setup import PlanBook, global_state, initial_personal
 from server.run_config import FederationConfig
 

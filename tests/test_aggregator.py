@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from device_runtime.auth import KeyRing, Refusal
+from device_runtime.envelope import Message
 from device_runtime.link import Refused
 from device_runtime.messages import parse_task, task_message, update_message
-from device_runtime.protocol import Message, ProtocolError, Topics
+from device_runtime.protocol import ProtocolError
 from device_runtime.task import Update
+from device_runtime.topics import Topics
 from server import aggregation_wire as wire
 from server.aggregate import PartialSum
 from server import aggregator
@@ -78,6 +80,13 @@ def test_an_update_under_a_key_not_its_devices_is_refused_with_its_reason(federa
         answer = member.on_update("dev_000", device_update(engine, "dev_000", tasks["dev_000"], 1.0, WRONG_KEY))
     assert isinstance(answer, str) and Refusal.BAD_TAG.value in answer
     assert Refusal.BAD_TAG.value in caplog.text and "dev_000" in caplog.text
+
+
+def test_an_update_on_another_devices_topic_is_refused_as_a_bad_topic(federation):
+    engine, tasks, (member, _) = federation
+    answer = member.on_update("dev_001", device_update(engine, "dev_000", tasks["dev_000"], 1.0))
+    assert answer == "a message of 'dev_000' on a topic of 'dev_001' [bad_topic]"
+    assert not member.forwarded and not member.awaiting
 
 
 def test_an_update_for_another_round_is_refused_as_stale(federation, caplog):
@@ -278,3 +287,11 @@ def test_a_lost_members_told_updates_are_awaited_again_and_its_devices_routed_to
     survivor = by_name[engine.route("dev_000")]
     assert deliver(engine, survivor, device_update(engine, "dev_000", tasks["dev_000"], 1.0)).accepted
     assert engine.partials_missing() == [survivor.name]
+
+
+@pytest.mark.parametrize("topic", ["fedara/dev/dev_000/up/agg-0", "fedara/dev/dev_000/update",
+                                   "other/dev/dev_000/update/agg-0", "fedara/dev/+/update/agg-0",
+                                   "fedara/dev/a/b/update/agg-0", "fedara/dev/dev_000/update/agg-00"])
+def test_a_member_reads_a_device_only_from_an_update_topic_routed_to_it(topic):
+    with pytest.raises(ProtocolError):
+        wire.device_from_member_topic("fedara", "agg-0", topic)

@@ -17,9 +17,8 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +29,12 @@ import psutil
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from device_runtime.protocol import frame_msg_id
+from device_runtime.framing import frame_msg_id
 from server.broker_loop import AGGREGATORS_DIR, SERVER_LOG
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.enrollment import enroll, save_enrollment
 from server.report import METRICS_FILE, read_metrics
-from tests.conftest import MosquittoProcess, attack_broker, mosquitto_pub
+from tests.conftest import MosquittoProcess, attack_broker, mosquitto_pub, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "fedara"
@@ -57,6 +56,12 @@ UPDATE_TOPIC = re.compile(rf"{PREFIX}/dev/(dev_\d+)/update/agg-\d+")
 MSG_ID = re.compile(r"aggregation-[0-9a-f]{32}")
 REPEAT = re.compile(r"ignored a frame on (\S+): .*\[repeat\]$")
 FOLDED = re.compile(r"(agg-\d+) folded (dev_\d+)'s update of round (\d+)")
+pytestmark = pytest.mark.timeout(900)
+"""The first test sets up two runs of three processes and two aggregators (and compiles their artifacts unless
+the session's cache has them): minutes on a loaded 2-core machine, over the suite's 300 s default."""
+MARKER_TOPIC = f"{PREFIX}/test/marker"
+"""Published once a run ended: the recorder has every frame of that run once it sees this (the broker forwards
+to one subscriber in the order it took the messages in)."""
 
 
 @dataclass
@@ -66,8 +71,13 @@ class Recorder:
     devices: dict[str, psutil.Process]
     frames: list[tuple[str, bytes]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    marked: threading.Event = field(default_factory=threading.Event)
+    """Set when the marker arrived (it is not recorded)."""
 
     def on_message(self, _client, _userdata, message) -> None:
+        if message.topic == MARKER_TOPIC:
+            self.marked.set()
+            return
         match = UPDATE_TOPIC.fullmatch(message.topic)
         if match and match[1] in self.devices:
             self.devices.pop(match[1]).suspend()
@@ -91,12 +101,11 @@ def finish(proc: subprocess.Popen) -> None:
     assert proc.returncode == 0, output[-4000:]
 
 
-def wait_for(condition, what: str, proc: subprocess.Popen, limit_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        assert proc.poll() is None, f"the server ended while waiting for {what}:\n{proc.stdout.read()[-4000:]}"
-        assert time.monotonic() < deadline, f"no {what} within {limit_s} s"
-        time.sleep(0.1)
+def running(proc: subprocess.Popen) -> Callable[[], None]:
+    """For ``wait_for``'s ``alive``: fail at once, with the server's output, once the server ended."""
+    def alive() -> None:
+        assert proc.poll() is None, f"the server ended:\n{proc.stdout.read()[-4000:]}"
+    return alive
 
 
 def device_processes(server: psutil.Process, ids: tuple[str, ...]) -> dict[str, psutil.Process]:
@@ -171,10 +180,10 @@ def unrefused(attack: Attack) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def attack(tmp_path_factory: pytest.TempPathFactory) -> Attack:
+def attack(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: Path) -> Attack:
     base = tmp_path_factory.mktemp("aggregator-replays")
     with attack_broker(base, BROKER_LIMIT) as broker:
-        return run_attack(base, broker)
+        return run_attack(base, broker, shared_artifact_cache)
 
 
 @contextlib.contextmanager
@@ -199,12 +208,12 @@ def aggregation_frames(recorder: Recorder) -> list[tuple[str, bytes]]:
     return [(t, f) for t, f in recorder.snapshot() if AGG_TOPIC.fullmatch(t) or UPDATE_TOPIC.fullmatch(t)]
 
 
-def run_attack(base: Path, broker: MosquittoProcess) -> Attack:
-    cache = base / "cache"
+def run_attack(base: Path, broker: MosquittoProcess, cache: Path) -> Attack:
     enrollment = save_enrollment(base / "enroll.json", enroll({}, [f"dev_{i:03d}" for i in range(3)]))
     with recording(broker.port, Recorder({})) as earlier:
         finish(start_server(base / "clean", broker.url, cache, enrollment))
-        time.sleep(1.0)  # the last frames reach the recorder
+        mosquitto_pub(broker.port, MARKER_TOPIC, b"marker", base / "marker.bin")
+        assert earlier.marked.wait(WAIT_S), "the recorder did not get the marker sent after the run"
     replayed = aggregation_frames(earlier)
     earlier_frames = len(replayed)
 
@@ -212,25 +221,26 @@ def run_attack(base: Path, broker: MosquittoProcess) -> Attack:
     proc = start_server(attacked, broker.url, cache, enrollment)
     server = psutil.Process(proc.pid)
     paused: dict[str, psutil.Process] = {}
-    wait_for(lambda: paused.update(device_processes(server, PAUSED)) or len(paused) == len(PAUSED),
-             "device processes", proc)
+    wait_for(lambda: paused.update(device_processes(server, PAUSED)) or len(paused) == len(PAUSED), WAIT_S,
+             "device processes", alive=running(proc))
     try:
         with recording(broker.port, Recorder(dict(paused))) as recorder:
             # Devices train only after the server built their artifacts (seconds): the recorder sees every update.
-            wait_for(lambda: not recorder.devices, f"round-1 updates of {', '.join(PAUSED)}", proc)
+            wait_for(lambda: not recorder.devices, WAIT_S, f"round-1 updates of {', '.join(PAUSED)}",
+                     alive=running(proc))
             wait_for(lambda: any((LIVE, 2) == (d, int(r)) for text in aggregator_logs(attacked).values()
-                                 for _, d, r in FOLDED.findall(text)), f"{LIVE}'s round-2 update folded", proc,
-                     ATTACK_WAIT_S)
+                                 for _, d, r in FOLDED.findall(text)), ATTACK_WAIT_S,
+                     f"{LIVE}'s round-2 update folded", alive=running(proc))
             live = lambda t: (match := UPDATE_TOPIC.fullmatch(t)) is not None and match[1] == LIVE  # noqa: E731
             wait_for(lambda: sum(live(t) for t, _ in recorder.snapshot()) >= 2,  # the fold may come before the copy
-                     f"{LIVE}'s round-2 update recorded", proc, ATTACK_WAIT_S)
+                     ATTACK_WAIT_S, f"{LIVE}'s round-2 update recorded", alive=running(proc))
             replayed += aggregation_frames(recorder)
         with ThreadPoolExecutor(8) as pool:  # while devices are paused: seconds, not one process after another
             list(pool.map(lambda i: mosquitto_pub(broker.port, *replayed[i], base / f"frame-{i}.bin"),
                           range(len(replayed))))
         attack = Attack(base / "clean", attacked, replayed, earlier_frames)
-        wait_for(lambda: unrefused(attack) == {"messages": [], "updates": 0}, "refusal of every replayed frame",
-                 proc, ATTACK_WAIT_S)
+        wait_for(lambda: unrefused(attack) == {"messages": [], "updates": 0}, ATTACK_WAIT_S,
+                 "refusal of every replayed frame", alive=running(proc))
     finally:
         for device in paused.values():
             device.resume()

@@ -22,9 +22,9 @@ import pytest
 from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.shard import Shard, save_shard
 from export.artifacts import build_artifacts_of_kind
+from fedcore.models import build_model
 from server.data import load_dataset
 from server.enrollment import enroll_devices
-from server.models import build_model
 
 pytestmark = pytest.mark.arm64
 
@@ -179,8 +179,8 @@ def test_the_arm64_device_joins_a_native_federation_and_its_update_is_aggregated
 def test_an_arm64_epoch_equals_the_pytorch_reference(installed: str, work: Path, ranks: dict, lam: float):
     """tests/test_parity.py's oracle on aarch64's kernels (MLAS's NEON paths, numpy's OpenBLAS for ARM): one epoch
     of the portable step graph, anchors included, against PyTorch on this host, within the same 1e-5."""
-    from server.lowrank import factorize_model, fe_state
-    from server.objective import compute_anchors
+    from fedcore.lowrank import factorize_model, fe_state
+    from fedcore.objective import compute_anchors
     from server.training import train_local
     from tests.test_parity import CLASSES, PARAM_ATOL, SHAPE
 

@@ -8,7 +8,7 @@ from device_runtime.auth import (MAX_COUNTER, MAX_EPOCH, MAX_SEQ, SEQ_BITS, STAT
                                  CounterExhausted, CounterSource, Direction, KeyRing, Refusal, Verifier,
                                  load_verifier_state, new_key, new_nonce, next_epoch, save_verifier_state,
                                  start_counters)
-from device_runtime.protocol import Message, MessageType, decode, encode, seal
+from device_runtime.envelope import Message, MessageType, decode, encode, seal
 from device_runtime.status import Status, StatusError, StatusSigner, parse_status
 
 KEY_A, KEY_B = bytes([1]) * 32, bytes([2]) * 32

@@ -6,11 +6,11 @@ import json
 import numpy as np
 
 from device_runtime.auth import MAX_COUNTER, TAG_BYTES, Direction
+from device_runtime.envelope import seal
 from device_runtime.messages import update_message
-from device_runtime.protocol import seal
 from device_runtime.task import Update
-from server.lowrank import RankPlan, fe_state, resolve_plan
-from server.models import build_model
+from fedcore.lowrank import RankPlan, fe_state, resolve_plan
+from fedcore.models import build_model
 from server.rank_assignment import DEFAULT_TIERS
 from server.strategy import factorize_per_plan, plan_key
 from tests.envelope_edits import split

@@ -44,26 +44,26 @@ def assert_agree(got: dict[str, np.ndarray], reference: dict[str, np.ndarray],
         assert apart <= AGREEMENT * moved, f"{name}: backends {apart:.3g} apart, training moved it {moved:.3g}"
 
 
-def assert_same_federation(tmp_path: Path, *flags: str) -> None:
-    torch_records, torch_fe, initial = run("torch", tmp_path / "torch", tmp_path / "cache", *flags)
-    ort_records, ort_fe, _ = run("ort", tmp_path / "ort", tmp_path / "cache", *flags)
+def assert_same_federation(tmp_path: Path, cache: Path, *flags: str) -> None:
+    torch_records, torch_fe, initial = run("torch", tmp_path / "torch", cache, *flags)
+    ort_records, ort_fe, _ = run("ort", tmp_path / "ort", cache, *flags)
     assert [r["round"] for r in ort_records] == [r["round"] for r in torch_records]
     assert abs(torch_records[-1]["accuracy"] - ort_records[-1]["accuracy"]) <= 0.01
     assert_agree(ort_fe, torch_fe, initial)
 
 
-def test_ort_and_torch_backends_reach_the_same_accuracy_and_global_fe(tmp_path):
-    assert_same_federation(tmp_path)
+def test_ort_and_torch_backends_reach_the_same_accuracy_and_global_fe(tmp_path, shared_artifact_cache):
+    assert_same_federation(tmp_path, shared_artifact_cache)
 
 
-def test_fedrep_head_then_fe_phases_agree_across_backends(tmp_path):
+def test_fedrep_head_then_fe_phases_agree_across_backends(tmp_path, shared_artifact_cache):
     """FedRep's two phases (head on the frozen FE, then the FE with the head frozen) on both trainers."""
-    assert_same_federation(tmp_path, "--algo", "fedrep", "--rounds", "2")
+    assert_same_federation(tmp_path, shared_artifact_cache, "--algo", "fedrep", "--rounds", "2")
 
 
-def test_the_portable_runtime_runs_the_federation_of_the_training_runtime(tmp_path):
+def test_the_portable_runtime_runs_the_federation_of_the_training_runtime(tmp_path, shared_artifact_cache):
     """Stock onnxruntime's compiled step graph and onnxruntime-training's training API, over a whole federation."""
-    portable_records, portable_fe, initial = run("portable", tmp_path / "portable", tmp_path / "cache")
-    ort_records, ort_fe, _ = run("ort", tmp_path / "ort", tmp_path / "cache")
+    portable_records, portable_fe, initial = run("portable", tmp_path / "portable", shared_artifact_cache)
+    ort_records, ort_fe, _ = run("ort", tmp_path / "ort", shared_artifact_cache)
     assert_agree(portable_fe, ort_fe, initial)
     assert [r["accuracy"] for r in portable_records] == pytest.approx([r["accuracy"] for r in ort_records], abs=0.01)

@@ -16,6 +16,8 @@ from server.simulate import build_parser as simulate_parser
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_accuracy.py"
 MODULE_NAME = "bench_accuracy"
 QUICK_TIMEOUT_S = 600
+pytestmark = pytest.mark.timeout(QUICK_TIMEOUT_S + 60)
+"""Above the quick run's own limit: its 16 runs took 222 s on a loaded 2-core machine, near the suite's 300 s."""
 QUICK_UNIQUE_RUNS = 16  # headline 5 + 6, λ sweep {0, 2, 10} adds λ=10 × 2 rules, pathological adds 3
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
+from fedcore.models import ARCHITECTURES
 from server import run_config
 from server.algorithms import REGISTRY
-from server.models import ARCHITECTURES
 
 
 def imported_modules(stderr: str) -> set[str]:

@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedcore.models import build_model
 from server import broker_loop
 from server.algorithms import get_algorithm
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.data import load_dataset
-from server.models import build_model
 from server.report import METRICS_FILE, read_metrics
 from server.run_setup import global_state
 

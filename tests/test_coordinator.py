@@ -7,6 +7,7 @@ import pytest
 from device_runtime.messages import Join, ShardInfo, ack_message, update_message
 from device_runtime.profile import ResourceProfile
 from device_runtime.task import Update
+from server.update_rule import Answer
 from server.coordinator import (ALL_ANSWERED, DEADLINE, NO_ANSWER, Coordinator, CoordinatorConfig, Evaluation)
 
 RUN = "run1"
@@ -40,7 +41,7 @@ def update(device_id: str = "dev_000", round_index: int = 1, tensors=None, num_s
            metrics=None, plan_hash: str = PLAN, run_id: str = RUN):
     body = Update(round_index, fe() if tensors is None else tensors, num_samples, 0.5, 0.8,
                   dict(EVAL if metrics is None else metrics))
-    return update_message(body, plan_hash=plan_hash, device_id=device_id, run_id=run_id)
+    return Answer.of_message(update_message(body, plan_hash=plan_hash, device_id=device_id, run_id=run_id))
 
 
 # -- registry -------------------------------------------------------------------------------------
@@ -142,8 +143,12 @@ def test_update_answering_the_open_round_is_accepted():
     assert verdict.accepted and verdict.update.num_samples == 30
 
 
+NOT_ITS_ANSWER = ("on a topic of 'dev_000' [bad_topic]", "this run is run1", "stale: update for round 2, round 1 is open")
+"""Refusals of a message that is not the device's answer to the open round: it may still answer."""
+
+
 @pytest.mark.parametrize("message, reason", [
-    (update(device_id="dev_001"), "device id mismatch"),
+    (update(device_id="dev_001"), "on a topic of 'dev_000' [bad_topic]"),
     (update(run_id="oldrun"), "this run is run1"),
     (update(round_index=2), "stale: update for round 2, round 1 is open"),
     (update(plan_hash=OTHER_PLAN), "the device's plan is"),
@@ -157,16 +162,30 @@ def test_update_answering_the_open_round_is_accepted():
     (update(metrics={}), "metrics lack"),
 ])
 def test_bad_update_is_rejected_with_its_reason(message, reason):
+    """A refused update is never accepted; it is the device's answer (dropped, with its reason, at the close) only
+    when it answers the open round, else the device is still awaited and the round ends as if it never came."""
     coordinator = make_coordinator(2)
     coordinator.open_round(1, now=0.0)
     verdict = coordinator.judge("dev_000", message, now=1.0)
     assert not verdict.accepted and reason in verdict.reason
+    assert coordinator.judge("dev_001", update(device_id="dev_001"), now=1.0).accepted
+    if reason in NOT_ITS_ANSWER:
+        assert coordinator.awaits("dev_000") and coordinator.closing(now=1.0) is None
+        result = coordinator.close_round(now=DEADLINE_S)
+        assert result.accepted == ("dev_001",) and result.dropped == {"dev_000": NO_ANSWER}
+    else:
+        assert not coordinator.awaits("dev_000") and coordinator.closing(now=1.0) == ALL_ANSWERED
+        result = coordinator.close_round(now=1.0)
+        assert result.accepted == ("dev_001",) and result.dropped == {"dev_000": verdict.reason}
+    assert set(result.evaluations) == {"dev_001"}
 
 
 def test_update_from_an_unknown_device_is_rejected():
     coordinator = make_coordinator(1)
     coordinator.open_round(1, now=0.0)
     assert coordinator.judge("dev_999", update(device_id="dev_999"), now=1.0).reason == "unknown device"
+    assert "dev_999" not in coordinator.devices and coordinator.awaits("dev_000")
+    assert coordinator.close_round(now=DEADLINE_S).dropped == {"dev_000": NO_ANSWER}
 
 
 def test_second_update_of_a_device_is_a_duplicate():
@@ -174,6 +193,7 @@ def test_second_update_of_a_device_is_a_duplicate():
     coordinator.open_round(1, now=0.0)
     coordinator.judge("dev_000", update(), now=1.0)
     assert coordinator.judge("dev_000", update(), now=2.0).reason == "duplicate update for round 1"
+    assert coordinator.close_round(now=DEADLINE_S).accepted == ("dev_000",)  # once
 
 
 def test_update_after_the_deadline_is_late():
@@ -195,6 +215,10 @@ def test_device_joined_after_the_round_opened_was_not_asked():
     coordinator.join("dev_new", Join(PROFILE, SHARD, ()))
     coordinator.assign_plan("dev_new", 1.0, PLAN, SHAPES)
     assert coordinator.judge("dev_new", update(device_id="dev_new"), now=2.0).reason == "not asked in round 1"
+    assert coordinator.judge("dev_000", update(), now=2.0).accepted
+    result = coordinator.close_round(now=2.0)
+    assert result.closed_by == ALL_ANSWERED and result.accepted == ("dev_000",) and "dev_new" not in result.dropped
+    assert set(result.evaluations) == {"dev_000"}
 
 
 def test_evaluation_answer_carries_no_tensors():
@@ -243,10 +267,9 @@ def test_an_evaluation_answer_carries_no_tensors_whatever_is_expected_of_trainin
     assert not verdict.accepted and "unknown ['fe.b', 'fe.w']" in verdict.reason
 
 
-def test_judge_takes_only_updates():
-    coordinator = make_coordinator(1)
+def test_only_updates_are_judged():
     with pytest.raises(ValueError, match="UPDATE"):
-        coordinator.judge("dev_000", ack_message(PLAN, device_id="dev_000", run_id=RUN), now=0.0)
+        Answer.of_message(ack_message(PLAN, device_id="dev_000", run_id=RUN))
 
 
 # -- closing rounds -------------------------------------------------------------------------------

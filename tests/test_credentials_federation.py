@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from device_runtime.__main__ import PASSWORD_ENV
+from device_runtime.envelope import MessageType, decode
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX, parse_task, update_message
-from device_runtime.protocol import MessageType, Topics, decode
 from device_runtime.task import Update
+from device_runtime.topics import Topics
 from device_runtime.transport import BrokerRefusedError, MqttEndpoint
 from server import broker_loop
 from server.mosquitto_config import TlsFiles, write_mosquitto_auth
@@ -99,7 +100,7 @@ class Impostor(MqttPeer):
 
 
 def test_device_cannot_write_or_read_another_devices_topics_during_a_federation(
-        secured_broker, tls_files: TlsFiles, tmp_path: Path):  # noqa: F811
+        secured_broker, tls_files: TlsFiles, tmp_path: Path, shared_artifact_cache: Path):  # noqa: F811
     devices = start_devices(secured_broker.url, tls_files.cafile, tmp_path)
     try:
         with Impostor(secured_broker.url, tls_files.cafile) as impostor:
@@ -107,7 +108,7 @@ def test_device_cannot_write_or_read_another_devices_topics_during_a_federation(
                                      "--broker", secured_broker.url, "--username", SERVER_USER,
                                      "--password", SERVER_PASSWORD, "--tls-ca", str(tls_files.cafile),
                                      "--join-timeout", "300", "--round-deadline", "300",
-                                     "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"),
+                                     "--cache-dir", str(shared_artifact_cache), "--out", str(tmp_path / "run"),
                                      "--enroll", str(enrolled(tmp_path / "enroll.json"))]) == 0
     finally:
         for device in devices:

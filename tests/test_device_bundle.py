@@ -24,10 +24,10 @@ import pytest
 from device_runtime.shard import SHARD_KEYS, Shard, save_shard
 from device_runtime.artifact_contract import PORTABLE_KIND
 from export.artifacts import build_artifacts_of_kind
+from fedcore.lowrank import RankPlan, resolve_plan
+from fedcore.models import build_model
 from server.data import load_dataset
 from server.embedded_broker import EmbeddedBroker
-from server.lowrank import RankPlan, resolve_plan
-from server.models import build_model
 from server.partition import make_client_shards, write_shards
 from tests.sealing import enrollment_file, write_key
 
@@ -167,10 +167,10 @@ def test_install_writes_the_unit_and_settings_for_its_prefix(prefix: Path):
     assert "FEDARA_BROKER=" in (prefix / "fedara-device.env").read_text()
 
 
-def test_installed_device_trains_a_local_round(prefix: Path, tmp_path: Path):
+def test_installed_device_trains_a_local_round(prefix: Path, tmp_path: Path, shared_artifact_cache: Path):
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
     artifacts = build_artifacts_of_kind(PORTABLE_KIND, model, resolve_plan(model, RankPlan(0.25)).ranks, SHAPE, CLASSES,
-                                        tmp_path / "cache")
+                                        shared_artifact_cache)
     rng = np.random.default_rng(0)
     save_shard(tmp_path / "shard.npz", Shard(rng.standard_normal((TRAIN, *SHAPE), dtype=np.float32),
                                              rng.integers(0, CLASSES, TRAIN).astype(np.int64),
@@ -188,7 +188,8 @@ def test_installed_device_trains_a_local_round(prefix: Path, tmp_path: Path):
     assert result["trainer"] == "PortableTrainer"
 
 
-def test_installed_device_joins_a_federation_over_a_local_broker_and_trains(prefix: Path, tmp_path: Path):
+def test_installed_device_joins_a_federation_over_a_local_broker_and_trains(prefix: Path, tmp_path: Path,
+                                                                            shared_artifact_cache: Path):
     data = load_dataset("digits")
     (shard_path,) = write_shards(make_client_shards(data, "dirichlet", 1, seed=0, alpha=1.0), tmp_path / "shards")
     out = tmp_path / "run"
@@ -197,7 +198,7 @@ def test_installed_device_joins_a_federation_over_a_local_broker_and_trains(pref
         server = subprocess.Popen([sys.executable, "-m", "server.broker_loop", "--dataset", "digits", "--broker", url,
                                    "--min-devices", "1", "--rounds", "1", "--batch-size", "64", "--max-samples", "0",
                                    "--rank-ratio", "0.25", "--round-deadline", "300", "--join-timeout", "300",
-                                   "--cache-dir", str(tmp_path / "cache"), "--out", str(out),
+                                   "--cache-dir", str(shared_artifact_cache), "--out", str(out),
                                    "--enroll", str(enrollment_file(tmp_path / "enroll.json", ["dev_000"]))],
                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         device = subprocess.Popen([venv_python(prefix), "-m", "device_runtime", "--broker", url, "--device-id", "dev_000",

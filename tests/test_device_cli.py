@@ -14,7 +14,7 @@ import pytest
 from device_runtime.__main__ import PASSWORD_ENV
 from device_runtime.shard import ZIP_MAGIC, Shard, save_shard
 from server.mosquitto_config import write_mosquitto_auth
-from tests.conftest import free_loopback_port
+from tests.conftest import assert_bad_input, free_loopback_port
 from tests.sealing import write_key
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -42,15 +42,6 @@ def device_args(data: Path, workdir: Path, broker: str = "mqtt://127.0.0.1:1", *
 def run_device(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
                           env={**os.environ, **(env or {})})
-
-
-def assert_bad_input(done: subprocess.CompletedProcess[str], *fragments: str) -> None:
-    """Exit status 2, no traceback, and a last stderr line that holds every fragment."""
-    assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr
-    last = done.stderr.strip().splitlines()[-1]
-    for fragment in fragments:
-        assert fragment in last, last
 
 
 def test_a_shard_damaged_in_the_middle_is_named_corrupt(shard_path: Path, tmp_path: Path):

@@ -11,15 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from device_runtime.artifact_contract import KINDS
-from export.artifacts import build_artifacts_of_kind
-from server.lowrank import RankPlan, resolve_plan
-from server.models import build_model
-
 REPO = Path(__file__).resolve().parents[1]
-SHAPE, CLASSES = (1, 28, 28), 10
 ROUND_TIMEOUT_S = 60
 
 DEVICE_ROUND = """
@@ -43,14 +35,6 @@ update = trainer.get_fe()
 forbidden = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "onnx"))
 print(json.dumps({"steps": result.steps, "total": evaluation.total, "tensors": len(update), "forbidden": forbidden}))
 """
-
-
-@pytest.fixture(scope="module", params=KINDS)
-def artifacts(request, tmp_path_factory):
-    model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
-    ranks = resolve_plan(model, RankPlan(0.5)).ranks
-    return build_artifacts_of_kind(request.param, model, ranks, SHAPE, CLASSES,
-                                   tmp_path_factory.getbasetemp() / "artifact-cache")
 
 
 def test_a_device_round_loads_neither_torch_nor_onnx(artifacts):

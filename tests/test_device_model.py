@@ -15,19 +15,16 @@ import pytest
 
 import device_runtime.__main__ as device_main
 from device_runtime import model as device_model
-from device_runtime.artifact_contract import KINDS
 from device_runtime.atomic_file import write_atomic
 from device_runtime.onnx_bake import GraphEditError
 from device_runtime.runtimes import open_trainer
 from device_runtime.shard import load_shard
-from export.artifacts import build_artifacts_of_kind
 from server import broker_loop
-from server.lowrank import RankPlan, resolve_plan
-from server.models import build_model
 from server.report import METRICS_FILE, read_metrics
+from tests.conftest import ARTIFACT_CLASSES, ARTIFACT_SHAPE, assert_bad_input
 
 REPO = Path(__file__).resolve().parents[1]
-SHAPE, CLASSES = (1, 28, 28), 10
+SHAPE, CLASSES = ARTIFACT_SHAPE, ARTIFACT_CLASSES  # the artifacts fixture's
 TIMEOUT_S = 120
 NO_TORCH_NO_ONNX = """
 import runpy, sys
@@ -65,11 +62,11 @@ TIERS = {"dev_000": 1.0, "dev_001": 0.25}
 
 
 @pytest.fixture(scope="module")
-def federation(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def federation(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: Path) -> Path:
     """Two device processes (dense and rank 0.25) federate for two rounds and a final evaluation, then stop."""
     base = tmp_path_factory.mktemp("federation")
     (base / "tiers.json").write_text(json.dumps(TIERS))
-    assert broker_loop.main([*QUICK, "--cache-dir", str(base / "cache"), "--out", str(base / "run"), "--rounds",
+    assert broker_loop.main([*QUICK, "--cache-dir", str(shared_artifact_cache), "--out", str(base / "run"), "--rounds",
                              str(ROUNDS), "--local-devices", str(DEVICES), "--rank-overrides",
                              str(base / "tiers.json")]) == 0
     return base / "run"
@@ -138,14 +135,6 @@ def test_a_model_directory_is_self_contained(federation: Path, tmp_path: Path):
 
 
 # -- the inference graph --------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", params=KINDS)
-def artifacts(request, tmp_path_factory):
-    model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
-    ranks = resolve_plan(model, RankPlan(0.5)).ranks
-    return build_artifacts_of_kind(request.param, model, ranks, SHAPE, CLASSES,
-                                   tmp_path_factory.getbasetemp() / "artifact-cache")
 
 
 def write_round(store: device_model.ModelStore, trainer, round_index: int, weights=None) -> Path:
@@ -269,14 +258,6 @@ model.ModelStore({str(tmp_path)!r}).write(t.directory / "eval_model.onnx", {{**t
 
 
 # -- the command's errors -------------------------------------------------------------------------
-
-
-def assert_bad_input(done: subprocess.CompletedProcess[str], *fragments: str) -> None:
-    assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr
-    last = done.stderr.strip().splitlines()[-1]
-    for fragment in fragments:
-        assert fragment in last, last
 
 
 def predict(*args: str) -> subprocess.CompletedProcess[str]:

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from device_runtime.agent import HEADS_DIR, PREVIOUS_RUN_DIR, DeviceAgent, Workdir
+from device_runtime.envelope import MessageType
 from device_runtime.messages import Plan, plan_message, task_message
 from device_runtime.profile import collect_profile
-from device_runtime.protocol import MessageType, Topics
 from device_runtime.shard import Shard
 from device_runtime.task import Phase, Task
+from device_runtime.topics import Topics
+from fedcore.models import build_model
 from server.algorithms import get_algorithm
-from server.models import build_model
 from server.run_setup import PlanBook, global_state, initial_personal
 from server.strategy import factorize_per_plan, plan_key
 from tests.sealing import device_link, seal_down
@@ -38,10 +39,10 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+def world(shared_artifact_cache: Path) -> World:
     algorithm = get_algorithm("fedara")
     model = build_model("fedavgcnn", INPUT_SHAPE, CLASSES, seed=0)
-    plan = PlanBook(model, INPUT_SHAPE, tmp_path_factory.mktemp("runs") / "cache").get(1.0)
+    plan = PlanBook(model, INPUT_SHAPE, shared_artifact_cache).get(1.0)
     fe = factorize_per_plan(global_state(model, algorithm), [plan.resolved])[plan_key(plan.resolved)]
     return World(plan.hash, plan.description, plan.files, initial_personal([model], algorithm)[model.name], fe)
 

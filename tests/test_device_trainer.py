@@ -13,8 +13,8 @@ from device_runtime.frobenius import factor_pairs, frobenius_decay_step
 from device_runtime.tensor_check import TensorMismatchError
 from device_runtime.trainer import DeviceTrainer, class_means, cross_entropy_sum
 from export.artifacts import build_artifacts
-from server.lowrank import RankPlan, factorize_model, resolve_plan
-from server.models import build_model
+from fedcore.lowrank import RankPlan, factorize_model, resolve_plan
+from fedcore.models import build_model
 from server.torch_trainer import TorchTrainer
 
 SHAPE, CLASSES, FEATURES = (1, 28, 28), 10, 512
@@ -28,9 +28,9 @@ def model_and_ranks():
 
 
 @pytest.fixture(scope="module")
-def artifact_dir(tmp_path_factory, model_and_ranks) -> Path:
+def artifact_dir(shared_artifact_cache, model_and_ranks) -> Path:
     model, ranks = model_and_ranks
-    return build_artifacts(model, ranks, SHAPE, CLASSES, tmp_path_factory.getbasetemp() / "artifact-cache").directory
+    return build_artifacts(model, ranks, SHAPE, CLASSES, shared_artifact_cache).directory
 
 
 @pytest.fixture

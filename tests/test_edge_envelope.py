@@ -17,11 +17,11 @@ import pytest
 from device_runtime.profile import ResourceProfile
 from device_runtime.shard import save_shard
 from export.artifacts import build_artifacts
+from fedcore.lowrank import RankPlan, resolve_plan
+from fedcore.models import build_model
 from server.cgroups import available, create_group, popen_in_group
 from server.cost_model import peak_predictor
 from server.data import FMNIST_DIR, load_dataset
-from server.lowrank import RankPlan, resolve_plan
-from server.models import build_model
 from server.partition import make_client_shards
 from server.rank_assignment import DEFAULT_TIERS, choose_ratio
 

@@ -1,6 +1,8 @@
 """The round engine's rules, driven directly (no transport, explicit ``now``)."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -8,10 +10,10 @@ import torch
 from device_runtime.messages import Join, ShardInfo, update_message
 from device_runtime.profile import ResourceProfile
 from device_runtime.task import Phase, Update
+from fedcore.models import build_model
 from server.algorithms import get_algorithm
 from server.coordinator import Coordinator, CoordinatorConfig
 from server.engine import MAX_PLAN_RESENDS, RoundEngine
-from server.models import build_model
 from server.run_setup import PlanBook, global_state, initial_personal
 from server.run_config import FederationConfig
 
@@ -197,15 +199,43 @@ def test_artifacts_are_resent_a_bounded_number_of_times():
 
 
 def test_an_update_from_a_device_not_asked_this_round_is_refused_and_changes_nothing():
-    engine = make_engine("fedavg", join_ratio=0.5)
-    join(engine, "dev_000")
-    join(engine, "dev_001")
-    tasks = engine.open_round(1, 0.0)
-    evaluator = next(d for d, t in tasks.items() if t.evaluate_only)
-    trainer = next(d for d, t in tasks.items() if not t.evaluate_only)
-    forged = dict(tasks[trainer].__dict__)
-    verdict = answer(engine, evaluator, type(tasks[trainer])(**forged))
-    assert not verdict.accepted
+    """A device that joined after the round opened (not asked at all) and an evaluator posing as a trainer (not
+    asked to train) are refused with their reasons; the round then ends exactly as the same round without them."""
+    def run(forge: bool):
+        engine = make_engine("fedavg", join_ratio=0.5)
+        join(engine, "dev_000")
+        join(engine, "dev_001")
+        for device_id, task in engine.open_round(1, 0.0).items():  # round 1 leaves a record pending
+            assert answer(engine, device_id, task).accepted
+        engine.close_round(1.0)
+        round_1 = copy.deepcopy(engine.global_state)
+        tasks = engine.open_round(2, 2.0)
+        evaluator = next(d for d, t in tasks.items() if t.evaluate_only)
+        trainer = next(d for d, t in tasks.items() if not t.evaluate_only)
+        join(engine, "dev_002")  # after the round opened
+        if forge:
+            before = copy.deepcopy((engine.records, engine.pending, engine.global_state))
+            late = answer(engine, "dev_002", tasks[trainer], now=3.0)
+            assert (late.accepted, late.reason) == (False, "not asked in round 2")
+            posing = answer(engine, evaluator, tasks[trainer], now=3.0)  # a training answer to an evaluation task
+            assert not posing.accepted
+            assert posing.reason.startswith("tensors do not match the plan: missing [], unknown ['fe."), posing.reason
+            after = (engine.records, engine.pending, engine.global_state)
+            assert after[:2] == before[:2] and all(torch.equal(after[2][k], v) for k, v in before[2].items())
+        assert answer(engine, trainer, tasks[trainer], scale=3.0, now=3.0).accepted
+        result, _ = engine.close_round(30.0)
+        return engine, result, round_1
+
+    clean, clean_result, round_1 = run(forge=False)
+    forged, forged_result, _ = run(forge=True)
+    assert forged_result.accepted == clean_result.accepted and len(forged_result.accepted) == 1
+    assert forged_result.enough and clean_result.enough
+    assert "dev_002" not in forged_result.dropped
+    assert forged.global_state.keys() == clean.global_state.keys()
+    assert all(torch.equal(forged.global_state[k], clean.global_state[k]) for k in clean.global_state)
+    same = ("round", "participants", "selected", "aggregated", "train_loss", "train_accuracy")
+    assert {k: forged.pending[k] for k in same} == {k: clean.pending[k] for k in same}
+    assert not all(torch.equal(clean.global_state[k], v) for k, v in round_1.items())  # round 2 moved the model
 
 
 def test_the_new_model_is_bit_identical_whatever_order_the_updates_arrive_in():

@@ -13,8 +13,8 @@ from device_runtime.artifact_contract import (ARTIFACT_FILES_BY_KIND, MANIFEST_N
                                               ArtifactError, verify_artifacts)
 from export import artifacts
 from export.artifacts import artifact_config, build_artifacts, config_hash, load_artifact_set
-from server.lowrank import RankPlan, factorize_model, fe_state, resolve_plan
-from server.models import build_model
+from fedcore.lowrank import RankPlan, factorize_model, fe_state, resolve_plan
+from fedcore.models import build_model
 
 MODEL, SHAPE, CLASSES = "fedavgcnn", (1, 28, 28), 10
 MAX_ONNXRUNTIME_IR = 10
@@ -31,8 +31,8 @@ def ranks(model):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "artifact-cache"
+def cache(shared_artifact_cache) -> Path:
+    return shared_artifact_cache
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -28,21 +27,23 @@ import pytest
 
 from device_runtime.agent import HEADS_DIR, STATE_FILE, DeviceAgent, Workdir
 from device_runtime.artifact_contract import TRAINING_KIND
+from device_runtime.envelope import Message, decode
 from device_runtime.messages import ARTIFACT_BLOBS_BY_KIND, DEFAULT_TOPIC_PREFIX, Plan, parse_update, plan_message, task_message
 from device_runtime.profile import collect_profile
-from device_runtime.protocol import Message, Topics, decode
 from device_runtime.shard import Shard
 from device_runtime.task import Phase, Task
+from device_runtime.topics import Topics
 from export.artifacts import build_artifacts
+from fedcore.models import build_model
 from server import broker_loop
 from server.checkpoint import CHECKPOINT_NAME, STATE_KEY, load_checkpoint
 from server.coordinator import DEADLINE, NO_ANSWER
-from server.models import build_model
 from server.partition import write_shards
 from server.report import METRICS_FILE, read_metrics
-from server import simulate
+from server import run_setup, simulate
 from server.run_setup import RunFolder, load_shards
 
+from tests.conftest import wait_for
 from tests.sealing import device_link, enrollment_file, seal_down, write_key
 from tests.recording_endpoint import RecordingEndpoint
 
@@ -69,16 +70,6 @@ SERVER_LISTENS = "fedara.server INFO run "  # the server's log line once it is c
 
 
 # -- the processes -------------------------------------------------------------------------------
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str, alive: Callable[[], None]) -> None:
-    """Poll ``condition`` until it holds; ``alive`` raises if the run died meanwhile."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        alive()
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:g} s")
-        time.sleep(POLL_S)
 
 
 class FederationProcesses:
@@ -151,7 +142,7 @@ class FederationProcesses:
         return (self.out / SERVER_OUT).read_text()[-3000:]
 
     def wait(self, condition: Callable[[], bool], what: str) -> None:
-        wait_until(condition, RUN_TIMEOUT_S, what, self.alive)
+        wait_for(condition, RUN_TIMEOUT_S, what, alive=self.alive, poll_s=POLL_S)
 
     def wait_mid_round(self, round_index: int) -> None:
         """Until every device but SLOW answered ``round_index``: the round is open and SLOW is computing."""
@@ -214,8 +205,8 @@ def shard_paths(shards: dict[str, Shard], tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("artifacts")
+def cache(shared_artifact_cache: Path) -> Path:
+    return shared_artifact_cache
 
 
 @pytest.fixture
@@ -234,7 +225,7 @@ def reference_fe(shards: dict[str, Shard], out: Path, cache: Path, monkeypatch: 
     args = sim_args(cache)
     model, input_shape, _ = load_shards(args, 0)
     with monkeypatch.context() as patch:
-        patch.setattr(simulate, "load_shards", lambda _args, count: (model, input_shape, dict(shards)))
+        patch.setattr(run_setup, "load_shards", lambda _args, count: (model, input_shape, dict(shards)))
         folder = out.parent / "reference"
         folder.mkdir()
         simulation = simulate.Simulation(args, RunFolder(folder))

@@ -14,7 +14,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +21,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from device_runtime.framing import chunk
 from device_runtime.messages import ErrorCode, error_message
-from device_runtime.protocol import MAX_ID_LEN, Topics, chunk
+from device_runtime.protocol import MAX_ID_LEN
+from device_runtime.topics import Topics
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.enrollment import enroll, load_enrollment, save_enrollment
-from tests.conftest import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub
+from tests.conftest import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub, wait_for
 from tests.sealing import seal_down
 from tests.test_replays import PREFIX, Capture, finish, record, rss_mib, wait_for_line
 
@@ -59,10 +60,7 @@ def server(out: Path, url: str, cache: Path, enrollment: Path, seed: int, rounds
 
 
 def wait_for_log(path: Path, text: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while text not in path.read_text():
-        assert time.monotonic() < deadline, f"{path} never said {text!r}"
-        time.sleep(0.2)
+    wait_for(lambda: text in path.read_text(), WAIT_S, f"{path} to say {text!r}")
 
 
 @dataclass
@@ -89,7 +87,6 @@ def attack(base: Path, broker: MosquittoProcess) -> Attacked:
     dev = {i: Topics(PREFIX, f"dev_{i:03d}") for i in range(3)}
     capture, stop = Capture(), threading.Event()
     recorder = record(port, stop, capture)
-    time.sleep(0.5)
     lines: list[str] = []
     finish(server(base / "capture", broker.url, cache, enrollment, seed=1, rounds=1), lines)
 

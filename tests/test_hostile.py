@@ -27,16 +27,19 @@ import pytest
 import torch
 
 from device_runtime.agent import HEADS_DIR, DeviceAgent, Workdir
+from device_runtime.artifact_contract import MANIFEST_NAME
+from device_runtime.envelope import Message, MessageType, decode
+from device_runtime.framing import FRAME_HEADER_BYTES, chunk
 from device_runtime.messages import (DEFAULT_TOPIC_PREFIX, ErrorCode, Join, Plan, ShardInfo, ack_message,
                                      error_message, join_message, parse_error, plan_message, task_message,
                                      update_message)
 from device_runtime.profile import ResourceProfile, collect_profile
-from device_runtime.protocol import (FRAME_HEADER_BYTES, Message, MessageType, ProtocolError, Topics, chunk, decode,
-                                     server_subscriptions)
+from device_runtime.protocol import ProtocolError
 from device_runtime.shard import Shard
-from device_runtime.artifact_contract import MANIFEST_NAME
 from device_runtime.task import Phase, Task, Update
+from device_runtime.topics import Topics, server_subscriptions
 from device_runtime.transport import STAT_KEYS, MqttEndpoint
+from fedcore.models import build_model
 from server import broker_loop, simulate
 from server.algorithms import get_algorithm
 from server.broker_loop import Federation, LocalDevices, inbound_limit
@@ -45,7 +48,6 @@ from server.cli import config_from_args
 from server.coordinator import Coordinator, CoordinatorConfig, RoundResult
 from server import engine as engine_module
 from server.engine import RoundEngine
-from server.models import build_model
 from server.progress import Progress
 from server.report import METRICS_FILE, read_metrics
 from server.run_config import norm_bound_from_args
@@ -107,19 +109,19 @@ class World:
     out: RunFolder
 
 
-def build_world(directory: Path) -> World:
+def build_world(directory: Path, cache: Path) -> World:
     model = build_model("fedavgcnn", INPUT_SHAPE, CLASSES, seed=0)
-    plans = PlanBook(model, INPUT_SHAPE, directory / "cache")
+    plans = PlanBook(model, INPUT_SHAPE, cache)
     global_fe = global_state(model, ALGORITHM)
     personal = initial_personal([model], ALGORITHM)
     round_fe = factorize_per_plan(global_fe, [plans.get(r).resolved for r in (DENSE, LOW_RANK)])
-    max_inbound = inbound_limit(global_fe, max(sum(v.nbytes for v in p.values()) for p in personal.values()))
+    max_inbound = inbound_limit(global_fe, personal)
     return World(global_fe, personal, plans, round_fe, max_inbound, LocalDevices(), RunFolder(directory / "out"))
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
-    return build_world(tmp_path_factory.mktemp("hostile"))
+def world(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: Path) -> World:
+    return build_world(tmp_path_factory.mktemp("hostile"), shared_artifact_cache)
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,9 +202,9 @@ def server_state(server: Federation) -> tuple:
     return ({name: value.numpy().tobytes() for name, value in engine.global_state.items()},
             (engine._average.count, engine._average.total_weight, sorted(engine._held), engine._next),
             repr(engine._book),
-            json.dumps(server.coordinator.to_state(), sort_keys=True),
+            json.dumps(engine.coordinator.to_state(), sort_keys=True),
             (dict(engine._resends), dict(engine._files_sent), dict(engine.kinds), dict(engine.demoted),
-             dict(server.unjoined)))
+             dict(engine.presence.unjoined)))
 
 
 def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -749,14 +751,15 @@ class Impostor(MqttPeer):
         self.attacks += 1
 
 
-def test_impostor_on_an_open_broker_does_not_change_the_global_fe(embedded_broker, tmp_path: Path):
+def test_impostor_on_an_open_broker_does_not_change_the_global_fe(embedded_broker, tmp_path: Path,
+                                                                  shared_artifact_cache: Path):
     """Garbage, updates forged for another device, from an unknown device, of another run, and replays of a
     device's own updates, sent while a 3-device federation runs: the run ends with the global FE of the
     same federation run in process without any of it."""
     with Impostor(embedded_broker.url) as impostor:
         assert broker_loop.main([*QUICK, "--rounds", str(WIRE_ROUNDS), "--local-devices", str(WIRE_DEVICES),
                                  "--broker", embedded_broker.url, "--join-timeout", "300", "--round-deadline", "300",
-                                 "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")]) == 0
+                                 "--cache-dir", str(shared_artifact_cache), "--out", str(tmp_path / "run")]) == 0
     assert impostor.attacks >= WIRE_ROUNDS and impostor.captured
     records = read_metrics(tmp_path / "run" / METRICS_FILE)
     assert all(r["participants"] == r["selected"] == WIRE_DEVICES and r["dropped"] == {} for r in records)
@@ -770,7 +773,7 @@ def test_impostor_on_an_open_broker_does_not_change_the_global_fe(embedded_broke
         assert refusal in log
 
     args = simulate.build_parser().parse_args([*QUICK, "--rounds", str(WIRE_ROUNDS), "--clients", str(WIRE_DEVICES),
-                                               "--backend", "portable", "--cache-dir", str(tmp_path / "cache")])
+                                               "--backend", "portable", "--cache-dir", str(shared_artifact_cache)])
     (tmp_path / "clean").mkdir()
     simulation = simulate.Simulation(args, RunFolder(tmp_path / "clean"), progress=Progress(WIRE_ROUNDS, emit=lambda line: None))
     simulation.run()

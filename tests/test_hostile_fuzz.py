@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from device_runtime.envelope import MAX_ROUND, Message, MessageType, decode
 from device_runtime.messages import ErrorCode, Join, ack_message, error_message, join_message
-from device_runtime.protocol import MAX_ROUND, Message, MessageType, decode
 from server.coordinator import NO_ANSWER
 from tests.envelope_edits import apply_edits, envelope, rehashed, split
 from tests.envelope_edits import byte_edits as byte_edits_within

@@ -6,8 +6,11 @@ from pathlib import Path
 import pytest
 
 from device_runtime.auth import KeyRing, Refusal, new_nonce
+from device_runtime.envelope import Message, MessageType
 from device_runtime.link import Link, Refused
-from device_runtime.protocol import Message, MessageType, Reason, TopicKind
+from device_runtime.protocol import Reason
+from device_runtime.status import Status
+from device_runtime.topics import TopicKind
 
 KEY, OTHER_KEY = bytes([7]) * 32, bytes([8]) * 32
 RUN, OLD_RUN = "run-b", "run-a"
@@ -111,6 +114,15 @@ def test_status_frames_belong_on_the_status_topic_only(pair):
     assert refusal(server, online) == Reason.BAD_TOPIC
     assert server.open(online, RUN, device_id="dev_a", kind=TopicKind.STATUS).meta["state"] == "online"
     assert refusal(server, device.seal(message(MessageType.JOIN)), kind=TopicKind.STATUS) == Reason.BAD_TOPIC
+
+
+def test_a_status_frame_is_opened_with_what_it_says_and_other_messages_with_none(pair):
+    server, device = pair
+    nonce, signer = new_nonce(), device.status_signer("dev_a")
+    for online in (True, False):
+        msg, status = server.open_with_status(signer(online, nonce), RUN, device_id="dev_a", kind=TopicKind.STATUS)
+        assert msg.type == MessageType.STATUS and status == Status(online, nonce)
+    assert server.open_with_status(device.seal(message(MessageType.JOIN)), RUN, device_id="dev_a")[1] is None
 
 
 def test_updates_belong_on_the_update_topic_only(pair):

@@ -32,11 +32,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX
-from device_runtime.protocol import Topics
+from device_runtime.topics import Topics
 from server import broker_loop
 from server.live_status import (MAX_REFUSAL_KINDS, SnapshotCollector, StatusServer, count_refusal, fleet_snapshot,
                                 update_refusal)
 from server.report import METRICS_FILE, read_metrics
+from tests.conftest import wait_for
 from tests.test_engine import answer, join, make_engine
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -62,16 +63,6 @@ def render(snapshot: dict) -> str:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(lambda: snapshot))
     return generate_latest(registry).decode()
-
-
-def wait_for(condition: Callable[[], object], what: str, timeout: float = WAIT_S) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def get(url: str) -> tuple[int, bytes]:
@@ -180,7 +171,7 @@ def test_the_aggregators_figures_show_what_the_engine_knows_of_them():
     engine = make_engine(remote=True)
     join(engine, "dev_000")
     engine.open_round(1, 0.0)
-    engine._told = {"agg-1": {"dev_000": None}}  # as receive_receipt leaves it for an accepted update
+    engine.remote._told = {"agg-1": {"dev_000": None}}  # as receive_receipt leaves it for an accepted update
     snapshot = fleet_snapshot(engine, now=1.0, wall=1000.0, aggregators={"agg-0": 1, "agg-1": 1, "agg-2": 0})
     assert snapshot["aggregators"] == [
         {"name": "agg-0", "briefed_round": 1, "told": 0, "partial_awaited": False},
@@ -346,7 +337,7 @@ def held_round(status: Callable[[], dict], server: ServerProcess, device_id: str
             return (None,)
         snapshot = status()
         return (snapshot,) if (snapshot.get("open_round") or {}).get("waiting_for") == [device_id] else None
-    return wait_for(holding, f"a round waiting for {device_id}")[0]
+    return wait_for(holding, WAIT_S, f"a round waiting for {device_id}")[0]
 
 
 @pytest.mark.slow
@@ -360,7 +351,7 @@ def test_a_run_shows_its_fleet_on_metrics_and_in_a_browser_then_closes_its_port(
     server = server_process(["--rounds", str(ROUNDS), "--local-devices", str(DEVICES), "--rank-overrides",
                              str(overrides), "--cache-dir", str(tmp_path / "cache"), "--out", str(run),
                              "--status-port", "0"])
-    url = wait_for(server.url, "the status URL")
+    url = wait_for(server.url, WAIT_S, "the status URL")
     port = int(url.rsplit(":", 1)[1].strip("/"))
 
     def status() -> dict:
@@ -368,7 +359,8 @@ def test_a_run_shows_its_fleet_on_metrics_and_in_a_browser_then_closes_its_port(
             return json.loads(get(url + "api/status")[1])
         except OSError:  # the run ended: its port is closed
             return {}
-    wait_for(lambda: len([d for d in status().get("devices", []) if d["ready"]]) == DEVICES, "every device ready")
+    wait_for(lambda: len([d for d in status().get("devices", []) if d["ready"]]) == DEVICES, WAIT_S,
+             "every device ready")
     held = server.device("dev_002")
     screenshot = tmp_path / "status_page.png"
     checked: list[int] = []
@@ -396,7 +388,7 @@ def test_a_run_shows_its_fleet_on_metrics_and_in_a_browser_then_closes_its_port(
                 publish.single(Topics(DEFAULT_TOPIC_PREFIX, "dev_000").up, b"junk", qos=1, hostname=host,
                                port=int(broker_port))
                 wait_for(lambda: samples(get(url + "metrics")[1].decode()).get(
-                    ("fedara_refusals_total", (("reason", "frame rejected"),)), 0) >= 1, "the junk refused")
+                    ("fedara_refusals_total", (("reason", "frame rejected"),)), 0) >= 1, WAIT_S, "the junk refused")
                 snapshot = status()
             assert post(url + "api/status") == 405 and post(url + "metrics") == 405
             after = status()  # the run still holds: the POSTs changed nothing
@@ -405,7 +397,7 @@ def test_a_run_shows_its_fleet_on_metrics_and_in_a_browser_then_closes_its_port(
                 k: v for k, v in snapshot["open_round"].items() if k != "deadline_unix"}
             held.resume()
             wait_for(lambda: server.proc.poll() is not None or status().get("completed", [])[completed:],
-                     "the next round")
+                     WAIT_S, "the next round")
             with contextlib.suppress(psutil.NoSuchProcess):  # the run may have ended with its devices
                 held.suspend()
     finally:

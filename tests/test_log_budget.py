@@ -12,7 +12,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 from device_runtime.log_budget import (BURST_LINES, FLOOD_LOGGERS, LINES_PER_S, MAX_KINDS, FloodFilter, LineBudget,
                                       hold_back_floods)
 from server.cli import console_logging
-from tests.test_transport import DEV1, WAIT_S, connect, wait_until  # noqa: F401 (connect: a fixture)
+from tests.conftest import wait_for
+from tests.test_transport import DEV1, WAIT_S, connect  # noqa: F401 (connect: a fixture)
 
 JUNK_FRAMES = 1000
 
@@ -129,7 +130,8 @@ def test_a_junk_flood_on_an_endpoint_is_counted_in_full_and_logged_within_the_bu
     with caplog.at_level(logging.WARNING, logger="fedara.transport"):
         for i in range(JUNK_FRAMES):
             rogue.publish(DEV1.up, f"junk {i}".encode(), qos=1)
-        wait_until(lambda: server.stats["frames_rejected"] == JUNK_FRAMES, timeout=WAIT_S * 6)
+        wait_for(lambda: server.stats["frames_rejected"] == JUNK_FRAMES, WAIT_S * 6,
+                 f"{JUNK_FRAMES} frames rejected")
     elapsed = time.monotonic() - start
     rogue.loop_stop()
     rogue.disconnect()

@@ -4,10 +4,10 @@ import torch
 from torch import nn
 
 from device_runtime import frobenius
-from server.lowrank import (FactorizedConv2d, RankPlan, decay_factors, decompose, factorize_layer, factorize_model,
+from fedcore.lowrank import (FactorizedConv2d, RankPlan, decay_factors, decompose, factorize_layer, factorize_model,
                             factorize_state, fe_state, frobenius_decay_step, full_rank,
                             matrix_shape, reconstruct, reconstruct_state, resolve_plan)
-from server.models import build_model
+from fedcore.models import build_model
 
 
 @pytest.fixture(autouse=True)
@@ -206,7 +206,7 @@ def test_reconstruct_state_rejects_missing_and_unexpected_tensors():
 
 
 def test_every_tier_truncates_one_svd_per_layer(monkeypatch):
-    import server.lowrank as lowrank
+    import fedcore.lowrank as lowrank
     from server.strategy import factorize_per_plan, plan_key
     model = build_model("fedavgcnn", (1, 28, 28), 10)
     plans = [resolve_plan(model, RankPlan(ratio)) for ratio in (1.0, 0.75, 0.5, 0.25, 0.125)]

@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 
 from device_runtime.artifact_contract import TRAINING_KIND
+from device_runtime.auth import Direction
+from device_runtime.envelope import Message, decode, seal
+from device_runtime.framing import Reassembler, chunk
 from device_runtime.messages import (ARTIFACT_BLOBS_BY_KIND, ErrorCode, Join, MessageError, Plan, ShardInfo, ack_message,
                                      error_message, join_message, parse_ack, parse_error,
                                      parse_join, parse_plan, parse_task, parse_update, plan_message, task_message,
                                      update_message)
 from device_runtime.profile import ProfileError, ResourceProfile, collect_profile
-from device_runtime.auth import Direction
-from device_runtime.protocol import Message, Reassembler, chunk, decode, seal
 from device_runtime.task import Phase, Task, Update
 
 MAX_BYTES = 1 << 24

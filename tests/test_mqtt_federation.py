@@ -20,21 +20,22 @@ import pytest
 from device_runtime.__main__ import PASSWORD_ENV
 from device_runtime.agent import DeviceAgent, Workdir
 from device_runtime.artifact_contract import TRAINING_KIND
+from device_runtime.envelope import MessageType
 from device_runtime.messages import (ARTIFACT_BLOBS_BY_KIND, DEFAULT_TOPIC_PREFIX, ErrorCode, Join, Plan, ShardInfo,
                                      ack_message, join_message, parse_error, parse_join, parse_plan, plan_message,
                                      task_message)
 from device_runtime.profile import collect_profile
-from device_runtime.protocol import MessageType, Topics, server_subscriptions
 from device_runtime.shard import Shard, load_shard, save_shard
 from device_runtime.status import parse_status
 from device_runtime.task import Phase, Task
+from device_runtime.topics import Topics, server_subscriptions
 from device_runtime.transport import MqttEndpoint
 from export.artifacts import build_artifacts
+from fedcore.models import build_model
 from server import broker_loop
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.cost_model import predict
 from server.mosquitto_config import write_mosquitto_auth
-from server.models import build_model
 from server.report import ACCURACY_PLOT, BYTES_PLOT, METRICS_FILE, REPORT_FILE, read_metrics
 from server import simulate
 from server.run_setup import RunFolder
@@ -64,8 +65,8 @@ def tiered_overrides(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("artifacts")
+def cache(shared_artifact_cache: Path) -> Path:
+    return shared_artifact_cache
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from fedcore.lowrank import decompose
+from fedcore.objective import compute_anchors, fac_loss, lam_at_round
 from server.aggregate import DEFAULT_DENSE_FOLD_CLIENTS, StreamingAverage
-from server.lowrank import decompose
-from server.objective import compute_anchors, fac_loss, lam_at_round
 
 
 def test_lam_is_zero_in_the_first_round():
@@ -27,7 +27,7 @@ def test_lam_without_warmup_jumps_after_round_one():
 
 def test_lam_rejects_round_zero():
     with pytest.raises(ValueError):
-        lam_at_round(0, 1.0)
+        lam_at_round(0, 1.0, 10)
 
 
 def test_anchors_are_per_class_mean_features():

@@ -13,9 +13,9 @@ from device_runtime.artifact_contract import KINDS
 from device_runtime.runtimes import open_trainer
 from device_runtime.trainer import LocalTrainer
 from export.artifacts import build_artifacts_of_kind
-from server.lowrank import factorize_model, fe_state
-from server.models import build_model
-from server.objective import compute_anchors
+from fedcore.lowrank import factorize_model, fe_state
+from fedcore.models import build_model
+from fedcore.objective import compute_anchors
 from server.training import evaluate, train_local
 
 SHAPE, CLASSES = (1, 28, 28), 10
@@ -32,8 +32,8 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "artifact-cache"
+def cache(shared_artifact_cache):
+    return shared_artifact_cache
 
 
 @pytest.fixture(scope="module", params=KINDS)

@@ -10,25 +10,11 @@ import struct
 import numpy as np
 import pytest
 
-from device_runtime.protocol import (
-    DEFAULT_MAX_FRAME_BYTES,
-    FRAME_HEADER_BYTES,
-    MAX_HEADER_BYTES,
-    MAX_META_DEPTH,
-    MAX_TENSOR_RANK,
-    PROTOCOL_VERSION,
-    Message,
-    MessageType,
-    ProtocolError,
-    Reassembler,
-    TopicKind,
-    Topics,
-    chunk,
-    decode,
-    device_id_from_topic,
-    server_subscriptions,
-)
-from device_runtime.protocol import encode as encode_with_key
+from device_runtime.envelope import MAX_HEADER_BYTES, MAX_META_DEPTH, MAX_TENSOR_RANK, Message, MessageType, decode
+from device_runtime.envelope import encode as encode_with_key
+from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Reassembler, chunk
+from device_runtime.protocol import PROTOCOL_VERSION, ProtocolError
+from device_runtime.topics import TopicKind, Topics, device_id_from_topic, server_subscriptions
 
 KEY = bytes(range(32))
 

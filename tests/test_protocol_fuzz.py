@@ -11,17 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from device_runtime.protocol import (
-    FRAME_HEADER_BYTES,
-    Message,
-    MessageType,
-    ProtocolError,
-    Reassembler,
-    RepeatedFrame,
-    chunk,
-    decode,
-)
 from device_runtime.auth import MAX_COUNTER, Direction
+from device_runtime.envelope import Message, MessageType, decode
+from device_runtime.framing import FRAME_HEADER_BYTES, Reassembler, RepeatedFrame, chunk
+from device_runtime.protocol import ProtocolError
 from tests.test_protocol import encode
 from tests.envelope_edits import apply_edits, envelope, rehashed, split
 from tests.envelope_edits import byte_edits as byte_edits_within

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from server.lowrank import RankPlan, resolve_plan
-from server.models import build_model
+from fedcore.lowrank import RankPlan, resolve_plan
+from fedcore.models import build_model
 from server.rank_assignment import (RUNTIME_BASE_MB, Footprint, OverrideError, assign_tier, check_tiers, choose_ratio,
                                     load_overrides, plan_footprint, predict_peak_mb, tier_predictor)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +23,13 @@ import psutil
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from device_runtime.envelope import Message, MessageType
+from device_runtime.framing import FRAME_HEADER_BYTES, chunk, frame_msg_id
 from device_runtime.messages import ErrorCode, error_message
-from device_runtime.protocol import FRAME_HEADER_BYTES, Message, MessageType, Topics, chunk, frame_msg_id
+from device_runtime.topics import Topics
 from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.enrollment import enroll, save_enrollment
-from tests.conftest import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub
+from tests.conftest import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub, wait_for
 from tests.sealing import seal_down, seal_up
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +46,15 @@ WRONG_KEY = bytes([0xEE]) * 32
 ATTACK_TIMEOUT_S = 30  # well inside the broker's keep-alive (1.5 x 30 s): paused devices stay connected
 SERVER_REFUSALS = 5
 """dev_000's JOIN, dev_001's offline frame and forged JOIN, dev_003's JOIN and ACK."""
+WAIT_S = 30
+pytestmark = pytest.mark.timeout(900)
+"""The first test sets up three runs (and compiles their artifacts unless the session's cache has them): minutes
+on a loaded 2-core machine, over the suite's 300 s default."""
+"""Bound on waits for what takes a moment (a subscription, a message through the broker)."""
+MARKER_TOPIC = f"{PREFIX}/dev/xmarker/up"
+"""A marker sent after what a subscriber must have seen: the broker forwards messages to one subscriber in the
+order it took them in, so once the marker arrived, so did everything before it. The server refuses it (no
+such device) with a logged line."""
 
 
 @dataclass
@@ -51,6 +62,15 @@ class Capture:
     """Every frame seen on ``PREFIX/dev/#`` by a plain paho subscriber: (topic, frame bytes)."""
 
     frames: list[tuple[str, bytes]] = field(default_factory=list)
+    subscribed: threading.Event = field(default_factory=threading.Event)
+    marked: threading.Event = field(default_factory=threading.Event)
+    """Set when the marker arrived (it is not recorded)."""
+
+    def on_message(self, _client, _userdata, message) -> None:
+        if message.topic == MARKER_TOPIC:
+            self.marked.set()
+        else:
+            self.frames.append((message.topic, bytes(message.payload)))
 
     def of(self, topic: str, msg_id_prefix: str) -> list[bytes]:
         """The frames on ``topic`` of the first message whose msg_id starts with ``msg_id_prefix``, in order."""
@@ -66,9 +86,12 @@ class Capture:
 
 
 def record(url_port: int, stop: threading.Event, capture: Capture) -> threading.Thread:
+    """A plain paho subscriber to ``PREFIX/dev/#`` recording into ``capture`` until ``stop``; returns once it
+    subscribed."""
     client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="recorder", protocol=mqtt.MQTTv311)
     client.on_connect = lambda c, *_: c.subscribe(f"{PREFIX}/dev/#", qos=1)
-    client.on_message = lambda c, u, m: capture.frames.append((m.topic, bytes(m.payload)))
+    client.on_subscribe = lambda *_: capture.subscribed.set()
+    client.on_message = capture.on_message
 
     def run() -> None:
         client.connect("127.0.0.1", url_port)
@@ -79,7 +102,14 @@ def record(url_port: int, stop: threading.Event, capture: Capture) -> threading.
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
+    assert capture.subscribed.wait(WAIT_S), "the recorder did not subscribe"
     return thread
+
+
+def marker_frame() -> bytes:
+    """One complete frame of junk: a transport delivers it, the server refuses it with a logged reason."""
+    (frame,) = chunk(b"marker", 256 * 1024, "marker")
+    return frame
 
 
 def server(out: Path, url: str, cache: Path, enrollment: Path, devices: int, seed: int) -> subprocess.Popen:
@@ -95,6 +125,13 @@ def wait_for_line(proc: subprocess.Popen, text: str, lines: list[str]) -> None:
         if text in line:
             return
     raise AssertionError(f"the server ended without printing {text!r}:\n{''.join(lines[-30:])}")
+
+
+def still_running(proc: subprocess.Popen) -> Callable[[], None]:
+    """For ``wait_for``'s ``alive``: fail at once once the run ended (the attack must land while it runs)."""
+    def alive() -> None:
+        assert proc.poll() is None, "the run ended before the attack landed: raise ROUNDS"
+    return alive
 
 
 def finish(proc: subprocess.Popen, lines: list[str], timeout: float = 300) -> None:
@@ -121,22 +158,21 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+def runs(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: Path) -> Runs:
     base = tmp_path_factory.mktemp("replays")
     with attack_broker(base, 256 * 1024) as broker:
-        return attack(base, broker)
+        return attack(base, broker, shared_artifact_cache)
 
 
-def attack(base: Path, broker: MosquittoProcess) -> Runs:
+def attack(base: Path, broker: MosquittoProcess, cache: Path) -> Runs:
     port = broker.port
-    cache = base / "cache"
     enrollment = save_enrollment(base / "enroll.json", enroll({}, [f"dev_{i:03d}" for i in range(4)]))
     capture, stop = Capture(), threading.Event()
     recorder = record(port, stop, capture)
-    time.sleep(0.5)
     lines: list[str] = []
     finish(server(base / "capture", broker.url, cache, enrollment, 4, seed=1), lines)
-    time.sleep(1.0)
+    mosquitto_pub(port, MARKER_TOPIC, marker_frame(), base / "marker.bin")
+    assert capture.marked.wait(WAIT_S), "the recorder did not get the marker sent after the capture run"
     stop.set()
     recorder.join(10)
 
@@ -166,25 +202,27 @@ def attack(base: Path, broker: MosquittoProcess) -> Runs:
     devices = psutil.Process(proc.pid).children()
     for device in devices:
         device.suspend()
-    rss_before = rss_mib(proc.pid)
-    flood = base / "flood.bin"
-    flood.write_bytes(first_update_frame)
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda i: subprocess.run(
-            [MOSQUITTO_PUB, "-h", "127.0.0.1", "-p", str(port), "-q", "1", "-t", f"{PREFIX}/dev/x{i:04d}/update",
-             "-f", str(flood)], check=True, capture_output=True), range(FLOOD_TOPICS)))
-    time.sleep(2.0)
-    assert proc.poll() is None, "the run ended before the flood was measured: raise ROUNDS"
-    rss_after = rss_mib(proc.pid)
-    for i, (topic, frame) in enumerate(replays + forgeries):
-        mosquitto_pub(port, topic, frame, base / f"frame-{i}.bin")
-    server_log = base / "attacked" / "server.log"
-    deadline = time.monotonic() + ATTACK_TIMEOUT_S
-    while len([line for line in server_log.read_text().splitlines() if "dropped a message on" in line
-               and "/dev/x" not in line]) < SERVER_REFUSALS and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for device in devices:
-        device.resume()
+    try:
+        rss_before = rss_mib(proc.pid)
+        flood = base / "flood.bin"
+        flood.write_bytes(first_update_frame)
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda i: subprocess.run(
+                [MOSQUITTO_PUB, "-h", "127.0.0.1", "-p", str(port), "-q", "1", "-t", f"{PREFIX}/dev/x{i:04d}/update",
+                 "-f", str(flood)], check=True, capture_output=True), range(FLOOD_TOPICS)))
+        server_log = base / "attacked" / "server.log"
+        mosquitto_pub(port, MARKER_TOPIC, marker_frame(), base / "marker.bin")  # after every frame of the flood
+        wait_for(lambda: f"dropped a message on {MARKER_TOPIC}" in server_log.read_text(), ATTACK_TIMEOUT_S,
+                 "the server to refuse the marker sent after the flood", alive=still_running(proc))
+        rss_after = rss_mib(proc.pid)
+        for i, (topic, frame) in enumerate(replays + forgeries):
+            mosquitto_pub(port, topic, frame, base / f"frame-{i}.bin")
+        wait_for(lambda: len([line for line in server_log.read_text().splitlines() if "dropped a message on" in line
+                              and "/dev/x" not in line]) >= SERVER_REFUSALS, ATTACK_TIMEOUT_S,
+                 f"{SERVER_REFUSALS} refusals by the server", alive=still_running(proc))
+    finally:
+        for device in devices:
+            device.resume()
     assert proc.poll() is None, "the run ended before the attacks landed"
     finish(proc, lines)
     attacked = base / "attacked"

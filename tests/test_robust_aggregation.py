@@ -11,17 +11,18 @@ import numpy as np
 import pytest
 import torch
 
+from device_runtime.envelope import Message
 from device_runtime.messages import update_message
-from device_runtime.protocol import Message
 from device_runtime.task import Update, tensor_bytes
+from fedcore.lowrank import reconstruct_state
 from server import broker_loop, simulate
 from server.aggregate import StreamingAverage
-from server.lowrank import reconstruct_state
 from server.progress import Progress
 from server.robust import bound_update, clip_to_bound, fe_distance
 from server.run_config import NormAction, NormBound, norm_bound_from_args
 from server.run_setup import RunFolder
 from server.strategy import plan_key, to_torch
+from server.update_rule import Answer
 from tests.test_hostile import (DENSE, EVAL, FACTORED, RUN, SERVER_LOG, TRAINER, World, close, genuine_update,
                                 open_server, update_topic, world)  # noqa: F401  (world is a fixture)
 from tests.sealing import seal_up as encode  # as the device would seal it
@@ -142,7 +143,7 @@ def test_simulator_refuses_a_bound_that_is_not_positive(tmp_path: Path, capsys):
 
 def test_screened_out_update_is_the_devices_rejected_answer(world: World):
     server = open_server(world)
-    verdict = server.coordinator.judge(TRAINER, genuine_update(world), 0.0, screen=lambda device, update: "too far")
+    verdict = server.engine.coordinator.judge(TRAINER, Answer.of_message(genuine_update(world)), 0.0, screen=lambda device, update: "too far")
     assert not verdict.accepted and verdict.reason == "too far"
     assert close(server).dropped[TRAINER] == "too far"
 
@@ -150,7 +151,7 @@ def test_screened_out_update_is_the_devices_rejected_answer(world: World):
 def test_screen_decides_what_is_aggregated(world: World):
     server = open_server(world)
     replacement = Update(1, {}, 30, 0.0, 0.0, {})
-    verdict = server.coordinator.judge(TRAINER, genuine_update(world), 0.0, screen=lambda device, update: replacement)
+    verdict = server.engine.coordinator.judge(TRAINER, Answer.of_message(genuine_update(world)), 0.0, screen=lambda device, update: replacement)
     assert verdict.accepted and verdict.update is replacement
 
 
@@ -165,8 +166,8 @@ def evaluation_round(server) -> Message:
 def test_evaluation_answers_are_not_screened(world: World):
     server = open_server(world)
     message = evaluation_round(server)
-    assert server.coordinator.judge(TRAINER, message, time.monotonic(),
-                                    screen=lambda device, update: "too far").accepted
+    assert server.engine.coordinator.judge(TRAINER, Answer.of_message(message), time.monotonic(),
+                                           screen=lambda device, update: "too far").accepted
 
 
 def test_engine_screens_training_updates_only(world: World):

@@ -10,16 +10,15 @@ from device_runtime.profile import ProfileError, ResourceProfile, collect_profil
 from device_runtime.runtimes import RuntimeUnavailable, detect, open_trainer
 from device_runtime.trainer import DeviceTrainer
 from export.artifacts import build_artifacts_of_kind
-from server.models import build_model
+from fedcore.models import build_model
 
 SHAPE, CLASSES = (1, 28, 28), 10
 
 
 @pytest.fixture(scope="module")
-def sets(tmp_path_factory):
+def sets(shared_artifact_cache):
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
-    cache = tmp_path_factory.getbasetemp() / "artifact-cache"
-    return {kind: build_artifacts_of_kind(kind, model, {}, SHAPE, CLASSES, cache) for kind in KINDS}
+    return {kind: build_artifacts_of_kind(kind, model, {}, SHAPE, CLASSES, shared_artifact_cache) for kind in KINDS}
 
 
 def test_auto_takes_the_portable_runtime_whenever_onnxruntime_is_installed():

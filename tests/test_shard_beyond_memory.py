@@ -18,9 +18,9 @@ import pytest
 from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.shard import Shard, save_shard
 from export.artifacts import build_artifacts_of_kind
+from fedcore.lowrank import RankPlan, resolve_plan
+from fedcore.models import build_model
 from server.cgroups import MIB, available, create_group, popen_in_group
-from server.lowrank import RankPlan, resolve_plan
-from server.models import build_model
 
 CGROUPS = available()
 pytestmark = [pytest.mark.cgroup, pytest.mark.slow,

@@ -13,8 +13,8 @@ from device_runtime.portable_trainer import PortableTrainer
 from device_runtime.trainer import DeviceTrainer
 from export import step_compiler
 from export.artifacts import artifact_config, build_artifacts_of_kind, config_hash, inference_session
-from server.lowrank import RankPlan, factorize_model, fe_state, resolve_plan
-from server.models import MODELS, build_model
+from fedcore.lowrank import RankPlan, factorize_model, fe_state, resolve_plan
+from fedcore.models import ARCHITECTURES, build_model
 from server.training import train_local
 
 SHAPE, CLASSES = (1, 28, 28), 10
@@ -23,8 +23,8 @@ LONG_STEPS = 50
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "artifact-cache"
+def cache(shared_artifact_cache):
+    return shared_artifact_cache
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def _weights(reference) -> tuple[dict, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ratio", [1.0, 0.5])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", tuple(ARCHITECTURES))
 def test_one_portable_step_equals_pytorch_for_every_model(name, ratio, cache):
     model = build_model(name, SHAPE, CLASSES, seed=0)
     ranks = resolve_plan(model, RankPlan(ratio)).ranks

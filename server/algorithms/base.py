@@ -1,37 +1,68 @@
-"""What an algorithm tells the round engine (Flower's Strategy, reduced to what FedARA and its baselines need)."""
+"""What an algorithm tells the round engine, in the manner of Flower's Strategy: which tensors are shared and
+which stay personal, what a client trains and returns in a round (``configure_fit``), what a training update
+carries, the rank tiers it may be offered, and how the accepted updates become the next global model
+(``aggregate_fit``). The engine asks; it branches on no property of the algorithm."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 
 from device_runtime.task import Phase
+from fedcore.lowrank import FE_PREFIX
+
+DENSE = 1.0
+Shapes = dict[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A training client's instructions for a round: what it trains, in order, the anchor weight λ, the
+    Frobenius decay μ, and what it sends back ("fe", "all" or "none")."""
+
+    phases: tuple[Phase, ...]
+    lam: float
+    mu: float
+    returns: str
 
 
 class Algorithm(ABC):
-    """One federated algorithm's decisions; the engine asks, the devices carry them out."""
+    """One federated algorithm's decisions (defaults: the FE is shared and averaged, the head is personal)."""
 
     name: str
-    factorizes: bool = False
-    """Each client trains the global FE factorized at its rank tier (else every client is dense)."""
-    returns: str = "fe"
-    """What a client sends back: "fe", "all" (FE and head) or "none" (nothing: local training)."""
 
-    @property
-    def aggregates(self) -> bool:
-        """Whether the server keeps a global model (local training has none)."""
-        return self.returns != "none"
+    def offered_tiers(self, tiers: tuple[float, ...], overrides: dict[str, float]
+                      ) -> tuple[tuple[float, ...], dict[str, float]]:
+        """The rank tiers (and per-device overrides) a device may get: dense only, unless the algorithm
+        factorizes."""
+        return (DENSE,), {}
 
-    @property
-    def shares_head(self) -> bool:
-        return self.returns == "all"
+    def global_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the server keeps and aggregates, from the initial model's state: the feature extractor."""
+        return {k: v.detach().clone() for k, v in state.items() if k.startswith(FE_PREFIX)}
+
+    def personal_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What every device starts from and keeps to itself (sent in its PLAN): the head."""
+        return {k: v for k, v in state.items() if not k.startswith(FE_PREFIX)}
+
+    def update_shapes(self, fe_shapes: Shapes, personal_shapes: Shapes) -> Shapes:
+        """The tensors a training update carries, from the device's plan (its FE) and its personal tensors."""
+        return dict(fe_shapes)
 
     @abstractmethod
-    def phases(self, local_epochs: int) -> tuple[Phase, ...]:
-        """What a client trains in a round, in order."""
+    def configure_fit(self, round_index: int, local_epochs: int, lam: float, warmup: int, mu: float,
+                      factorized: bool) -> Fit:
+        """What a training client does in round ``round_index`` (``factorized``: its plan has factors)."""
 
-    def lam(self, round_index: int, lam: float, warmup: int) -> float:
-        """The anchor-loss weight λ of a round; the baselines have no anchor term."""
-        return 0.0
-
-    def mu(self, mu: float, factorized: bool) -> float:
-        """The Frobenius decay μ: it acts on factors only."""
-        return mu if factorized else 0.0
+    def aggregate_fit(self, global_state: dict[str, torch.Tensor], mean: dict[str, torch.Tensor],
+                      sent_mean: Callable[[], dict[str, torch.Tensor]], rule: str) -> dict[str, torch.Tensor]:
+        """The next global model from the round's float64 sample-weighted mean of the clients' (reconstructed)
+        tensors, under --aggregate. weights: Σ p_k W_k; updates: ω + Σ p_k (W_k − S_k), ``sent_mean()`` being
+        Σ p_k S_k, what each client was sent (its plan's factorization of ω; a dense client's S_k is ω itself,
+        so dense layers and dense clients aggregate the same under both rules)."""
+        if rule == "weights":
+            return {k: v.float() for k, v in mean.items()}
+        sent = sent_mean()
+        return {k: (global_state[k].double() + mean[k] - sent[k]).float() for k in mean}

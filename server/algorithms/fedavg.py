@@ -1,13 +1,23 @@
 """FedAvg: every client trains the whole dense model (FE and head) and the server averages all of it."""
 from __future__ import annotations
 
+import torch
+
 from device_runtime.task import Phase
-from server.algorithms.base import Algorithm
+from server.algorithms.base import Algorithm, Fit, Shapes
 
 
 class FedAvg(Algorithm):
     name = "fedavg"
-    returns = "all"
 
-    def phases(self, local_epochs: int) -> tuple[Phase, ...]:
-        return (Phase("all", local_epochs),)
+    def global_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole model, head included."""
+        return {k: v.detach().clone() for k, v in state.items()}
+
+    def update_shapes(self, fe_shapes: Shapes, personal_shapes: Shapes) -> Shapes:
+        """The FE and the head."""
+        return {**fe_shapes, **personal_shapes}
+
+    def configure_fit(self, round_index: int, local_epochs: int, lam: float, warmup: int, mu: float,
+                      factorized: bool) -> Fit:
+        return Fit((Phase("all", local_epochs),), 0.0, 0.0, "all")

@@ -4,7 +4,7 @@ L = CE + λ·L_FAC + μ·Σ_q ‖U_q V_qᵀ‖²_F, minimised by plain SGD in tw
 - every step descends CE + λ·L_FAC (``local_loss``);
 - the Frobenius term is decoupled: once per local epoch, its exact gradient step is applied to every trained
   factor pair, U ← U − s·2μ·U(VᵀV), V ← V − s·2μ·V(UᵀU), with s = lr·k (k = steps taken in that epoch), from
-  the values before the step (``server.lowrank.frobenius_decay_step``; the device's numpy twin is
+  the values before the step (``fedcore.lowrank.frobenius_decay_step``; the device's numpy twin is
   ``device_runtime.frobenius``). Decision and measurement: inside every step the term cost 39–79% of a
   factorized step and made ratio-0.5 tiers 1.6–4.8× slower than dense, while its gradient moves a weight by
   only lr·μ ≈ 5e-6 per step. For SGD the epoch-level step differs from the per-step term only at second
@@ -25,8 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.run_config import DEFAULT_LAM_WARMUP
-
 ANCHOR_BATCH = 256
 
 
@@ -35,7 +33,7 @@ def module_device(module: nn.Module) -> torch.device:
     return next(module.parameters(), torch.empty(0)).device
 
 
-def lam_at_round(round_index: int, target: float, warmup: int = DEFAULT_LAM_WARMUP) -> float:
+def lam_at_round(round_index: int, target: float, warmup: int) -> float:
     """λ for 1-based ``round_index``: 0 at round 1, linear to ``target`` at round warmup+1, then flat."""
     if round_index < 1:
         raise ValueError(f"rounds are numbered from 1, got {round_index}")

@@ -10,8 +10,6 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from server.run_config import MODELS
-
 KERNEL = 5
 POOL = 2
 
@@ -68,7 +66,7 @@ ARCHITECTURES: dict[str, tuple[tuple[int, int], tuple[int, ...]]] = {
 def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int, seed: int | None = None) -> SplitModel:
     """Build a model by name for a (C, H, W) input; ``seed`` makes the initial weights reproducible."""
     if name not in ARCHITECTURES:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(ARCHITECTURES)}")
     channels, fc = ARCHITECTURES[name]
     if seed is not None:
         torch.manual_seed(seed)
