@@ -170,6 +170,7 @@ from server.enrollment import LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, load_server_key,
 from server.partition import write_shards
 from server.progress import Progress, print_and_log
 from server.rank_assignment import OverrideError
+from server.run_config import FederationConfig
 from server.run_setup import Deployment, RunError, RunFolder, assemble
 from server.shards import DEVICE_SHARD_FILENAME
 
@@ -690,16 +691,16 @@ def local_limits(args: argparse.Namespace) -> list[float]:
     return cgroups.parse_limits(args.local_memory_limit_mb)
 
 
-def run(args: argparse.Namespace, out: RunFolder) -> None:
-    """Set the run up (or resume it), connect, spawn the local devices, federate, report (flags checked)."""
+def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> None:
+    """Set the run up (or resume it), connect, spawn the local devices, federate, report (flags checked: ``config``
+    is check_args')."""
     args.password = args.password or os.environ.get(PASSWORD_ENV)
     budgets = _budgets(args.local_memory_mb)
-    assembly = assemble(args, out, Deployment(
+    assembly = assemble(args, config, out, Deployment(
         devices=args.local_devices, min_devices=args.min_devices or args.local_devices or 1,
         round_deadline_s=args.round_deadline, remote=args.aggregators > 0, settings_keys=BROKER_SETTINGS),
         emit=print_and_log)
-    config, engine, shards, settings, saved = (assembly.config, assembly.engine, assembly.shards, assembly.settings,
-                                               assembly.saved)
+    engine, shards, settings, saved = assembly.engine, assembly.shards, assembly.settings, assembly.saved
     run_id = assembly.run_id
     max_inbound = inbound_limit(engine.global_state, engine.initial_personal)
     out.path.mkdir(parents=True, exist_ok=True)
@@ -770,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     console_logging()
     out = RunFolder(run_folder(args, "broker_loop"))
     try:
-        check_args(args)
+        config = check_args(args)
         check_broker_args(args)
     except ValueError as exc:
         return fail(str(exc))
@@ -782,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     fedara_log.setLevel(logging.INFO)
     previous = {s: signal.signal(s, signal.default_int_handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        run(args, out)
+        run(args, config, out)
     except (RunError, CheckpointError, OverrideError, TransportError, ValueError, OSError) as exc:
         file_log.handle(LOG.makeRecord(LOG.name, logging.ERROR, __file__, 0, "%s", (exc,), None))  # not twice on screen
         return fail(str(exc))

@@ -27,7 +27,7 @@ from server.algorithms.base import Algorithm
 from server.checkpoint import CHECKPOINT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from fedcore.lowrank import FE_PREFIX, RankPlan, ResolvedPlan, factorize_model, resolve_plan
 from fedcore.models import SplitModel, build_model
-from server.cli import config_from_args, parse_tiers
+from server.cli import parse_tiers
 from server.compute_threads import use_server_threads
 from server.coordinator import Coordinator, CoordinatorConfig
 from server.cost_model import CostModelError, peak_predictor
@@ -233,15 +233,12 @@ class Deployment:
 @dataclass
 class Assembly:
     """A run set up from its flags, resumed from its checkpoint where there is one: the engine the driver talks
-    to, the devices' shards (by id), the plans, the settings and the saved checkpoint."""
+    to, the devices' shards (by id), the settings and the saved checkpoint."""
 
-    config: FederationConfig
     engine: RoundEngine
-    plans: PlanBook
     shards: dict[str, Shard]
     settings: dict[str, Any]
     saved: Checkpoint | None
-    device_models: dict[str, str]
 
     @property
     def run_id(self) -> str:
@@ -274,11 +271,11 @@ def predictor_for(plans: PlanBook, batch_size: int) -> Predictor:
     return for_profile
 
 
-def assemble(args: argparse.Namespace, out: RunFolder, deployment: Deployment,
+def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder, deployment: Deployment,
              emit: Callable[[str], None] | None = None) -> Assembly:
-    """Set the run up from its checked flags, for either driver: the algorithm, the tiers, the data and its
-    shards, the models and plans, the engine (restored from --out's checkpoint with --resume)."""
-    config = config_from_args(args)
+    """Set the run up from its flags and their checked ``config`` (``server.cli.check_args``), for either driver:
+    the algorithm, the tiers, the data and its shards, the models and plans, the engine (restored from --out's
+    checkpoint with --resume)."""
     use_server_threads(args.threads)
     algorithm = get_algorithm(config.algo)
     tiers = tiers_from_args(args)
@@ -305,4 +302,4 @@ def assemble(args: argparse.Namespace, out: RunFolder, deployment: Deployment,
         engine.register(device_id)
     if saved:  # the global model's tensors (the simulator's checkpoint also holds its devices')
         engine.restore(saved.state["engine"], {k: v for k, v in saved.tensors.items() if k in engine.dense_shapes})
-    return Assembly(config, engine, plans, shards, settings, saved, models_of)
+    return Assembly(engine, shards, settings, saved)

@@ -130,7 +130,7 @@ class Simulation:
         self.args, self.out = args, out
         self.config = check_args(args)
         check_simulate_args(args)
-        run = assemble(args, out, Deployment(devices=args.clients, min_devices=1, round_deadline_s=NO_DEADLINE_S,
+        run = assemble(args, self.config, out, Deployment(devices=args.clients, min_devices=1, round_deadline_s=NO_DEADLINE_S,
                                              onnx=args.backend != "torch", budgets=False, settings_keys=("clients",)),
                        emit=print_and_log)
         self.engine, self.settings, self.saved, self.run_id = run.engine, run.settings, run.saved, run.run_id
