@@ -12,22 +12,11 @@ tier chosen by its floor is checked on the same work, here on the device's own s
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 from device_runtime.profile import collect_profile
-
-BENCH_DEVICE = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
-
-
-def bench_device_module():
-    """scripts/bench_device.py as a module (it is a script, not a package member)."""
-    spec = importlib.util.spec_from_file_location("bench_device", BENCH_DEVICE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import load_script
 
 
 def main() -> int:
@@ -37,7 +26,7 @@ def main() -> int:
     args = parser.parse_args()
     print(json.dumps(dict(profile=collect_profile(args.memory_budget_mb, 1).to_meta())), flush=True)
     plan = json.loads(sys.stdin.readline())
-    result = bench_device_module().device_floor_worker(dict(plan, shard=args.shard), "artifacts")
+    result = load_script("bench_device").device_floor_worker(dict(plan, shard=args.shard), "artifacts")
     print(json.dumps(dict(result, rounds=plan["rounds"])), flush=True)
     return 0
 

@@ -2,7 +2,6 @@
 the report files of a --quick run."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from server.simulate import build_parser as simulate_parser
+from tests import scripts
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_accuracy.py"
 MODULE_NAME = "bench_accuracy"
@@ -24,10 +24,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def load_script():
     if MODULE_NAME not in sys.modules:
-        spec = importlib.util.spec_from_file_location(MODULE_NAME, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[MODULE_NAME] = module  # dataclasses look their module up while the file executes
-        spec.loader.exec_module(module)
+        return scripts.load_script(MODULE_NAME)
     return sys.modules[MODULE_NAME]
 
 

@@ -2,7 +2,6 @@
 not its timings."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,18 +10,12 @@ from pathlib import Path
 import pytest
 
 from server.cost_model import load_cost_model, predict
+from tests.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 pytestmark = pytest.mark.timeout(600)
 """Above the quick run's own 480 s limit: on a loaded 2-core machine it took over the suite's 300 s default."""
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_device", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +34,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: P
 
 def test_quick_run_reports_every_ratio_of_its_subset(quick_run):
     out, _ = quick_run
-    bench = load_script()
+    bench = load_script("bench_device")
     report = json.loads((out / "bench_device.json").read_text())
     reported = sorted((r["model"], tuple(r["input_shape"]), ratio) for r in report["results"] for ratio in r["ratios"])
     assert reported == sorted((m, s, ratio) for m, s in bench.QUICK_CONFIGS for ratio in bench.QUICK_RATIOS)
@@ -49,7 +42,7 @@ def test_quick_run_reports_every_ratio_of_its_subset(quick_run):
 
 def test_quick_run_measures_every_session_variant_and_latency_variant(quick_run):
     out, _ = quick_run
-    bench = load_script()
+    bench = load_script("bench_device")
     for result in json.loads((out / "bench_device.json").read_text())["results"]:
         assert set(result["sessions"]) == set(bench.SESSION_VARIANTS)
         assert set(result["latency"]["threads"]) == {str(t) for t in bench.THREADS}
@@ -82,7 +75,7 @@ def test_quick_run_writes_tables_and_a_png(quick_run):
 
 def test_the_written_cost_model_predicts_for_the_measured_configuration(quick_run):
     out, _ = quick_run
-    bench = load_script()
+    bench = load_script("bench_device")
     model = load_cost_model(out / "cost_model.json")
     (name, shape), = bench.QUICK_CONFIGS
 
@@ -94,7 +87,7 @@ def test_the_written_cost_model_predicts_for_the_measured_configuration(quick_ru
 
 
 def test_the_leanest_session_variant_has_the_lowest_total_peak():
-    bench = load_script()
+    bench = load_script("bench_device")
 
     def result(peaks: dict[str, int], steps: dict[str, float]) -> dict:
         return {"sessions": {name: {"rounds": {str(bench.BATCH): {"peak_rss_bytes": peaks[name]}},
@@ -109,26 +102,26 @@ def test_the_leanest_session_variant_has_the_lowest_total_peak():
 
 def test_a_timed_block_times_count_calls_after_one_untimed_call():
     calls = []
-    times = load_script().timed_block(lambda: calls.append(1), 3)
+    times = load_script("bench_device").timed_block(lambda: calls.append(1), 3)
     assert len(times) == 3 and len(calls) == 4 and all(t >= 0 for t in times)
 
 
 def test_floor_bisection_finds_the_smallest_passing_limit_to_the_resolution():
-    bench = load_script()
+    bench = load_script("bench_device")
     floor, trials = bench.bisect_floor(lambda limit: limit >= 113, upper_mb=150, resolution_mb=4)
     assert floor == 116 and trials[0] == (152, True)
     assert all(passed == (limit >= 113) for limit, passed in trials)
 
 
 def test_floor_bisection_raises_the_upper_bracket_until_it_passes():
-    bench = load_script()
+    bench = load_script("bench_device")
     floor, trials = bench.bisect_floor(lambda limit: limit >= 300, upper_mb=100, resolution_mb=4)
     assert floor == 300 and [t for t in trials if t[0] in (100, 200, 400)] == [(100, False), (200, False), (400, True)]
 
 
 def test_floor_bisection_gives_up_above_its_ceiling():
     with pytest.raises(RuntimeError, match="no limit up to 256 MiB"):
-        load_script().bisect_floor(lambda limit: False, upper_mb=100, max_upper_mb=256)
+        load_script("bench_device").bisect_floor(lambda limit: False, upper_mb=100, max_upper_mb=256)
 
 
 def floor_result(runtime: str, ratios: list[float], floor: int) -> dict:
@@ -137,7 +130,7 @@ def floor_result(runtime: str, ratios: list[float], floor: int) -> dict:
 
 
 def test_floors_of_the_device_runtime_go_into_the_cost_model_and_reference_ones_do_not():
-    bench = load_script()
+    bench = load_script("bench_device")
     document = dict(entries=[dict(model="cnn1", input_shape=[1, 28, 28], ratio=r) for r in (1.0, 0.5)])
     bench.with_floors(document, [floor_result("ort-training", [1.0], 148), floor_result("torch", [0.5], 240)], "cmd")
     dense, half = document["entries"]
@@ -146,13 +139,13 @@ def test_floors_of_the_device_runtime_go_into_the_cost_model_and_reference_ones_
 
 
 def test_floors_for_an_entry_the_cost_model_lacks_name_the_command_to_measure_it():
-    bench = load_script()
+    bench = load_script("bench_device")
     with pytest.raises(KeyError, match="--config cnn1:1x28x28"):
         bench.with_floors(dict(entries=[]), [floor_result("ort-training", [0.5], 112)], "cmd")
 
 
 def test_a_cost_model_rewrite_keeps_the_entries_it_does_not_measure():
-    bench = load_script()
+    bench = load_script("bench_device")
     old = dict(generated_by="old", entries=[dict(model="a", input_shape=[1, 2, 2], ratio=1.0, peak_mb=1),
                                             dict(model="b", input_shape=[1, 2, 2], ratio=1.0, peak_mb=2)])
     new = dict(generated_by="new", entries=[dict(model="b", input_shape=[1, 2, 2], ratio=1.0, peak_mb=3)])

@@ -1,7 +1,6 @@
 """scripts/bench_server.py end to end on a tiny configuration: the report's shape, not its timings."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,15 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts import load_script
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_server.py"
 QUICK_SHAPE = "1x28x28"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_server", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +27,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
 
 def test_quick_run_reports_every_client_count_and_phase(quick_run):
     report, _ = quick_run
-    bench = load_script()
+    bench = load_script("bench_server")
     assert [(r["input_shape"], r["clients"]) for r in report["results"]] == [(QUICK_SHAPE, k) for k in bench.QUICK_CLIENTS]
     for result in report["results"]:
         assert set(result) >= {"factorize", "batched", "per_client", "floor", "checkpoint", "process_peak_rss_bytes"}
@@ -57,7 +51,7 @@ def test_quick_run_factorizes_with_one_svd_per_factorized_layer(quick_run):
 
 def test_quick_run_scales_the_per_client_path_beyond_the_limit(quick_run):
     report, _ = quick_run
-    bench = load_script()
+    bench = load_script("bench_server")
     measured = [r["per_client"]["clients"] for r in report["results"]]
     assert measured == [min(k, bench.QUICK_PER_CLIENT_LIMIT) for k in bench.QUICK_CLIENTS]
 
@@ -81,7 +75,7 @@ def test_quick_run_prints_markdown_tables(quick_run):
 
 
 def test_client_counts_must_be_positive_integers():
-    bench = load_script()
+    bench = load_script("bench_server")
     with pytest.raises(ValueError, match="'10,x'"):
         bench.parse_clients("10,x")
     with pytest.raises(ValueError, match="positive"):
@@ -89,10 +83,10 @@ def test_client_counts_must_be_positive_integers():
 
 
 def test_input_shape_parses_c_by_h_by_w():
-    assert load_script().parse_shape("3x32x32") == (3, 32, 32)
+    assert load_script("bench_server").parse_shape("3x32x32") == (3, 32, 32)
 
 
 def test_input_shape_without_three_sizes_is_rejected():
-    bench = load_script()
+    bench = load_script("bench_server")
     with pytest.raises(ValueError, match="'32x32'"):
         bench.parse_shape("32x32")

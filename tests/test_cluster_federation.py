@@ -10,7 +10,6 @@ and the final model is the undisturbed run's on the same cluster up to float rou
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -28,8 +27,8 @@ from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.data import load_dataset
 from server.report import METRICS_FILE, read_metrics
 from server.run_setup import global_state
+from tests.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "nats_cluster.py"
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
          "--threads", "1", "--join-timeout", "300", "--round-deadline", "300", "--aggregator-timeout", "60"]
 DEVICES, ROUNDS, AGGREGATORS = 6, 3, 2
@@ -45,13 +44,6 @@ of that movement: 30× that room, while a lost or doubly folded update of one of
 sixth of a device's update. The folds themselves are counted exactly above."""
 
 
-def load_nats_cluster():
-    spec = importlib.util.spec_from_file_location("nats_cluster", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     if shutil.which("nats-server") is None and not Path("/usr/sbin/nats-server").exists():
@@ -59,7 +51,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         if os.environ.get("CI") == "true":
             pytest.fail(reason)
         pytest.skip(reason)
-    module = load_nats_cluster()
+    module = load_script("nats_cluster")
     nodes = module.NatsCluster(tmp_path_factory.mktemp("nats"), 3).start()
     yield nodes
     nodes.stop()

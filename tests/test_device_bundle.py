@@ -7,7 +7,6 @@ own interpreter, another runs the installed device CLI in a real federation over
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -29,6 +28,7 @@ from fedcore.models import build_model
 from server.data import load_dataset
 from server.embedded_broker import EmbeddedBroker
 from server.partition import make_client_shards, write_shards
+from tests.scripts import load_script
 from tests.sealing import enrollment_file, write_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,13 +54,6 @@ print(json.dumps(dict(runtime=device_runtime.__file__, trainer=type(trainer).__n
                       loss=update.train_loss, fe=sorted(update.weights),
                       heavy=sorted(m for m in ("torch", "onnx") if m in sys.modules))))
 """
-
-
-def load_builder():
-    spec = importlib.util.spec_from_file_location("build_device_bundle", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def clean_env() -> dict[str, str]:
@@ -99,7 +92,7 @@ def venv_python(prefix: Path) -> str:
 
 def test_bundle_holds_wheel_requirements_installer_unit_settings_and_guide(bundle_dir: Path):
     names = sorted(p.name for p in bundle_dir.iterdir())
-    version = load_builder().project_version(ROOT / "pyproject.toml")
+    version = load_script("build_device_bundle").project_version(ROOT / "pyproject.toml")
     assert bundle_dir.name == f"fedara-device-{version}"
     assert names == sorted([f"fedara_device-{version}-py3-none-any.whl", "requirements-device.txt", "install.sh",
                             "fedara-device.service", "fedara-device.env", "DEVICE.md"])
@@ -223,11 +216,11 @@ def test_modules_importing_beyond_the_device_dependencies_are_named(tmp_path: Pa
     package.mkdir()
     (package / "ok.py").write_text("import json\nimport numpy as np\nfrom paho.mqtt import client\nfrom . import ok\n")
     (package / "heavy.py").write_text("import torch.nn\nfrom onnx import helper\n")
-    assert load_builder().foreign_imports(package) == {"device_runtime/heavy.py": ["onnx", "torch"]}
+    assert load_script("build_device_bundle").foreign_imports(package) == {"device_runtime/heavy.py": ["onnx", "torch"]}
 
 
 def test_the_shipped_device_runtime_imports_only_device_dependencies():
-    assert load_builder().foreign_imports(ROOT / "device_runtime") == {}
+    assert load_script("build_device_bundle").foreign_imports(ROOT / "device_runtime") == {}
 
 
 STOCK_IMPORT_PROBE = """

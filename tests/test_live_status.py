@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 import json
 import os
 import re
@@ -38,6 +37,7 @@ from server.live_status import (MAX_REFUSAL_KINDS, SnapshotCollector, StatusServ
                                 update_refusal)
 from server.report import METRICS_FILE, read_metrics
 from tests.conftest import wait_for
+from tests.scripts import load_script
 from tests.test_engine import answer, join, make_engine
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -419,9 +419,7 @@ def test_a_run_shows_its_fleet_on_metrics_and_in_a_browser_then_closes_its_port(
 
 def test_the_status_bench_script_measures_a_tiny_fleet(tmp_path: Path, capsys: pytest.CaptureFixture):
     """scripts/bench_status.py end to end on a tiny fleet: its table and JSON, not its timings."""
-    spec = importlib.util.spec_from_file_location("bench_status", REPO_ROOT / "scripts" / "bench_status.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_status")
     assert bench.main(["--devices", "4", "--records", "2", "--out", str(tmp_path / "bench.json")]) == 0
     (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert row["devices"] == 4 and row["rounds"] == 2 and row["json_kb"] > 0
