@@ -9,7 +9,12 @@ dynamo=True)`` at opset 18; the eval graph (logits and features) likewise. Three
   ReLU's backward is a multiply by a mask (onnxruntime's Where is slow);
 - ``aten.nll_loss_forward`` translates to NegativeLogLikelihoodLoss with its ``total_weight`` output filled with
   1 (torch 2.13), which silently multiplies every gradient by the batch size: torch's decomposition is used.
-Silent errors of that kind are why every compiled set passes :func:`check_parity` (one step in onnxruntime
+The rest is speed, each form measured against the one it replaced (docs/benchmarks.md): a convolution of
+≥ GEMM_CONV_MIN_CHANNELS input channels runs in the step as one gather of patches shared by two GEMMs (forward and
+weight gradient) and a GEMM + Col2Im (input gradient); a Linear layer as (W·xᵀ)ᵀ; ReLU → MaxPool as MaxPool → ReLU
+(:func:`_pool_before_relu`); backpropagation starts from −lr so each gradient is the update; a matrix Expanded
+over the batch into a MatMul is broadcast instead, and dead nodes are dropped.
+Silent errors of any kind are why every compiled set passes :func:`check_parity` (one step in onnxruntime
 against PyTorch eager on a random batch, max |Δ| ≤ PARITY_ATOL) before it is published.
 The Frobenius term is not in the step: the device applies it once per epoch (``device_runtime.frobenius``).
 Devices need onnxruntime ≥ 1.17 (opset 18; down-conversion to 17 fails on ReduceMean with input axes).
@@ -17,9 +22,11 @@ Devices need onnxruntime ≥ 1.17 (opset 18; down-conversion to 17 fails on Redu
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.metadata
 import logging
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -39,9 +46,10 @@ from fedcore.objective import fac_loss, local_loss
 
 HEAD_PREFIX = "head."
 
-COMPILER_VERSION = 3  # bump whenever the emitted graphs change for the same inputs
+COMPILER_VERSION = 6  # bump whenever the emitted graphs change for the same inputs
 OPSET = 18
 PARITY_ATOL = 1e-5
+GEMM_CONV_MIN_CHANNELS = 8
 PARITY_BATCH = 5
 PARITY_SEED = 0
 _LOW_TRACE_BATCH = 5
@@ -67,24 +75,85 @@ def compiler_versions() -> dict:
             "onnxscript": onnxscript}
 
 
-def _convolution_backward(grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
-                          groups, output_mask):
-    """(dX, dW, db) of an ungrouped 2-D convolution from forward convolutions, which ONNX has.
+def _gemm_conv(x: torch.Tensor, weight: torch.Tensor, dilation, transposed: bool, groups: int) -> bool:
+    """Whether a convolution runs as patches × matrix (:func:`_patches`): ungrouped, undilated, with at least
+    GEMM_CONV_MIN_CHANNELS input channels, so that every gathered block is a contiguous run of channels.
+    Measured (stock onnxruntime 1.32, 1 thread, batch 16): FedAvgCNN's conv2 (32→64, 5×5 on 12×12) forward plus
+    weight gradient 5.4 ms as Conv and swapped Conv in the step, against ~3 ms as one gather and two GEMMs;
+    its conv1 (one input channel) 0.28 ms as Conv against 2.2 ms, as single floats are gathered one by one."""
+    return (not transposed and groups == 1 and all(d == 1 for d in dilation)
+            and int(x.shape[1]) >= GEMM_CONV_MIN_CHANNELS)
 
-    dX: the transposed convolution of grad_out, its output_padding taken from the input's size.
-    dW: the convolution of x with its batch and channel axes swapped by grad_out (likewise swapped), the forward
-    stride acting as dilation, cropped to the kernel. db: grad_out summed over batch and space.
+
+def _patches(x: torch.Tensor, kernel: tuple[int, int], stride, padding) -> tuple[torch.Tensor, tuple[int, int]]:
+    """im2col of (N, C, H, W) as one gather: (N·oh·ow, kh·kw·C) with rows in (n, y, x) and columns in
+    (ky, kx, c) order, and (oh, ow). The image goes channels-last, so each gathered block is C contiguous floats."""
+    if any(padding):
+        x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
+    c, h, w = (int(d) for d in x.shape[1:])  # the batch stays symbolic
+    oh, ow = (h - kernel[0]) // stride[0] + 1, (w - kernel[1]) // stride[1] + 1
+    rows = (torch.arange(oh) * stride[0]).reshape(oh, 1, 1, 1) + torch.arange(kernel[0]).reshape(1, 1, -1, 1)
+    cols = (torch.arange(ow) * stride[1]).reshape(1, ow, 1, 1) + torch.arange(kernel[1]).reshape(1, 1, 1, -1)
+    flat = x.permute(0, 2, 3, 1).reshape(-1, h * w, c)
+    taken = torch.index_select(flat, 1, (rows * w + cols).reshape(-1))
+    return taken.reshape(-1, kernel[0] * kernel[1] * c), (oh, ow)
+
+
+class _Patches:
+    """The patches of each convolution input, made once per trace: the backward's weight gradient multiplies the
+    forward's own patches (one gather in the graph, not two)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple, tuple[torch.Tensor, tuple[int, int]]] = {}
+
+    def __call__(self, x: torch.Tensor, kernel: tuple[int, int], stride, padding):
+        key = (id(x), kernel, tuple(stride), tuple(padding))
+        if key not in self._made:
+            self._made[key] = (x, _patches(x, kernel, stride, padding))  # x held: its id stays its own
+        return self._made[key][1]
+
+
+def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, *, patches):
+    """A convolution as patches × weight matrix (+ bias) where :func:`_gemm_conv` says so; else the Conv op.
+    The weight matrix is (C_out, kh·kw·C): a move of the channel axis, which onnxruntime transposes quickly."""
+    if not _gemm_conv(x, weight, dilation, transposed, groups):
+        return NotImplemented
+    c_out = int(weight.shape[0])
+    rows, (oh, ow) = patches(x, tuple(int(k) for k in weight.shape[2:]), stride, padding)
+    y = rows @ weight.permute(0, 2, 3, 1).reshape(c_out, -1).transpose(0, 1)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(-1, oh, ow, c_out).permute(0, 3, 1, 2)
+
+
+def _convolution_backward(grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
+                          groups, output_mask, *, patches):
+    """(dX, dW, db) of an ungrouped 2-D convolution from GEMMs and ops ONNX has.
+
+    Where :func:`_gemm_conv` holds: dX is Col2Im (``F.fold``) of Wᵀ × grad_out, dW is grad_outᵀ × the forward's
+    patches. Elsewhere dX is the transposed convolution of grad_out (its output_padding taken from the input's
+    size) and dW the convolution of x with its batch and channel axes swapped by grad_out (likewise swapped), the
+    forward stride acting as dilation, cropped to the kernel. db: grad_out summed over batch and space.
     """
     if transposed or groups != 1:
         raise NotImplementedError("only ungrouped, non-transposed convolutions are compiled")
-    kernel = weight.shape[2:]
+    kernel = tuple(int(k) for k in weight.shape[2:])
+    c_out, c_in = int(weight.shape[0]), int(weight.shape[1])
+    gemm = _gemm_conv(x, weight, dilation, transposed, groups)
     grad_x = grad_w = grad_b = None
-    if output_mask[0]:
+    if output_mask[0] and gemm:
+        columns = weight.reshape(c_out, -1).transpose(0, 1) @ grad_out.reshape(grad_out.shape[0], c_out, -1)
+        grad_x = F.fold(columns, tuple(int(d) for d in x.shape[2:]), kernel, stride=stride, padding=padding)
+    elif output_mask[0]:
         extra = [int(x.shape[2 + i]) - ((int(grad_out.shape[2 + i]) - 1) * stride[i] - 2 * padding[i]
-                                        + dilation[i] * (int(kernel[i]) - 1) + 1) for i in range(2)]
+                                        + dilation[i] * (kernel[i] - 1) + 1) for i in range(2)]
         grad_x = F.conv_transpose2d(grad_out, weight, stride=stride, padding=padding, output_padding=extra,
                                     dilation=dilation)
-    if output_mask[1]:
+    if output_mask[1] and gemm:
+        rows, _ = patches(x, kernel, stride, padding)
+        matrix = grad_out.permute(0, 2, 3, 1).reshape(-1, c_out).transpose(0, 1) @ rows
+        grad_w = matrix.reshape(c_out, kernel[0], kernel[1], c_in).permute(0, 3, 1, 2)
+    elif output_mask[1]:
         swapped = F.conv2d(x.transpose(0, 1), grad_out.transpose(0, 1), stride=dilation, padding=padding,
                            dilation=stride)
         grad_w = swapped[:, :, :kernel[0], :kernel[1]].transpose(0, 1)
@@ -120,19 +189,11 @@ def _pow(x, exponent):
     return NotImplemented
 
 
-def _repeat_last(t: torch.Tensor, times: int) -> torch.Tensor:
-    """``t`` with every element of its last axis repeated ``times`` times, by one MatMul with a 0/1 matrix (exact:
-    each output is one product by 1 plus zeros); onnxruntime broadcasts an inner axis of 2 element by element."""
-    width = int(t.shape[-1])
-    spread = torch.repeat_interleave(torch.eye(width, dtype=t.dtype), times, dim=1)
-    return torch.matmul(t, spread)
-
-
 def _upsample(t: torch.Tensor, kernel: tuple[int, int]) -> torch.Tensor:
-    """Nearest-neighbour upsampling of (N, C, h, w) by ``kernel``: each pooled value back over its window."""
-    n, c, h, w = t.shape
-    wide = _repeat_last(t, kernel[1])
-    return wide.unsqueeze(3).expand(n, c, h, kernel[0], w * kernel[1]).reshape(n, c, h * kernel[0], w * kernel[1])
+    """Nearest-neighbour upsampling of (N, C, h, w) by ``kernel``: each pooled value back over its window (one
+    Resize: 0.21 ms for 16×32×12×12 where a repeat by MatMul and Expand took ~0.33 ms)."""
+    size = [int(t.shape[2]) * kernel[0], int(t.shape[3]) * kernel[1]]
+    return aten.upsample_nearest2d.default(t, size)
 
 
 def _max_pool2d_backward(grad_out, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
@@ -162,11 +223,28 @@ def _first_maxima(x: torch.Tensor, kernel: tuple[int, int]) -> torch.Tensor:
     return key == _upsample(_max_pool(key, kernel), kernel)
 
 
-def _decompositions() -> dict:
+def _addmm(bias, x, weight_t, beta=1, alpha=1):
+    """A Linear layer's x·Wᵀ + b as (W·xᵀ)ᵀ + b where Wᵀ is the transpose of a contiguous weight: onnxruntime's
+    GEMM packs its right operand on every run, and this way that operand is xᵀ (16 columns at batch 16), not
+    the weight (4 MB for CNN1's fc1 and fc2). Measured in the step (onnxruntime's profiler, CNN1 dense, batch 16,
+    1 thread): the two forward GEMMs 1058 + 1014 µs as x·Wᵀ, 592 + 531 µs as (W·xᵀ)ᵀ. Other addmms: as traced."""
+    if beta != 1 or alpha != 1 or weight_t.dim() != 2 or weight_t.stride() != (1, int(weight_t.shape[0])):
+        return NotImplemented
+    return (weight_t.t() @ x.t()).t() + bias
+
+
+def _decompositions(convolution_by_patches: bool) -> dict:
+    """The op table of a trace. The eval graph keeps its convolutions as Conv ops (``convolution_by_patches``
+    false): it runs at the evaluation batch of 64, where FedAvgCNN's conv2 patches alone take 13 MB of a device's
+    peak, and it has no weight gradient to share them with."""
     table = get_decompositions([aten.nll_loss_forward, aten.nll_loss_backward])
-    table[aten.convolution_backward.default] = _convolution_backward
+    patches = _Patches()
+    if convolution_by_patches:
+        table[aten.convolution.default] = functools.partial(_convolution, patches=patches)
+    table[aten.convolution_backward.default] = functools.partial(_convolution_backward, patches=patches)
     table[aten.max_pool2d_with_indices_backward.default] = _max_pool2d_backward
     table[aten.threshold_backward.default] = _threshold_backward
+    table[aten.addmm.default] = _addmm
     table[aten.pow.Tensor_Scalar] = _pow
     return table
 
@@ -184,6 +262,41 @@ def _drop_unused_pool_indices(model: onnx.ModelProto) -> None:
             kept = [v for v in model.graph.value_info if v.name != dropped]
             del model.graph.value_info[:]
             model.graph.value_info.extend(kept)
+
+
+def _broadcast_matmul_operands(model: onnx.ModelProto) -> None:
+    """A MatMul operand that is a matrix Expanded over the batch becomes the matrix itself: ONNX's MatMul
+    broadcasts it (the same products), and onnxruntime then skips the copy (0.29 ms for FedAvgCNN's conv2 Wᵀ)."""
+    producer = {out: node for node in model.graph.node for out in node.output}
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in
+             [*model.graph.value_info, *model.graph.input, *model.graph.output] if v.type.tensor_type.HasField("shape")}
+    ranks |= {t.name: len(t.dims) for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type != "MatMul":
+            continue
+        for i, other in ((0, 1), (1, 0)):
+            expand = producer.get(node.input[i])
+            if (expand is not None and expand.op_type == "Expand" and ranks.get(expand.input[0]) == 2
+                    and ranks.get(node.input[i]) == ranks.get(node.input[other]) == 3):
+                node.input[i] = expand.input[0]
+
+
+def _drop_dead_nodes(model: onnx.ModelProto) -> None:
+    """Nodes and initializers that no graph output depends on are removed (what a rewrite above left unread)."""
+    needed = {o.name for o in model.graph.output}
+    kept = []
+    for node in reversed(model.graph.node):
+        if any(out in needed for out in node.output):
+            kept.append(node)
+            needed.update(node.input)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(kept))
+    initializers = [t for t in model.graph.initializer if t.name in needed]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(initializers)
+    values = [v for v in model.graph.value_info if v.name in needed]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(values)
 
 
 def trace_batch_size(model: nn.Module, input_shape: tuple[int, ...], num_classes: int) -> int:
@@ -204,13 +317,16 @@ def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tenso
 
 
 def _step_function(model: nn.Module, names: tuple[str, ...]) -> Callable:
-    """f(input, labels, anchors, mask, λ, lr, *params) -> (loss, logits, *(params − lr·grads))."""
+    """f(input, labels, anchors, mask, λ, lr, *params) -> (loss, logits, *(params − lr·grads)).
+
+    Backpropagation starts from −lr instead of 1, so each gradient arrives as the update itself and a parameter
+    needs one Add (which onnxruntime folds into a weight gradient's GEMM) instead of a Mul and a Sub over it."""
 
     def step(x, labels, anchors, mask, lam, lr, *params):
         params = tuple(p.detach().requires_grad_() for p in params)
         loss, logits = _loss(model, dict(zip(names, params)), x, labels, anchors, mask, lam)
-        grads = torch.autograd.grad(loss, params)
-        return (loss.detach(), logits.detach(), *(p.detach() - lr * g for p, g in zip(params, grads)))
+        steps = torch.autograd.grad(loss, params, grad_outputs=-lr)
+        return (loss.detach(), logits.detach(), *(p.detach() + d for p, d in zip(params, steps)))
 
     return step
 
@@ -238,9 +354,10 @@ def example_inputs(input_shape: tuple[int, ...], num_classes: int, feature_dim: 
 
 
 def _export(function: Callable, args: tuple[torch.Tensor, ...], input_names: list[str],
-            output_names: list[str]) -> onnx.ModelProto:
+            output_names: list[str], convolution_by_patches: bool) -> onnx.ModelProto:
     """make_fx (symbolic shapes, the decompositions above) then the dynamo exporter; the batch dim is named."""
-    traced = make_fx(function, decomposition_table=_decompositions(), tracing_mode="symbolic")(*args)
+    traced = make_fx(function, decomposition_table=_decompositions(convolution_by_patches),
+                     tracing_mode="symbolic")(*args)
     batch = torch.export.Dim(BATCH_DIM)
     dynamic = tuple({0: batch} if name in (INPUT, LABELS) else None for name in input_names)
     with warnings.catch_warnings(), _exporter_quiet():
@@ -250,6 +367,8 @@ def _export(function: Callable, args: tuple[torch.Tensor, ...], input_names: lis
                                     verbose=False, report=False)
     model = program.model_proto
     _drop_unused_pool_indices(model)
+    _broadcast_matmul_operands(model)
+    _drop_dead_nodes(model)
     for value in [*model.graph.input, *model.graph.output]:
         if value.type.tensor_type.shape.dim and value.type.tensor_type.shape.dim[0].dim_param:
             value.type.tensor_type.shape.dim[0].dim_param = BATCH_DIM
@@ -257,16 +376,34 @@ def _export(function: Callable, args: tuple[torch.Tensor, ...], input_names: lis
     return model
 
 
+def _pool_before_relu(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose feature extractor runs each ReLU → MaxPool2d pair as MaxPool2d → ReLU: the same
+    values and the same gradients (max commutes with the monotone ReLU; a window whose maximum is ≤ 0 passes no
+    gradient either way, and one whose maximum is > 0 has the same first maximum), with the ReLU and its backward
+    on a quarter of the elements. Parameter names are unchanged; the parity check compares with ``model`` itself."""
+    if not isinstance(model.fe, nn.Sequential):
+        return model
+    traced = copy.deepcopy(model)
+    layers = list(traced.fe.named_children())
+    for i in range(len(layers) - 1):
+        if isinstance(layers[i][1], nn.ReLU) and isinstance(layers[i + 1][1], nn.MaxPool2d):
+            layers[i], layers[i + 1] = layers[i + 1], layers[i]
+    traced.fe = nn.Sequential(OrderedDict(layers))
+    return traced
+
+
 def compile_step(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
                  feature_dim: int) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(step graph, eval graph) of ``model`` (a client model: dense or factorized) with the contract's I/O names."""
     names = tuple(model.state_dict())
+    model = _pool_before_relu(model)
     params = tuple(p.detach().clone() for p in model.state_dict().values())
     data = example_inputs(input_shape, num_classes, feature_dim, trace_batch_size(model, input_shape, num_classes),
                           PARITY_SEED)
     step = _export(_step_function(model, names), (*data.values(), *params), [*STEP_DATA_INPUTS, *names],
-                   [*STEP_OUTPUTS, *(next_name(n) for n in names)])
-    evaluate = _export(_eval_function(model, names), (data[INPUT], *params), [INPUT, *names], list(EVAL_OUTPUTS))
+                   [*STEP_OUTPUTS, *(next_name(n) for n in names)], convolution_by_patches=True)
+    evaluate = _export(_eval_function(model, names), (data[INPUT], *params), [INPUT, *names], list(EVAL_OUTPUTS),
+                       convolution_by_patches=False)
     return step, evaluate
 
 

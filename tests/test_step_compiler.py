@@ -181,3 +181,93 @@ def test_the_parity_gate_refuses_a_pool_backward_that_feeds_every_tied_maximum(f
     with pytest.raises(step_compiler.ParityError):
         step_compiler.check_parity(fedavgcnn, step, evaluate, SHAPE, CLASSES, fedavgcnn.feature_dim,
                                    inference_session)
+
+
+@pytest.mark.parametrize("kernel, stride, padding", [((5, 5), (1, 1), (0, 0)), ((3, 2), (2, 1), (1, 0)),
+                                                     ((1, 5), (1, 2), (0, 2))])
+def test_the_patches_are_the_unfolded_image_with_rows_n_y_x_and_columns_ky_kx_c(kernel, stride, padding):
+    import torch
+    x = torch.randn(3, 8, 9, 10, generator=torch.Generator().manual_seed(0))
+    got, (oh, ow) = step_compiler._patches(x, kernel, stride, padding)
+    unfolded = torch.nn.functional.unfold(x, kernel, padding=padding, stride=stride)  # (n, c·kh·kw, oh·ow)
+    expected = (unfolded.reshape(3, 8, kernel[0] * kernel[1], oh * ow).permute(0, 3, 2, 1)
+                .reshape(3 * oh * ow, kernel[0] * kernel[1] * 8))
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("stride, padding", [((1, 1), (0, 0)), ((2, 1), (1, 2))])
+def test_a_convolution_by_patches_and_its_backward_agree_with_torch(stride, padding):
+    """The GEMM forms of forward, dX, dW and db against aten's own convolution, within float32 rounding of
+    sums of 8·3·3 = 72 products (|x|, |w| ~ 1: a relative 1e-5 is far above that bound)."""
+    import torch
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(2, 8, 11, 9, generator=g), torch.randn(6, 8, 3, 3, generator=g), torch.randn(6, generator=g)
+    args = (list(stride), list(padding), [1, 1], False, [0, 0], 1)
+    patches = step_compiler._Patches()
+    y = step_compiler._convolution(x, w, b, *args, patches=patches)
+    expected_y = aten.convolution(x, w, b, *args)
+    grad = torch.randn(expected_y.shape, generator=g)
+    got = step_compiler._convolution_backward(grad, x, w, [6], *args, [True, True, True], patches=patches)
+    expected = aten.convolution_backward(grad, x, w, [6], *args, [True, True, True])
+    for a, e in zip((y, *got), (expected_y, *expected)):
+        assert a.shape == e.shape
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_a_convolution_of_few_input_channels_stays_a_conv():
+    import torch
+    few = step_compiler.GEMM_CONV_MIN_CHANNELS - 1
+    x, w = torch.randn(2, few, 6, 6), torch.randn(4, few, 3, 3)
+    assert step_compiler._convolution(x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+                                      patches=step_compiler._Patches()) is NotImplemented
+
+
+def test_relu_then_pool_is_compiled_as_pool_then_relu_in_a_copy(fedavgcnn):
+    import torch
+    traced = step_compiler._pool_before_relu(fedavgcnn)
+    names = [n for n, _ in traced.fe.named_children()]
+    assert names.index("pool1") < names.index("relu1") and names.index("pool2") < names.index("relu2")
+    assert [n for n, _ in fedavgcnn.fe.named_children()][:3] == ["conv1", "relu1", "pool1"]  # model untouched
+    x = torch.randn(4, *SHAPE)
+    with torch.no_grad():
+        assert torch.equal(traced(x), fedavgcnn(x))
+
+
+@pytest.fixture(scope="module")
+def compiled(fedavgcnn):
+    return step_compiler.compile_step(fedavgcnn, SHAPE, CLASSES, fedavgcnn.feature_dim)
+
+
+def test_the_step_gathers_the_patches_of_each_gemm_convolution_once(compiled):
+    """FedAvgCNN's conv2 (32 input channels) runs by patches; conv1 (one channel) stays a Conv. The weight
+    gradient reuses the forward's patches: one Gather, not two. The eval graph (batch 64 on a device, no
+    gradient to share patches with) keeps both Conv ops."""
+    step, evaluate = compiled
+    assert [n.op_type for n in step.graph.node].count("Gather") == 1
+    assert [n.op_type for n in evaluate.graph.node].count("Gather") == 0
+    assert [n.op_type for n in evaluate.graph.node].count("Conv") == 2
+
+
+def test_no_matmul_of_the_step_reads_a_matrix_expanded_over_the_batch(compiled):
+    step, _ = compiled
+    producer = {out: n for n in step.graph.node for out in n.output}
+    assert not [n.name for n in step.graph.node if n.op_type == "MatMul"
+                and any(producer.get(i) is not None and producer[i].op_type == "Expand" for i in n.input)]
+
+
+def test_every_node_of_the_compiled_graphs_feeds_an_output(compiled):
+    for graph in (g.graph for g in compiled):
+        read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+        assert [n.name for n in graph.node if not any(o in read for o in n.output)] == []
+        assert [t.name for t in graph.initializer if t.name not in read] == []
+
+
+def test_a_linear_layer_is_computed_with_the_weight_on_the_left_and_the_same_values():
+    import torch
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(16, 40, generator=g), torch.randn(30, 40, generator=g), torch.randn(30, generator=g)
+    got = step_compiler._addmm(b, x, w.t())
+    torch.testing.assert_close(got, torch.addmm(b, x, w.t()), rtol=1e-5, atol=1e-5)
+    assert step_compiler._addmm(b, x, w.t().contiguous()) is NotImplemented  # not a transposed weight
+    assert step_compiler._addmm(b, x, w.t(), beta=0.5) is NotImplemented
