@@ -760,12 +760,20 @@ def with_floors(document: dict, floors: list[dict], command: str) -> dict:
     return document
 
 
+FLOOR_FIELDS = ("floor_mb", "floor_samples", "floor_runtime", "floor_generated_by")
+
+
 def merge_cost_model(old: dict | None, new: dict) -> dict:
-    """``new`` with the entries of ``old`` it does not re-measure kept (each entry says which command measured it)."""
+    """``new`` with the entries of ``old`` it does not re-measure kept (each entry says which command measured it);
+    a re-measured entry keeps the memory floors of the old one (``--memory-floor`` measures those, not this run)."""
     for entry in new["entries"]:
         entry.setdefault("generated_by", new["generated_by"])
     if old is None:
         return new
+    previous = {(e["model"], tuple(e["input_shape"]), e["ratio"]): e for e in old["entries"]}
+    for entry in new["entries"]:
+        before = previous.get((entry["model"], tuple(entry["input_shape"]), entry["ratio"]), {})
+        entry.update({k: before[k] for k in FLOOR_FIELDS if k in before})
     measured = {(e["model"], tuple(e["input_shape"]), e["ratio"]) for e in new["entries"]}
     kept = [dict(e, generated_by=e.get("generated_by", old.get("generated_by", ""))) for e in old["entries"]
             if (e["model"], tuple(e["input_shape"]), e["ratio"]) not in measured]

@@ -154,6 +154,16 @@ def test_a_cost_model_rewrite_keeps_the_entries_it_does_not_measure():
                                                                                           ("b", 3, "new")]
 
 
+def test_a_cost_model_rewrite_keeps_the_memory_floors_of_the_entries_it_re_measures():
+    bench = load_script("bench_device")
+    floors = dict(floor_mb={"16": 88}, floor_samples=80, floor_runtime="ort-training", floor_generated_by="floors")
+    old = dict(generated_by="old", entries=[dict(model="b", input_shape=[1, 2, 2], ratio=1.0, peak_mb=2, **floors)])
+    new = dict(generated_by="new", entries=[dict(model="b", input_shape=[1, 2, 2], ratio=1.0, peak_mb=3)])
+    (entry,) = bench.merge_cost_model(old, new)["entries"]
+    assert entry["peak_mb"] == 3 and entry["generated_by"] == "new"
+    assert {k: entry[k] for k in floors} == floors
+
+
 def test_an_unknown_floor_runtime_is_refused_naming_the_choices(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--memory-floor", "--runtimes", "tflite", "--out-dir",
                            str(tmp_path)], capture_output=True, text=True, timeout=60)
