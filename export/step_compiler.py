@@ -254,14 +254,12 @@ _TORCH_POOL_BACKWARD = get_decompositions([aten.max_pool2d_with_indices_backward
 
 
 def _drop_unused_pool_indices(model: onnx.ModelProto) -> None:
-    """MaxPool nodes whose Indices output nothing reads lose it: onnxruntime then runs MLAS's pooling kernel."""
+    """MaxPool nodes whose Indices output nothing reads lose it: onnxruntime then runs MLAS's pooling kernel (its
+    value_info goes with :func:`_drop_dead_nodes`)."""
     read = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
     for node in model.graph.node:
         if node.op_type == "MaxPool" and len(node.output) == 2 and node.output[1] not in read:
-            dropped = node.output.pop()
-            kept = [v for v in model.graph.value_info if v.name != dropped]
-            del model.graph.value_info[:]
-            model.graph.value_info.extend(kept)
+            node.output.pop()
 
 
 def _broadcast_matmul_operands(model: onnx.ModelProto) -> None:

@@ -28,7 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_device import BATCH, parse_config, parse_ratios, shape_name
+from bench_device import BATCH, NUM_CLASSES, parse_config, parse_ratios, shape_name
+from device_runtime.artifact_contract import ANCHOR_MASK, ANCHORS, INPUT, LABELS, LAM, LR
+from device_runtime.trainer import session_options
 
 TOP_NODES = 12
 BLOCKS, PER_BLOCK = 8, 8
@@ -41,23 +43,21 @@ def synthetic_feeds(session, batch: int = BATCH) -> dict[str, np.ndarray]:
     feeds = {}
     for value in session.get_inputs():
         shape = [batch if not isinstance(d, int) else d for d in value.shape]
-        if value.name == "labels":
-            feeds[value.name] = rng.integers(0, 10, shape).astype(np.int64)
-        elif value.name in ("lam", "lr"):
-            feeds[value.name] = np.array(10.0 if value.name == "lam" else 5e-3, np.float32)
-        elif value.name == "anchor_mask":
+        if value.name == LABELS:
+            feeds[value.name] = rng.integers(0, NUM_CLASSES, shape).astype(np.int64)
+        elif value.name in (LAM, LR):
+            feeds[value.name] = np.array(10.0 if value.name == LAM else 5e-3, np.float32)
+        elif value.name == ANCHOR_MASK:
             feeds[value.name] = np.ones(shape, np.float32)
         else:
-            scale = 0.05 if "." in value.name else 1.0  # parameters are named fe.conv1.weight ...
+            scale = 1.0 if value.name in (INPUT, ANCHORS) else 0.05  # parameters: small weights
             feeds[value.name] = (rng.standard_normal(shape) * scale).astype(np.float32)
     return feeds
 
 
 def _options(ort, threads: int, level=None, profile_prefix: str | None = None, save_to: str | None = None):
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-    options.enable_cpu_mem_arena, options.enable_mem_pattern = True, False  # the device runtime's choice
-    options.log_severity_level = 3
+    """The device runtime's session options (device_runtime.trainer.session_options), with the study's changes."""
+    options = session_options(ort, threads)
     if level is not None:
         options.graph_optimization_level = level
     if profile_prefix:
@@ -139,10 +139,10 @@ def compile_graphs(configs, ratios, workdir: str) -> dict[str, str]:
     graphs = {}
     for model_name, shape in configs:
         for ratio in ratios:
-            model = build_model(model_name, shape, 10, seed=0)
+            model = build_model(model_name, shape, NUM_CLASSES, seed=0)
             client = factorize_model(model, resolve_plan(model, RankPlan(ratio)).ranks)
-            step, evaluate = compile_step(client, shape, 10, client.feature_dim)
-            check_parity(client, step, evaluate, shape, 10, client.feature_dim, inference_session)
+            step, evaluate = compile_step(client, shape, NUM_CLASSES, client.feature_dim)
+            check_parity(client, step, evaluate, shape, NUM_CLASSES, client.feature_dim, inference_session)
             label = f"{model_name} {shape_name(shape)} {ratio:g}"
             graphs[label] = os.path.join(workdir, label.replace(" ", "_") + ".onnx")
             onnx.save(step, graphs[label])
