@@ -89,7 +89,7 @@ def _worker_main(conn: Connection, settings: WorkerSettings) -> None:
                 raise ValueError(f"unknown message {kind!r}")
         except Exception as exc:  # the parent names the worker and device and stops the run
             last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-            conn.send(("error", (current, last, traceback.format_exc())))
+            conn.send(("error", (current, last)))
 
 
 class DevicePool:
@@ -133,7 +133,7 @@ class DevicePool:
             raise WorkerError(f"simulate worker {index} exited before it answered (exit code {process.exitcode})") \
                 from None
         if status == "error":
-            device_id, last, _ = payload
+            device_id, last = payload
             where = f" on {device_id}" if device_id else ""
             raise WorkerError(f"simulate worker {index} failed{where}: {last}")
         return payload

@@ -130,9 +130,9 @@ class Simulation:
         self.args, self.out = args, out
         self.config = check_args(args)
         check_simulate_args(args)
-        run = assemble(args, self.config, out, Deployment(devices=args.clients, min_devices=1, round_deadline_s=NO_DEADLINE_S,
-                                             onnx=args.backend != "torch", budgets=False, settings_keys=("clients",)),
-                       emit=print_and_log)
+        deployment = Deployment(devices=args.clients, min_devices=1, round_deadline_s=NO_DEADLINE_S,
+                                onnx=args.backend != "torch", budgets=False, settings_keys=("clients",))
+        run = assemble(args, self.config, out, deployment, emit=print_and_log)
         self.engine, self.settings, self.saved, self.run_id = run.engine, run.settings, run.saved, run.run_id
         self.by_hash: dict[str, PlanArtifacts] = {}
         self.trainers = Trainers(args.backend, self.by_hash, args.threads, args.device)
