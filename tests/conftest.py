@@ -24,7 +24,7 @@ import pytest
 from device_runtime.artifact_contract import KINDS
 from device_runtime.log_budget import lift_flood_budget
 from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES
-from server.mosquitto_config import TlsFiles, write_mosquitto_conf
+from server.mqtt.mosquitto_config import TlsFiles, write_mosquitto_conf
 
 MOSQUITTO_BIN = Path("/usr/sbin/mosquitto")
 MOSQUITTO_PUB = shutil.which("mosquitto_pub")
@@ -246,7 +246,7 @@ def mosquitto_broker(start_mosquitto: Callable[..., MosquittoProcess]) -> Mosqui
 @pytest.fixture
 def embedded_broker() -> Iterator[object]:
     """A running in-process amqtt broker on a free loopback port; `.url`."""
-    from server.embedded_broker import EmbeddedBroker  # amqtt: a server dependency
+    from server.mqtt.embedded_broker import EmbeddedBroker  # amqtt: a server dependency
 
     with EmbeddedBroker() as broker:
         yield broker

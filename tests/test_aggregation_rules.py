@@ -9,10 +9,10 @@ from device_runtime.profile import ResourceProfile
 from device_runtime.task import Update
 from fedcore.models import build_model
 from server.algorithms import get_algorithm
-from server.coordinator import Coordinator, CoordinatorConfig
-from server.engine import RoundEngine
+from server.engine.coordinator import Coordinator, CoordinatorConfig
+from server.engine.round_engine import RoundEngine
 from server.run_setup import PlanBook, global_state, initial_personal
-from server.run_config import FederationConfig
+from server.engine.run_config import FederationConfig
 
 SHAPE, CLASSES, RUN = (1, 28, 28), 10, "run0"
 FC = "fe.fc1.weight"  # 512×1024: rank 64 at ratio 0.125

@@ -31,9 +31,9 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from device_runtime.framing import frame_msg_id
 from server.broker_loop import AGGREGATORS_DIR, SERVER_LOG
-from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from server.enrollment import enroll, save_enrollment
-from server.report import METRICS_FILE, read_metrics
+from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.mqtt.enrollment import enroll, save_enrollment
+from server.outputs.report import METRICS_FILE, read_metrics
 from tests.conftest import MosquittoProcess, attack_broker, mosquitto_pub, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

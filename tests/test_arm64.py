@@ -23,8 +23,8 @@ from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.shard import Shard, save_shard
 from export.artifacts import build_artifacts_of_kind
 from fedcore.models import build_model
-from server.data import load_dataset
-from server.enrollment import enroll_devices
+from server.data.datasets import load_dataset
+from server.mqtt.enrollment import enroll_devices
 
 pytestmark = pytest.mark.arm64
 

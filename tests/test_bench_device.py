@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cost_model import load_cost_model, predict
+from server.engine.cost_model import load_cost_model, predict
 from tests.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"

@@ -1,4 +1,4 @@
-"""server.cgroups: memory groups a device process is started in, what they report, and their removal.
+"""server.mqtt.cgroups: memory groups a device process is started in, what they report, and their removal.
 
 The tests marked ``cgroup`` need root and a writable memory controller (skipped without); the others read fake
 cgroup trees."""
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from device_runtime.memory_limit import SOURCE_V1, SOURCE_V2
-from server.cgroups import (CgroupError, Hierarchy, MemoryEvidence, MemoryGroup, available, create_group,
+from server.mqtt.cgroups import (CgroupError, Hierarchy, MemoryEvidence, MemoryGroup, available, create_group,
                             find_hierarchy, parse_limits, popen_in_group)
 
 MIB = 1024 * 1024

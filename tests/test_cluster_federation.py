@@ -23,9 +23,9 @@ import pytest
 from fedcore.models import build_model
 from server import broker_loop
 from server.algorithms import get_algorithm
-from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from server.data import load_dataset
-from server.report import METRICS_FILE, read_metrics
+from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.data.datasets import load_dataset
+from server.outputs.report import METRICS_FILE, read_metrics
 from server.run_setup import global_state
 from tests.scripts import load_script
 

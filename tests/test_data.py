@@ -6,7 +6,7 @@ import pickle
 import numpy as np
 import pytest
 
-from server.data import (
+from server.data.datasets import (
     CHANNEL_STATS,
     FMNIST_DIR,
     FMNIST_PACKAGE,

@@ -25,9 +25,9 @@ from device_runtime.artifact_contract import PORTABLE_KIND
 from export.artifacts import build_artifacts_of_kind
 from fedcore.lowrank import RankPlan, resolve_plan
 from fedcore.models import build_model
-from server.data import load_dataset
-from server.embedded_broker import EmbeddedBroker
-from server.partition import make_client_shards, write_shards
+from server.data.datasets import load_dataset
+from server.mqtt.embedded_broker import EmbeddedBroker
+from server.data.partition import make_client_shards, write_shards
 from tests.scripts import load_script
 from tests.sealing import enrollment_file, write_key
 

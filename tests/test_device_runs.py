@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_runtime.agent import HEADS_DIR, PREVIOUS_RUN_DIR, DeviceAgent, Workdir
+from device_runtime.agent import DeviceAgent
+from device_runtime.workdir import HEADS_DIR, PREVIOUS_RUN_DIR, Workdir
 from device_runtime.envelope import MessageType
 from device_runtime.messages import Plan, plan_message, task_message
 from device_runtime.profile import collect_profile
@@ -18,7 +19,7 @@ from device_runtime.topics import Topics
 from fedcore.models import build_model
 from server.algorithms import get_algorithm
 from server.run_setup import PlanBook, global_state, initial_personal
-from server.strategy import factorize_per_plan, plan_key
+from server.engine.sampling import factorize_per_plan, plan_key
 from tests.sealing import device_link, seal_down
 from tests.recording_endpoint import RecordingEndpoint
 

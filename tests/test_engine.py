@@ -12,10 +12,10 @@ from device_runtime.profile import ResourceProfile
 from device_runtime.task import Phase, Update
 from fedcore.models import build_model
 from server.algorithms import get_algorithm
-from server.coordinator import Coordinator, CoordinatorConfig
-from server.engine import MAX_PLAN_RESENDS, RoundEngine
+from server.engine.coordinator import Coordinator, CoordinatorConfig
+from server.engine.round_engine import MAX_PLAN_RESENDS, RoundEngine
 from server.run_setup import PlanBook, global_state, initial_personal
-from server.run_config import FederationConfig
+from server.engine.run_config import FederationConfig
 
 SHAPE = (1, 28, 28)
 CLASSES = 10

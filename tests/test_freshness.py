@@ -25,8 +25,8 @@ from device_runtime.framing import chunk
 from device_runtime.messages import ErrorCode, error_message
 from device_runtime.protocol import MAX_ID_LEN
 from device_runtime.topics import Topics
-from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from server.enrollment import enroll, load_enrollment, save_enrollment
+from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.mqtt.enrollment import enroll, load_enrollment, save_enrollment
 from tests.conftest import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub, wait_for
 from tests.sealing import seal_down
 from tests.test_replays import PREFIX, Capture, finish, record, rss_mib, wait_for_line

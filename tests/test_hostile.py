@@ -26,7 +26,8 @@ import paho.mqtt.publish
 import pytest
 import torch
 
-from device_runtime.agent import HEADS_DIR, DeviceAgent, Workdir
+from device_runtime.agent import DeviceAgent
+from device_runtime.workdir import HEADS_DIR, Workdir
 from device_runtime.artifact_contract import MANIFEST_NAME
 from device_runtime.envelope import Message, MessageType, decode
 from device_runtime.framing import FRAME_HEADER_BYTES, chunk
@@ -42,17 +43,18 @@ from device_runtime.transport import STAT_KEYS, MqttEndpoint
 from fedcore.models import build_model
 from server import broker_loop, simulate
 from server.algorithms import get_algorithm
-from server.broker_loop import Federation, LocalDevices, inbound_limit
-from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.broker_loop import Federation, inbound_limit
+from server.mqtt.local_processes import LocalDevices
+from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.cli import config_from_args
-from server.coordinator import Coordinator, CoordinatorConfig, RoundResult
-from server import engine as engine_module
-from server.engine import RoundEngine
-from server.progress import Progress
-from server.report import METRICS_FILE, read_metrics
-from server.run_config import norm_bound_from_args
+from server.engine.coordinator import Coordinator, CoordinatorConfig, RoundResult
+from server.engine import round_engine as engine_module
+from server.engine.round_engine import RoundEngine
+from server.outputs.progress import Progress
+from server.outputs.report import METRICS_FILE, read_metrics
+from server.engine.run_config import norm_bound_from_args
 from server.run_setup import PlanBook, RunFolder, global_state, initial_personal
-from server.strategy import factorize_per_plan, plan_key
+from server.engine.sampling import factorize_per_plan, plan_key
 from tests.mqtt_peer import MqttPeer
 from tests.sealing import device_link, memory_server_link, seal_down
 from tests.sealing import seal_up as encode  # every message as its device would seal it, with a fresh counter
@@ -192,13 +194,13 @@ def genuine_update(world: World, device_id: str = TRAINER, *, round_index: int =
 
 def aggregated(server: Federation) -> int:
     """How many updates the open round has accepted: folded into its average, or held to be folded in id order."""
-    return server.engine._average.count + len(server.engine._held)
+    return server.engine.round_engine._average.count + len(server.engine.round_engine._held)
 
 
 def server_state(server: Federation) -> tuple:
     """What a refused message must leave as it was: the global FE's bytes, the running average, the round's
     byte and training book, the registry, and which plans the server sent, re-sent or still asks for."""
-    engine = server.engine
+    engine = server.engine.round_engine
     return ({name: value.numpy().tobytes() for name, value in engine.global_state.items()},
             (engine._average.count, engine._average.total_weight, sorted(engine._held), engine._next),
             repr(engine._book),
@@ -223,7 +225,7 @@ def refused(server: Federation, topic: str, payload: bytes, caplog: pytest.LogCa
 
 
 def close(server: Federation) -> RoundResult:
-    result, _ = server.engine.close_round(time.monotonic())
+    result, _ = server.engine.round_engine.close_round(time.monotonic())
     return result
 
 
@@ -344,7 +346,7 @@ def test_update_replayed_in_a_later_round_is_refused(world: World, caplog):
     payload = encode(genuine_update(world))
     server._handle(update_topic(TRAINER), payload)
     close(server)
-    server.engine.open_round(ROUND + 1, time.monotonic())
+    server.engine.round_engine.open_round(ROUND + 1, time.monotonic())
     assert refused(server, update_topic(TRAINER), payload, caplog).endswith("[replay]")
     resent = encode(genuine_update(world))
     assert "stale: update for round 1, round 2 is open" in refused(server, update_topic(TRAINER), resent, caplog)

@@ -1,4 +1,4 @@
-"""The operator's live view (server.live_status): /metrics, / and /api/status of ``--status-port``.
+"""The operator's live view (server.outputs.status_server): /metrics, / and /api/status of ``--status-port``.
 
 The core (fleet_snapshot, metric_families) is driven on a real RoundEngine with explicit time; the server on a
 published snapshot; one slow test runs ``python -m server.broker_loop --status-port 0`` with device processes,
@@ -33,9 +33,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX
 from device_runtime.topics import Topics
 from server import broker_loop
-from server.live_status import (MAX_REFUSAL_KINDS, SnapshotCollector, StatusServer, count_refusal, fleet_snapshot,
-                                update_refusal)
-from server.report import METRICS_FILE, read_metrics
+from server.outputs.prometheus_metrics import SnapshotCollector
+from server.outputs.refusals import MAX_REFUSAL_KINDS, count_refusal, update_refusal
+from server.outputs.status_server import StatusServer
+from server.outputs.status_snapshot import fleet_snapshot
+from server.outputs.report import METRICS_FILE, read_metrics
 from tests.conftest import wait_for
 from tests.scripts import load_script
 from tests.test_engine import answer, join, make_engine

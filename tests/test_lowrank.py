@@ -207,7 +207,7 @@ def test_reconstruct_state_rejects_missing_and_unexpected_tensors():
 
 def test_every_tier_truncates_one_svd_per_layer(monkeypatch):
     import fedcore.lowrank as lowrank
-    from server.strategy import factorize_per_plan, plan_key
+    from server.engine.sampling import factorize_per_plan, plan_key
     model = build_model("fedavgcnn", (1, 28, 28), 10)
     plans = [resolve_plan(model, RankPlan(ratio)) for ratio in (1.0, 0.75, 0.5, 0.25, 0.125)]
     svds = []

@@ -22,8 +22,8 @@ import pytest
 from device_runtime.__main__ import PASSWORD_ENV
 from device_runtime.transport import BrokerRefusedError, MqttEndpoint
 from server import broker_loop
-from server.mosquitto_config import PACKET_HEADROOM_BYTES, parse_passwords
-from server.report import METRICS_FILE, read_metrics
+from server.mqtt.mosquitto_config import PACKET_HEADROOM_BYTES, parse_passwords
+from server.outputs.report import METRICS_FILE, read_metrics
 from tests.conftest import MOSQUITTO_BIN, MosquittoProcess, free_loopback_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -22,8 +22,8 @@ import psutil
 import pytest
 
 from server import broker_loop
-from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from server.report import METRICS_FILE, read_metrics
+from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.outputs.report import METRICS_FILE, read_metrics
 
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
          "--lam", "2", "--lam-warmup", "1", "--threads", "1", "--join-timeout", "300", "--round-deadline", "300"]

@@ -13,12 +13,12 @@ from device_runtime.messages import update_message
 from device_runtime.task import Phase, Update
 from fedcore.lowrank import FE_PREFIX
 from server.algorithms import FedAra, FedAvg, FedRep, Local, get_algorithm
-from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from server.report import METRICS_FILE, REPORT_FILE, read_metrics
+from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.outputs.report import METRICS_FILE, REPORT_FILE, read_metrics
 from server.run_setup import RunFolder
 from server.simulate import DEVICE_PREFIX, Simulation, build_parser, main
-from server.run_config import FederationConfig
-from server.strategy import batch_seed, sample_clients, weighted_accuracy
+from server.engine.run_config import FederationConfig
+from server.engine.sampling import batch_seed, sample_clients, weighted_accuracy
 
 QUICK = ["--dataset", "digits", "--clients", "4", "--rounds", "2", "--local-epochs", "1", "--batch-size", "32",
          "--max-samples", "600", "--lr", "0.05", "--lam", "1", "--lam-warmup", "1"]

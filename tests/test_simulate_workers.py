@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.parallel_devices import DevicePool, WorkerError, WorkerSettings, assign
 from server.simulate import main
 

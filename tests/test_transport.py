@@ -21,8 +21,8 @@ from device_runtime.framing import chunk
 from device_runtime.topics import Topics, server_subscriptions
 from device_runtime.transport import (BrokerRefusedError, BrokerURL, ConnectTimeoutError, FrameTooLargeError,
                                       MqttEndpoint, PublishError, parse_brokers, rotate_brokers)
-from server.aggregation_wire import member_update_filter
-from server.mosquitto_config import TlsFiles, acl_text, mosquitto_password_hash, write_mosquitto_auth
+from server.mqtt.aggregation_wire import member_update_filter
+from server.mqtt.mosquitto_config import TlsFiles, acl_text, mosquitto_password_hash, write_mosquitto_auth
 from tests.conftest import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """The federated algorithms, one file each, behind one small interface (``base.Algorithm``).
 
 An algorithm decides what each client trains (the phases of its task, λ and μ), what it sends back and
-whether the server aggregates; it never touches the network. The round engine (``server.engine``) runs any of
+whether the server aggregates; it never touches the network. The round engine (``server.engine.round_engine``) runs any of
 them with in-process devices (``python -m server.simulate``) or MQTT devices (``python -m server.broker_loop``).
 """
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The round engine: every decision of a federation, for any algorithm, with no I/O, behind the one door the
 drivers use.
 
-It owns the device registry and round state machine (``server.coordinator``), the devices' presence
-(``server.presence``), the rank tier of each device, the plans it is sent (artifact files only when it lacks
+It owns the device registry and round state machine (``server.engine.coordinator``), the devices' presence
+(``server.engine.presence``), the rank tier of each device, the plans it is sent (artifact files only when it lacks
 them, at most ``MAX_PLAN_RESENDS`` times after it says it lost them), the tasks of a round, which updates count
-(``server.update_rule``), the aggregation (the algorithm's ``aggregate_fit``), remote folding by aggregator
-processes (``server.remote_folding``) and each round's record (``server.round_record``). Every method takes the
+(``server.engine.update_rule``), the aggregation (the algorithm's ``aggregate_fit``), remote folding by aggregator
+processes (``server.engine.remote_folding``) and each round's record (``server.engine.round_record``). Every method takes the
 time ``now`` where time matters and returns what to send; the two drivers, in-process devices
 (``server.simulate``) and MQTT devices (``server.broker_loop``), deliver it and touch nothing behind it. So a rule
 is found once, here, and both drivers run the same federation. The algorithm (``server.algorithms``) says what is
@@ -30,20 +30,20 @@ from device_runtime.messages import Join, Plan
 from device_runtime.profile import ResourceProfile
 from device_runtime.envelope import Message
 from device_runtime.task import Task, Update, tensor_bytes
-from server.aggregate import StreamingAverage
-from server.aggregation_wire import Brief, Partial, Receipt
+from server.engine.aggregate import StreamingAverage
+from server.engine.folding_records import Brief, Partial, Receipt
 from server.algorithms.base import Algorithm
 from fedcore.lowrank import ResolvedPlan
-from server.coordinator import NO_ANSWER, Coordinator, DeviceRecord, RoundOpen, RoundResult, Verdict
-from server.presence import Presence
-from server.rank_assignment import choose_ratio
-from server.remote_folding import RemoteFolding
-from server.report import EVAL_DIRECTION
-from server.robust import bound_update, rejection_reason
-from server.round_record import RoundBook, TrainingRecord, tier_label
-from server.run_config import FederationConfig, NormBound
-from server.strategy import batch_seed, factorize_per_plan, plan_key, to_numpy, to_torch
-from server.update_rule import Answer, Asked
+from server.engine.coordinator import NO_ANSWER, Coordinator, DeviceRecord, RoundOpen, RoundResult, Verdict
+from server.engine.presence import Presence
+from server.engine.rank_assignment import choose_ratio
+from server.engine.remote_folding import RemoteFolding
+from server.engine.evaluation import EVAL_DIRECTION
+from server.engine.robust import bound_update, rejection_reason
+from server.engine.round_record import RoundBook, TrainingRecord, tier_label
+from server.engine.run_config import FederationConfig, NormBound
+from server.engine.sampling import batch_seed, factorize_per_plan, plan_key, to_numpy, to_torch
+from server.engine.update_rule import Answer, Asked
 
 LOG = logging.getLogger("fedara.engine")
 MAX_PLAN_RESENDS = 3
@@ -431,7 +431,7 @@ class RoundEngine:
         self.remote.set_members(members)
 
     def route(self, device_id: str) -> str | None:
-        """The aggregator whose topic takes ``device_id``'s update (``aggregation_wire.route``), None when the
+        """The aggregator whose topic takes ``device_id``'s update (``folding_records.route``), None when the
         engine reads the updates itself."""
         return self.remote.route(device_id) if self.remote is not None else None
 
