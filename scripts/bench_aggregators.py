@@ -51,11 +51,10 @@ from device_runtime.transport import MqttEndpoint, rotate_brokers  # noqa: E402
 from fedcore.models import build_model  # noqa: E402
 from server.engine import folding_records as folding  # noqa: E402
 from server.mqtt import aggregation_wire as wire  # noqa: E402
-from server.algorithms import get_algorithm  # noqa: E402
 from server.broker_loop import AGGREGATORS_DIR, Federation, inbound_limit  # noqa: E402
 from server.mqtt.local_processes import LocalDevices, aggregator_command  # noqa: E402
 from server.engine.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
-from server.engine.round_engine import RoundEngine  # noqa: E402
+from server.engine.round_engine import RoundEngine, algorithm_for  # noqa: E402
 from server.mqtt.enrollment import load_server_key, save_enrollment  # noqa: E402
 from server.mqtt.mosquitto_config import write_mosquitto_conf  # noqa: E402
 from server.run_setup import PlanBook, RunFolder, global_state, initial_personal  # noqa: E402
@@ -130,7 +129,7 @@ def cpu_name() -> str:
 def make_engine(devices: list[str], remote: bool, rounds: int) -> RoundEngine:
     """A FedARA round engine with ``devices`` joined and ready, at the five tiers round-robin."""
     model = build_model(MODEL, SHAPE, CLASSES, seed=0)
-    algorithm = get_algorithm("fedara")
+    algorithm = algorithm_for(FederationConfig(rounds=rounds))
     coordinator = Coordinator(CoordinatorConfig(SHAPE, CLASSES, round_deadline_s=TIMEOUT_S), "bench-run")
     engine = RoundEngine(algorithm, FederationConfig(rounds=rounds), coordinator,
                          PlanBook(model, SHAPE, None, onnx=False), global_state(model, algorithm),

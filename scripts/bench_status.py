@@ -23,9 +23,8 @@ from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from device_runtime.messages import Join, ShardInfo  # noqa: E402
 from device_runtime.profile import ResourceProfile  # noqa: E402
 from fedcore.models import build_model  # noqa: E402
-from server.algorithms import get_algorithm  # noqa: E402
 from server.engine.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
-from server.engine.round_engine import RoundEngine  # noqa: E402
+from server.engine.round_engine import RoundEngine, algorithm_for  # noqa: E402
 from server.outputs.prometheus_metrics import SnapshotCollector  # noqa: E402
 from server.outputs.status_snapshot import fleet_snapshot  # noqa: E402
 from server.run_setup import PlanBook, global_state, initial_personal  # noqa: E402
@@ -37,7 +36,7 @@ SHAPE, CLASSES, TIERS = (1, 28, 28), 10, (1.0, 0.25)
 def fleet(devices: int, records: int) -> RoundEngine:
     """A fedara engine with ``devices`` joined devices (tiers by budget) and ``records`` completed round records."""
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
-    algorithm = get_algorithm("fedara")
+    algorithm = algorithm_for(FederationConfig(rounds=records))
     engine = RoundEngine(algorithm, FederationConfig(rounds=records), Coordinator(CoordinatorConfig(SHAPE, CLASSES),
                          "bench"), PlanBook(model, SHAPE, None, onnx=False), global_state(model, algorithm),
                          initial_personal([model], algorithm), tiers=TIERS,

@@ -22,7 +22,6 @@ from device_runtime.artifact_contract import MANIFEST_NAME, PORTABLE_KIND
 from device_runtime.profile import ResourceProfile
 from device_runtime.shard import Shard
 from export.artifacts import ArtifactSet, build_artifacts_of_kind
-from server.algorithms import get_algorithm
 from server.algorithms.base import Algorithm
 from server.outputs.checkpoint import CHECKPOINT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from fedcore.lowrank import FE_PREFIX, RankPlan, ResolvedPlan, factorize_model, resolve_plan
@@ -31,7 +30,7 @@ from server.cli import parse_tiers
 from server.compute_threads import use_server_threads
 from server.engine.coordinator import Coordinator, CoordinatorConfig
 from server.engine.cost_model import CostModelError, peak_predictor
-from server.engine.round_engine import Predictor, RoundEngine
+from server.engine.round_engine import Predictor, RoundEngine, algorithm_for
 from server.engine.rank_assignment import check_tiers, load_overrides, tier_predictor
 from server.engine.run_config import DEFAULT_TIERS, FederationConfig, RunError, norm_bound_from_args
 from server.outputs.report import METRICS_CSV, METRICS_FILE, write_metrics, write_metrics_csv, write_report
@@ -273,7 +272,7 @@ def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder,
     the algorithm, the tiers, the data and its shards, the models and plans, the engine (restored from --out's
     checkpoint with --resume)."""
     use_server_threads(args.threads)
-    algorithm = get_algorithm(config.algo)
+    algorithm = algorithm_for(config)
     tiers = tiers_from_args(args)
     overrides = load_overrides(args.rank_overrides) if args.rank_overrides else {}
     settings = run_settings(args, config.to_dict(), deployment.settings_keys)

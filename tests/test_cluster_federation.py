@@ -22,7 +22,8 @@ import pytest
 
 from fedcore.models import build_model
 from server import broker_loop
-from server.algorithms import get_algorithm
+from server.engine.round_engine import algorithm_for
+from server.engine.run_config import FederationConfig
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.data.datasets import load_dataset
 from server.outputs.report import METRICS_FILE, read_metrics
@@ -109,7 +110,7 @@ def test_a_node_killed_mid_round_2_loses_no_device_and_no_update(cluster, tmp_pa
     expected, got = load_checkpoint(undisturbed / CHECKPOINT_NAME), load_checkpoint(run / CHECKPOINT_NAME)
     assert got.round == ROUNDS and set(got.tensors) == set(expected.tensors)
     data = load_dataset("digits")
-    initial = global_state(build_model("fedavgcnn", data.input_shape, data.num_classes, seed=0), get_algorithm("fedara"))
+    initial = global_state(build_model("fedavgcnn", data.input_shape, data.num_classes, seed=0), algorithm_for(FederationConfig()))
     relative = {name: float(np.linalg.norm(got.tensors[name] - value) / np.linalg.norm(value - initial[name].numpy()))
                 for name, value in expected.tensors.items()}
     print(f"largest ‖killed - undisturbed‖ / ‖undisturbed - initial‖ over the tensors: {max(relative.values()):.3g}")

@@ -42,17 +42,16 @@ from device_runtime.topics import Topics, server_subscriptions
 from device_runtime.transport import STAT_KEYS, MqttEndpoint
 from fedcore.models import build_model
 from server import broker_loop, simulate
-from server.algorithms import get_algorithm
 from server.broker_loop import Federation, inbound_limit
 from server.mqtt.local_processes import LocalDevices
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.cli import config_from_args
 from server.engine.coordinator import Coordinator, CoordinatorConfig, RoundResult
 from server.engine import round_engine as engine_module
-from server.engine.round_engine import RoundEngine
+from server.engine.round_engine import RoundEngine, algorithm_for
 from server.outputs.progress import Progress
 from server.outputs.report import METRICS_FILE, read_metrics
-from server.engine.run_config import norm_bound_from_args
+from server.engine.run_config import FederationConfig, norm_bound_from_args
 from server.run_setup import PlanBook, RunFolder, global_state, initial_personal
 from server.engine.sampling import factorize_per_plan, plan_key
 from tests.mqtt_peer import MqttPeer
@@ -93,7 +92,7 @@ class StubEndpoint:
         self.sent.append((topic, payload))
 
 
-ALGORITHM = get_algorithm("fedara")
+ALGORITHM = algorithm_for(FederationConfig())
 """Factorizes and sends back the FE only: the plans' FE tensors are exactly what an update must carry."""
 
 
@@ -137,7 +136,8 @@ def open_engine(world: World, *flags: str) -> RoundEngine:
     UNASSIGNED joined without a plan, and round 1 open."""
     args = server_args(world.out.path, *flags)
     coordinator = Coordinator(CoordinatorConfig(INPUT_SHAPE, CLASSES, round_deadline_s=DEADLINE_S), RUN)
-    engine = RoundEngine(ALGORITHM, config_from_args(args), coordinator, world.plans, world.global_fe, world.personal,
+    config = config_from_args(args)
+    engine = RoundEngine(algorithm_for(config), config, coordinator, world.plans, world.global_fe, world.personal,
                          tiers=(DENSE, LOW_RANK), overrides={TRAINER: DENSE, FACTORED: LOW_RANK},
                          norm_bound=norm_bound_from_args(args))
     now = time.monotonic()
@@ -194,15 +194,15 @@ def genuine_update(world: World, device_id: str = TRAINER, *, round_index: int =
 
 def aggregated(server: Federation) -> int:
     """How many updates the open round has accepted: folded into its average, or held to be folded in id order."""
-    return server.engine.round_engine._average.count + len(server.engine.round_engine._held)
+    return server.engine._average.count + len(server.engine._folds.held)
 
 
 def server_state(server: Federation) -> tuple:
     """What a refused message must leave as it was: the global FE's bytes, the running average, the round's
     byte and training book, the registry, and which plans the server sent, re-sent or still asks for."""
-    engine = server.engine.round_engine
+    engine = server.engine
     return ({name: value.numpy().tobytes() for name, value in engine.global_state.items()},
-            (engine._average.count, engine._average.total_weight, sorted(engine._held), engine._next),
+            (engine._average.count, engine._average.total_weight, sorted(engine._folds.held), engine._folds.next),
             repr(engine._book),
             json.dumps(engine.coordinator.to_state(), sort_keys=True),
             (dict(engine._resends), dict(engine._files_sent), dict(engine.kinds), dict(engine.demoted),
@@ -225,7 +225,7 @@ def refused(server: Federation, topic: str, payload: bytes, caplog: pytest.LogCa
 
 
 def close(server: Federation) -> RoundResult:
-    result, _ = server.engine.round_engine.close_round(time.monotonic())
+    result, _ = server.engine.close_round(time.monotonic())
     return result
 
 
@@ -346,7 +346,7 @@ def test_update_replayed_in_a_later_round_is_refused(world: World, caplog):
     payload = encode(genuine_update(world))
     server._handle(update_topic(TRAINER), payload)
     close(server)
-    server.engine.round_engine.open_round(ROUND + 1, time.monotonic())
+    server.engine.open_round(ROUND + 1, time.monotonic())
     assert refused(server, update_topic(TRAINER), payload, caplog).endswith("[replay]")
     resent = encode(genuine_update(world))
     assert "stale: update for round 1, round 2 is open" in refused(server, update_topic(TRAINER), resent, caplog)

@@ -6,7 +6,7 @@ them with in-process devices (``python -m server.simulate``) or MQTT devices (``
 """
 from __future__ import annotations
 
-from server.algorithms.base import Algorithm
+from server.algorithms.base import Algorithm, Settings
 from server.algorithms.fedara import FedAra
 from server.algorithms.fedavg import FedAvg
 from server.algorithms.fedrep import FedRep
@@ -15,8 +15,8 @@ from server.algorithms.local import Local
 REGISTRY: dict[str, type[Algorithm]] = {"fedara": FedAra, "fedavg": FedAvg, "fedrep": FedRep, "local": Local}
 
 
-def get_algorithm(name: str) -> Algorithm:
-    """The algorithm called ``name`` (ValueError naming the choices otherwise)."""
+def get_algorithm(name: str, settings: Settings) -> Algorithm:
+    """The algorithm called ``name``, built with the run's ``settings`` (ValueError naming the choices otherwise)."""
     if name not in REGISTRY:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(REGISTRY)}")
-    return REGISTRY[name]()
+    return REGISTRY[name].from_settings(settings)
