@@ -66,8 +66,9 @@ def needs(missing: str | None) -> pytest.MarkDecorator:
 
 
 def missing_binary(name: str, package: str, path: Path | None = None) -> str | None:
-    """None when ``name`` is on PATH (or at ``path``); else what to install."""
-    if shutil.which(name) is not None or (path is not None and path.exists()):
+    """None when ``name`` is at ``path`` (where the test runs it from), or on PATH when no path is given; else what
+    to install."""
+    if (path.exists() if path is not None else shutil.which(name) is not None):
         return None
     return f"{name} not found (apt-get install {package}; scripts/setup.sh installs it)"
 
