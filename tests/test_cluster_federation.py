@@ -10,9 +10,7 @@ and the final model is the undisturbed run's on the same cluster up to float rou
 """
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.data.datasets import load_dataset
 from server.outputs.report import METRICS_FILE, read_metrics
 from server.run_setup import global_state
+from tests.conftest import missing_binary, require
 from tests.scripts import load_script
 
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
@@ -47,11 +46,7 @@ sixth of a device's update. The folds themselves are counted exactly above."""
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    if shutil.which("nats-server") is None and not Path("/usr/sbin/nats-server").exists():
-        reason = "needs Debian's nats-server (scripts/setup.sh installs it)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+    require(missing_binary("nats-server", "nats-server"))  # scripts/nats_cluster.py runs it from PATH
     module = load_script("nats_cluster")
     nodes = module.NatsCluster(tmp_path_factory.mktemp("nats"), 3).start()
     yield nodes

@@ -21,15 +21,15 @@ from fedcore.lowrank import RankPlan, resolve_plan
 from fedcore.models import build_model
 from server.mqtt.cgroups import available, create_group, popen_in_group
 from server.engine.cost_model import peak_predictor
-from server.data.datasets import FMNIST_DIR, load_dataset
+from server.data.datasets import load_dataset
 from server.data.partition import make_client_shards
 from server.engine.rank_assignment import choose_ratio
 from server.engine.run_config import DEFAULT_TIERS
+from tests.conftest import missing_fmnist, needs
 
 CGROUPS = available()
 pytestmark = [pytest.mark.cgroup, pytest.mark.slow,
-              pytest.mark.skipif(CGROUPS is not None, reason=f"memory cgroups unavailable: {CGROUPS}"),
-              pytest.mark.skipif(not FMNIST_DIR.is_dir(), reason="Debian dataset-fashion-mnist not installed")]
+              needs(CGROUPS), needs(missing_fmnist())]
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, INPUT_SHAPE, NUM_CLASSES = "cnn1", (1, 28, 28), 10

@@ -237,7 +237,8 @@ def test_device_that_never_answers_is_dropped_at_the_deadline(embedded_broker, t
     (record,) = records
     assert record["dropped"] == {"dev_silent": "no answer by the deadline"}
     assert (record["participants"], record["selected"], record["closed_by"]) == (4, 5, "deadline")
-    assert record["aggregated"] and record["seconds"] < 3 * deadline_s
+    # closed by its deadline, not before it (a loaded machine only lengthens a round; the test's timeout bounds it)
+    assert record["aggregated"] and record["seconds"] >= deadline_s
     assert silent.tasks == 2  # the round's task and the final evaluation
 
 

@@ -21,10 +21,10 @@ from export.artifacts import build_artifacts_of_kind
 from fedcore.lowrank import RankPlan, resolve_plan
 from fedcore.models import build_model
 from server.mqtt.cgroups import MIB, available, create_group, popen_in_group
+from tests.conftest import needs
 
 CGROUPS = available()
-pytestmark = [pytest.mark.cgroup, pytest.mark.slow,
-              pytest.mark.skipif(CGROUPS is not None, reason=f"memory cgroups unavailable: {CGROUPS}")]
+pytestmark = [pytest.mark.cgroup, pytest.mark.slow, needs(CGROUPS)]
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, INPUT_SHAPE, NUM_CLASSES, RATIO = "fedavgcnn", (3, 32, 32), 10, 0.125

@@ -10,8 +10,8 @@ Three read-only pages, from the engine's own records (the same ones metrics.json
 Functional core, thin shell: :func:`fleet_snapshot` is a pure function of the engine's state that returns
 plain, freshly built data; the run loop calls it and hands the result to :meth:`StatusServer.publish` (one
 reference swap). The HTTP thread only ever reads the latest snapshot: it never touches the engine, so nothing
-on a page or the endpoint can change the run. GET and HEAD only; any other method gets 405. The port closes
-when the run ends.
+on a page or the endpoint can change the run. GET and HEAD only: POST, PUT, DELETE, PATCH and OPTIONS get 405,
+any other method http.server's 501. The port closes when the run ends.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ class StatusServer:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """GET/HEAD of /, /metrics and /api/status; every other method is refused with 405."""
+    """GET/HEAD of /, /metrics and /api/status; POST, PUT, DELETE, PATCH and OPTIONS are refused with 405."""
 
     status: StatusServer
     server_version = "fedara-status"
