@@ -5,7 +5,6 @@ publish on dev_000's up topic (the server never sees it) nor read dev_000's down
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import uuid
@@ -30,6 +29,7 @@ from server.mqtt.enrollment import save_enrollment
 from tests.mqtt_peer import MqttPeer
 from tests.sealing import seal_up, write_key
 from tests.test_transport import tls_files  # noqa: F401  (a fixture: the test CA and the broker's certificate)
+from tests.processes import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFIX = DEFAULT_TOPIC_PREFIX
@@ -65,7 +65,7 @@ def start_devices(url: str, ca: Path, directory: Path) -> list[subprocess.Popen]
                               "--username", device_id, "--tls-ca", str(ca), "--data", str(shard),
                               "--workdir", str(directory / device_id),
                               "--key-file", str(write_key(directory / "keys" / f"{device_id}.key", KEYS[device_id]))],
-                             cwd=REPO_ROOT, env={**os.environ, PASSWORD_ENV: PASSWORDS[device_id]},
+                             cwd=REPO_ROOT, env=child_env(**{PASSWORD_ENV: PASSWORDS[device_id]}),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for device_id, shard in zip(PASSWORDS, shards)]
 

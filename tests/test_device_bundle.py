@@ -31,6 +31,7 @@ from server.data.partition import make_client_shards, write_shards
 from tests.conftest import missing_binary, require
 from tests.scripts import load_script
 from tests.sealing import enrollment_file, write_key
+from tests.processes import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "build_device_bundle.py"
@@ -57,9 +58,8 @@ print(json.dumps(dict(runtime=device_runtime.__file__, trainer=type(trainer).__n
 """
 
 
-def clean_env() -> dict[str, str]:
-    """This environment without the test venv leaking in (PYTHONPATH, VIRTUAL_ENV)."""
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+CLEAN = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
+"""What of this environment the bundle's processes must not see: the test venv leaking in."""
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def prefix(bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """install.sh run into a new prefix; returns the prefix."""
     target = tmp_path_factory.mktemp("install") / "fedara-device"
     done = subprocess.run(["bash", str(bundle_dir / "install.sh"), "--prefix", str(target), "--python", sys.executable],
-                          capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, env=clean_env(), cwd=target.parent)
+                          capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, env=child_env(drop=CLEAN), cwd=target.parent)
     assert done.returncode == 0, done.stdout + done.stderr
     return target
 
@@ -149,7 +149,7 @@ def test_requirements_pin_numpy_paho_and_stock_onnxruntime_and_nothing_heavy(bun
 def test_install_leaves_torch_and_onnx_out_of_the_venv(prefix: Path):
     for module in ("torch", "onnx"):
         done = subprocess.run([venv_python(prefix), "-c", f"import {module}"], capture_output=True, text=True,
-                              env=clean_env(), cwd=prefix)
+                              env=child_env(drop=CLEAN), cwd=prefix)
         assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr
 
 
@@ -172,7 +172,7 @@ def test_installed_device_trains_a_local_round(prefix: Path, tmp_path: Path, sha
     script = tmp_path / "round.py"
     script.write_text(ROUND_SCRIPT)
     done = subprocess.run([venv_python(prefix), str(script), str(artifacts.directory), str(tmp_path / "shard.npz"),
-                           str(BATCH)], capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=60)
+                           str(BATCH)], capture_output=True, text=True, env=child_env(drop=CLEAN), cwd=tmp_path, timeout=60)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert Path(result["runtime"]).is_relative_to(prefix / "venv")
@@ -197,7 +197,7 @@ def test_installed_device_joins_a_federation_over_a_local_broker_and_trains(pref
         device = subprocess.Popen([venv_python(prefix), "-m", "device_runtime", "--broker", url, "--device-id", "dev_000",
                                    "--data", str(shard_path), "--workdir", str(tmp_path / "device"),
                                    "--key-file", str(write_key(tmp_path / "dev_000.key"))],
-                                  cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  cwd=tmp_path, env=child_env(drop=CLEAN), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True)
         try:
             server_log, _ = server.communicate(timeout=FEDERATION_TIMEOUT_S)
@@ -239,7 +239,7 @@ def test_stock_onnxruntime_imports_neither_torch_nor_onnx_even_where_both_are_im
 
     site = str(Path(torch.__file__).parents[1])
     done = subprocess.run([venv_python(prefix), "-c", STOCK_IMPORT_PROBE, site], capture_output=True, text=True,
-                          env=clean_env(), cwd=prefix)
+                          env=child_env(drop=CLEAN), cwd=prefix)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["importable"] == [True, True] and result["loaded"] == []

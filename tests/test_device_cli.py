@@ -2,7 +2,6 @@
 and exit status 2 (the systemd unit does not restart a device on 2), never in a traceback."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from device_runtime.shard import ZIP_MAGIC, Shard, save_shard
 from server.mqtt.mosquitto_config import write_mosquitto_auth
 from tests.conftest import assert_bad_input, free_loopback_port
 from tests.sealing import write_key
+from tests.processes import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEVICE_ID = "dev_000"
@@ -41,7 +41,7 @@ def device_args(data: Path, workdir: Path, broker: str = "mqtt://127.0.0.1:1", *
 
 def run_device(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
-                          env={**os.environ, **(env or {})})
+                          env=child_env(**(env or {})))
 
 
 def test_a_shard_damaged_in_the_middle_is_named_corrupt(shard_path: Path, tmp_path: Path):
@@ -122,7 +122,7 @@ def test_a_wrong_password_is_refused_with_exit_2(password_broker, shard_path: Pa
 
 def test_the_username_defaults_to_the_device_id(password_broker, shard_path: Path, tmp_path: Path):
     device = subprocess.Popen(device_args(shard_path, tmp_path / "w", password_broker.url), cwd=REPO_ROOT,
-                              env={**os.environ, PASSWORD_ENV: "device-pw"}, stderr=subprocess.PIPE, text=True)
+                              env=child_env(**{PASSWORD_ENV: "device-pw"}), stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + CONNECTED_WAIT_S
         line = ""

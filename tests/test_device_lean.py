@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from tests.processes import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 ROUND_TIMEOUT_S = 60
@@ -40,7 +41,7 @@ print(json.dumps({"steps": result.steps, "total": evaluation.total, "tensors": l
 def test_a_device_round_loads_neither_torch_nor_onnx(artifacts):
     done = subprocess.run([sys.executable, "-c", DEVICE_ROUND, str(artifacts.directory), artifacts.hash],
                           cwd=REPO, capture_output=True, text=True, timeout=ROUND_TIMEOUT_S,
-                          env={"PYTHONPATH": str(REPO)})
+                          env=child_env(repo_on_path=True))
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["forbidden"] == []

@@ -22,6 +22,7 @@ from device_runtime.shard import load_shard
 from server import broker_loop
 from server.outputs.report import METRICS_FILE, read_metrics
 from tests.conftest import ARTIFACT_CLASSES, ARTIFACT_SHAPE, assert_bad_input
+from tests.processes import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE, CLASSES = ARTIFACT_SHAPE, ARTIFACT_CLASSES  # the artifacts fixture's
@@ -43,7 +44,7 @@ RUN_DEVICE = 'sys.argv[0] = "device_runtime"\nrunpy.run_module("device_runtime",
 def lean_device(*args: str) -> subprocess.CompletedProcess[str]:
     """``python -m device_runtime ARGS`` where torch and onnx cannot be imported."""
     return subprocess.run([sys.executable, "-c", NO_TORCH_NO_ONNX + RUN_DEVICE, *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          text=True, timeout=TIMEOUT_S, env=child_env(repo_on_path=True))
 
 
 def test_the_lean_interpreter_cannot_import_torch_or_onnx():
@@ -251,7 +252,7 @@ model.ModelStore({str(tmp_path)!r}).write(t.directory / "eval_model.onnx", {{**t
     plan_description="", correct=0, total=1)
 """
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=child_env(repo_on_path=True))
     assert done.returncode == -9, done.stderr
     assert list((tmp_path / "models").glob(".tmp-*"))  # it died mid-write
     assert device_model.load(tmp_path).info["round"] == 1
@@ -262,7 +263,7 @@ model.ModelStore({str(tmp_path)!r}).write(t.directory / "eval_model.onnx", {{**t
 
 def predict(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "device_runtime", "predict", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          text=True, timeout=TIMEOUT_S, env=child_env(repo_on_path=True))
 
 
 def test_predict_before_any_round_says_there_is_no_model_yet(tmp_path: Path):

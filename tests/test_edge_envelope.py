@@ -7,7 +7,6 @@ Needs root and a writable memory controller (server.mqtt.cgroups.available), and
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from server.data.partition import make_client_shards
 from server.engine.rank_assignment import choose_ratio
 from server.engine.run_config import DEFAULT_TIERS
 from tests.conftest import missing_fmnist, needs
+from tests.processes import child_env
 
 CGROUPS = available()
 pytestmark = [pytest.mark.cgroup, pytest.mark.slow,
@@ -71,10 +71,9 @@ class ConfinedDevice:
 
     def __init__(self, shard_path: Path, limit_mb: float) -> None:
         self.group = create_group("envelope", limit_mb)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.proc = popen_in_group(self.group, [sys.executable, "-m", "tests.confined_device", str(shard_path)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   cwd=ROOT, env=env)
+                                   cwd=ROOT, env=child_env(repo_on_path=True, OMP_NUM_THREADS="1"))
 
     def profile(self) -> ResourceProfile:
         return ResourceProfile.from_meta(json.loads(self.proc.stdout.readline())["profile"])

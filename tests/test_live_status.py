@@ -10,7 +10,6 @@ import contextlib
 import http.client
 import copy
 import json
-import os
 import re
 import shutil
 import signal
@@ -42,6 +41,7 @@ from server.outputs.report import METRICS_FILE, read_metrics
 from tests.conftest import missing_binary, require, wait_for
 from tests.scripts import load_script
 from tests.test_engine import answer, join, make_engine
+from tests.processes import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
@@ -273,8 +273,7 @@ class ServerProcess:
     """``python -m server.broker_loop`` in a child process, its output collected by a thread."""
 
     def __init__(self, command: list[str]) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(repo_on_path=True),
                                      cwd=REPO_ROOT)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)

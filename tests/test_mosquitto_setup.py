@@ -26,6 +26,7 @@ from server.mqtt.mosquitto_config import PACKET_HEADROOM_BYTES, parse_passwords
 from server.outputs.report import METRICS_FILE, read_metrics
 from tests.conftest import (MOSQUITTO_BIN, MosquittoProcess, free_loopback_port, missing_binary, missing_root, needs,
                             require)
+from tests.processes import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "mosquitto_credentials.py"
@@ -40,9 +41,8 @@ TIMEOUT_S = 120
 
 
 def run_setup(out: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if k != PASSWORD_ENV}
     return subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *flags], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=TIMEOUT_S, env={**base, **(env or {})})
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=child_env(drop=(PASSWORD_ENV,), **(env or {})))
 
 
 @pytest.fixture
@@ -184,7 +184,7 @@ def test_two_devices_federate_through_the_setup_and_a_wrong_password_is_refused(
                                      "--data", str(reachable_dir / "shards" / f"{device_id}.npz"),
                                      "--workdir", str(reachable_dir / device_id),
                                      "--key-file", str(setup / "keys" / f"{device_id}.key")],
-                                    cwd=REPO_ROOT, env={**os.environ, PASSWORD_ENV: passwords[device_id]},
+                                    cwd=REPO_ROOT, env=child_env(**{PASSWORD_ENV: passwords[device_id]}),
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                    for device_id in ("dev_000", "dev_001")]
         monkeypatch.setenv(PASSWORD_ENV, "server-secret")

@@ -6,7 +6,6 @@ transport and the round logic, which must not change the math.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -42,6 +41,7 @@ from server import simulate
 from server.run_setup import RunFolder
 from tests.mqtt_peer import MqttPeer
 from tests.sealing import device_link, enrollment_file, read, seal_down, write_key
+from tests.processes import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
@@ -281,7 +281,7 @@ def device_process(url: str, device_id: str, tmp_path: Path, *extra: str, env: d
     return subprocess.Popen([sys.executable, "-m", "device_runtime", "--broker", url, "--device-id", device_id,
                              "--data", str(tiny_shard(tmp_path / "shard.npz")), "--workdir", str(tmp_path / "work"),
                              "--key-file", str(write_key(tmp_path / "device.key")), *extra], cwd=REPO_ROOT,
-                            stderr=subprocess.PIPE, env=env)
+                            stderr=subprocess.PIPE, env=child_env(**(env or {})))
 
 
 def test_device_joins_and_exits_cleanly_on_sigterm(embedded_broker, server_endpoint, tmp_path: Path):
@@ -304,7 +304,7 @@ def test_device_joins_with_its_credentials_from_the_environment(secured_broker, 
                           username="server", password="server-pw")
     server.start()
     device = device_process(secured_broker.url, "dev_sec", tmp_path, "--username", "dev_sec",
-                            env={**os.environ, PASSWORD_ENV: "dev-pw"})
+                            env={PASSWORD_ENV: "dev-pw"})
     try:
         server.wait_connected(WAIT_S)
         assert read(next_on(server, Topics(DEFAULT_TOPIC_PREFIX, "dev_sec").up)).type == MessageType.JOIN

@@ -12,6 +12,7 @@ import pytest
 
 from server import broker_loop, simulate
 from server.cli import console_logging, parse
+from tests.processes import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
@@ -19,7 +20,7 @@ TIMEOUT_S = 120
 
 def run(module: str, *flags: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", module, *flags], cwd=cwd, capture_output=True, text=True,
-                          timeout=TIMEOUT_S, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+                          timeout=TIMEOUT_S, env=child_env(repo_on_path=True))
 
 
 def test_both_drivers_share_every_algorithm_and_data_flag_with_the_same_defaults():

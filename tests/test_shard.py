@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from device_runtime.shard import ZIP_MAGIC, Shard, ShardError, load_shard, save_shard
+from tests.processes import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVER_ONLY = {"torch", "onnx", "scipy", "sklearn"}
@@ -165,7 +166,7 @@ def _anon_rss_mib_after_loading(path: Path) -> float:
             "batch = s.x_train[np.arange(0, len(s.x_train), 97)[:16]]; "
             "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('RssAnon:')) / 1024)")
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
-                          cwd=REPO_ROOT, env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"})
+                          cwd=REPO_ROOT, env=child_env(repo_on_path=True))
     return float(done.stdout)
 
 

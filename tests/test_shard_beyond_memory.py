@@ -22,6 +22,7 @@ from fedcore.lowrank import RankPlan, resolve_plan
 from fedcore.models import build_model
 from server.mqtt.cgroups import MIB, available, create_group, popen_in_group
 from tests.conftest import needs
+from tests.processes import child_env
 
 CGROUPS = available()
 pytestmark = [pytest.mark.cgroup, pytest.mark.slow, needs(CGROUPS)]
@@ -61,9 +62,8 @@ def test_a_device_trains_a_round_on_a_shard_larger_than_its_memory_cgroup(tmp_pa
     write_shard(shard)
     assert shard.stat().st_size > LIMIT_MB * MIB
     group = create_group("bigshard", LIMIT_MB)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = popen_in_group(group, [sys.executable, "-m", "tests.confined_device", str(shard)], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env(repo_on_path=True, OMP_NUM_THREADS="1"))
     try:
         profile = json.loads(proc.stdout.readline())["profile"]
         plan = dict(artifacts=str(artifacts), rounds=1, batch_size=BATCH_SIZE)

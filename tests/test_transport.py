@@ -23,6 +23,7 @@ from device_runtime.transport import (BrokerRefusedError, BrokerURL, ConnectTime
 from server.mqtt.aggregation_wire import member_update_filter
 from server.mqtt.mosquitto_config import TlsFiles, acl_text, mosquitto_password_hash, write_mosquitto_auth
 from tests.conftest import missing_binary, require, wait_for
+from tests.processes import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "fedtest"
@@ -168,7 +169,7 @@ def test_payload_five_times_the_frame_size_arrives_whole(broker_url: str, connec
 def test_last_will_reaches_status_subscriber_within_a_second_of_sigkill(broker_url: str, connect) -> None:
     server = connect("server", broker_url, subscriptions=[DEV1.status])
     device = subprocess.Popen([sys.executable, "-c", DYING_DEVICE, broker_url, DEV1.status], cwd=REPO_ROOT,
-                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                              env=child_env(repo_on_path=True),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         topic, state, nonce = status_of(server.get(WAIT_S))
