@@ -248,7 +248,7 @@ class DeviceAgent:
         if not task.evaluate_only:
             self.workdir.drop_heads_before(plan_hash, task.round)
             self.workdir.drop_previous_run()
-        self._save_model(plan_hash, task.round, {**kept, **task.weights}, update.metrics)
+        self._save_model(plan_hash, task.round - 1, {**kept, **task.weights}, update.metrics)
         self.endpoint.publish(self.topics.update_via(task.aggregator), payload, new_msg_id(MessageType.UPDATE))
 
     def _kept_by(self, task: Task) -> dict[str, np.ndarray]:
@@ -263,7 +263,8 @@ class DeviceAgent:
         return kept
 
     def _save_model(self, plan_hash: str, round_index: int, weights: dict, metrics: dict) -> None:
-        """Write the model this round evaluated (``WORKDIR/model``); a failure is logged and costs only the file."""
+        """Write the model a task evaluated (``WORKDIR/model``), named for the round it was aggregated after (a task
+        of round t evaluates round t - 1's model); a failure is logged and costs only the file."""
         ratio, description = self.plan_tier or (None, "")
         try:
             eval_graph = self.trainer.directory / artifact_files(self.trainer.manifest)["eval_model"]

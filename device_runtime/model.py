@@ -34,6 +34,7 @@ import numpy as np
 
 from device_runtime.artifact_contract import EVAL_INPUTS, INPUT, LOGITS
 from device_runtime.atomic_file import TMP_PREFIX, write_atomic
+from device_runtime.baseline import describe, majority, one_class, predicted_classes
 from device_runtime.help_format import DefaultsHelpFormatter
 from device_runtime.onnx_bake import bake
 
@@ -274,7 +275,7 @@ def build_predict_parser() -> argparse.ArgumentParser:
     where.add_argument("--model", help="a model directory (WORKDIR/models/<seq>-round<r>, or a copy of one)")
     p.add_argument("input", metavar="INPUT", help=".npy of images N×C×H×W float32, or a shard .npz")
     p.add_argument("--split", default="test", choices=("test", "train"), help="which split of a shard .npz")
-    p.add_argument("--json", action="store_true", help="print one JSON object (predictions: class ids in order)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: predictions (class ids in order), predicted_classes, one_class; with a shard's labels also correct, total and majority_baseline")
     p.add_argument("--threads", type=int, default=1, help="compute threads")
     return p
 
@@ -298,10 +299,15 @@ def predict_main(argv: list[str]) -> int:
         print(f"error: INPUT {args.input}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     ids = np.asarray(model.info["class_ids"], np.int64)[probabilities.argmax(axis=1)]
+    classes = predicted_classes(ids)
     result = {"model": str(model.directory), "run_id": model.info["run_id"], "round": model.info["round"],
-              "predictions": ids.tolist(), "confidences": probabilities.max(axis=1).round(6).tolist()}
+              "predictions": ids.tolist(), "confidences": probabilities.max(axis=1).round(6).tolist(),
+              "predicted_classes": classes, "one_class": one_class(classes, len(ids))}
     if labels is not None:
-        result |= {"correct": int((ids == labels).sum()), "total": len(labels)}
+        majority_class, majority_count = majority(labels)
+        result |= {"correct": int((ids == labels).sum()), "total": len(labels), "majority_class": majority_class,
+                   "majority_correct": majority_count,
+                   "majority_baseline": majority_count / len(labels) if len(labels) else None}
     if args.json:
         print(json.dumps(result))
         return EXIT_OK
@@ -309,6 +315,8 @@ def predict_main(argv: list[str]) -> int:
         print(f"{i}\t{cls}\t{confidence:.4f}")
     summary = f"model {model.directory} (run {result['run_id']}, round {result['round']})"
     if labels is not None:
-        summary += f": {result['correct']}/{result['total']} correct"
+        summary += ": " + describe(result["correct"], result["total"], result["majority_correct"], classes)
+    elif result["one_class"]:
+        summary += f": ONE CLASS ({result['predictions'][0]}) predicted for every sample (a trivial model)"
     print(summary, file=sys.stderr)
     return EXIT_OK

@@ -91,11 +91,11 @@ def test_predict_on_the_test_split_scores_the_reported_accuracy_without_torch_or
     assert correct / len(shard.y_test) == reported
     assert (result["correct"], result["total"]) == (correct, len(shard.y_test))
     info = json.loads((workdir / "model" / "model.json").read_text())
-    assert (info["round"], info["rank_tier"]) == (ROUNDS + 1, TIERS[device_id])
+    assert (info["round"], info["rank_tier"]) == (ROUNDS, TIERS[device_id])  # the console's "accuracy after round"
     assert (info["local_test_correct"], info["local_test_samples"]) == (correct, len(shard.y_test))
     # The round before, a training round: its model is the one evaluated before training, as the device reported.
     history = sorted((workdir / "models").iterdir())
-    assert [d.name.split("-")[1] for d in history] == [f"round{ROUNDS}", f"round{ROUNDS + 1}"]
+    assert [d.name.split("-")[1] for d in history] == [f"round{ROUNDS - 1}", f"round{ROUNDS}"]
     earlier = lean_device("predict", "--model", str(history[0]), "--json", str(shard_path))
     assert earlier.returncode == 0, earlier.stderr
     earlier_correct = int((np.array(json.loads(earlier.stdout)["predictions"]) == shard.y_test).sum())
@@ -123,7 +123,7 @@ def test_a_model_directory_is_self_contained(federation: Path, tmp_path: Path):
     for f in history[0].iterdir():
         (copy / f.name).write_bytes(f.read_bytes())
     pinned = device_model.load(copy)
-    assert pinned.info["round"] == ROUNDS
+    assert pinned.info["round"] == ROUNDS - 1
     graph = onnx.load(str(copy / "model.onnx"))
     onnx.checker.check_model(graph, full_check=True)
     assert [i.name for i in graph.graph.input] == ["input"]
@@ -264,6 +264,36 @@ model.ModelStore({str(tmp_path)!r}).write(t.directory / "eval_model.onnx", {{**t
 def predict(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "device_runtime", "predict", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=TIMEOUT_S, env=child_env(repo_on_path=True))
+
+
+def one_class_model(trainer, label: int) -> None:
+    """A head that answers ``label`` whatever the input: zero weights, a bias on that class."""
+    head = {k: np.zeros_like(v) for k, v in trainer.get_head().items()}
+    next(v for v in head.values() if v.ndim == 1)[label] = 5.0
+    trainer.set_head(head)
+
+
+@pytest.mark.parametrize("trivial", [True, False])
+def test_predict_puts_the_majority_baseline_beside_the_accuracy_and_flags_a_one_class_model(
+        artifacts, tmp_path: Path, capsys, trivial: bool):
+    trainer = open_trainer(artifacts.directory)
+    rng = np.random.default_rng(0)
+    if trivial:
+        one_class_model(trainer, 3)
+    else:
+        trainer.set_head({k: rng.standard_normal(v.shape).astype(np.float32) for k, v in trainer.get_head().items()})
+    write_round(device_model.ModelStore(tmp_path / "w"), trainer, 1)
+    shard = tmp_path / "shard.npz"
+    np.savez(shard, x_test=rng.standard_normal((40, *SHAPE)).astype(np.float32), y_test=np.array([3] * 30 + [1] * 10))
+    assert device_model.predict_main(["--workdir", str(tmp_path / "w"), "--json", str(shard)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["majority_class"], result["majority_correct"], result["majority_baseline"]) == (3, 30, 0.75)
+    assert result["one_class"] is trivial and (result["predicted_classes"] == 1) is trivial
+    assert device_model.predict_main(["--workdir", str(tmp_path / "w"), str(shard)]) == 0
+    summary = capsys.readouterr().err
+    assert "majority-class baseline 0.7500" in summary and ("ONE CLASS" in summary) is trivial
+    if trivial:
+        assert result["correct"] == 30
 
 
 def test_predict_before_any_round_says_there_is_no_model_yet(tmp_path: Path):
