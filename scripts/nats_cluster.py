@@ -2,7 +2,7 @@
 """An N-node NATS cluster with MQTT on loopback, for tests and demos (Debian's ``nats-server``, 2.9.10 here).
 
     python scripts/nats_cluster.py --nodes 3 --dir /tmp/nats
-    # prints the --broker list (mqtt://127.0.0.1:P1,mqtt://127.0.0.1:P2,...) and runs until Ctrl-C
+    # prints the --broker list (mqtt://127.0.0.1:P1,mqtt://127.0.0.1:P2,...) and runs until Ctrl-C or SIGTERM
 
 Each node gets its own folder with a config file (``server_name``, ``listen``, ``max_payload: 8MB``, ``jetstream {
 store_dir, max_mem, max_file }``, ``cluster { name, listen, routes }``, ``mqtt { listen }``: MQTT needs JetStream),
@@ -10,7 +10,8 @@ its JetStream store and its log. The nodes start together ("connection refused" 
 is normal). NATS creates its MQTT streams (3 replicas) a few seconds after start, so ``start`` returns only once a
 QoS 1 message published on the first node reached a subscriber on each node (once its subscription was
 acknowledged: NATS makes a JetStream consumer per QoS 1 subscription, which can take seconds). ``kill(i)`` SIGKILLs node i, as a
-crashed machine would go.
+crashed machine would go. The command stops its nodes on Ctrl-C, SIGTERM (``kill %1`` of a cluster started with
+``&``) and SIGHUP alike, starting or running: it leaves no nats-server behind.
 """
 from __future__ import annotations
 
@@ -189,23 +190,39 @@ class NatsCluster:
         self.stop()
 
 
+class Stop(Exception):
+    """SIGTERM or SIGHUP arrived: stop the cluster as Ctrl-C does."""
+
+
+def _stop_on_signal(signum: int, frame: object) -> None:
+    for other in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not cut the stop short
+        signal.signal(other, signal.SIG_IGN)
+    raise Stop(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/nats_cluster.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=3, help="cluster nodes, each with an MQTT listener")
-    p.add_argument("--dir", default="nats-cluster", help="configs, JetStream stores and logs go here")
+    p.add_argument("--dir", default="runs/nats-cluster", help="configs, JetStream stores and logs go here")
     args = p.parse_args(argv)
     try:
-        cluster = NatsCluster(args.dir, args.nodes).start()
-    except (ValueError, NatsClusterError) as exc:
+        cluster = NatsCluster(args.dir, args.nodes)
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"--broker {cluster.broker}", flush=True)
-    print(f"logs: {Path(args.dir).resolve()}/*/nats.log; Ctrl-C stops the cluster", flush=True)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop_on_signal)
     try:
+        cluster.start()
+        print(f"--broker {cluster.broker}", flush=True)
+        print(f"logs: {Path(args.dir).resolve()}/*/nats.log; Ctrl-C or SIGTERM stops the cluster", flush=True)
         while all(p is not None and p.poll() is None for p in cluster.processes):
             time.sleep(1)
         print("a node exited; stopping the cluster", file=sys.stderr)
-    except KeyboardInterrupt:
+    except NatsClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, Stop):
         pass
     finally:
         cluster.stop()
