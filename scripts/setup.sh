@@ -13,10 +13,14 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   command -v chromium >/dev/null || missing+=(chromium)  # the status page test's headless browser
   command -v nats-server >/dev/null || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)  # clustered broker tests
   if [ ${#missing[@]} -gt 0 ]; then
+    echo "setup: installing Debian packages: ${missing[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
 fi
-[ -x .venv/bin/python ] || python3 -m venv .venv
+[ -x .venv/bin/python ] || { echo "setup: creating .venv"; python3 -m venv .venv; }
 # torch==2.13.0 is pinned so pip takes the CPU build; a looser pin can pull a multi-GB CUDA build.
+echo "setup: installing this project and its Python packages into .venv (pyproject.toml: torch CPU build, onnx,"
+echo "       onnxruntime-training-cpu, amqtt, matplotlib, scikit-learn, pytest ...; about a minute the first time)"
 .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
+echo "setup: done"
