@@ -272,7 +272,8 @@ class DeviceAgent:
                                         num_classes=self.trainer.num_classes, run_id=self.state.run_id,
                                         round_index=round_index, rank_tier=ratio, plan_hash=plan_hash,
                                         plan_description=description, correct=metrics["eval_correct"],
-                                        total=metrics["eval_total"])
+                                        total=metrics["eval_total"], majority=metrics["eval_majority"],
+                                        classes=metrics["eval_classes"])
         except (OSError, GraphEditError) as exc:
             LOG.warning("round %d: the model file was not written: %s", round_index, exc)
             return

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
+from device_runtime.baseline import majority
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
 
@@ -47,10 +48,13 @@ def returned_weights(trainer: Trainer, returns: str) -> dict[str, np.ndarray]:
 
 
 def evaluate_received(trainer: Trainer, shard: Shard, task: Task) -> dict:
-    """Load the task's weights and evaluate the personalized model they make with this device's head."""
+    """Load the task's weights and evaluate the personalized model they make with this device's head; beside the
+    accuracy, the test split's majority-class count and how many classes the model answered (device_runtime.baseline:
+    what the accuracy is read against)."""
     load_weights(trainer, task.weights)
     received = trainer.evaluate(shard.x_test, shard.y_test)
-    return dict(eval_correct=received.correct, eval_total=received.total, eval_loss=received.loss)
+    return dict(eval_correct=received.correct, eval_total=received.total, eval_loss=received.loss,
+                eval_majority=majority(shard.y_test)[1], eval_classes=received.classes)
 
 
 def run_task(trainer: Trainer, shard: Shard, task: Task) -> Update:
@@ -58,7 +62,7 @@ def run_task(trainer: Trainer, shard: Shard, task: Task) -> Update:
 
     The head (and, for local training, the FE) stays in ``trainer``: the caller persists it. The evaluation is
     of the personalized model the last aggregation produced, reported as ``metrics['eval_correct'|
-    'eval_total'|'eval_loss']``; an evaluate-only task (no phases) returns just that.
+    'eval_total'|'eval_loss'|'eval_majority'|'eval_classes']``; an evaluate-only task (no phases) returns just that.
     """
     metrics = evaluate_received(trainer, shard, task)
     if task.evaluate_only:

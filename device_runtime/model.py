@@ -1,13 +1,16 @@
 """The device's personalized model as files an application loads with stock onnxruntime and numpy alone.
 
 After every round it answers, the agent writes the model it evaluated that round (the global FE it received, at
-its rank, and its own head) as one history directory and points ``WORKDIR/model`` at it:
+its rank, and its own head) as one history directory and points ``WORKDIR/model`` at it. A task of round t
+evaluates the model aggregated after round t - 1 (evaluation rides on the next round's task), so that model is
+named round t - 1: the round whose accuracy the server prints and reports for it (round 0: the initial model):
 
     model -> models/<seq>-round<round>    a relative symbolic link, replaced atomically (the current model)
     models/<seq>-round<round>/model.onnx  self-contained inference graph: input ``input`` (batch × C × H × W
                                           float32, dynamic batch), outputs ``logits`` and ``probabilities``
     models/<seq>-round<round>/model.json  input shape and dtype, normalization, class ids, run id, round, rank
-                                          tier, local test accuracy, sha256 of model.onnx
+                                          tier, local test accuracy beside the majority-class baseline,
+                                          sha256 of model.onnx
 
 ``seq`` counts the writes (rounds restart with every run; a round answered again gets a new directory). A history
 directory is complete before the link moves and never changes after, so a crash at any point leaves ``model``
@@ -15,7 +18,9 @@ on a loadable model, and a reader that resolved the link reads one consistent pa
 stay (``--keep-models``); a directory is self-contained: copying one elsewhere pins (rolls back to) that model.
 
 ``load(path).predict(x)`` and ``python -m device_runtime predict`` read the last complete model; they need no
-broker and no running agent.
+broker and no running agent. ``predict`` puts every accuracy beside the majority-class baseline (what answering
+the most common label for everything scores) and flags a model that answers one class for every input: on a
+skewed shard a trivial model's accuracy looks like a good one's.
 """
 from __future__ import annotations
 
@@ -62,8 +67,9 @@ class ModelError(ValueError):
 
 def model_info(*, graph_sha256: str, input_shape: tuple[int, ...], num_classes: int, run_id: str, round_index: int,
                rank_tier: float | None, plan_hash: str, plan_description: str, correct: int, total: int,
-               seq: int) -> dict:
-    """The contents of ``model.json``."""
+               seq: int, majority: int | None = None, classes: int | None = None) -> dict:
+    """The contents of ``model.json`` (``majority``: the test split's most common label's count; ``classes``: how
+    many classes the model answered on it; None where not known)."""
     return {
         "format": MODEL_FORMAT, "graph": GRAPH_FILE, "graph_sha256": graph_sha256,
         "input": {"name": INPUT, "shape": ["batch", *map(int, input_shape)], "dtype": "float32",
@@ -73,7 +79,9 @@ def model_info(*, graph_sha256: str, input_shape: tuple[int, ...], num_classes: 
         "run_id": run_id, "round": round_index, "rank_tier": rank_tier, "plan": plan_hash,
         "plan_description": plan_description,
         "local_test_accuracy": correct / total if total else None, "local_test_correct": correct,
-        "local_test_samples": total, "seq": seq,
+        "local_test_samples": total,
+        "local_test_majority_baseline": majority / total if total and majority is not None else None,
+        "local_test_predicted_classes": classes, "local_test_one_class": one_class(classes, total), "seq": seq,
     }
 
 
@@ -275,7 +283,9 @@ def build_predict_parser() -> argparse.ArgumentParser:
     where.add_argument("--model", help="a model directory (WORKDIR/models/<seq>-round<r>, or a copy of one)")
     p.add_argument("input", metavar="INPUT", help=".npy of images N×C×H×W float32, or a shard .npz")
     p.add_argument("--split", default="test", choices=("test", "train"), help="which split of a shard .npz")
-    p.add_argument("--json", action="store_true", help="print one JSON object: predictions (class ids in order), predicted_classes, one_class; with a shard's labels also correct, total and majority_baseline")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: predictions (class ids in order), predicted_classes, one_class; "
+                        "with a shard's labels also correct, total and majority_baseline")
     p.add_argument("--threads", type=int, default=1, help="compute threads")
     return p
 

@@ -55,6 +55,7 @@ class EvalResult:
     correct: int
     total: int
     loss: float  # mean cross-entropy per sample
+    classes: int  # distinct classes the model answered (1 over several samples: a trivial model, baseline.one_class)
 
     @property
     def accuracy(self) -> float:
@@ -276,13 +277,15 @@ class LocalTrainer(ABC):
         """Accuracy and mean cross-entropy of the current model (FE and head) on (x, y)."""
         self._check_data(x, y)
         _check_positive(batch_size=batch_size)
-        correct, loss = 0, 0.0
+        correct, loss, answered = 0, 0.0, set()
         for start in range(0, len(x), batch_size):
             logits, _ = self._forward(x[start:start + batch_size])
             labels = y[start:start + batch_size]
-            correct += int((logits.argmax(axis=1) == labels).sum())
+            predicted = logits.argmax(axis=1)
+            correct += int((predicted == labels).sum())
+            answered.update(predicted.tolist())
             loss += cross_entropy_sum(logits, labels)
-        return EvalResult(correct, len(x), loss / len(x))
+        return EvalResult(correct, len(x), loss / len(x), len(answered))
 
 
 class DeviceTrainer(LocalTrainer):

@@ -56,12 +56,14 @@ def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, *, anchors: np.n
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = EVAL_BATCH) -> EvalResult:
     device = module_device(model)
     model.eval()
-    correct, loss = 0, 0.0
+    correct, loss, answered = 0, 0.0, set()
     for start in range(0, len(x), batch_size):
         xb = torch.from_numpy(x[start:start + batch_size]).to(device)
         yb = torch.from_numpy(y[start:start + batch_size]).to(device)
         logits = model(xb)
         loss += F.cross_entropy(logits, yb, reduction="sum").item()
-        correct += int((logits.argmax(1) == yb).sum())
+        predicted = logits.argmax(1)
+        correct += int((predicted == yb).sum())
+        answered.update(predicted.tolist())
     model.train()
-    return EvalResult(correct, len(x), loss / max(len(x), 1))
+    return EvalResult(correct, len(x), loss / max(len(x), 1), len(answered))

@@ -160,6 +160,8 @@ NOT_ITS_ANSWER = ("on a topic of 'dev_000' [bad_topic]", "this run is run1", "st
     (update(num_samples=10_000), "num_samples 10000, expected 30"),
     (update(metrics={"eval_correct": 11, "eval_total": 10, "eval_loss": 0.1}), "does not fit the 10 test samples"),
     (update(metrics={}), "metrics lack"),
+    (update(metrics={**EVAL, "eval_majority": 11}), "eval_majority must be an integer in 0..10"),
+    (update(metrics={**EVAL, "eval_classes": True}), "eval_classes must be an integer in 0..10"),
 ])
 def test_bad_update_is_rejected_with_its_reason(message, reason):
     """A refused update is never accepted; it is the device's answer (dropped, with its reason, at the close) only

@@ -93,6 +93,9 @@ def test_predict_on_the_test_split_scores_the_reported_accuracy_without_torch_or
     info = json.loads((workdir / "model" / "model.json").read_text())
     assert (info["round"], info["rank_tier"]) == (ROUNDS, TIERS[device_id])  # the console's "accuracy after round"
     assert (info["local_test_correct"], info["local_test_samples"]) == (correct, len(shard.y_test))
+    assert info["local_test_majority_baseline"] == result["majority_baseline"] == np.bincount(shard.y_test).max() / len(
+        shard.y_test)
+    assert info["local_test_predicted_classes"] == result["predicted_classes"] == len(set(result["predictions"]))
     # The round before, a training round: its model is the one evaluated before training, as the device reported.
     history = sorted((workdir / "models").iterdir())
     assert [d.name.split("-")[1] for d in history] == [f"round{ROUNDS - 1}", f"round{ROUNDS}"]

@@ -43,14 +43,15 @@ def join(engine: RoundEngine, device_id: str, num_train: int = 50, budget: float
     return admission.plan
 
 
-def answer(engine: RoundEngine, device_id: str, task, num_train: int = 50, scale: float = 1.0, now: float = 1.0):
+def answer(engine: RoundEngine, device_id: str, task, num_train: int = 50, scale: float = 1.0, now: float = 1.0,
+           baseline: dict | None = None):
     weights = {k: v * np.float32(scale) for k, v in task.weights.items()}
     if task.returns == "none" or task.evaluate_only:
         weights = {}
     elif task.returns == "all":
         weights.update(engine._initial(device_id))
     update = Update(task.round, weights, 0 if task.evaluate_only else num_train, 1.0, 0.5,
-                    {"eval_correct": 5, "eval_total": 10, "eval_loss": 1.0})
+                    {"eval_correct": 5, "eval_total": 10, "eval_loss": 1.0, **(baseline or {})})
     msg = update_message(update, plan_hash=engine.plan_info(device_id).hash, device_id=device_id, run_id=RUN)
     return engine.receive(device_id, msg, now)
 
@@ -152,6 +153,21 @@ def test_a_rounds_record_is_completed_by_the_next_rounds_evaluations_with_per_ti
     assert completed["round"] == 1 and completed["accuracy"] == pytest.approx(0.5)
     assert set(completed["per_tier"]) == {"1", "0.5"}
     assert completed["per_device"]["dev_001"]["tier"] == "0.5"
+
+
+def test_a_record_puts_each_devices_majority_class_baseline_beside_its_accuracy():
+    engine = make_engine("fedara", tiers=(1.0, 0.5), predictor=lambda profile, samples: (lambda ratio: 100 * ratio))
+    join(engine, "dev_000", budget=200)
+    join(engine, "dev_001", budget=60)
+    baselines = {"dev_000": {"eval_majority": 5, "eval_classes": 1}, "dev_001": {"eval_majority": 3, "eval_classes": 4}}
+    for round_index, now in ((1, 0.0), (2, 2.0)):
+        for device_id, task in engine.open_round(round_index, now).items():
+            assert answer(engine, device_id, task, now=now + 1, baseline=baselines[device_id]).accepted
+        _, completed = engine.close_round(now + 1)
+    assert completed["per_device"]["dev_000"] == {"accuracy": 0.5, "tier": "1", "majority": 0.5, "classes": 1,
+                                                  "samples": 10}
+    assert completed["per_device"]["dev_001"]["majority"] == 0.3
+    assert {t: v["majority"] for t, v in completed["per_tier"].items()} == {"1": 0.5, "0.5": 0.3}
 
 
 def test_a_device_lost_during_its_training_round_that_misses_it_rejoins_at_a_lower_tier():

@@ -24,6 +24,9 @@ ALL_ANSWERED = "all answered"
 DEADLINE = "deadline"
 NO_ANSWER = "no answer by the deadline"
 EVAL_KEYS = ("eval_correct", "eval_total", "eval_loss")
+BASELINE_KEYS = ("eval_majority", "eval_classes")
+"""What an evaluation is read beside (device_runtime.baseline): the test split's majority-class count and how many
+classes the model answered; optional (a device that does not send them shows no baseline)."""
 
 Screen = Callable[[str, Update], "Update | str"]
 """A last check of a well-formed training update, (device id, update) -> the update to aggregate, or why it
@@ -89,6 +92,8 @@ class Evaluation:
     correct: int
     total: int
     loss: float
+    majority: int | None = None  # the test split's most common label's count
+    classes: int | None = None  # distinct classes the model answered
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,11 @@ def _evaluation(metrics: dict[str, Any], num_test: int) -> Evaluation | str:
         return f"evaluation {correct}/{total} does not fit the {num_test} test samples declared at join"
     if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
         return f"eval_loss must be a finite number, got {loss!r:.20}"
-    return Evaluation(correct, total, float(loss))
+    majority, classes = (metrics.get(k) for k in BASELINE_KEYS)
+    for key, value in zip(BASELINE_KEYS, (majority, classes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= total):
+            return f"{key} must be an integer in 0..{total} (the test samples), got {value!r:.20}"
+    return Evaluation(correct, total, float(loss), majority, classes)
 
 
 class Coordinator:

@@ -89,7 +89,9 @@ class TrainingRecord:
     def completed(self, evaluations: dict[str, Evaluation]) -> dict[str, Any]:
         """The metrics row: this record with the evaluations of its model, in device-id order (never arrival
         order: the std and mean loss, float sums, must not depend on timing)."""
-        per_device = {d: {"accuracy": e.correct / e.total if e.total else None, "tier": self.tiers.get(d, "-")}
+        per_device = {d: {"accuracy": e.correct / e.total if e.total else None, "tier": self.tiers.get(d, "-"),
+                          "majority": e.majority / e.total if e.total and e.majority is not None else None,
+                          "classes": e.classes, "samples": e.total}
                       for d, e in sorted(evaluations.items())}
         ordered = [evaluations[d] for d in sorted(evaluations)]
         return dict(self.row(), **evaluation_summary(ordered), per_device=per_device,
@@ -104,12 +106,16 @@ class TrainingRecord:
 
 
 def per_tier(evaluations: dict[str, Evaluation], tiers: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """Accuracy (Σ correct / Σ total) and device count per rank tier."""
+    """Accuracy (Σ correct / Σ total), device count and majority-class baseline (Σ majority / Σ total: each device
+    answering its own most common label; None unless every device sent its count) per rank tier."""
     out: dict[str, dict[str, Any]] = {}
     for device_id, e in evaluations.items():
-        bucket = out.setdefault(tiers.get(device_id, "-"), {"correct": 0, "total": 0, "devices": 0})
+        bucket = out.setdefault(tiers.get(device_id, "-"), {"correct": 0, "total": 0, "devices": 0, "majority": 0})
         bucket["correct"] += e.correct
         bucket["total"] += e.total
         bucket["devices"] += 1
-    return {t: {"accuracy": b["correct"] / b["total"] if b["total"] else None, "devices": b["devices"]}
+        known = e.majority is not None and bucket["majority"] is not None
+        bucket["majority"] = bucket["majority"] + e.majority if known else None
+    return {t: {"accuracy": b["correct"] / b["total"] if b["total"] else None, "devices": b["devices"],
+                "majority": b["majority"] / b["total"] if b["total"] and b["majority"] is not None else None}
             for t, b in sorted(out.items())}
