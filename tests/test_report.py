@@ -7,9 +7,12 @@ import pytest
 
 from server.engine.coordinator import Evaluation
 from server.engine.evaluation import evaluation_summary
+from matplotlib.colors import to_hex
+
 from server.outputs.report import (ACCURACY_PLOT, BYTES_PLOT, DEVICE_PLOT, EVALUATION_NOTE, METRICS_CSV, accuracy_figure,
-                           device_accuracies, read_metrics, tier_accuracy, tiers_of,
-                           training_mb_by_tier, write_metrics, write_metrics_csv, write_report)
+                           bytes_figure, device_accuracies, device_accuracy_figure, read_metrics, tier_accuracy,
+                           tiers_of, training_mb_by_tier, write_metrics, write_metrics_csv, write_report)
+from server.outputs.tier_colors import tier_colors
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -122,10 +125,33 @@ def test_tier_accuracy_pools_the_tiers_test_samples_each_round_largest_ratio_fir
 
 def test_the_report_tabulates_tiers_and_devices_and_plots_them(tmp_path):
     text = write_report(tmp_path, DEVICE_RECORDS, {}).read_text()
-    assert "| 0.25 | 2 | 0.7000 | 0.5000 | 0.7000 |" in text  # round 2 pools dev_001 alone
-    assert "| dev_002 | 0.25 | 0.5000 | 1 |" in text
+    assert "| 0.25 | 2 | 0.7000 | – | 0.5000 | 0.7000 |" in text  # round 2 pools dev_001 alone; no baseline sent
+    assert "| dev_002 | 0.25 | 0.5000 | – | 1 |  |" in text
     assert f"]({DEVICE_PLOT})" in text
     assert (tmp_path / DEVICE_PLOT).read_bytes().startswith(PNG_MAGIC)
+
+
+def test_each_accuracy_has_its_majority_class_baseline_beside_it_and_a_one_class_model_is_flagged(tmp_path):
+    """dev_000 answers class 7 for all 149 of its test samples: its 0.8658 is its majority share (129/149)."""
+    trivial = {"accuracy": 129 / 149, "tier": "1", "majority": 129 / 149, "classes": 1, "samples": 149}
+    learned = {"accuracy": 0.8, "tier": "1", "majority": 0.4, "classes": 6, "samples": 150}
+    text = write_report(tmp_path, [record(1, 0.83, per_device={"dev_000": trivial, "dev_001": learned},
+                                          per_tier={"1": {"accuracy": 0.83, "devices": 2, "majority": 0.63}})],
+                        {}).read_text()
+    assert "| 1 | 2 | 0.8300 | 0.6300 | 0.8000 | 0.8658 |" in text
+    assert "| dev_000 | 1 | 0.8658 | 0.8658 | 1 | ONE CLASS: a trivial model |" in text
+    assert "| dev_001 | 1 | 0.8000 | 0.4000 | 1 |  |" in text
+
+
+def test_a_tier_has_one_colour_in_every_plot_and_on_the_status_page():
+    colours = tier_colors(["0.25", "1", "0.5"])
+    assert colours == {"1": "#1f77b4", "0.5": "#ff7f0e", "0.25": "#2ca02c"}  # tab10 by ratio, largest first
+    records = [record(1, 0.5, **per_device(dev_000=(4, 10, "1"), dev_001=(6, 10, "0.25")))]
+    lines = {line.get_label().split(":")[0]: to_hex(line.get_color())
+             for line in device_accuracy_figure(records).axes[0].get_lines() if line.get_label().startswith("ratio")}
+    assert lines == {"ratio 1": colours["1"], "ratio 0.25": tier_colors(["1", "0.25"])["0.25"]}
+    bars = {c.get_label(): to_hex(c.patches[0].get_facecolor()) for c in bytes_figure(records).axes[0].containers}
+    assert bars == {"ratio 1": "#1f77b4", "ratio 0.25": "#ff7f0e"}
 
 
 def test_a_run_without_per_device_records_has_no_device_section_or_plot(tmp_path):

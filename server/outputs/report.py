@@ -21,7 +21,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from device_runtime.atomic_file import write_atomic
+from device_runtime.baseline import one_class
 from server.engine.evaluation import TIER_DIRECTIONS
+from server.outputs.tier_colors import tier_colors, tier_order
 
 METRICS_FILE = "metrics.jsonl"
 METRICS_CSV = "metrics.csv"
@@ -108,17 +110,9 @@ def plot_accuracy(records: Sequence[Mapping[str, Any]], path: str | os.PathLike)
     _save(accuracy_figure(records), Path(path))
 
 
-def _tier_order(tier: str) -> tuple[int, float, str]:
-    """Largest ratio first; a tier that is not a number goes last."""
-    try:
-        return (0, -float(tier), tier)
-    except ValueError:
-        return (1, 0.0, tier)
-
-
 def tiers_of(records: Sequence[Mapping[str, Any]]) -> list[str]:
     """Every tier that moved bytes in some round, largest ratio first."""
-    return sorted({t for r in records for t in r.get("bytes_by_tier", {})}, key=_tier_order)
+    return sorted({t for r in records for t in r.get("bytes_by_tier", {})}, key=tier_order)
 
 
 def training_mb_by_tier(records: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
@@ -128,14 +122,20 @@ def training_mb_by_tier(records: Sequence[Mapping[str, Any]]) -> dict[str, list[
 
 
 def plot_bytes_by_tier(records: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
-    """Stacked bars: MB of training traffic per round (down + up + artifacts, as in the table) by rank tier;
-    evaluation-only downloads are left out, as the table's and summary's totals leave them out."""
+    """Save ``bytes_figure`` as a PNG."""
+    _save(bytes_figure(records), Path(path))
+
+
+def bytes_figure(records: Sequence[Mapping[str, Any]]) -> Figure:
+    """Stacked bars: MB of training traffic per round (down + up + artifacts, as in the table) by rank tier, in the
+    tiers' colours; evaluation-only downloads are left out, as the table's and summary's totals leave them out."""
     figure = Figure(figsize=PLOT_SIZE_IN)
     ax = figure.add_subplot()
     rounds = [r["round"] for r in records]
     bottom = [0.0] * len(records)
+    colours = tier_colors(tiers_of(records))
     for tier, heights in training_mb_by_tier(records).items():
-        ax.bar(rounds, heights, bottom=bottom, label=f"ratio {tier}")
+        ax.bar(rounds, heights, bottom=bottom, label=f"ratio {tier}", color=colours[tier])
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set_title("Training traffic per round by rank tier (evaluation-only downloads not shown)", fontsize=9)
     ax.set_xlabel("round")
@@ -144,7 +144,7 @@ def plot_bytes_by_tier(records: Sequence[Mapping[str, Any]], path: str | os.Path
         ax.set_ylim(0.0, max(max(bottom) * 1.3, 1e-3))  # room for the legend above the bars
         ax.legend(loc="upper center", ncol=max(1, len(tiers_of(records))), fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    _save(figure, Path(path))
+    return figure
 
 
 def device_accuracies(records: Sequence[Mapping[str, Any]]) -> dict[str, tuple[str, list[tuple[int, float]]]]:
@@ -169,15 +169,21 @@ def tier_accuracy(records: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[
         for tier, entry in (r.get("per_tier") or {}).items():
             if entry.get("accuracy") is not None:
                 points.setdefault(str(tier), []).append((r["round"], entry["accuracy"]))
-    return {tier: points[tier] for tier in sorted(points, key=_tier_order)}
+    return {tier: points[tier] for tier in sorted(points, key=tier_order)}
 
 
 def plot_device_accuracy(records: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
-    """One thin line per device and one thick line per tier (its devices' test samples pooled), coloured by tier."""
+    """Save ``device_accuracy_figure`` as a PNG."""
+    _save(device_accuracy_figure(records), Path(path))
+
+
+def device_accuracy_figure(records: Sequence[Mapping[str, Any]]) -> Figure:
+    """One thin line per device and one thick line per tier (its devices' test samples pooled), in the tiers'
+    colours (server.outputs.tier_colors: the status page's too)."""
     figure = Figure(figsize=PLOT_SIZE_IN)
     ax = figure.add_subplot()
     devices = device_accuracies(records)
-    colours = {tier: f"C{i}" for i, tier in enumerate(tier_accuracy(records))}
+    colours = tier_colors(tier_accuracy(records))
     for tier, points in tier_accuracy(records).items():
         count = sum(1 for t, _ in devices.values() if t == tier)
         rounds, acc = zip(*points)
@@ -193,28 +199,49 @@ def plot_device_accuracy(records: Sequence[Mapping[str, Any]], path: str | os.Pa
     ax.grid(alpha=0.3)
     if devices:
         ax.legend(loc="lower right", fontsize=8)
-    _save(figure, Path(path))
+    return figure
 
 
 def _fmt(value: Any, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def last_entries(records: Sequence[Mapping[str, Any]], key: str) -> dict[str, Mapping[str, Any]]:
+    """Each device's (``key="per_device"``) or tier's (``"per_tier"``) entry of the last record that evaluated it."""
+    last: dict[str, Mapping[str, Any]] = {}
+    for r in records:
+        last.update({str(k): v for k, v in (r.get(key) or {}).items() if v.get("accuracy") is not None})
+    return last
+
+
+def one_class_note(entry: Mapping[str, Any]) -> str:
+    """The device table's flag for a model that answered one class for every test sample."""
+    return "ONE CLASS: a trivial model" if one_class(entry.get("classes"), entry.get("samples") or 0) else ""
+
+
 def device_section(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    """report.md lines: each tier's and each device's accuracy at its last evaluated round; [] without data."""
+    """report.md lines: each tier's and each device's accuracy at its last evaluated round beside its
+    majority-class baseline, a model that answers one class flagged; [] without data."""
     devices = device_accuracies(records)
     if not devices:
         return []
+    tiers, entries = last_entries(records, "per_tier"), last_entries(records, "per_device")
     lines = ["## Accuracy per rank tier and device", "",
              "At the last evaluated round; a tier's accuracy pools its devices' test samples (Σ correct / Σ test "
-             "samples, as the console and metrics.jsonl report it); min and max are over its devices.", "",
-             "| tier | devices | accuracy | min | max |", "| --- | --- | --- | --- | --- |"]
+             "samples, as the console and metrics.jsonl report it); min and max are over its devices. The "
+             "majority-class baseline is what answering each device's most common test label for everything "
+             "would score: an accuracy near it says little, and a model that answers one class is flagged.", "",
+             "| tier | devices | accuracy | majority-class baseline | min | max |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for tier, points in tier_accuracy(records).items():
         final = [p[-1][1] for t, p in devices.values() if t == tier]
         low, high = (_fmt(min(final), ".4f"), _fmt(max(final), ".4f")) if final else ("–", "–")
-        lines.append(f"| {tier} | {len(final)} | {points[-1][1]:.4f} | {low} | {high} |")
-    lines += ["", "| device | tier | accuracy | round |", "| --- | --- | --- | --- |"]
-    lines += [f"| {device_id} | {tier} | {points[-1][1]:.4f} | {points[-1][0]} |"
+        baseline = _fmt(tiers.get(tier, {}).get("majority"), ".4f")
+        lines.append(f"| {tier} | {len(final)} | {points[-1][1]:.4f} | {baseline} | {low} | {high} |")
+    lines += ["", "| device | tier | accuracy | majority-class baseline | round | |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {device_id} | {tier} | {points[-1][1]:.4f} | {_fmt(entries[device_id].get('majority'), '.4f')} | "
+              f"{points[-1][0]} | {one_class_note(entries[device_id])} |"
               for device_id, (tier, points) in devices.items()]
     return [*lines, "", f"![accuracy per device and tier]({DEVICE_PLOT})", ""]
 
