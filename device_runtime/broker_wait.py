@@ -1,5 +1,7 @@
-"""Waiting for the broker when a device starts: say why it is not reachable, at a bounded rate, and give up
-after ``--connect-timeout`` seconds (0: never) instead of printing "waiting" forever.
+"""Waiting for the broker when a device (or the server, or an aggregator) starts: say why it is not reachable
+("connection refused", a host that does not resolve) after the first failed try, again at a bounded rate, and
+give up after the connect timeout (``--connect-timeout`` of a device, ``--broker-connect-timeout`` of the server and
+its aggregators; 0: never) instead of waiting without a word.
 
 paho retries in its network thread and keeps the reason of a failed attempt to itself, so the reason comes
 from ``unreachable_reason``: one plain TCP connection to the broker's address. The decisions (report now?
@@ -54,9 +56,11 @@ def unreachable_reason(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S)
 
 def wait_for_broker(endpoint: MqttEndpoint, stop: threading.Event, timeout_s: float, *,
                     clock: Callable[[], float] = time.monotonic,
-                    reason: Callable[[str, int], str] = unreachable_reason) -> bool:
-    """Block until ``endpoint`` is connected (True) or ``stop`` is set (False), logging why it is not at most
-    every REPORT_EVERY_S; raise BrokerUnreachableError after ``timeout_s`` (0: wait for ever).
+                    reason: Callable[[str, int], str] = unreachable_reason, flag: str = "--connect-timeout",
+                    log: logging.Logger = LOG) -> bool:
+    """Block until ``endpoint`` is connected (True) or ``stop`` is set (False), logging (on ``log``) why it is not
+    at most every REPORT_EVERY_S; raise BrokerUnreachableError after ``timeout_s`` (0: wait for ever), naming
+    ``flag``, the timeout's flag.
 
     BrokerRefusedError (the broker answered and refused these credentials) passes through.
     """
@@ -69,9 +73,9 @@ def wait_for_broker(endpoint: MqttEndpoint, stop: threading.Event, timeout_s: fl
             now = clock()
             host, port = endpoint.url.host, endpoint.url.port  # the broker of the list it tries now
             if timed_out(started, now, timeout_s):
-                raise BrokerUnreachableError(f"no broker at {host}:{port} after --connect-timeout {timeout_s:g} s: "
+                raise BrokerUnreachableError(f"no broker at {host}:{port} after {flag} {timeout_s:g} s: "
                                              f"{reason(host, port)}") from None
             if report_due(last_report, now):
                 last_report = now
-                LOG.warning("%s; retrying", reason(host, port))
+                log.warning("%s; retrying until %s %g s", reason(host, port), flag, timeout_s)
     return False

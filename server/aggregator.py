@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -34,11 +35,12 @@ from device_runtime.messages import MessageError
 from device_runtime.protocol import ProtocolError
 from device_runtime.task import tensor_bytes
 from device_runtime.topics import check_topic_device
+from device_runtime.broker_wait import BrokerUnreachableError, wait_for_broker
 from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers
 from server.engine import folding_records as folding
 from server.mqtt import aggregation_wire as wire
 from server.engine.aggregate import StreamingAverage
-from server.cli import PASSWORD_ENV, add_broker_flags, fail
+from server.cli import PASSWORD_ENV, add_broker_flags, check_broker_connect_timeout, fail
 from server.mqtt.enrollment import EnrollmentError, load_enrollment, load_server_key
 from server.engine.sampling import to_torch
 from server.engine.update_rule import Answer, body_problem, header_problem
@@ -46,7 +48,6 @@ from server.engine.update_rule import Answer, body_problem, header_problem
 LOG = logging.getLogger("fedara.aggregator")
 BRIEF_BYTES = 16 << 20
 """What an aggregator takes before its first brief says how large an update may be."""
-CONNECT_TIMEOUT_S = 30.0
 POLL_S = 0.2
 
 
@@ -244,7 +245,8 @@ def run(args: argparse.Namespace) -> None:
                             max_message_bytes=BRIEF_BYTES, clean_session=True)
     endpoint.start()
     try:
-        endpoint.wait_connected(CONNECT_TIMEOUT_S)
+        wait_for_broker(endpoint, threading.Event(), args.broker_connect_timeout, flag="--broker-connect-timeout",
+                        log=LOG)
         shell = Shell(args, core, endpoint, link)
         shell.ready()
         LOG.info("%s: aggregator on %s", args.name, endpoint.url)
@@ -271,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--broker is required: the mqtt://HOST:PORT of the broker the server and devices use")
     try:
         parse_brokers(args.broker)
+        check_broker_connect_timeout(args)
     except ValueError as exc:
         return fail(str(exc))
     try:
@@ -280,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         run(args)
-    except (EnrollmentError, TransportError, OSError) as exc:
+    except (EnrollmentError, TransportError, BrokerUnreachableError, OSError) as exc:
         return fail(str(exc))
     except KeyboardInterrupt:
         return 0

@@ -23,21 +23,23 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from device_runtime.broker_wait import BrokerUnreachableError, wait_for_broker
 from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers, rotate_brokers
 from server.mqtt import cgroups
 from server.cli import (PASSWORD_ENV, STATUS_HOST, add_broker_flags, add_status_flags, check_args,
-                        check_before_loading, check_status_args, console_logging, fail, new_parser, parse, run_folder)
+                        check_before_loading, check_broker_connect_timeout, check_status_args, console_logging, fail,
+                        new_parser, parse, run_folder)
 from server.mqtt.enrollment import ENROLL_OPEN
 
 LOG = logging.getLogger("fedara.server")
 POLL_S = 0.2
-CONNECT_TIMEOUT_S = 30.0
 DEFAULT_ROUND_DEADLINE_S = 300.0
 DEFAULT_JOIN_TIMEOUT_S = 300.0
 DEFAULT_AGGREGATOR_TIMEOUT_S = 60.0
@@ -132,6 +134,7 @@ def check_broker_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--aggregators {args.aggregators} needs --enroll FILE: with --enroll open every device "
                          "holds the run key, so nothing could seal what the server and its aggregators say")
     check_status_args(args)
+    check_broker_connect_timeout(args)
     if args.local_memory_limit_mb:
         try:
             cgroups.parse_limits(args.local_memory_limit_mb)
@@ -163,7 +166,7 @@ from server.outputs.status_snapshot import fleet_snapshot
 from server.mqtt import aggregation_wire as wire
 from server.mqtt.enrollment import LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, load_server_key, run_key_ring
 from server.data.partition import write_shards
-from server.outputs.progress import Progress, print_and_log
+from server.outputs.progress import Progress, final_line, print_and_log
 from server.engine.rank_assignment import OverrideError
 from server.engine.run_config import FederationConfig, RunError
 from server.run_setup import Deployment, RunFolder, assemble
@@ -211,15 +214,17 @@ class Federation:
                                          max_inbound=max_inbound, logs=out.path / AGGREGATORS_DIR, pump=self._pump,
                                          send_task=self._send_task, refusals=self.refusals)
 
-    def publish_status(self, *, force: bool = False) -> None:
-        """Hand --status-port a fresh snapshot of the run (at most every STATUS_EVERY_S unless ``force``)."""
+    def publish_status(self, *, force: bool = False, finished: bool = False) -> None:
+        """Hand --status-port a fresh snapshot of the run (at most every STATUS_EVERY_S unless ``force``; ``finished``:
+        the run's last)."""
         now = time.monotonic()
         if self.status is None or (not force and now - self._status_at < STATUS_EVERY_S):
             return
         self._status_at = now
         self.status.publish(fleet_snapshot(self.engine, now=now, wall=time.time(), transport=self.endpoint.stats,
                                            refusals=self.refusals, aggregators=self.channel.at,
-                                           rounds=self.engine.config.rounds, previous=self.status.latest()))
+                                           rounds=self.engine.config.rounds, previous=self.status.latest(),
+                                           finished=finished))
 
     def _send(self, device_id: str, msg: Message) -> None:
         self.endpoint.publish(Topics(self.args.prefix, device_id).down, self.link.seal(msg), msg.msg_id)
@@ -419,7 +424,7 @@ class Federation:
         if self.engine.pending is not None:
             progress.evaluated(self.run_round(rounds + 1, train=False))
         self.checkpoint(rounds, finished=True)
-        self.publish_status(force=True)
+        self.publish_status(force=True, finished=True)
 
     def checkpoint(self, round_index: int, *, finished: bool) -> None:
         state = {"run_id": self.engine.run_id, "settings": self.settings, "engine": self.engine.to_state(),
@@ -451,6 +456,16 @@ def local_limits(args: argparse.Namespace) -> list[float]:
     return cgroups.parse_limits(args.local_memory_limit_mb)
 
 
+def linger(status: StatusServer, seconds: float) -> None:
+    """Keep the status page up ``seconds`` after the run (its last snapshot, marked finished); Ctrl-C ends it."""
+    print(f"status: the run has ended; {status.url} stays up {seconds:g} s (--status-linger; Ctrl-C ends it)",
+          flush=True)
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        pass
+
+
 def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> None:
     """Set the run up (or resume it), connect, spawn the local devices, federate, report (flags checked: ``config``
     is check_args')."""
@@ -474,56 +489,60 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
     subscriptions += [wire.engine_filter(args.prefix)] if aggregators else []
     anything_a_server_held = [*server_subscriptions(args.prefix), wire.engine_filter(args.prefix)]
     local, local_aggregators = LocalDevices(on_oom=engine.demote), LocalDevices("aggregator")
-    with broker_url(args) as url, contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as status_stack:  # the page outlives the broker and the devices by --status-linger
         status = None
         if args.status_port is not None:
-            status = stack.enter_context(StatusServer(args.status_host or STATUS_HOST, args.status_port))
-            print(f"status: {status.url} (/metrics for Prometheus, /api/status), read-only, until the run ends",
-                  flush=True)
-        endpoint = MqttEndpoint(f"fedara-server-{args.prefix.replace('/', '_')}", url,
-                                subscriptions=subscriptions, unsubscriptions=anything_a_server_held,
-                                username=args.username, password=args.password, tls_ca=args.tls_ca,
-                                tls_cert=args.tls_cert, tls_key=args.tls_key, max_frame_bytes=args.max_message_bytes,
-                                max_message_bytes=max_inbound, max_pending_bytes=PENDING_UPDATES_BUDGETED * max_inbound,
-                                clean_session=False)
-        endpoint.start()
-        stack.callback(endpoint.stop)
-        endpoint.wait_connected(CONNECT_TIMEOUT_S)
-        LOG.info("run %s on %s, prefix %s, algorithm %s", run_id, url, args.prefix, config.algo)
-        print(f"run {run_id}: {config.algo} on {url}, run folder {out.path}", flush=True)
-        if aggregators:
-            stack.callback(local_aggregators.stop)
-            (out.path / AGGREGATORS_DIR).mkdir(exist_ok=True)
-            for i, name in enumerate(aggregators):
-                # A member's counters live with the deployment's (like a device's workdir): kept across runs. Member
-                # i starts on node i + 1 of a --broker list (the server on node 0).
-                local_aggregators.spawn(name, aggregator_command(args, rotate_brokers(url, i + 1), name, enrollment,
-                                                                 auth_state / AGGREGATORS_DIR / name),
-                                        out.path / AGGREGATORS_DIR / f"{name}.log",
-                                        env={PASSWORD_ENV: args.password} if args.password else None)
-        if shards:
-            shard_paths = write_shards(list(shards.values()), out.path / SHARDS_DIR, filename=DEVICE_SHARD_FILENAME)
-            stack.callback(local.stop)
-            limits = local_limits(args)
-            for i, (device_id, shard_path) in enumerate(zip(shards, shard_paths)):
-                workdir = out.path / DEVICES_DIR / device_id
-                workdir.mkdir(parents=True, exist_ok=True)
-                group = cgroups.create_group(device_id, limits[i % len(limits)]) if limits else None
-                budget = None if group is not None else budgets[i % len(budgets)]
-                # device i starts on node i of a --broker list: a local run spreads over every node
-                local.spawn(device_id, device_command(args, rotate_brokers(url, i), device_id, shard_path, workdir,
-                                                      budget, out.path / LOCAL_KEYS_DIR / f"{device_id}.key",
-                                                      args.max_message_bytes),
-                            out.path / DEVICES_DIR / f"{device_id}.log", group)
-        federation = Federation(args, engine, endpoint, out, local, settings, max_inbound, link, aggregators,
-                                aggregator_link, status)
-        if saved and saved.state["finished"] and saved.round >= config.rounds:
-            LOG.info("the run in %s is finished; rewriting its report", out.path)
-        else:
-            federation.run(assembly.first_round(), Progress(config.rounds))
-    report = out.report(engine.records, dict(settings, run_id=run_id, broker=args.broker or "embedded",
-                                             driver="broker_loop"))
-    print(f"wrote {out.path / 'metrics.jsonl'}, metrics.csv and {report}", flush=True)
+            status = status_stack.enter_context(StatusServer(args.status_host or STATUS_HOST, args.status_port))
+            print(f"status: {status.url} (/metrics for Prometheus, /api/status), read-only, until the run ends"
+                  + (f" and {args.status_linger:g} s after" if args.status_linger else ""), flush=True)
+        with broker_url(args) as url, contextlib.ExitStack() as stack:
+            endpoint = MqttEndpoint(f"fedara-server-{args.prefix.replace('/', '_')}", url,
+                                    subscriptions=subscriptions, unsubscriptions=anything_a_server_held,
+                                    username=args.username, password=args.password, tls_ca=args.tls_ca,
+                                    tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                    max_frame_bytes=args.max_message_bytes, max_message_bytes=max_inbound,
+                                    max_pending_bytes=PENDING_UPDATES_BUDGETED * max_inbound, clean_session=False)
+            endpoint.start()
+            stack.callback(endpoint.stop)
+            wait_for_broker(endpoint, threading.Event(), args.broker_connect_timeout, flag="--broker-connect-timeout",
+                            log=LOG)
+            LOG.info("run %s on %s, prefix %s, algorithm %s", run_id, url, args.prefix, config.algo)
+            print(f"run {run_id}: {config.algo} on {url}, run folder {out.path}", flush=True)
+            if aggregators:
+                stack.callback(local_aggregators.stop)
+                (out.path / AGGREGATORS_DIR).mkdir(exist_ok=True)
+                for i, name in enumerate(aggregators):
+                    # A member's counters live with the deployment's (like a device's workdir): kept across runs. Member
+                    # i starts on node i + 1 of a --broker list (the server on node 0).
+                    local_aggregators.spawn(name, aggregator_command(args, rotate_brokers(url, i + 1), name, enrollment,
+                                                                     auth_state / AGGREGATORS_DIR / name),
+                                            out.path / AGGREGATORS_DIR / f"{name}.log",
+                                            env={PASSWORD_ENV: args.password} if args.password else None)
+            if shards:
+                shard_paths = write_shards(list(shards.values()), out.path / SHARDS_DIR, filename=DEVICE_SHARD_FILENAME)
+                stack.callback(local.stop)
+                limits = local_limits(args)
+                for i, (device_id, shard_path) in enumerate(zip(shards, shard_paths)):
+                    workdir = out.path / DEVICES_DIR / device_id
+                    workdir.mkdir(parents=True, exist_ok=True)
+                    group = cgroups.create_group(device_id, limits[i % len(limits)]) if limits else None
+                    budget = None if group is not None else budgets[i % len(budgets)]
+                    # device i starts on node i of a --broker list: a local run spreads over every node
+                    local.spawn(device_id, device_command(args, rotate_brokers(url, i), device_id, shard_path, workdir,
+                                                          budget, out.path / LOCAL_KEYS_DIR / f"{device_id}.key",
+                                                          args.max_message_bytes),
+                                out.path / DEVICES_DIR / f"{device_id}.log", group)
+            federation = Federation(args, engine, endpoint, out, local, settings, max_inbound, link, aggregators,
+                                    aggregator_link, status)
+            if saved and saved.state["finished"] and saved.round >= config.rounds:
+                LOG.info("the run in %s is finished; rewriting its report", out.path)
+            else:
+                federation.run(assembly.first_round(), Progress(config.rounds))
+        report = out.report(engine.records, dict(settings, run_id=run_id, broker=args.broker or "embedded",
+                                                 driver="broker_loop"))
+        print(final_line(engine.records, out.path, report), flush=True)
+        if status is not None and args.status_linger:
+            linger(status, args.status_linger)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -544,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, signal.default_int_handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         run(args, config, out)
-    except (RunError, CheckpointError, OverrideError, TransportError, ValueError, OSError) as exc:
+    except (RunError, CheckpointError, OverrideError, TransportError, BrokerUnreachableError, ValueError,
+            OSError) as exc:
         file_log.handle(LOG.makeRecord(LOG.name, logging.ERROR, __file__, 0, "%s", (exc,), None))  # not twice on screen
         return fail(str(exc))
     except KeyboardInterrupt:

@@ -34,6 +34,7 @@ class Formatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
 
 
 PASSWORD_ENV = "FEDARA_MQTT_PASSWORD"
+DEFAULT_BROKER_CONNECT_TIMEOUT_S = 30.0
 
 
 def add_broker_flags(parser: argparse.ArgumentParser, default_broker: str = "required") -> None:
@@ -51,6 +52,15 @@ def add_broker_flags(parser: argparse.ArgumentParser, default_broker: str = "req
     mqtt.add_argument("--tls-key", default=None, help="the private key of --tls-cert")
     mqtt.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                       help="largest MQTT publish (keep under the broker's limit); longer messages go as chunks")
+    mqtt.add_argument("--broker-connect-timeout", type=float, default=DEFAULT_BROKER_CONNECT_TIMEOUT_S,
+                      metavar="SECONDS", help="give up when no broker answers this long (why it does not - connection "
+                                              "refused, a host that does not resolve - is said after the first try)")
+
+
+def check_broker_connect_timeout(args: argparse.Namespace) -> None:
+    """Raise ValueError for a --broker-connect-timeout that is not a positive number of seconds."""
+    if not (math.isfinite(args.broker_connect_timeout) and args.broker_connect_timeout > 0):
+        raise ValueError(f"--broker-connect-timeout must be positive seconds, got {args.broker_connect_timeout:g}")
 
 
 STATUS_HOST = "127.0.0.1"
@@ -65,14 +75,20 @@ def add_status_flags(parser: argparse.ArgumentParser) -> None:
     status.add_argument("--status-host", default=None, metavar="HOST",
                         help=f"address the status port listens on ({STATUS_HOST}: this machine only; 0.0.0.0 shows "
                              "the fleet to anyone who can reach the server)")
+    status.add_argument("--status-linger", type=float, default=0.0, metavar="SECONDS",
+                        help="keep the status port up this long after the run, showing its final state (Ctrl-C ends "
+                             "it sooner)")
 
 
 def check_status_args(args: argparse.Namespace) -> None:
     """Raise ValueError for a --status-port out of range, or --status-host without a port."""
     if args.status_port is None:
-        if args.status_host is not None:
-            raise ValueError(f"--status-host {args.status_host} needs --status-port PORT")
+        for flag, value in (("--status-host", args.status_host), ("--status-linger", args.status_linger or None)):
+            if value is not None:
+                raise ValueError(f"{flag} {value} needs --status-port PORT")
         return
+    if not (math.isfinite(args.status_linger) and args.status_linger >= 0):
+        raise ValueError(f"--status-linger must be seconds >= 0, got {args.status_linger:g}")
     if not 0 <= args.status_port <= 65535:
         raise ValueError(f"--status-port must be a TCP port in 0..65535 (0: any free port), got {args.status_port}")
 

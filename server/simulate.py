@@ -69,7 +69,7 @@ from device_runtime.task import Task, Update
 from server.in_process import InProcessDevice, Trainers
 from server.outputs.checkpoint import CheckpointError
 from server.parallel_devices import DevicePool, WorkerError, WorkerSettings
-from server.outputs.progress import Progress, print_and_log
+from server.outputs.progress import Progress, final_line, print_and_log
 from server.engine.rank_assignment import OverrideError
 from server.engine.run_config import RunError
 from server.run_setup import Deployment, PlanArtifacts, RunFolder, assemble
@@ -190,10 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RunError, CheckpointError, OverrideError, WorkerError) as exc:
         return fail(str(exc))
     settings = dict(simulation.settings, run_id=simulation.run_id, driver="simulate", backend=args.backend)
-    report = out.report(records, settings)
-    result = summary(records)
-    final = "–" if result["final_accuracy"] is None else f"{result['final_accuracy']:.4f}"
-    print(f"final accuracy {final}; wrote {out.path / 'metrics.jsonl'}, metrics.csv and {report}", flush=True)
+    print(final_line(records, out.path, out.report(records, settings)), flush=True)
     return 0
 
 

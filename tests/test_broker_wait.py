@@ -1,9 +1,16 @@
-"""Waiting for the broker at device start-up: when to say why, when to give up, and what the reason says."""
+"""Waiting for the broker at start-up (a device, the server, an aggregator): when to say why, when to give up, and
+what the reason says."""
 from __future__ import annotations
 
+import logging
 import socket
+import threading
 
-from device_runtime.broker_wait import REPORT_EVERY_S, report_due, timed_out, unreachable_reason
+import pytest
+
+from device_runtime.broker_wait import (REPORT_EVERY_S, BrokerUnreachableError, report_due, timed_out,
+                                        unreachable_reason, wait_for_broker)
+from device_runtime.transport import MqttEndpoint
 from tests.conftest import free_loopback_port
 
 
@@ -39,3 +46,31 @@ def test_a_listener_that_speaks_no_mqtt_is_told_apart_from_a_missing_broker():
 def test_an_unknown_host_is_named():
     reason = unreachable_reason("no-such-host.invalid", 1883)
     assert reason.startswith("cannot resolve the broker host 'no-such-host.invalid'")
+
+
+def test_a_refused_broker_is_named_after_the_first_try_and_the_timeout_names_its_flag(caplog):
+    """What the server and its aggregators do at start (``--broker-connect-timeout``): the cause comes with the first
+    failed try, not only when the wait is over."""
+    port = free_loopback_port()
+    endpoint = MqttEndpoint("wait-test", f"mqtt://127.0.0.1:{port}", subscriptions=[])
+    endpoint.start()
+    caplog.set_level(logging.WARNING, logger="fedara.server")
+    try:
+        with pytest.raises(BrokerUnreachableError) as raised:
+            wait_for_broker(endpoint, threading.Event(), 2.5, flag="--broker-connect-timeout",
+                            log=logging.getLogger("fedara.server"))
+    finally:
+        endpoint.stop()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fedara.server"]
+    assert warnings[0] == (f"connection refused (is the broker running at 127.0.0.1:{port}?); retrying until "
+                           "--broker-connect-timeout 2.5 s")
+    assert str(raised.value) == (f"no broker at 127.0.0.1:{port} after --broker-connect-timeout 2.5 s: connection "
+                                 f"refused (is the broker running at 127.0.0.1:{port}?)")
+
+
+def test_the_server_and_its_aggregators_take_the_one_connect_timeout_flag():
+    from server import aggregator, broker_loop
+
+    for parser in (broker_loop.build_parser(), aggregator.build_parser()):
+        action = next(a for a in parser._actions if a.dest == "broker_connect_timeout")
+        assert action.option_strings == ["--broker-connect-timeout"] and action.default == 30.0

@@ -10,10 +10,12 @@ import contextlib
 import http.client
 import copy
 import json
+import logging
 import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -224,6 +226,7 @@ def test_the_server_is_read_only_and_its_port_closes():
         assert values["process_resident_memory_bytes", ()] > 10e6  # the server's RSS
         code, body = get(status.url)
         assert code == 200 and b"/api/status" in body and b"<svg" in body
+        assert re.findall(rb'<tr data-device="([^"]+)"', body) == [b"dev_000", b"dev_001"]  # in the HTML itself
         links = re.findall(rb'(?:src|href)\s*=\s*"([^"]*)"', body)
         assert links and all(link.startswith(b"/") for link in links), links  # no external assets
         for path in ("", "metrics", "api/status"):
@@ -234,6 +237,23 @@ def test_the_server_is_read_only_and_its_port_closes():
         assert get(status.url + "nothing")[0] == 404
         assert json.loads(get(status.url + "api/status")[1]) == json.loads(json.dumps(snapshot))  # unchanged
     assert refused_connection(port)
+
+
+def test_a_client_that_drops_its_connection_costs_a_debug_line_not_a_traceback(caplog, capfd):
+    """A browser closing a tab mid-answer: the server's write meets a reset connection (the answer, megabytes of
+    JSON, is larger than the socket buffers, and the client resets right after asking)."""
+    snapshot = fleet_snapshot(two_rounds_engine(), now=5.0, wall=time.time())
+    big = dict(snapshot, devices=snapshot["devices"] * 20_000)
+    caplog.set_level(logging.DEBUG, logger="fedara.status")
+    with StatusServer("127.0.0.1", 0) as status:
+        status.publish(big)
+        with socket.create_connection(status.httpd.server_address[:2]) as client:
+            client.sendall(b"GET /api/status HTTP/1.1\r\nHost: x\r\n\r\n")
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+        wait_for(lambda: any("dropped its connection" in r.getMessage() for r in caplog.records), 30,
+                 "the dropped client logged")
+        assert get(status.url + "metrics")[0] == 200  # still serving
+    assert "Traceback" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [

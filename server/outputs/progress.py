@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 LOG = logging.getLogger("fedara.progress")
+
+
+def final_line(records: Sequence[dict[str, Any]], folder: Path, report: Path) -> str:
+    """The line a run ends with (both drivers): its last accuracy, named by its round as the progress lines name
+    it, and what it wrote."""
+    evaluated = [r for r in records if r.get("accuracy") is not None]
+    final = f"{evaluated[-1]['accuracy']:.4f} (after round {evaluated[-1]['round']})" if evaluated else "–"
+    return f"final accuracy {final}; wrote {folder / 'metrics.jsonl'}, metrics.csv and {report}"
 
 
 def print_and_log(line: str) -> None:

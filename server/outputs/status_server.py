@@ -3,34 +3,51 @@
 Three read-only pages, from the engine's own records (the same ones metrics.jsonl is written from):
 
 - ``/metrics``: the Prometheus text format (``prometheus_client``), for Prometheus and Grafana;
-- ``/``: a status page with the device table, the open round and accuracy per tier over rounds (an inline SVG
-  that updates itself by fetching ``/api/status``; no external assets, so it works on an air-gapped site);
+- ``/``: a status page with the device table, the open round and accuracy per tier over rounds, rendered on the
+  server (server.outputs.status_page; it refreshes itself every 2 s; no external assets, so it works on an
+  air-gapped site);
 - ``/api/status``: the snapshot the page draws, as JSON.
 
 Functional core, thin shell: :func:`fleet_snapshot` is a pure function of the engine's state that returns
 plain, freshly built data; the run loop calls it and hands the result to :meth:`StatusServer.publish` (one
 reference swap). The HTTP thread only ever reads the latest snapshot: it never touches the engine, so nothing
 on a page or the endpoint can change the run. GET and HEAD only: POST, PUT, DELETE, PATCH and OPTIONS get 405,
-any other method http.server's 501. The port closes when the run ends.
+any other method http.server's 501. A client that drops its connection mid-answer (a closed tab) costs one debug
+line, never a traceback on the run's console. The port closes when the run ends (or ``--status-linger`` seconds
+after).
 """
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
 from server.outputs.prometheus_metrics import METRICS_CONTENT_TYPE, SnapshotCollector
+from server.outputs.status_page import render_page
 from server.outputs.status_snapshot import Snapshot
 
 LOG = logging.getLogger("fedara.status")
-STATUS_PAGE = (Path(__file__).with_name("status_page.html")).read_text(encoding="utf-8")
-"""The status page: static HTML and script that draws ``/api/status`` (a package data file)."""
+
+
+class _QuietServer(ThreadingHTTPServer):
+    """http.server prints every handler's exception with its traceback to stderr; a client that went away is not an
+    error of the run, and anything else is one line in the log."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError):  # BrokenPipeError, ConnectionResetError, ConnectionAbortedError
+            LOG.debug("status client %s dropped its connection: %s", client_address, exc)
+        else:
+            LOG.warning("status request from %s failed: %s: %s", client_address, type(exc).__name__, exc)
 
 
 class StatusServer:
@@ -43,11 +60,10 @@ class StatusServer:
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes: the server's RSS, and its CPU
         handler = type("Handler", (_Handler,), {"status": self})
         try:
-            self.httpd = ThreadingHTTPServer((host, port), handler)
+            self.httpd = _QuietServer((host, port), handler)
         except OSError as exc:
             raise ValueError(f"--status-port {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); "
                              "pick a free port, or 0 for any") from None
-        self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                        name="fedara-status", daemon=True)
         self.thread.start()
@@ -98,7 +114,8 @@ class _Handler(BaseHTTPRequestHandler):
             data = json.dumps(snapshot if snapshot is not None else {"starting": True}).encode()
             self._send(HTTPStatus.OK, "application/json", data, body)
         elif path in ("/", "/index.html"):
-            self._send(HTTPStatus.OK, "text/html; charset=utf-8", STATUS_PAGE.encode(), body)
+            page = render_page(self.status.latest(), time.time())
+            self._send(HTTPStatus.OK, "text/html; charset=utf-8", page.encode(), body)
         else:
             self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"not found: see / /metrics /api/status\n",
                        body)

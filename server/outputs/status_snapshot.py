@@ -39,6 +39,12 @@ def _last_answered(previous: Snapshot | None, records: list[dict[str, Any]], pen
     return last
 
 
+LAST_EVALUATION = {"last_accuracy": "accuracy", "last_majority": "majority", "last_classes": "classes",
+                   "last_samples": "samples"}
+"""A device's figures of its last evaluation (snapshot key -> its per_device key): the accuracy, the majority-class
+baseline beside it, how many classes the model answered, over how many test samples."""
+
+
 def _history(record: dict[str, Any]) -> dict[str, Any]:
     return {"round": record["round"], "accuracy": record.get("accuracy"),
             "per_tier": {t: v.get("accuracy") for t, v in record.get("per_tier", {}).items()}}
@@ -46,14 +52,19 @@ def _history(record: dict[str, Any]) -> dict[str, Any]:
 
 def fleet_snapshot(engine: Any, *, now: float, wall: float, transport: Mapping[str, int] | None = None,
                    refusals: Mapping[str, int] | None = None, aggregators: Mapping[str, int] | None = None,
-                   rounds: int | None = None, previous: Snapshot | None = None) -> dict[str, Any]:
+                   rounds: int | None = None, previous: Snapshot | None = None,
+                   finished: bool = False) -> dict[str, Any]:
     """Everything the status pages show, as fresh plain data (no reference into the engine survives).
 
     ``engine`` is a server.engine.round_engine.RoundEngine; ``now`` its monotonic clock, ``wall`` the Unix time at the same
     instant (deadlines are shown as Unix times); ``transport`` the endpoint's counters, ``refusals`` the loop's
     refusals by label, ``aggregators`` each aggregator's briefed round (0: started, absent: not yet). ``previous``,
     the snapshot before this one of the same run: what it knew of each device's last answer carries over, and
-    the records it summed are not read again (but its last one: the final evaluation adds to it)."""
+    the records it summed are not read again (but its last one: the final evaluation adds to it). ``finished``: the
+    run is over (the last snapshot, served while --status-linger keeps the page up).
+
+    Round numbers are the console's: the evaluation-only task after the last round counts as the last round's (it
+    evaluates that round's model), so no device shows a round beyond ``rounds``."""
     records = engine.records
     done = len(previous["completed"]) if previous and len(previous["completed"]) <= len(records) else 0
     seen = max(0, done - 1)  # records the previous snapshot holds as they are now
@@ -63,8 +74,11 @@ def fleet_snapshot(engine: Any, *, now: float, wall: float, transport: Mapping[s
     answered_now = {d for d in asked if not engine.awaits(d)}
     last_answered = _last_answered(previous, new, engine.pending, answered_now,
                                    opened.round if opened else None)
-    last_accuracy = {d["id"]: d["last_accuracy"] for d in previous["devices"]} if seen else {}
-    last_accuracy.update({d: v.get("accuracy") for r in new for d, v in r.get("per_device", {}).items()})
+    last_evaluation = {d["id"]: {k: d[k] for k in LAST_EVALUATION} for d in previous["devices"]} if seen else {}
+    last_evaluation.update({d: {k: v.get(key) for k, key in LAST_EVALUATION.items()}
+                            for r in new for d, v in r.get("per_device", {}).items()})
+    if rounds:
+        last_answered = {d: min(r, rounds) for d, r in last_answered.items()}
     devices = []
     registry = engine.registry()
     for device_id in sorted(registry):
@@ -76,7 +90,7 @@ def fleet_snapshot(engine: Any, *, now: float, wall: float, transport: Mapping[s
             "memory_limit_mb": profile.memory_limit_mb if profile else None,
             "memory_limit_source": profile.memory_limit_source if profile else None,
             "runtime": engine.kinds.get(device_id), "last_answered_round": last_answered.get(device_id),
-            "last_accuracy": last_accuracy.get(device_id),
+            **last_evaluation.get(device_id, dict.fromkeys(LAST_EVALUATION)),
             "asked": device_id in asked, "answered": device_id in answered_now})
     open_round = None
     if opened is not None:
@@ -90,7 +104,7 @@ def fleet_snapshot(engine: Any, *, now: float, wall: float, transport: Mapping[s
             "last_trained_round": (engine.pending or (records[-1] if records else {})).get("round"),
             "history": kept["history"][:seen] + [_history(r) for r in new],
             "transport": dict(transport or {}), "refusals": dict(refusals or {}),
-            "aggregators": _aggregators(engine, aggregators)}
+            "aggregators": _aggregators(engine, aggregators), "finished": finished}
 
 
 def _completed(record: dict[str, Any]) -> dict[str, Any]:
