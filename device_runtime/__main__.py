@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 
-from device_runtime.help_format import DefaultsHelpFormatter
+from device_runtime.help_format import CommandParser, DefaultsHelpFormatter
 from device_runtime.log_budget import hold_back_floods
 
 PASSWORD_ENV = "FEDARA_MQTT_PASSWORD"
@@ -38,7 +38,7 @@ DEFAULT_KEEP_MODELS = 2  # device_runtime.model.DEFAULT_KEEP: not imported, nump
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m device_runtime", description=__doc__.splitlines()[0],
+    p = CommandParser(prog="python -m device_runtime", description=__doc__.splitlines()[0],
                                 formatter_class=DefaultsHelpFormatter,
                                 epilog="python -m device_runtime predict --help: classify with the device's model")
     p.add_argument("--broker", required=True,

@@ -40,7 +40,7 @@ import numpy as np
 from device_runtime.artifact_contract import EVAL_INPUTS, INPUT, LOGITS
 from device_runtime.atomic_file import TMP_PREFIX, write_atomic
 from device_runtime.baseline import describe, majority, one_class, predicted_classes
-from device_runtime.help_format import DefaultsHelpFormatter
+from device_runtime.help_format import CommandParser, DefaultsHelpFormatter
 from device_runtime.onnx_bake import bake
 
 MODEL_LINK = "model"
@@ -275,7 +275,7 @@ def read_input(path: str, split: str) -> tuple[np.ndarray, np.ndarray | None]:
 
 
 def build_predict_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m device_runtime predict", formatter_class=DefaultsHelpFormatter,
+    p = CommandParser(prog="python -m device_runtime predict", formatter_class=DefaultsHelpFormatter,
                                 description="Classify images with this device's personalized model (the last "
                                             "complete one; no broker needed).")
     where = p.add_mutually_exclusive_group(required=True)

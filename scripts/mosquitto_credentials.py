@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES  # noqa: E402
-from device_runtime.help_format import DefaultsHelpFormatter  # noqa: E402
+from device_runtime.help_format import CommandParser, DefaultsHelpFormatter  # noqa: E402
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX  # noqa: E402
 from server.mqtt.mosquitto_config import (PASSWORDS_FILENAME, MosquittoSetup, Owner, generate_password,  # noqa: E402
                                      parse_passwords, unreadable_ancestor, write_mosquitto_setup)
@@ -42,7 +42,7 @@ ALL_INTERFACES = "0.0.0.0"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scripts/mosquitto_credentials.py", description=__doc__.splitlines()[0],
+    p = CommandParser(prog="scripts/mosquitto_credentials.py", description=__doc__.splitlines()[0],
                                 formatter_class=DefaultsHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="folder for mosquitto.conf, passwd, acl, passwords")
     p.add_argument("--devices", type=int, default=0, help="devices dev_000 .. dev_{N-1}")

@@ -28,7 +28,7 @@ import numpy as np
 
 from device_runtime.auth import Direction, KeyRing, Verifier
 from device_runtime.envelope import Message, MessageType, decode
-from device_runtime.help_format import DefaultsHelpFormatter
+from device_runtime.help_format import CommandParser, DefaultsHelpFormatter
 from device_runtime.link import Link, Refused
 from device_runtime.log_budget import hold_back_floods
 from device_runtime.messages import MessageError
@@ -165,7 +165,7 @@ class Aggregator:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m server.aggregator", description=__doc__.split("\n\n")[0],
+    p = CommandParser(prog="python -m server.aggregator", description=__doc__.split("\n\n")[0],
                                 formatter_class=DefaultsHelpFormatter)
     add_broker_flags(p)
     p.add_argument("--name", required=True,

@@ -34,7 +34,7 @@ from device_runtime.broker_wait import BrokerUnreachableError, wait_for_broker
 from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers, rotate_brokers
 from server.mqtt import cgroups
 from server.cli import (PASSWORD_ENV, STATUS_HOST, add_broker_flags, add_status_flags, check_args,
-                        check_before_loading, check_broker_connect_timeout, check_status_args, console_logging, fail,
+                        check_before_loading, check_broker_connect_timeout, check_inputs, check_status_args, console_logging, fail,
                         new_parser, parse, run_folder)
 from server.mqtt.enrollment import ENROLL_OPEN
 
@@ -551,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     out = RunFolder(run_folder(args, "broker_loop"))
     try:
         config = check_args(args)
+        check_inputs(args)
         check_broker_args(args)
     except ValueError as exc:
         return fail(str(exc))

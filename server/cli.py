@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES
-from device_runtime.help_format import DefaultsHelpFormatter
+from device_runtime.help_format import CommandParser, DefaultsHelpFormatter
 from device_runtime.log_budget import hold_back_floods
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX
 from server.data import DATASETS
+from server.data.datasets import DatasetUnavailable, check_available
+from server.outputs.checkpoint import folder_taken
 from server.engine.run_config import (AGGREGATION_RULES, ALGORITHMS, DEFAULT_LAM_WARMUP, DEFAULT_MU, DEFAULT_TIERS,
                                MODELS, FederationConfig, add_norm_bound_arguments, norm_bound_from_args)
 
@@ -95,7 +97,7 @@ def check_status_args(args: argparse.Namespace) -> None:
 
 def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser with --config and the shared data, model, algorithm and output flags."""
-    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=Formatter)
+    p = CommandParser(prog=prog, description=description, formatter_class=Formatter)
     p.add_argument("--config", default=None, metavar="FILE.toml",
                    help="read flag values from a TOML file (keys are flag names); the command line wins")
     data = p.add_argument_group("data and model")
@@ -166,6 +168,7 @@ def check_before_loading(parser: argparse.ArgumentParser,
     args = parse(parser, sys.argv[1:])
     try:
         check_args(args)
+        check_inputs(args)
         for check in checks:
             check(args)
     except ValueError as exc:
@@ -212,6 +215,19 @@ def config_from_args(args: argparse.Namespace) -> FederationConfig:
                             mu=args.frob, lr=args.lr, local_epochs=args.local_epochs, batch_size=args.batch_size,
                             join_ratio=args.join_ratio, seed=args.seed, aggregate=args.aggregate,
                             min_completion=args.min_completion)
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Raise ValueError when the dataset's files are not where the run would read them (--dataset, --data-dir) or
+    --out holds a run and --resume is not given: looked at before torch and the data load (seconds in), so the
+    answer comes at once."""
+    try:
+        check_available(args.dataset, args.data_dir)
+    except DatasetUnavailable as exc:
+        raise ValueError(f"--dataset {args.dataset}: {exc}") from None
+    taken = folder_taken(args.out, args.resume) if args.out else None
+    if taken:
+        raise ValueError(taken)
 
 
 def check_args(args: argparse.Namespace) -> FederationConfig:

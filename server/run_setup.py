@@ -23,7 +23,7 @@ from device_runtime.profile import ResourceProfile
 from device_runtime.shard import Shard
 from export.artifacts import ArtifactSet, build_artifacts_of_kind
 from server.algorithms.base import Algorithm
-from server.outputs.checkpoint import CHECKPOINT_NAME, Checkpoint, load_checkpoint, save_checkpoint
+from server.outputs.checkpoint import CHECKPOINT_NAME, Checkpoint, folder_taken, load_checkpoint, save_checkpoint
 from fedcore.lowrank import FE_PREFIX, RankPlan, ResolvedPlan, factorize_model, resolve_plan
 from fedcore.models import SplitModel, build_model
 from server.cli import parse_tiers
@@ -173,8 +173,7 @@ class RunFolder:
                 LOG.warning("--resume: no checkpoint in %s; starting the run from round 1", self.path)
             return None
         if not resume:
-            raise RunError(f"--out {self.path} holds a run ({CHECKPOINT_NAME}); pass --resume to continue it, or "
-                           "leave --out out to start a new run in a fresh folder")
+            raise RunError(folder_taken(self.path, resume))
         saved = load_checkpoint(self.checkpoint_path)
         current, before = settings, saved.state["settings"]
         differing = sorted(k for k in set(before) | set(current)

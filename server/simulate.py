@@ -15,7 +15,8 @@ import time
 from collections.abc import Iterator
 
 from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
-from server.cli import check_args, check_before_loading, console_logging, fail, new_parser, parse, run_folder
+from server.cli import (check_args, check_before_loading, check_inputs, console_logging, fail, new_parser, parse,
+                        run_folder)
 
 log = logging.getLogger("fedara.simulate")
 BACKENDS = {"torch": None, "ort": TRAINING_KIND, "portable": PORTABLE_KIND}
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     console_logging()
     out = RunFolder(run_folder(args, "simulate"))
     try:
+        check_inputs(args)
         simulation = Simulation(args, out)
         out.path.mkdir(parents=True, exist_ok=True)
         print(f"run folder: {out.path}", flush=True)

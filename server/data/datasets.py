@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from scipy.ndimage import zoom
-from sklearn.datasets import load_digits
 
 from server.data import DATASETS
 
@@ -141,15 +139,32 @@ def _checked_labels(labels: np.ndarray, num_classes: int, source: str) -> np.nda
     return labels
 
 
-def _fmnist(data_dir: Path) -> tuple[np.ndarray, np.ndarray]:
-    paths = [data_dir / f for pair in FMNIST_FILES.values() for f in pair]
-    missing = [p.name for p in paths if not p.is_file()]
+def _fmnist_folder(data_dir: Path) -> Path:
+    """``data_dir`` if it holds the four Fashion-MNIST files; raises DatasetUnavailable naming the missing ones."""
+    missing = [f for pair in FMNIST_FILES.values() for f in pair if not (data_dir / f).is_file()]
     if missing:
         raise DatasetUnavailable(
             f"Fashion-MNIST files {missing} not found in {data_dir}: install the Debian package "
             f"'{FMNIST_PACKAGE}' (apt-get install {FMNIST_PACKAGE}) or pass {DATA_DIR_OPTION} "
             f"pointing to a folder with the four *-ubyte.gz files"
         )
+    return data_dir
+
+
+def check_available(name: str, data_dir: str | Path | None = None) -> None:
+    """Raise DatasetUnavailable when ``name``'s files are not where :func:`load_dataset` would read them, without
+    reading them: the drivers ask before they import torch, so a wrong --data-dir answers at once."""
+    folder = Path(data_dir) if data_dir is not None else None
+    if name == "fmnist":
+        _fmnist_folder(folder or FMNIST_DIR)
+    elif name == "cifar10":
+        _cifar_folder(folder, "CIFAR-10", CIFAR10_FOLDER, CIFAR10_FILES)
+    elif name == "cifar100":
+        _cifar_folder(folder, "CIFAR-100", CIFAR100_FOLDER, CIFAR100_FILES)
+
+
+def _fmnist(data_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    data_dir = _fmnist_folder(data_dir)
     images, labels = [], []
     for image_file, label_file in FMNIST_FILES.values():
         split_images = read_idx(data_dir / image_file)
@@ -171,6 +186,9 @@ def _fmnist(data_dir: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _digits() -> tuple[np.ndarray, np.ndarray]:
+    from scipy.ndimage import zoom  # scipy and scikit-learn load with the datasets that use them, not with the flags
+    from sklearn.datasets import load_digits
+
     bunch = load_digits()
     factor = MNIST_SIDE / DIGITS_SIDE
     upsampled = zoom(bunch.images / DIGITS_MAX, (1, factor, factor), order=1)
@@ -235,6 +253,8 @@ def synthetic_pixels(
             f"synthetic data needs at least 2 classes and one sample per class, "
             f"got {num_samples} samples for {num_classes} classes"
         )
+    from scipy.ndimage import zoom
+
     rng = np.random.default_rng(seed)
     coarse = rng.random((num_classes, SYNTHETIC_COARSE_SIDE, SYNTHETIC_COARSE_SIDE))
     factor = MNIST_SIDE / SYNTHETIC_COARSE_SIDE

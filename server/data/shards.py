@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from device_runtime.help_format import DefaultsHelpFormatter
+from device_runtime.help_format import CommandParser, DefaultsHelpFormatter
 from device_runtime.shard import Shard
 from server.data import DATASETS
 from server.data.datasets import DatasetFormatError, DatasetUnavailable, LabeledData, load_dataset
@@ -57,7 +57,7 @@ def describe(path: Path, shard: Shard) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m server.shards", description=__doc__.splitlines()[0],
+    p = CommandParser(prog="python -m server.shards", description=__doc__.splitlines()[0],
                                 formatter_class=DefaultsHelpFormatter)
     p.add_argument("--dataset", choices=DATASETS, default="fmnist", help="read from local files, never downloaded")
     p.add_argument("--data-dir", default=None, help="dataset folder (default: the dataset's standard place)")

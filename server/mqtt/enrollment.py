@@ -36,6 +36,7 @@ from pathlib import Path
 
 from device_runtime.atomic_file import write_atomic
 from device_runtime.auth import KeyRing, new_key, parse_key, read_key_file, write_json_atomic
+from device_runtime.help_format import CommandParser
 from device_runtime.protocol import check_device_id
 
 LOG = logging.getLogger("fedara.enrollment")
@@ -196,7 +197,7 @@ def _checked_id(device_id: object, path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m server.enrollment add|rotate|revoke|list|new-key``; exit 2 on a bad file or id."""
-    parser = argparse.ArgumentParser(prog="python -m server.enrollment", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="python -m server.enrollment", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("add", "enroll ids (new keys; enrolled ids keep theirs)"),
                             ("rotate", "give ids new keys"), ("revoke", "remove ids")):

@@ -23,6 +23,15 @@ class CheckpointError(ValueError):
     pass
 
 
+def folder_taken(folder: str | Path, resume: bool) -> str | None:
+    """Why ``folder`` (--out) cannot take a new run: it holds one (a checkpoint) and --resume was not given; None
+    when it can. The drivers ask before anything heavy loads, and again when they set the run up."""
+    if resume or not (Path(folder) / CHECKPOINT_NAME).exists():
+        return None
+    return (f"--out {folder} holds a run ({CHECKPOINT_NAME}); pass --resume to continue it, or leave --out out to "
+            "start a new run in a fresh folder")
+
+
 @dataclass
 class Checkpoint:
     round: int
