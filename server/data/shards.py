@@ -1,7 +1,7 @@
 """python -m server.shards: write the shard files that standalone devices train on.
 
-    python -m server.shards --dataset fmnist --clients 5 --max-samples 6000 --out shards
-    python -m device_runtime --device-id dev_003 --data shards/dev_003.npz ...
+    python -m server.shards --dataset fmnist --clients 5 --max-samples 6000 --out runs/shards
+    python -m device_runtime --device-id dev_003 --data runs/shards/dev_003.npz ...
 
 Each device gets ``dev_000.npz``, ``dev_001.npz``, ... (the ids ``server.broker_loop`` gives its local
 devices), made exactly as the server makes them for ``--local-devices`` with the same data flags: the same
