@@ -366,11 +366,13 @@ def check_against_metrics_file(values: dict, run: Path) -> int:
 
 def held_round(status: Callable[[], dict], server: ServerProcess, device_id: str) -> dict | None:
     """Wait until the open round waits only for the (suspended) ``device_id``: the run holds still. None if it
-    ended."""
+    ended (its process, or its rounds: the page lingers)."""
     def holding() -> tuple[dict | None] | None:
         if server.proc.poll() is not None:
             return (None,)
         snapshot = status()
+        if snapshot.get("finished"):
+            return (None,)
         return (snapshot,) if (snapshot.get("open_round") or {}).get("waiting_for") == [device_id] else None
     return wait_for(holding, WAIT_S, f"a round waiting for {device_id}")[0]
 
@@ -379,13 +381,14 @@ def held_round(status: Callable[[], dict], server: ServerProcess, device_id: str
 @pytest.mark.timeout(1800)  # four device and server processes and a browser: minutes on a loaded 2-core machine
 def test_a_run_shows_its_fleet_on_metrics_and_in_a_browser_then_closes_its_port(server_process, tmp_path: Path):
     """One device is suspended between rounds, so the run holds still while /metrics is scraped and compared with
-    metrics.jsonl, and while chromium loads the page; the port is closed once the run ended."""
+    metrics.jsonl, and while chromium loads the page; after the run the page lingers with its final state, in the
+    console's words, until SIGTERM; then the port is closed."""
     overrides = tmp_path / "overrides.json"
     overrides.write_text(json.dumps({f"dev_{i:03d}": TIERS[i % len(TIERS)] for i in range(DEVICES)}))
     run = tmp_path / "run"
     server = server_process(["--rounds", str(ROUNDS), "--local-devices", str(DEVICES), "--rank-overrides",
                              str(overrides), "--cache-dir", str(tmp_path / "cache"), "--out", str(run),
-                             "--status-port", "0"])
+                             "--status-port", "0", "--status-linger", str(WAIT_S)])
     url = wait_for(server.url, WAIT_S, "the status URL")
     port = int(url.rsplit(":", 1)[1].strip("/"))
 
@@ -431,16 +434,25 @@ def test_a_run_shows_its_fleet_on_metrics_and_in_a_browser_then_closes_its_port(
             assert {k: v for k, v in after["open_round"].items() if k != "deadline_unix"} == {
                 k: v for k, v in snapshot["open_round"].items() if k != "deadline_unix"}
             held.resume()
-            wait_for(lambda: server.proc.poll() is not None or status().get("completed", [])[completed:],
-                     WAIT_S, "the next round")
+            wait_for(lambda: server.proc.poll() is not None or status().get("finished")
+                     or status().get("completed", [])[completed:], WAIT_S, "the next round")
             with contextlib.suppress(psutil.NoSuchProcess):  # the run may have ended with its devices
                 held.suspend()
     finally:
         with contextlib.suppress(psutil.NoSuchProcess):
             held.resume()
+    wait_for(lambda: "status: the run has ended" in server.output(), WAIT_S, "the run's end")
+    final = next(line for line in server.lines if line.startswith("final accuracy "))
+    assert f"(after round {ROUNDS}); wrote " in final
+    code, page = get(url)
+    last = read_metrics(run / METRICS_FILE)[-1]
+    assert code == 200 and b"run finished" in page and f"round {ROUNDS}/{ROUNDS} trained".encode() in page
+    assert f"accuracy after round {ROUNDS}: {last['accuracy']:.4f}".encode() in page
+    server.proc.send_signal(signal.SIGTERM)  # ends the linger
     assert server.proc.wait(WAIT_S) == 0, server.output()[-3000:]
     assert len(checked) >= 2 and checked == sorted(set(checked)), checked
     assert refused_connection(port)
+    assert "Traceback" not in server.output()
     records = read_metrics(run / METRICS_FILE)
     assert len(records) == ROUNDS and {t for r in records for t in r["per_tier"]} == {"1", "0.25"}
     if CHROMIUM is None:  # what precedes was checked; the page was not loaded in a browser
