@@ -2,7 +2,6 @@
 under CI=true it fails naming it, and a session that skipped anything fails, so a green CI step ran every test."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests import conftest
+from tests.processes import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 MISSING = "frobnicator not found (apt-get install frobnicator)"
@@ -50,10 +50,9 @@ def run_session(tmp_path: Path, ci: bool) -> subprocess.CompletedProcess[str]:
         f"@needs({MISSING!r})\ndef test_needs():\n    pass\n\n"
         "def test_skips_by_hand():\n    pytest.skip('no reason')\n\n"
         "def test_passes():\n    pass\n")
-    env = {k: v for k, v in os.environ.items() if k != "CI"} | {"PYTHONPATH": str(REPO)} | (
-        {"CI": "true"} if ci else {})
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env=child_env(drop=("CI",), PYTHONPATH=str(REPO), **({"CI": "true"} if ci else {})))
 
 
 def test_a_local_session_skips_with_the_reason(tmp_path: Path):

@@ -1,7 +1,6 @@
 """scripts/nats_cluster.py as the README starts it (in the background, with ``&``): SIGTERM stops its nats-server
 nodes, whether they are still starting or running, and leaves none behind."""
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import missing_binary, needs
 from tests.processes import child_env
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "nats_cluster.py"
@@ -32,10 +32,9 @@ def wait_for(condition, timeout: float = TIMEOUT_S, what: str = "") -> None:
 
 
 @pytest.mark.slow
+@needs(missing_binary("nats-server", "nats-server"))  # scripts/nats_cluster.py runs it from PATH
 @pytest.mark.parametrize("when", ["starting", "running"])
 def test_sigterm_stops_every_node(tmp_path: Path, when: str):
-    if shutil.which("nats-server") is None and not Path("/usr/sbin/nats-server").exists():
-        pytest.skip("needs Debian's nats-server (scripts/setup.sh installs it)")
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--nodes", "3", "--dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     try:

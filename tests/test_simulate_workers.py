@@ -3,7 +3,6 @@ sequential run bit for bit; worker errors and ``--device cuda`` without a GPU ar
 
 The torch case runs in the default suite; the portable (ONNX) case exports and compiles two plans, minutes under
 load, so it is marked slow, as is the local-training case."""
-import os
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.parallel_devices import DevicePool, WorkerError, WorkerSettings, assign
 from server.simulate import main
+from tests.processes import child_env
 
 SMALL = ["--dataset", "digits", "--clients", "4", "--rounds", "2", "--local-epochs", "1", "--batch-size", "32",
          "--max-samples", "240", "--lr", "0.05", "--lam", "1", "--lam-warmup", "1", "--seed", "3"]
@@ -67,7 +67,7 @@ def test_an_error_in_a_worker_names_the_worker_the_device_and_the_error():
 
 def run_simulate(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "server.simulate", *flags], capture_output=True, text=True,
-                          timeout=120, env=None if env is None else {**os.environ, **env})
+                          timeout=120, env=child_env(**(env or {})))
 
 
 def test_cuda_without_a_gpu_is_a_one_line_error():
