@@ -83,7 +83,8 @@ def add_status_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def check_status_args(args: argparse.Namespace) -> None:
-    """Raise ValueError for a --status-port out of range, or --status-host without a port."""
+    """Raise ValueError for a --status-port out of range, a negative --status-linger, or --status-host or
+    --status-linger without a port."""
     if args.status_port is None:
         for flag, value in (("--status-host", args.status_host), ("--status-linger", args.status_linger or None)):
             if value is not None:
