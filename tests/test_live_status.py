@@ -260,6 +260,9 @@ def test_a_client_that_drops_its_connection_costs_a_debug_line_not_a_traceback(c
     (["--status-port", "70000"], "--status-port must be a TCP port in 0..65535"),
     (["--status-port", "-1"], "--status-port must be a TCP port in 0..65535"),
     (["--status-host", "0.0.0.0"], "--status-host 0.0.0.0 needs --status-port PORT"),
+    (["--status-linger", "60"], "--status-linger 60.0 needs --status-port PORT"),
+    (["--status-port", "0", "--status-linger", "-1"], "--status-linger must be seconds >= 0, got -1"),
+    (["--broker-connect-timeout", "0"], "--broker-connect-timeout must be positive seconds, got 0"),
 ])
 def test_a_bad_status_flag_is_one_line_and_exit_2(flags: list[str], message: str, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture):
