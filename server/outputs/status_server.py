@@ -6,7 +6,7 @@ Three read-only pages, from the engine's own records (the same ones metrics.json
 - ``/``: a status page with the device table, the open round and accuracy per tier over rounds, rendered on the
   server (server.outputs.status_page; it refreshes itself every 2 s; no external assets, so it works on an
   air-gapped site);
-- ``/api/status``: the snapshot the page draws, as JSON.
+- ``/api/status``: the snapshot the page is rendered from, as JSON.
 
 Functional core, thin shell: :func:`fleet_snapshot` is a pure function of the engine's state that returns
 plain, freshly built data; the run loop calls it and hands the result to :meth:`StatusServer.publish` (one
