@@ -34,8 +34,8 @@ from device_runtime.broker_wait import BrokerUnreachableError, wait_for_broker
 from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers, rotate_brokers
 from server.mqtt import cgroups
 from server.cli import (PASSWORD_ENV, STATUS_HOST, add_broker_flags, add_status_flags, check_args,
-                        check_before_loading, check_broker_connect_timeout, check_inputs, check_status_args, console_logging, fail,
-                        new_parser, parse, run_folder)
+                        check_before_loading, check_broker_connect_timeout, check_inputs, check_status_args,
+                        console_logging, fail, new_parser, parse, run_folder)
 from server.mqtt.enrollment import ENROLL_OPEN
 
 LOG = logging.getLogger("fedara.server")
@@ -536,6 +536,7 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
                                     aggregator_link, status)
             if saved and saved.state["finished"] and saved.round >= config.rounds:
                 LOG.info("the run in %s is finished; rewriting its report", out.path)
+                federation.publish_status(force=True, finished=True)
             else:
                 federation.run(assembly.first_round(), Progress(config.rounds))
         report = out.report(engine.records, dict(settings, run_id=run_id, broker=args.broker or "embedded",
