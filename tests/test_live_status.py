@@ -296,8 +296,8 @@ class ServerProcess:
     """``python -m server.broker_loop`` in a child process, its output collected by a thread."""
 
     def __init__(self, command: list[str]) -> None:
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(repo_on_path=True),
-                                     cwd=REPO_ROOT)
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=child_env(repo_on_path=True), cwd=REPO_ROOT)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()
