@@ -501,7 +501,9 @@ FLOOR_WORKERS = {"ort-training": lambda spec: device_floor_worker(spec, "artifac
                  "torch": torch_floor_worker}
 """Runtime name -> the worker that does a device's rounds on it (``portable``: the step graph on stock onnxruntime,
 in ``--portable-python``)."""
-DEVICE_RUNTIMES = ("ort-training",)  # the runtimes whose floors go into the cost model (the others are references)
+DEVICE_RUNTIMES = {"portable": "onnxruntime", "ort-training": "onnxruntime-training"}
+"""The runtimes whose floors go into the cost model, each under the artifact kind a device names in its profile
+(device_runtime.artifact_contract.KINDS); the others (torch) are references."""
 
 
 WORKERS = {"ort-memory": ort_memory_worker, "torch-memory": torch_memory_worker,
@@ -712,21 +714,21 @@ def measure_floor(plan: dict, runtime: str, batch_size: int, rounds: int, python
 
 
 def floor_tables(floors: list[dict]) -> str:
-    """One row per (model, input, ratio): the floor of each runtime, and its reference run's peaks."""
+    """One row per (model, input, ratio, batch size): the floor of each runtime, and its reference run's peaks."""
     runtimes = sorted({f["runtime"] for f in floors}, key=lambda r: (r not in DEVICE_RUNTIMES, r))
-    by_key = {(f["model"], shape_name(f["input_shape"]), ratio, f["runtime"]): f
+    by_key = {(f["model"], shape_name(f["input_shape"]), ratio, f["batch_size"], f["runtime"]): f
               for f in floors for ratio in f["ratios"]}
-    rows = sorted({key[:3] for key in by_key}, key=lambda k: (k[0], k[1], -k[2]))
-    header = ["model", "input", "ratio", "plan"]
+    rows = sorted({key[:4] for key in by_key}, key=lambda k: (k[0], k[1], k[3], -k[2]))
+    header = ["model", "input", "ratio", "batch", "plan"]
     for runtime in runtimes:
         header += [f"{runtime} floor MiB", f"{runtime} open-group peak MiB (charged / VmHWM)",
                    f"{runtime} s at floor / open"]
-    lines = ["| " + " | ".join(header) + " |", "|---|---|---:|---|" + "---:|" * (3 * len(runtimes))]
-    for model, shape, ratio in rows:
-        plan = next(f["plan"] for k, f in by_key.items() if k[:3] == (model, shape, ratio))
-        cells = [model, shape, f"{ratio:g}", plan]
+    lines = ["| " + " | ".join(header) + " |", "|---|---|---:|---:|---|" + "---:|" * (3 * len(runtimes))]
+    for model, shape, ratio, batch in rows:
+        plan = next(f["plan"] for k, f in by_key.items() if k[:4] == (model, shape, ratio, batch))
+        cells = [model, shape, f"{ratio:g}", str(batch), plan]
         for runtime in runtimes:
-            f = by_key.get((model, shape, ratio, runtime))
+            f = by_key.get((model, shape, ratio, batch, runtime))
             if f is None:
                 cells += ["", "", ""]
                 continue
@@ -740,9 +742,11 @@ def floor_tables(floors: list[dict]) -> str:
 
 
 def with_floors(document: dict, floors: list[dict], command: str) -> dict:
-    """The cost-model document with each device runtime's floors set on its entries (``floor_mb`` by batch size,
-    ``floor_samples``: the samples of the shard they were measured with, ``floor_runtime``, ``floor_generated_by``);
-    KeyError names a (model, input, ratio) the document lacks."""
+    """The cost-model document with each device runtime's floors set on its entries, under ``floors[kind]`` (the
+    artifact kind a device reports: DEVICE_RUNTIMES): ``floor_mb`` by batch size, ``floor_samples`` (the samples
+    of the shard they were measured with) and ``generated_by`` by batch size (the command that measured each);
+    floors of other runtimes and batch sizes already there are kept. KeyError names a (model, input, ratio) the
+    document lacks."""
     entries = {(e["model"], tuple(e["input_shape"]), e["ratio"]): e for e in document["entries"]}
     for f in floors:
         if f["runtime"] not in DEVICE_RUNTIMES:
@@ -753,14 +757,15 @@ def with_floors(document: dict, floors: list[dict], command: str) -> dict:
                 raise KeyError(f"the cost model has no entry for {f['model']} {shape_name(f['input_shape'])} ratio "
                                f"{ratio}: measure it first (scripts/bench_device.py --config "
                                f"{f['model']}:{shape_name(f['input_shape'])} --cost-model PATH)")
-            entry = entries[key]
-            entry["floor_mb"] = dict(entry.get("floor_mb", {}), **{str(f["batch_size"]): f["floor_mb"]})
-            entry.update(floor_samples=FLOOR_TRAIN_SAMPLES + TEST_SAMPLES, floor_runtime=f["runtime"],
-                         floor_generated_by=command)
+            record = entries[key].setdefault("floors", {}).setdefault(DEVICE_RUNTIMES[f["runtime"]], {})
+            batch = str(f["batch_size"])
+            record["floor_mb"] = dict(record.get("floor_mb", {}), **{batch: f["floor_mb"]})
+            record["floor_samples"] = FLOOR_TRAIN_SAMPLES + TEST_SAMPLES
+            record["generated_by"] = dict(record.get("generated_by", {}), **{batch: command})
     return document
 
 
-FLOOR_FIELDS = ("floor_mb", "floor_samples", "floor_runtime", "floor_generated_by")
+FLOOR_FIELDS = ("floors",)
 
 
 def merge_cost_model(old: dict | None, new: dict) -> dict:
@@ -778,6 +783,12 @@ def merge_cost_model(old: dict | None, new: dict) -> dict:
     kept = [dict(e, generated_by=e.get("generated_by", old.get("generated_by", ""))) for e in old["entries"]
             if (e["model"], tuple(e["input_shape"]), e["ratio"]) not in measured]
     return dict(new, entries=kept + new["entries"])
+
+
+def floor_report_name(runtimes: tuple[str, ...]) -> str:
+    """``memory_floor`` for the default runtimes, else ``memory_floor_<runtime>[_<runtime>...]``, so a run of one
+    runtime does not overwrite the report of all of them."""
+    return "memory_floor" if set(runtimes) == set(FLOOR_WORKERS) else "_".join(("memory_floor", *runtimes))
 
 
 def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -> int:
@@ -798,23 +809,25 @@ def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -
         if args.shard:
             plans = [dict(plan, shard=str(args.shard)) for plan in plans]
         floors = []
-        for plan in plans:
-            for runtime in args.runtimes:
-                python = args.portable_python if runtime == "portable" else sys.executable
-                floors.append(measure_floor(plan, runtime, BATCH, FLOOR_ROUNDS, python))
-                print(f"floor {runtime} {plan['label']}: {floors[-1]['floor_mb']} MiB "
-                      f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+        for batch_size in args.batch_sizes:
+            for plan in plans:
+                for runtime in args.runtimes:
+                    python = args.portable_python if runtime == "portable" else sys.executable
+                    floors.append(measure_floor(plan, runtime, batch_size, FLOOR_ROUNDS, python))
+                    print(f"floor {runtime} batch {batch_size} {plan['label']}: {floors[-1]['floor_mb']} MiB "
+                          f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     tables = floor_tables(floors)
     report = dict(command=command, settings=dict(train_samples=FLOOR_TRAIN_SAMPLES, rounds=FLOOR_ROUNDS,
                                                  shard=str(args.shard) if args.shard else "synthetic",
                                                  repeats=FLOOR_REPEATS,
-                                                 batch=BATCH, resolution_mb=FLOOR_RESOLUTION_MB,
+                                                 batch_sizes=list(args.batch_sizes), resolution_mb=FLOOR_RESOLUTION_MB,
                                                  time_factor=FLOOR_TIME_FACTOR, time_slack_s=FLOOR_TIME_SLACK_S),
                   machine=dict(platform=platform.platform(), cpus=os.cpu_count(), loadavg_at_end=list(os.getloadavg())),
                   wall_seconds=time.perf_counter() - started, floors=floors)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "memory_floor.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out_dir / "memory_floor.md").write_text(tables)
+    name = floor_report_name(args.runtimes)
+    (args.out_dir / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out_dir / f"{name}.md").write_text(tables)
     if args.cost_model:
         try:
             document = with_floors(json.loads(args.cost_model.read_text()), floors, command)
@@ -1020,6 +1033,16 @@ def parse_ratios(text: str) -> tuple[float, ...]:
     return ratios
 
 
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, got {text!r}") from None
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
+    return sizes
+
+
 def parse_runtimes(text: str) -> tuple[str, ...]:
     runtimes = tuple(text.split(","))
     unknown = [r for r in runtimes if r not in FLOOR_WORKERS]
@@ -1051,6 +1074,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runtimes", type=parse_runtimes, default=tuple(FLOOR_WORKERS),
                    help="with --memory-floor: comma-separated runtimes "
                         f"(default and choices: {','.join(FLOOR_WORKERS)})")
+    p.add_argument("--batch-sizes", type=parse_batch_sizes, default=(BATCH,),
+                   help=f"with --memory-floor: comma-separated batch sizes to measure floors at (default {BATCH}; the "
+                        f"cost model's floors cover {','.join(map(str, BATCH_SIZES))})")
     p.add_argument("--portable-python", default=sys.executable,
                    help="interpreter whose environment has stock onnxruntime, for the portable runtime's workers "
                         "(latency and --memory-floor; default: this one, whose training build's InferenceSession "
