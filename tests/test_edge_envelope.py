@@ -1,6 +1,7 @@
 """The edge envelope: a CNN1 device on Fashion-MNIST, confined to a 128 MB memory cgroup as a board's service would
 be, reads its limit, is assigned a tier that fits by the server's tier choice with the shipped cost model's
-onnxruntime-training floors (the runtime it reports and runs), and completes two local rounds there; forced to a tier above its floor, the kernel OOM-kills it and the group says so.
+onnxruntime-training floors (the runtime it reports and runs), and completes two local rounds there; forced to a
+tier above its floor, the kernel OOM-kills it and the group says so.
 
 Needs root and a writable memory controller (server.cgroups.available), and the Debian Fashion-MNIST files.
 """
