@@ -12,6 +12,10 @@
    stock onnxruntime's CPU provider runs: where it has no float16 kernel it inserts casts), and the share of one
    SGD step's parameter updates (lr 5e-3, CE + λ·L_FAC at λ 10, batch 16) that float16 or int8 weights cannot hold
    (p + Δ rounds back to p), for FedAvgCNN 3×32×32 and CNN1 1×28×28 at their seed-0 weights.
+3. The whole step with float16 weights: the shipped FedAvgCNN 3×32×32 dense step graph with its parameter inputs
+   and updated-parameter outputs in float16 (a Cast to float32 after each input, one to float16 before each output:
+   the weights stored and sent in half the bytes, the arithmetic unchanged), against the graph as shipped: step
+   time and the peak RSS (VmHWM) of a fresh process that runs STEP_RUNS steps, each feeding its outputs back.
 The parent builds the graphs (onnx) and the update shares (torch); a worker in ``--python`` (an environment with
 stock onnxruntime and numpy, e.g. a venv of the device bundle's requirements-device.txt) times them at 1 thread,
 forms in interleaved blocks, in thread-CPU time (the calling thread's CPU: onnxruntime runs a 1-thread session on
@@ -46,6 +50,7 @@ PRECISION_CASES = (("MatMul", [[1600, 64], [64, 800]], {}), ("MatMul", [[16, 160
                    ("Relu", [[16, 32, 28, 28]], {}), ("Mul", [[16, 32, 28, 28], [16, 32, 28, 28]], {}),
                    ("Add", [[512, 1600], [512, 1600]], {}), ("ReduceSum", [[16, 64, 10, 10]], dict(keepdims=0)),
                    ("Transpose", [[16, 64, 10, 10]], dict(perm=[0, 2, 3, 1])), ("Resize", [[16, 32, 14, 14]], {}))
+STEP_MODEL, STEP_SHAPE, STEP_RUNS = "fedavgcnn", (3, 32, 32), 60
 BLOCKS, PER_BLOCK = 12, 5
 FORM_TOLERANCE = 1e-5  # max |Δ| / max |reference| of a form's outputs: float32 sums in another order (~1e-7 seen)
 LR, LAM = 5e-3, 10.0
@@ -148,6 +153,31 @@ def _model(graph) -> bytes:
     return model.SerializeToString()
 
 
+def half_weight_step(step_path: str) -> bytes:
+    """The step graph at ``step_path`` with every parameter input and every ``<param>.next`` output in float16 and a
+    Cast at each (the float32 graph in between unchanged)."""
+    import onnx
+    from onnx import TensorProto, helper
+    from device_runtime.artifact_contract import STEP_DATA_INPUTS, next_name
+    model = onnx.load(step_path)
+    graph = model.graph
+    params = [v.name for v in graph.input if v.name not in STEP_DATA_INPUTS]
+    outputs = {next_name(p) for p in params}
+    for node in graph.node:
+        node.input[:] = [f"{name}.f32" if name in params else name for name in node.input]
+        node.output[:] = [f"{name}.f32" if name in outputs else name for name in node.output]
+    casts_in = [helper.make_node("Cast", [p], [f"{p}.f32"], to=TensorProto.FLOAT) for p in params]
+    casts_out = [helper.make_node("Cast", [f"{o}.f32"], [o], to=TensorProto.FLOAT16) for o in sorted(outputs)]
+    nodes = [*casts_in, *graph.node, *casts_out]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    for value in [*graph.input, *graph.output]:
+        if value.name in params or value.name in outputs:
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
 def update_losses() -> dict:
     """Per model: the share of one SGD step's updates that float16 weights, and int8 weights (per-tensor symmetric,
     scale max|w|/127), cannot hold."""
@@ -187,6 +217,39 @@ def _timed(session, feeds: dict) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.thread_time()
     session.run(None, feeds)
     return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+def step_worker(spec: dict) -> dict:
+    """STEP_RUNS steps of the step graph at ``spec["path"]`` on synthetic feeds (parameters in the graph's own
+    dtype), each step's updated parameters fed to the next: thread-CPU and wall p50 of the steps after the first,
+    and the process's peak RSS."""
+    import onnxruntime as ort
+    from device_runtime.artifact_contract import ANCHOR_MASK, LAM as LAM_INPUT, LR as LR_INPUT
+    rng = np.random.default_rng(0)
+    session = _session(ort, spec["path"])
+    dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
+    feeds = {}
+    for value in session.get_inputs():
+        shape = [spec["batch"] if not isinstance(d, int) else d for d in value.shape]
+        if value.type == "tensor(int64)":
+            feeds[value.name] = np.asarray(rng.integers(0, 10, shape), np.int64)
+        else:
+            feeds[value.name] = np.asarray(rng.standard_normal(shape) * 0.05, dtypes[value.type])
+    feeds.update({LR_INPUT: np.asarray(LR, np.float32), LAM_INPUT: np.asarray(LAM, np.float32),
+                  ANCHOR_MASK: np.ones_like(feeds[ANCHOR_MASK])})
+    names = [o.name for o in session.get_outputs()]
+    walls, cpus = [], []
+    for _ in range(STEP_RUNS):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        out = dict(zip(names, session.run(None, feeds)))
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.thread_time() - cpu)
+        feeds.update({name[:-len(".next")]: value for name, value in out.items() if name.endswith(".next")})
+    with open("/proc/self/status") as status:
+        peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    return dict(wall_ms=1e3 * float(np.median(walls[1:])), cpu_ms=1e3 * float(np.median(cpus[1:])),
+                peak_rss_mb=peak / 2**20, weight_bytes=int(sum(feeds[v.name].nbytes for v in session.get_inputs()
+                                                              if v.name.startswith(("fe.", "head.")))))
 
 
 def time_graphs(spec: dict) -> dict:
@@ -259,7 +322,38 @@ def tables(report: dict) -> str:
               "| model | parameters | float16 weights | int8 weights |", "|---|---:|---:|---:|"]
     for name, share in report["update_losses"].items():
         lines.append(f"| {name} | {share['params']} | {100 * share['fp16_lost']:.1f} % | {100 * share['int8_lost']:.1f} % |")
+    lines += ["", f"The {STEP_MODEL} {'x'.join(map(str, STEP_SHAPE))} dense step with float16 weights, batch 16, 1 thread "
+              f"(medians of {STEP_REPEATS} fresh processes of {STEP_RUNS} steps)", "",
+              "| graph | step thread-CPU / wall ms | peak RSS MiB | weights KiB |", "|---|---:|---:|---:|"]
+    for label, row in report["half_weights"].items():
+        lines.append(f"| {label} | {row['cpu_ms']:.2f} / {row['wall_ms']:.2f} | {row['peak_rss_mb']:.1f} | "
+                     f"{row['weight_bytes'] / 1024:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+STEP_REPEATS = 3
+
+
+def _run(python: str, flag: str, spec: dict, spec_path: Path) -> dict:
+    """A worker (``flag``) in ``python`` on ``spec``; its JSON answer."""
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run([python, str(Path(__file__).resolve()), flag, str(spec_path)], capture_output=True,
+                          text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"the worker {flag} in {python} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def shipped_step(cache_dir: Path) -> Path:
+    """The step graph of STEP_MODEL on STEP_SHAPE, dense, as the step compiler builds it (cached in ``cache_dir``)."""
+    from device_runtime.artifact_contract import PORTABLE_KIND
+    from export.artifacts import build_artifacts_of_kind
+    from fedcore.models import build_model
+    model = build_model(STEP_MODEL, STEP_SHAPE, 10, seed=0)
+    artifacts = build_artifacts_of_kind(PORTABLE_KIND, model, {}, STEP_SHAPE, 10, cache_dir)
+    return Path(artifacts.directory) / "step_model.onnx"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,10 +361,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path)
     parser.add_argument("--python", default=sys.executable,
                         help="interpreter with stock onnxruntime and numpy that times the graphs (default: this one)")
+    parser.add_argument("--cache-dir", type=Path, default=ROOT / "artifacts_cache" / "bench_step_forms",
+                        help="artifact cache for the compiled step graph (built once)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--step-worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(time_graphs(json.loads(args.worker.read_text()))))
+        return 0
+    if args.step_worker:
+        print(json.dumps(step_worker(json.loads(args.step_worker.read_text()))))
         return 0
     if args.out_dir is None:
         parser.error("--out-dir is required")
@@ -287,17 +387,22 @@ def main(argv: list[str] | None = None) -> int:
                                     f16=write(f"op{i}_f16.onnx", _op_graph(op, shapes, attrs, True)))
                                for i, (op, shapes, attrs) in enumerate(PRECISION_CASES)])
         (Path(work) / "spec.json").write_text(json.dumps(spec))
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        env.pop("PYTHONPATH", None)
-        done = subprocess.run([args.python, str(Path(__file__).resolve()), "--worker", str(Path(work) / "spec.json")],
-                              capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            print(f"error: the timing worker in {args.python} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
-            return 1
-        timings = json.loads(done.stdout.strip().splitlines()[-1])
+        timings = _run(args.python, "--worker", spec, Path(work) / "spec.json")
+        shipped = shipped_step(args.cache_dir)
+        graphs = {"float32 (shipped)": str(shipped), "float16 weights": write("half.onnx", half_weight_step(str(shipped)))}
+        steps = {label: [] for label in graphs}
+        for _ in range(STEP_REPEATS):  # fresh processes in turn: each one's peak is its own
+            for label, path in graphs.items():
+                steps[label].append(_run(args.python, "--step-worker", dict(path=path, batch=16),
+                                         Path(work) / "step.json"))
     report = dict(command=command, machine=dict(platform=platform.platform(), cpus=os.cpu_count(),
                                                 loadavg_at_start=list(load), loadavg_at_end=list(os.getloadavg())),
-                  timings=timings, update_losses=update_losses())
+                  timings=timings, update_losses=update_losses(),
+                  half_weights={label: dict(cpu_ms=float(np.median([r["cpu_ms"] for r in runs])),
+                                            wall_ms=float(np.median([r["wall_ms"] for r in runs])),
+                                            peak_rss_mb=float(np.median([r["peak_rss_mb"] for r in runs])),
+                                            weight_bytes=runs[0]["weight_bytes"], runs=runs)
+                                for label, runs in steps.items()})
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "bench_step_forms.json").write_text(json.dumps(report, indent=1) + "\n")
     text = tables(report)
