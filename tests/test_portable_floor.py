@@ -151,10 +151,11 @@ def admit(engine: RoundEngine, profile: ResourceProfile, shard) -> tuple[float, 
     return ratio, engine.plans.get(ratio, profile.runtime).artifacts.directory
 
 
-def test_the_shipped_cost_model_predicts_portable_floors_that_fall_with_the_tier(engine, shard):
+def test_the_shipped_cost_model_puts_the_tier_between_heavier_tiers_above_and_lighter_ones_below(engine, shard):
+    """What the limits below rely on (not a monotone order: CNN1's 0.75 tier has a higher floor than dense)."""
     need = needs(engine, shard)
-    assert [need[t] for t in DEFAULT_TIERS] == sorted(need.values(), reverse=True)
-    assert need[TIER] > max(need[t] for t in DEFAULT_TIERS if t < TIER) + 1  # room for a limit between them
+    assert min(need[t] for t in DEFAULT_TIERS if t > TIER) > math.ceil(need[TIER])
+    assert max(need[t] for t in DEFAULT_TIERS if t < TIER) <= math.ceil(need[TIER]) - 1
 
 
 def test_just_above_a_tiers_predicted_floor_the_device_gets_that_tier_and_completes_its_rounds(engine, shard,
