@@ -34,11 +34,13 @@ The parent writes bench_device.json, bench_device.md (tables) and bench_device.p
     sudo .venv/bin/python scripts/bench_device.py --memory-floor --out-dir docs \\
         --cost-model device_runtime/cost_model.json
 
-measures memory floors instead (root and a writable memory cgroup controller, server/cgroups.py): for each plan and
-runtime (``--runtimes``, default the onnxruntime-training device and a PyTorch client), the smallest cgroup limit, to
-4 MiB, under which FLOOR_REPEATS fresh processes in a row each complete FLOOR_ROUNDS local rounds on a small
-synthetic shard (bisection from above the charged peak of a run in an open group); into memory_floor.{md,json},
-and as ``floor_mb`` into the device runtime's cost-model entries, which the server's tier choice then prefers.
+measures memory floors instead (root and a writable memory cgroup controller, server/cgroups.py): for each plan,
+runtime (``--runtimes``, default both device runtimes and a PyTorch client; ``portable`` in ``--portable-python``)
+and batch size (``--batch-sizes``), the smallest cgroup limit, to 4 MiB, under which FLOOR_REPEATS fresh processes
+in a row each complete FLOOR_ROUNDS local rounds on a small synthetic shard (bisection from above the charged peak
+of a run in an open group); into memory_floor[_RUNTIMES].{md,json}, and as ``floors[kind].floor_mb[batch]`` into the
+cost-model entries (kind: the artifact kind a device reports, DEVICE_RUNTIMES), which the server's tier choice then
+prefers for devices of that runtime.
 Only the stdlib and numpy are imported at the top of this file: a worker must not carry torch unless it is the one
 measuring torch.
 """
@@ -506,7 +508,22 @@ DEVICE_RUNTIMES = {"portable": "onnxruntime", "ort-training": "onnxruntime-train
 (device_runtime.artifact_contract.KINDS); the others (torch) are references."""
 
 
+def runtime_probe_worker(spec: dict) -> dict:
+    """The onnxruntime build of this interpreter: its version and the artifact kinds it runs (a training build
+    also runs the portable kind, but is not the stock onnxruntime a device installs)."""
+    import importlib.metadata
+    from device_runtime.runtimes import available
+    versions = {}
+    for distribution in ("onnxruntime", "onnxruntime-training-cpu", "onnxruntime-training"):
+        try:
+            versions[distribution] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return dict(kinds=list(available()), distributions=versions)
+
+
 WORKERS = {"ort-memory": ort_memory_worker, "torch-memory": torch_memory_worker,
+           "runtime-probe": runtime_probe_worker,
            **{f"floor-{name}": worker for name, worker in FLOOR_WORKERS.items()}}
 
 
@@ -744,7 +761,8 @@ def floor_tables(floors: list[dict]) -> str:
 def with_floors(document: dict, floors: list[dict], command: str) -> dict:
     """The cost-model document with each device runtime's floors set on its entries, under ``floors[kind]`` (the
     artifact kind a device reports: DEVICE_RUNTIMES): ``floor_mb`` by batch size, ``floor_samples`` (the samples
-    of the shard they were measured with) and ``generated_by`` by batch size (the command that measured each);
+    of the shard they were measured with), and by batch size the command that measured each (``generated_by``)
+    and the onnxruntime distribution it ran on (``onnxruntime``);
     floors of other runtimes and batch sizes already there are kept. KeyError names a (model, input, ratio) the
     document lacks."""
     entries = {(e["model"], tuple(e["input_shape"]), e["ratio"]): e for e in document["entries"]}
@@ -762,6 +780,7 @@ def with_floors(document: dict, floors: list[dict], command: str) -> dict:
             record["floor_mb"] = dict(record.get("floor_mb", {}), **{batch: f["floor_mb"]})
             record["floor_samples"] = FLOOR_TRAIN_SAMPLES + TEST_SAMPLES
             record["generated_by"] = dict(record.get("generated_by", {}), **{batch: command})
+            record["onnxruntime"] = dict(record.get("onnxruntime", {}), **{batch: f.get("onnxruntime")})
     return document
 
 
@@ -802,6 +821,13 @@ def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -
     if why_not is not None:
         print(f"error: --memory-floor needs memory cgroups: {why_not}", file=sys.stderr)
         return 2
+    builds = {runtime: run_worker("runtime-probe", {}, args.portable_python if runtime == "portable" else sys.executable)
+              for runtime in args.runtimes if runtime in DEVICE_RUNTIMES}
+    if args.cost_model and "portable" in builds and "onnxruntime-training" in builds["portable"]["kinds"]:
+        print(f"error: --runtimes portable with --cost-model: --portable-python {args.portable_python} has "
+              f"onnxruntime-training's build ({builds['portable']['distributions']}), not the stock onnxruntime a "
+              "device runs; pass an interpreter whose environment has stock onnxruntime", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwind: workers and groups go
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as shard_dir:
@@ -813,7 +839,8 @@ def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -
             for plan in plans:
                 for runtime in args.runtimes:
                     python = args.portable_python if runtime == "portable" else sys.executable
-                    floors.append(measure_floor(plan, runtime, batch_size, FLOOR_ROUNDS, python))
+                    floors.append(dict(measure_floor(plan, runtime, batch_size, FLOOR_ROUNDS, python),
+                                       onnxruntime=builds.get(runtime, {}).get("distributions")))
                     print(f"floor {runtime} batch {batch_size} {plan['label']}: {floors[-1]['floor_mb']} MiB "
                           f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     tables = floor_tables(floors)

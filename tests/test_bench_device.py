@@ -125,8 +125,9 @@ def test_floor_bisection_gives_up_above_its_ceiling():
 
 
 def floor_result(runtime: str, ratios: list[float], floor: int, batch_size: int = 16) -> dict:
+    build = {"onnxruntime": "1.27.0"} if runtime == "portable" else None
     return dict(model="cnn1", input_shape=[1, 28, 28], ratios=ratios, plan="p", runtime=runtime,
-                batch_size=batch_size, floor_mb=floor)
+                batch_size=batch_size, floor_mb=floor, onnxruntime=build)
 
 
 def test_floors_of_each_device_runtime_go_into_the_cost_model_under_its_kind_and_reference_ones_do_not():
@@ -137,9 +138,10 @@ def test_floors_of_each_device_runtime_go_into_the_cost_model_under_its_kind_and
     dense, half = document["entries"]
     samples = bench.FLOOR_TRAIN_SAMPLES + bench.TEST_SAMPLES
     assert dense["floors"] == {"onnxruntime-training": dict(floor_mb={"16": 148}, floor_samples=samples,
-                                                            generated_by={"16": "cmd"}),
+                                                            generated_by={"16": "cmd"}, onnxruntime={"16": None}),
                                "onnxruntime": dict(floor_mb={"16": 152}, floor_samples=samples,
-                                                   generated_by={"16": "cmd"})}
+                                                   generated_by={"16": "cmd"},
+                                                   onnxruntime={"16": {"onnxruntime": "1.27.0"}})}
     assert "floors" not in half
 
 
@@ -204,3 +206,21 @@ def test_a_non_positive_floor_batch_size_is_refused_naming_the_flag(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--memory-floor", "--batch-sizes", "16,0", "--out-dir",
                            str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--batch-sizes" in done.stderr and "16,0" in done.stderr
+
+
+def test_portable_floors_for_a_cost_model_are_refused_from_a_training_build_before_any_measurement(tmp_path):
+    """This environment's onnxruntime is the training build: its InferenceSession runs the step graph, but a floor
+    measured with it is not the stock runtime's, so it must not be written into the cost model as one."""
+    cost_model = tmp_path / "cost_model.json"
+    cost_model.write_text("{}")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--memory-floor", "--runtimes", "portable", "--out-dir",
+                           str(tmp_path), "--cost-model", str(cost_model)], capture_output=True, text=True, timeout=120)
+    if "needs memory cgroups" in done.stderr:
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 2 and "--portable-python" in done.stderr and "stock onnxruntime" in done.stderr
+    assert cost_model.read_text() == "{}" and not list(tmp_path.glob("memory_floor*"))
+
+
+def test_the_runtime_probe_names_this_environments_onnxruntime_build():
+    probe = load_script("bench_device").runtime_probe_worker({})
+    assert probe["kinds"][0] == "onnxruntime" and probe["distributions"]
