@@ -16,11 +16,11 @@ process that timed the steps. A prediction for a device:
 Where the benchmark also measured memory floors (``--memory-floor``: the smallest cgroup limit under which a fresh
 device process completes its rounds, per runtime and batch size), the memory a device needs is that floor plus
 FLOOR_MARGIN_MB, not the predicted peak RSS: peak RSS counts shared library pages a cgroup does not charge and
-misses nothing the kernel enforces, so a floor is the measured answer to "does it fit a limit of L MiB". At a batch
-size above the measured ones the floor grows as the peak does; given the device's shard size, it grows by the bytes
-of the samples beyond those of the shard it was measured with (float32 images, resident for the whole run). Floors
-are kept per runtime (the artifact kind a device names in its profile: the portable step graph on stock
-onnxruntime and onnxruntime-training differ by up to ~20 MiB): a device is predicted with its own runtime's floors,
+misses nothing the kernel enforces, so a floor is the measured answer to "does it fit a limit of L MiB". Between
+measured batch sizes the floor is linear; above them it grows as the peak does; given the device's shard size, it
+grows by the bytes of the samples beyond those of the shard it was measured with (float32 images, resident for the
+whole run). Floors are kept per runtime (the artifact kind a device names in its profile: the portable step graph
+on stock onnxruntime and onnxruntime-training differ by up to 16 MiB, docs/edge_envelope.md): a device is predicted with its own runtime's floors,
 a device that names none with the larger of the runtimes' floors. A runtime's floors are used only where every
 ratio of the model has one (a mix would compare unlike quantities); without them the need is the predicted peak.
 """
