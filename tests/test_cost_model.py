@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from importlib import resources
 
 import pytest
 
@@ -129,10 +130,21 @@ def test_the_shipped_cost_model_covers_the_benchmarked_models():
     assert all(len(entries) == 5 for entries in shipped.entries.values())
 
 
-def test_the_shipped_cost_model_has_portable_floors_at_batch_16_for_every_tier_of_every_model():
+def test_the_shipped_cost_model_has_portable_floors_at_batch_16_and_64_for_every_tier_of_every_model():
     shipped = load_cost_model()
     for entries in shipped.entries.values():
-        assert all(16 in e.floors[PORTABLE_KIND].floor_mb for e in entries)
+        assert all({16, 64} <= set(e.floors[PORTABLE_KIND].floor_mb) for e in entries)
+
+
+def test_every_shipped_floor_was_measured_on_the_build_of_the_runtime_it_is_filed_under():
+    """A portable floor comes from stock onnxruntime (not the training build's InferenceSession), a training floor
+    from onnxruntime-training, as each floor's recorded build says."""
+    document = json.loads(resources.files("device_runtime").joinpath("cost_model.json").read_text())
+    expected = {PORTABLE_KIND: {"onnxruntime"}, TRAINING_KIND: {"onnxruntime-training-cpu", "onnxruntime-training"}}
+    for entry in document["entries"]:
+        for kind, record in entry.get("floors", {}).items():
+            assert set(record["onnxruntime"]) == set(record["floor_mb"]) == set(record["generated_by"])
+            assert all(set(build) <= expected[kind] and build for build in record["onnxruntime"].values()), entry
 
 
 FLOOR_SAMPLES = 80
