@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {args.device_id} %(name)s %(levelname)s %(message)s")
     hold_back_floods()
 
-    from device_runtime.agent import DeviceAgent, DeviceRefused, Interrupted, Workdir, inbound_screen
+    from device_runtime.agent import DeviceAgent, DeviceRefused, Interrupted, inbound_screen
+    from device_runtime.workdir import Workdir
     from device_runtime.auth import read_key_file
     from device_runtime.broker_wait import BrokerUnreachableError
     from device_runtime.link import Link

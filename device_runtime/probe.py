@@ -1,7 +1,7 @@
 """A short, fixed compute probe (numpy only): how fast this machine's one core multiplies small matrices.
 
 The device reports it in its profile and the device benchmark records it for the machine it ran on, so the
-server can scale a measured step time to a device by the ratio of the two scores (``server.cost_model``).
+server can scale a measured step time to a device by the ratio of the two scores (``server.engine.cost_model``).
 The work is a stack of 64×64 float32 matmuls: OpenBLAS runs a product that small on one thread whatever its
 thread setting, so the score measures one core, like a training step at ``threads=1``.
 """

@@ -1,7 +1,7 @@
 """The resource profile a device reports when it joins: its memory budget and limit, threads, CPU, a short probe
 and the onnxruntime it trains with.
 
-The server picks the device's rank tier from it (server/rank_assignment.py) and sends artifacts of its runtime's
+The server picks the device's rank tier from it (server/engine/rank_assignment.py) and sends artifacts of its runtime's
 kind (device_runtime.artifact_contract.KINDS). The probe is
 ``device_runtime.probe``'s, the score the device benchmark records, so the server's cost model can scale a
 measured step time to this device. numpy and the stdlib only.

@@ -2,7 +2,7 @@
 as the device it belongs to.
 
 Every device has four topics, ``PREFIX/dev/<device_id>/{down,up,status,update}``; an update routed to an aggregator
-process goes one level below its update topic (server/aggregation_wire.py).
+process goes one level below its update topic (server/mqtt/aggregation_wire.py).
 """
 
 from __future__ import annotations

@@ -54,10 +54,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import server.run_setup as run_setup  # noqa: E402
-import server.shards as shards  # noqa: E402
+import server.data.shards as shards  # noqa: E402
 import server.simulate as simulate  # noqa: E402
-from server.progress import Progress  # noqa: E402
-from server.run_config import AGGREGATION_RULES, DATASETS, DEFAULT_LAM_WARMUP  # noqa: E402
+from server.outputs.progress import Progress  # noqa: E402
+from server.data import DATASETS  # noqa: E402
+from server.engine.run_config import AGGREGATION_RULES, DEFAULT_LAM_WARMUP  # noqa: E402
 
 PAPER_ROUNDS = 100
 HOMOGENEOUS_MODEL = "fedavgcnn"

@@ -49,16 +49,16 @@ from device_runtime.task import Update  # noqa: E402
 from device_runtime.topics import Topics, server_subscriptions, update_filter  # noqa: E402
 from device_runtime.transport import MqttEndpoint, rotate_brokers  # noqa: E402
 from fedcore.models import build_model  # noqa: E402
-from server import aggregation_wire as wire  # noqa: E402
-from server.algorithms import get_algorithm  # noqa: E402
-from server.broker_loop import (AGGREGATORS_DIR, Federation, LocalDevices, aggregator_command,  # noqa: E402
-                               inbound_limit)
-from server.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
-from server.engine import RoundEngine  # noqa: E402
-from server.enrollment import load_server_key, save_enrollment  # noqa: E402
-from server.mosquitto_config import write_mosquitto_conf  # noqa: E402
+from server.engine import folding_records as folding  # noqa: E402
+from server.mqtt import aggregation_wire as wire  # noqa: E402
+from server.broker_loop import AGGREGATORS_DIR, Federation, inbound_limit  # noqa: E402
+from server.mqtt.local_processes import LocalDevices, aggregator_command  # noqa: E402
+from server.engine.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
+from server.engine.round_engine import RoundEngine, algorithm_for  # noqa: E402
+from server.mqtt.enrollment import load_server_key, save_enrollment  # noqa: E402
+from server.mqtt.mosquitto_config import write_mosquitto_conf  # noqa: E402
 from server.run_setup import PlanBook, RunFolder, global_state, initial_personal  # noqa: E402
-from server.run_config import FederationConfig  # noqa: E402
+from server.engine.run_config import FederationConfig  # noqa: E402
 
 MODEL, SHAPE, CLASSES = "fedavgcnn", (3, 32, 32), 10
 TIERS = (1.0, 0.75, 0.5, 0.25, 0.125)
@@ -129,7 +129,7 @@ def cpu_name() -> str:
 def make_engine(devices: list[str], remote: bool, rounds: int) -> RoundEngine:
     """A FedARA round engine with ``devices`` joined and ready, at the five tiers round-robin."""
     model = build_model(MODEL, SHAPE, CLASSES, seed=0)
-    algorithm = get_algorithm("fedara")
+    algorithm = algorithm_for(FederationConfig(rounds=rounds))
     coordinator = Coordinator(CoordinatorConfig(SHAPE, CLASSES, round_deadline_s=TIMEOUT_S), "bench-run")
     engine = RoundEngine(algorithm, FederationConfig(rounds=rounds), coordinator,
                          PlanBook(model, SHAPE, None, onnx=False), global_state(model, algorithm),
@@ -142,7 +142,7 @@ def make_engine(devices: list[str], remote: bool, rounds: int) -> RoundEngine:
     return engine
 
 
-def publisher(url: str, brief: wire.Brief, routes: dict[str, str | None], keys: dict[str, bytes], epoch: int,
+def publisher(url: str, brief: folding.Brief, routes: dict[str, str | None], keys: dict[str, bytes], epoch: int,
               first_seq: int, ready: mp.Event, go: mp.Event) -> None:
     """Seal every asked device's update of the round, say ready, publish them all once told to go."""
     rng = np.random.default_rng(brief.round)
@@ -170,7 +170,7 @@ def publisher(url: str, brief: wire.Brief, routes: dict[str, str | None], keys: 
     endpoint.stop()
 
 
-def run_publisher(url: str, brief: wire.Brief, routes: dict[str, str | None], keys: dict[str, bytes], epoch: int,
+def run_publisher(url: str, brief: folding.Brief, routes: dict[str, str | None], keys: dict[str, bytes], epoch: int,
                   first_seq: int) -> tuple[mp.Process, mp.Event]:
     """The publisher process of one round, its payloads built; returns it and the event that starts it."""
     ready, go = mp.Event(), mp.Event()
@@ -181,7 +181,7 @@ def run_publisher(url: str, brief: wire.Brief, routes: dict[str, str | None], ke
     return proc, go
 
 
-def update_bytes(brief: wire.Brief) -> int:
+def update_bytes(brief: folding.Brief) -> int:
     return sum(int(np.prod(s)) * 4 for a in brief.devices.values() for s in brief.plan_shapes[a.plan_hash].values())
 
 
@@ -251,12 +251,12 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
                                                    folder / AGGREGATORS_DIR / name),
                           folder / AGGREGATORS_DIR / f"{name}.log")
         if names:
-            federation.wait_for_aggregators()
+            federation.channel.wait_for_start()
         epoch = int(time.time())
         for r in range(1, rounds + 1):
             engine.open_round(r, time.monotonic())
             if names:
-                federation.brief_aggregators()
+                federation.channel.brief_members()
             brief = engine.brief(max_inbound)
             routes = {d: engine.route(d) for d in devices}
             devices_proc, go = run_publisher(rotate_brokers(url, 1), brief, routes, keys, epoch, (r - 1) * clients)

@@ -29,12 +29,12 @@ step's own CPU, without the waits of a shared machine). Per plan the parent also
 FlopCounterMode) and derives the FLOP floor at the probe's GFLOP/s. The portable runtime, what a device runs by
 default, is the first column and the source of the cost model.
 The parent writes bench_device.json, bench_device.md (tables) and bench_device.png into ``--out-dir`` and, with
-``--cost-model``, the data file that ``server.cost_model`` reads (entries it does not re-measure are kept).
+``--cost-model``, the data file that ``server.engine.cost_model`` reads (entries it does not re-measure are kept).
 
     sudo .venv/bin/python scripts/bench_device.py --memory-floor --out-dir docs \\
         --cost-model device_runtime/cost_model.json
 
-measures memory floors instead (root and a writable memory cgroup controller, server/cgroups.py): for each plan,
+measures memory floors instead (root and a writable memory cgroup controller, server/mqtt/cgroups.py): for each plan,
 runtime (``--runtimes``, default both device runtimes and a PyTorch client; ``portable`` in ``--portable-python``)
 and batch size (``--batch-sizes``), the smallest cgroup limit, to 4 MiB, under which FLOOR_REPEATS fresh processes
 in a row each complete FLOOR_ROUNDS local rounds on a small synthetic shard (bisection from above the charged peak
@@ -673,7 +673,7 @@ def bisect_floor(completes: Callable[[int], bool], upper_mb: int, resolution_mb:
 def run_in_group(kind: str, spec: dict, limit_mb: int, timeout_s: float, python: str = sys.executable) -> dict:
     """``WORKERS[kind](spec)`` in a fresh interpreter (``python``) inside a new memory cgroup of ``limit_mb`` MiB:
     whether it completed within ``timeout_s``, its result, seconds, and the group's evidence (OOM kills, peak)."""
-    from server.cgroups import create_group, popen_in_group
+    from server.mqtt.cgroups import create_group, popen_in_group
     group = create_group(f"floor-{limit_mb}", limit_mb)
     try:
         start = time.perf_counter()
@@ -812,7 +812,7 @@ def floor_report_name(runtimes: tuple[str, ...]) -> str:
 
 def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -> int:
     """--memory-floor: floors of every plan on every runtime, the tables, and the cost model's floors."""
-    from server.cgroups import available
+    from server.mqtt.cgroups import available
     if args.shard and args.cost_model:
         print("error: --shard with --cost-model: the cost model's floors are measured on the synthetic shard "
               "(its size is recorded with them); drop one of the two", file=sys.stderr)
@@ -910,10 +910,10 @@ def derived(result: dict, session: str) -> dict:
 
 
 def cost_model_document(results: list[dict], session: str, command: str) -> dict:
-    """The data file server.cost_model reads: per (model, input, ratio), peak MiB per batch size and p50 step ms
+    """The data file server.engine.cost_model reads: per (model, input, ratio), peak MiB per batch size and p50 step ms
     (per-epoch decay amortized) per thread count and batch size of the portable runtime (stock onnxruntime, what
     a device runs by default), with the probe score of the process that timed the steps."""
-    from server.cost_model import COST_MODEL_FORMAT
+    from server.engine.cost_model import COST_MODEL_FORMAT
     entries = []
     for r in results:
         portable = r["portable"]

@@ -41,9 +41,9 @@ from device_runtime.task import tensor_bytes  # noqa: E402
 from fedcore.lowrank import (RankPlan, ResolvedPlan, fe_state, matrix_shape, reconstruct_state, resolve_plan,  # noqa: E402
                             spectrum)
 from fedcore.models import build_model  # noqa: E402
-from server.aggregate import DEFAULT_FOLD_COLUMNS, StreamingAverage  # noqa: E402
-from server.checkpoint import CHECKPOINT_NAME, Checkpoint, save_checkpoint  # noqa: E402
-from server.strategy import factorize_per_plan, plan_key, to_numpy, to_torch  # noqa: E402
+from server.engine.aggregate import DEFAULT_FOLD_COLUMNS, StreamingAverage  # noqa: E402
+from server.outputs.checkpoint import CHECKPOINT_NAME, Checkpoint, save_checkpoint  # noqa: E402
+from server.engine.sampling import factorize_per_plan, plan_key, to_numpy, to_torch  # noqa: E402
 
 MODEL = "fedavgcnn"
 NUM_CLASSES = 10

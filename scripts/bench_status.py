@@ -1,4 +1,4 @@
-"""What the live status view (--status-port, server/live_status.py) costs the server: the run loop's snapshot (the
+"""What the live status view (--status-port, server/outputs/status_server.py) costs the server: the run loop's snapshot (the
 first of a run, and the next ones, which build on the one before), a /metrics scrape and an /api/status answer,
 for fleets of N devices after R rounds.
 
@@ -23,12 +23,12 @@ from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from device_runtime.messages import Join, ShardInfo  # noqa: E402
 from device_runtime.profile import ResourceProfile  # noqa: E402
 from fedcore.models import build_model  # noqa: E402
-from server.algorithms import get_algorithm  # noqa: E402
-from server.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
-from server.engine import RoundEngine  # noqa: E402
-from server.live_status import SnapshotCollector, fleet_snapshot  # noqa: E402
+from server.engine.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
+from server.engine.round_engine import RoundEngine, algorithm_for  # noqa: E402
+from server.outputs.prometheus_metrics import SnapshotCollector  # noqa: E402
+from server.outputs.status_snapshot import fleet_snapshot  # noqa: E402
 from server.run_setup import PlanBook, global_state, initial_personal  # noqa: E402
-from server.run_config import FederationConfig  # noqa: E402
+from server.engine.run_config import FederationConfig  # noqa: E402
 
 SHAPE, CLASSES, TIERS = (1, 28, 28), 10, (1.0, 0.25)
 
@@ -36,7 +36,7 @@ SHAPE, CLASSES, TIERS = (1, 28, 28), 10, (1.0, 0.25)
 def fleet(devices: int, records: int) -> RoundEngine:
     """A fedara engine with ``devices`` joined devices (tiers by budget) and ``records`` completed round records."""
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
-    algorithm = get_algorithm("fedara")
+    algorithm = algorithm_for(FederationConfig(rounds=records))
     engine = RoundEngine(algorithm, FederationConfig(rounds=records), Coordinator(CoordinatorConfig(SHAPE, CLASSES),
                          "bench"), PlanBook(model, SHAPE, None, onnx=False), global_state(model, algorithm),
                          initial_personal([model], algorithm), tiers=TIERS,

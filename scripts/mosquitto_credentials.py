@@ -9,7 +9,7 @@ server's from $FEDARA_MQTT_PASSWORD, any user's from --passwords FILE ("user:pas
 generated. All of them are written to OUT/passwords (mode 0600, for the operator; pass it as --passwords to
 keep them when running this again). Run as root, the files mosquitto reads are handed to --user (Debian's
 mosquitto starts as root and drops to user `mosquitto` before reading them). The command prints how to start
-mosquitto and how to run the server and a device against it. It also enrolls the devices (server/enrollment.py):
+mosquitto and how to run the server and a device against it. It also enrolls the devices (server/mqtt/enrollment.py):
 OUT/enrollment.json (the server's --enroll; devices already enrolled keep their keys) and OUT/keys/<id>.key (each
 device's --key-file, to install on that device only).
 """
@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES  # noqa: E402
 from device_runtime.help_format import DefaultsHelpFormatter  # noqa: E402
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX  # noqa: E402
-from server.mosquitto_config import (PASSWORDS_FILENAME, MosquittoSetup, Owner, generate_password,  # noqa: E402
+from server.mqtt.mosquitto_config import (PASSWORDS_FILENAME, MosquittoSetup, Owner, generate_password,  # noqa: E402
                                      parse_passwords, unreadable_ancestor, write_mosquitto_setup)
-from server.enrollment import LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, enroll_devices  # noqa: E402
-from server.shards import DEVICE_ID  # noqa: E402
+from server.mqtt.enrollment import LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, enroll_devices  # noqa: E402
+from server.data.shards import DEVICE_ID  # noqa: E402
 
 PASSWORD_ENV = "FEDARA_MQTT_PASSWORD"
 DEMO_TRAINING = "--rounds 5 --local-epochs 1"

@@ -2,7 +2,7 @@
 
     python -m server.aggregator --broker mqtt://HOST:1883[,mqtt://HOST2:1883...] --name agg-0 --enroll enrollment.json
 
-The engine routes each device's updates to one member by topic (``aggregation_wire.route``, named in the device's
+The engine routes each device's updates to one member by topic (``folding_records.route``, named in the device's
 TASK); member ``NAME`` subscribes only to ``PREFIX/dev/+/update/NAME``, so every frame of a chunked update reaches
 it, on any MQTT broker, and an outsider subscribing there gets a copy and takes nothing. The member authenticates it
 (the device's key from ``--enroll``, the same file the server reads), checks it against the round's brief (run,
@@ -10,7 +10,7 @@ round, asked, plan, tensors, sample count) and sends the engine a sealed receipt
 own float64 ``StreamingAverage`` only when the engine answers "fold". The engine stays the one authority on what
 counts (one update per device and round, the deadline, freshness), so an update replayed to two members is
 folded once. At the round's close the member sends its partial sums and the devices behind them
-(``server.aggregation_wire``).
+(``server.mqtt.aggregation_wire``).
 
 ``Aggregator`` is the pure core (no I/O, no clock: deadlines are the engine's); ``main`` is the thin shell.
 """
@@ -35,12 +35,13 @@ from device_runtime.protocol import ProtocolError
 from device_runtime.task import tensor_bytes
 from device_runtime.topics import check_topic_device
 from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers
-from server import aggregation_wire as wire
-from server.aggregate import StreamingAverage
+from server.engine import folding_records as folding
+from server.mqtt import aggregation_wire as wire
+from server.engine.aggregate import StreamingAverage
 from server.cli import PASSWORD_ENV, add_broker_flags, fail
-from server.enrollment import EnrollmentError, load_enrollment, load_server_key
-from server.strategy import to_torch
-from server.update_rule import Answer, body_problem, header_problem
+from server.mqtt.enrollment import EnrollmentError, load_enrollment, load_server_key
+from server.engine.sampling import to_torch
+from server.engine.update_rule import Answer, body_problem, header_problem
 
 LOG = logging.getLogger("fedara.aggregator")
 BRIEF_BYTES = 16 << 20
@@ -57,14 +58,14 @@ class Aggregator:
     def __init__(self, name: str, device_keys: KeyRing):
         self.name = name
         self.verifier = Verifier(device_keys, {Direction.UP})
-        self.brief: wire.Brief | None = None
+        self.brief: folding.Brief | None = None
         self.average: StreamingAverage | None = None
         self.forwarded: set[str] = set()  # devices of this round whose update this member sent a receipt for
         self.awaiting: dict[str, tuple[dict[str, np.ndarray], int]] = {}  # device -> training update, until verdict
         self.folded: list[str] = []
-        self.last_partial: wire.Partial | None = None
+        self.last_partial: folding.Partial | None = None
 
-    def on_brief(self, brief: wire.Brief) -> None:
+    def on_brief(self, brief: folding.Brief) -> None:
         """A new round: what came before it is dropped (its partial was sent or is lost with it). The open round's
         brief again (a device rejoined with a new plan): the round's devices and plans change, nothing folded does."""
         same_round = self.brief is not None and (self.brief.run_id, self.brief.round) == (brief.run_id, brief.round)
@@ -74,14 +75,14 @@ class Aggregator:
         self.average = StreamingAverage(brief.dense_shapes)
         self.forwarded, self.awaiting, self.folded = set(), {}, []
 
-    def on_update(self, topic_device: str, msg: Message) -> wire.Receipt | str:
+    def on_update(self, topic_device: str, msg: Message) -> folding.Receipt | str:
         """A receipt for the engine, or why this update is refused here (logged)."""
         answer = self._check(topic_device, msg)
         if isinstance(answer, str):
             LOG.warning("%s refused an update from %s (round %d): %s", self.name, topic_device, msg.round, answer)
         return answer
 
-    def _check(self, topic_device: str, msg: Message) -> wire.Receipt | str:
+    def _check(self, topic_device: str, msg: Message) -> folding.Receipt | str:
         brief = self.brief
         if msg.type != MessageType.UPDATE:
             return f"a {msg.type.value} on the update topic of {topic_device!r}"
@@ -109,7 +110,7 @@ class Aggregator:
         self.forwarded.add(topic_device)
         if asked.trains:
             self.awaiting[topic_device] = (update.weights, update.num_samples)
-        return wire.Receipt(topic_device, msg.run_id, msg.round, msg.msg_id, msg.counter, dict(msg.meta),
+        return folding.Receipt(topic_device, msg.run_id, msg.round, msg.msg_id, msg.counter, dict(msg.meta),
                             tensor_bytes(msg.tensors))
 
     def on_verdict(self, round_index: int, device_id: str, fold: bool, reason: str) -> None:
@@ -133,7 +134,7 @@ class Aggregator:
         self.folded.append(device_id)
         LOG.info("%s folded %s's update of round %d", self.name, device_id, round_index)
 
-    def on_close(self, round_index: int, fold: tuple[str, ...]) -> wire.Partial | str:
+    def on_close(self, round_index: int, fold: tuple[str, ...]) -> folding.Partial | str:
         """This member's partial for the round the engine closed, over the updates ``fold`` names (what the engine
         told it to fold), or why it has none. An update named here whose verdict never came (lost while this member
         was away from the broker) is folded now; asked again, the same partial."""
@@ -153,7 +154,7 @@ class Aggregator:
         if self.awaiting:
             LOG.warning("%s: round %d closed without folding %s (the engine did not name them)", self.name,
                         round_index, sorted(self.awaiting))
-        self.last_partial = wire.Partial(round_index, self.average.partial(), tuple(self.folded))
+        self.last_partial = folding.Partial(round_index, self.average.partial(), tuple(self.folded))
         LOG.info("%s: round %d partial over %d update(s): %s", self.name, round_index, len(self.folded),
                  ",".join(self.folded))
         return self.last_partial

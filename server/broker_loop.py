@@ -3,7 +3,7 @@
     python -m server.broker_loop --dataset fmnist --local-devices 5 --rounds 5 --local-epochs 1 --max-samples 6000
 
 One process. paho's network thread fills the endpoint's inbox; the main loop takes messages from it, decodes
-them, hands them to the round engine (``server.engine``: every decision of the run lives there) and
+them, hands them to the round engine (``server.engine.round_engine``: every decision of the run lives there) and
 publishes what the engine answers: plans (artifact files only to devices that lack them), tasks, refusals.
 After every round it writes OUT/metrics.jsonl, metrics.csv and OUT/checkpoint.npz (``--resume`` continues
 from the last completed round); at the end OUT/report.md with its plots. Without ``--broker`` an embedded
@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -33,19 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers, rotate_brokers
-from server import cgroups
+from server.mqtt import cgroups
 from server.cli import (PASSWORD_ENV, STATUS_HOST, add_broker_flags, add_status_flags, check_args,
                         check_before_loading, check_status_args, console_logging, fail, new_parser, parse, run_folder)
-from server.enrollment import ENROLL_OPEN
+from server.mqtt.enrollment import ENROLL_OPEN
 
 LOG = logging.getLogger("fedara.server")
 POLL_S = 0.2
 CONNECT_TIMEOUT_S = 30.0
-DEVICE_STOP_TIMEOUT_S = 10.0
 DEFAULT_ROUND_DEADLINE_S = 300.0
 DEFAULT_JOIN_TIMEOUT_S = 300.0
 DEFAULT_AGGREGATOR_TIMEOUT_S = 60.0
-PROBE_MAX_S = 5.0
 """At most this long between two messages the server sends a silent aggregator (its brief, or a partial request)."""
 AGGREGATORS_DIR = "aggregators"
 INBOUND_SLACK_BYTES = 1 << 20
@@ -54,8 +49,6 @@ PENDING_UPDATES_BUDGETED = 4
 """Total reassembly budget of the server, in largest inbound messages (over all topics together)."""
 SHARDS_DIR, DEVICES_DIR = "shards", "devices"
 SERVER_LOG = "server.log"
-PR_SET_PDEATHSIG = 1
-MAX_OOM_RESTARTS = 2
 STATUS_EVERY_S = 0.5
 """How often the run loop publishes a new snapshot to --status-port while it waits (and after every round)."""
 
@@ -93,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds the server waits for the aggregators: to start, to take a round's brief, to send "
                           "their partial sums at the round's close; a member silent this long in a round is lost: its "
                           "devices are asked again, for the others")
-    auth = p.add_argument_group("enrollment (see server/enrollment.py)")
+    auth = p.add_argument_group("enrollment (see server/mqtt/enrollment.py)")
     auth.add_argument("--enroll", default=None, metavar="FILE|open",
                       help="admit the devices of this enrollment file, or any id holding --run-key (open; lab use); "
                            "default: only the --local-devices, enrolled in OUT/enrollment.json")
@@ -161,138 +154,28 @@ from device_runtime.protocol import ProtocolError
 from device_runtime.topics import Topics, device_id_from_topic, server_subscriptions
 from device_runtime.status import Status
 from device_runtime.task import Task
-from server.checkpoint import CheckpointError
-from server.embedded_broker import EmbeddedBroker
-from server.engine import RoundEngine
-from server.live_status import StatusServer, count_refusal, fleet_snapshot, update_refusal
-from server import aggregation_wire as wire
-from server.enrollment import LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, load_server_key, run_key_ring
-from server.partition import write_shards
-from server.progress import Progress, print_and_log
-from server.rank_assignment import OverrideError
-from server.run_config import FederationConfig
-from server.run_setup import Deployment, RunError, RunFolder, assemble
-from server.shards import DEVICE_SHARD_FILENAME
+from server.outputs.checkpoint import CheckpointError
+from server.mqtt.embedded_broker import EmbeddedBroker
+from server.engine.round_engine import RoundEngine
+from server.outputs.refusals import count_refusal, update_refusal
+from server.outputs.status_server import StatusServer
+from server.outputs.status_snapshot import fleet_snapshot
+from server.mqtt import aggregation_wire as wire
+from server.mqtt.enrollment import LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, load_server_key, run_key_ring
+from server.data.partition import write_shards
+from server.outputs.progress import Progress, print_and_log
+from server.engine.rank_assignment import OverrideError
+from server.engine.run_config import FederationConfig, RunError
+from server.run_setup import Deployment, RunFolder, assemble
+from server.data.shards import DEVICE_SHARD_FILENAME
+from server.mqtt.aggregator_channel import AggregatorChannel
+from server.mqtt.local_processes import LocalDevices, aggregator_command, device_command
 
 FederationError = RunError
 
 
 BROKER_SETTINGS = ("local_devices", "local_memory_mb", "local_memory_limit_mb", "prefix", "aggregators")
 """The broker loop's own settings a resumed run must match."""
-
-
-# -- local device processes --------------------------------------------------------------------
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A pre-exec hook that makes the child get SIGTERM when the server dies, even by SIGKILL (Linux only).
-
-    prctl is looked up here, in the parent: the hook runs between fork and exec, where loading a library
-    could deadlock on a lock another thread held at fork time."""
-    if sys.platform != "linux":
-        return None
-    prctl = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl
-    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-class LocalDevices:
-    """Device processes spawned on this machine, one per shard, each in its memory cgroup where it has one
-    (``what="aggregator"``: the local aggregator processes, no cgroups).
-
-    A device the kernel killed for memory is started again (as systemd's Restart= would on a board), at most
-    ``MAX_OOM_RESTARTS`` times: it rejoins, and ``on_oom`` (the engine's demote) gives it a lower tier than the one
-    it died at."""
-
-    def __init__(self, what: str = "device", on_oom: Callable[[str, str], None] | None = None) -> None:
-        self.what = what
-        self.on_oom = on_oom
-        self.processes: dict[str, subprocess.Popen] = {}
-        self.logs: dict[str, Path] = {}
-        self.groups: dict[str, cgroups.MemoryGroup] = {}
-        self._commands: dict[str, list[str]] = {}
-        self._restarts: dict[str, int] = {}
-        self._reported: set[str] = set()
-        self._pre_exec = _parent_death_signal()
-
-    def spawn(self, device_id: str, command: list[str], log_path: Path,
-              group: cgroups.MemoryGroup | None = None, env: dict[str, str] | None = None) -> None:
-        repo = str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, **(env or {}),
-               "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-        if group is not None:
-            self.groups[device_id] = group
-        group = self.groups.get(device_id)
-        pre_exec = self._pre_exec if group is None else cgroups.enter_hook(group, self._pre_exec)
-        with open(log_path, "ab") as log:
-            self.processes[device_id] = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=pre_exec)
-        self.logs[device_id], self._commands[device_id] = log_path, command
-
-    def check(self) -> bool:
-        """Log each device that exited (once), restart one killed for memory; returns whether any runs."""
-        for device_id, proc in list(self.processes.items()):
-            if proc.poll() is None or device_id in self._reported:
-                continue
-            group = self.groups.get(device_id)
-            evidence = group.evidence() if group is not None else None
-            if evidence is not None and evidence.oom_killed and self._restarts.get(device_id, 0) < MAX_OOM_RESTARTS:
-                self._restarts[device_id] = self._restarts.get(device_id, 0) + 1
-                LOG.warning("local device %s was killed at its %g MiB memory limit (peak %s MiB): starting it "
-                            "again; it gets a lower tier", device_id, group.limit_mb, evidence.peak_mb)
-                if self.on_oom is not None:
-                    self.on_oom(device_id, f"was killed at its {group.limit_mb:g} MiB memory limit")
-                group.remove()  # a fresh group: nothing the killed process left is charged to its successor
-                self.groups[device_id] = cgroups.create_group(f"{device_id}-{self._restarts[device_id]}", group.limit_mb)
-                self.spawn(device_id, self._commands[device_id], self.logs[device_id])
-                continue
-            self._reported.add(device_id)
-            LOG.warning("local %s %s exited with status %s (log: %s)", self.what, device_id, proc.returncode,
-                        self.logs[device_id])
-        return any(proc.poll() is None for proc in self.processes.values())
-
-    def stop(self, timeout: float = DEVICE_STOP_TIMEOUT_S) -> None:
-        """SIGTERM every device, then SIGKILL those still running after ``timeout`` seconds; remove their groups."""
-        for proc in self.processes.values():
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + timeout
-        for device_id, proc in self.processes.items():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                LOG.warning("local %s %s ignored SIGTERM; killing it", self.what, device_id)
-                proc.kill()
-                proc.wait()
-        for group in self.groups.values():
-            try:
-                group.remove()
-            except cgroups.CgroupError as exc:
-                LOG.warning("%s", exc)
-
-
-def device_command(args: argparse.Namespace, url: str, device_id: str, shard: Path, workdir: Path,
-                   budget: float | None, key_file: Path, max_message_bytes: int) -> list[str]:
-    command = [sys.executable, "-m", "device_runtime", "--broker", url, "--device-id", device_id, "--data", str(shard),
-               "--workdir", str(workdir), "--threads", str(args.threads), "--prefix", args.prefix,
-               "--max-message-bytes", str(max_message_bytes),
-               "--key-file", str(key_file)]
-    if budget is not None:
-        command += ["--memory-budget-mb", str(budget)]
-    if args.tls_ca:
-        command += ["--tls-ca", args.tls_ca]
-    return command
-
-
-def aggregator_command(args: argparse.Namespace, url: str, name: str, enrollment: Path, workdir: Path) -> list[str]:
-    """A local aggregator process (its MQTT password, if any, goes through the environment)."""
-    command = [sys.executable, "-m", "server.aggregator", "--broker", url, "--prefix", args.prefix, "--name", name,
-               "--enroll", str(enrollment), "--workdir", str(workdir),
-               "--max-message-bytes", str(args.max_message_bytes)]
-    for flag, value in (("--username", args.username), ("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert),
-                        ("--tls-key", args.tls_key)):
-        if value:
-            command += [flag, value]
-    return command
 
 
 # -- the driver ---------------------------------------------------------------------------------
@@ -316,19 +199,17 @@ class Federation:
                  status: StatusServer | None = None):
         self.args, self.engine, self.endpoint, self.out, self.local = args, engine, endpoint, out, local
         self.link = link
-        self.aggregators, self.aggregator_link = aggregators, aggregator_link
-        self.aggregators_at: dict[str, int] = {}  # aggregator -> the round whose brief it holds (0: started)
-        self.heard: dict[str, float] = {}  # aggregator -> when it last said anything (monotonic)
-        self.asked: dict[str, float] = {}  # aggregator -> when it was last sent its brief or asked for its partial
-        self.brief: wire.Brief | None = None  # the open round's, as last sent
-        self.merged: set[tuple[str, int]] = set()  # (aggregator, round) of every partial taken
-        self.probe_s = min(PROBE_MAX_S, args.aggregator_timeout / 4)
+        self.aggregators = aggregators
         self.settings = settings
         self.max_inbound = max_inbound
         self.reconnects = 0
         self._wire = (0, 0)
         self.status, self._status_at = status, float("-inf")
-        self.refusals: Counter[str] = Counter()  # refused inbound messages by kind (bounded: live_status.count_refusal)
+        self.refusals: Counter[str] = Counter()  # refused inbound messages by kind (bounded: refusals.count_refusal)
+        self.channel = AggregatorChannel(engine, endpoint, aggregator_link, prefix=args.prefix, names=aggregators,
+                                         timeout_s=args.aggregator_timeout, join_timeout_s=args.join_timeout,
+                                         max_inbound=max_inbound, logs=out.path / AGGREGATORS_DIR, pump=self._pump,
+                                         send_task=self._send_task, refusals=self.refusals)
 
     def publish_status(self, *, force: bool = False) -> None:
         """Hand --status-port a fresh snapshot of the run (at most every STATUS_EVERY_S unless ``force``)."""
@@ -337,7 +218,7 @@ class Federation:
             return
         self._status_at = now
         self.status.publish(fleet_snapshot(self.engine, now=now, wall=time.time(), transport=self.endpoint.stats,
-                                           refusals=self.refusals, aggregators=self.aggregators_at,
+                                           refusals=self.refusals, aggregators=self.channel.at,
                                            rounds=self.engine.config.rounds, previous=self.status.latest()))
 
     def _send(self, device_id: str, msg: Message) -> None:
@@ -359,7 +240,7 @@ class Federation:
                 if deadline is not None and not handling_counts:
                     deadline += time.monotonic() - started
             self._after_reconnect()
-            self._tend_aggregators(time.monotonic())
+            self.channel.tend(time.monotonic())
             self._ask_unjoined_to_join(time.monotonic())
             self.publish_status()
             if self.local.processes and not self.local.check() and not self.engine.ready_devices():
@@ -386,9 +267,9 @@ class Federation:
     # -- inbound ----------------------------------------------------------------------------
 
     def _handle(self, topic: str, payload: bytes) -> None:
-        aggregator = wire.aggregator_from_topic(self.args.prefix, topic) if self.aggregators else None
+        aggregator = self.channel.sender(topic)
         if aggregator is not None:
-            self._on_aggregator(aggregator, payload)
+            self.channel.handle(aggregator, payload)
             return
         try:
             device_id, kind = device_id_from_topic(self.args.prefix, topic)
@@ -459,7 +340,7 @@ class Federation:
         LOG.info("%s is ready", device_id)
         if self.engine.awaits(device_id):
             if self.aggregators:  # its plan may be new (it rejoined at a lower tier): the aggregators must know it
-                self._send_brief()
+                self.channel.send_brief()
             self._send_task(device_id)
 
     def _on_error(self, device_id: str, msg: Message) -> None:
@@ -475,127 +356,6 @@ class Federation:
         if not verdict.accepted:
             LOG.warning("dropped an update from %s (round %d): %s", device_id, msg.round, verdict.reason)
             count_refusal(self.refusals, update_refusal(verdict.reason))
-
-    def _on_aggregator(self, aggregator: str, payload: bytes) -> None:
-        """A sealed message from an aggregator: started or briefed, a receipt to judge, or its partial sums."""
-        if aggregator not in self.aggregators:
-            LOG.warning("dropped a message from %s: not an aggregator of this run", aggregator)
-            return
-        try:
-            msg = self.aggregator_link.open(payload, self.engine.run_id, device_id=aggregator)
-            kind = wire.kind_of(msg)
-            self.heard[aggregator] = time.monotonic()
-            if kind == wire.READY:
-                self.aggregators_at[aggregator] = msg.round
-                if msg.meta.get("reconnected") is True and self.engine.opened is not None:
-                    self._ask_again(aggregator)
-            elif kind == wire.RECEIPT:
-                receipt = wire.parse_receipt(msg)
-                verdict = self.engine.receive_receipt(aggregator, receipt, time.monotonic())
-                if not verdict.accepted:
-                    LOG.warning("dropped an update from %s (round %d, via %s): %s", receipt.device_id, receipt.round,
-                                aggregator, verdict.reason)
-                    count_refusal(self.refusals, update_refusal(verdict.reason))
-                self._to_aggregator(aggregator, wire.verdict_message(aggregator, receipt.round, receipt.device_id,
-                                                                     verdict.accepted, verdict.reason))
-            elif kind == wire.PARTIAL:
-                partial = wire.parse_partial(msg)
-                problem = self.engine.receive_partial(aggregator, partial)
-                if problem is None:
-                    self.merged.add((aggregator, partial.round))
-                    LOG.info("round %d: partial sums of %s over %d update(s)", partial.round, aggregator,
-                             len(partial.devices))
-                elif (aggregator, partial.round) in self.merged:  # it answered a request sent again, too
-                    LOG.info("round %d: the partial sums of %s came again; taken once", partial.round, aggregator)
-                else:
-                    LOG.warning("round %d: refused the partial sums of %s: %s", partial.round, aggregator, problem)
-            else:
-                LOG.warning("dropped a %s message from aggregator %s", kind, aggregator)
-        except (Refused, wire.WireError) as exc:
-            LOG.warning("dropped a message from aggregator %s: %s", aggregator, exc)
-            count_refusal(self.refusals, "aggregator message")
-
-    def _to_aggregator(self, aggregator: str, msg: Message) -> None:
-        self.endpoint.publish(wire.down_topic(self.args.prefix, aggregator), self.aggregator_link.seal(msg),
-                              msg.msg_id)
-
-    def wait_for_aggregators(self) -> None:
-        """Every aggregator subscribed, before any device gets a task (an update no member reads is lost)."""
-        if not self._pump(lambda: set(self.aggregators) <= set(self.aggregators_at),
-                          time.monotonic() + self.args.join_timeout):
-            missing = sorted(set(self.aggregators) - set(self.aggregators_at))
-            raise RunError(f"aggregators {missing} did not start within --join-timeout {self.args.join_timeout:g} s; "
-                           f"see {self.out.path / AGGREGATORS_DIR}/*.log")
-
-    def _send_brief(self) -> wire.Brief:
-        """The open round's brief to every aggregator (the members, and the others: they may take it and join)."""
-        self.brief = self.engine.brief(self.max_inbound)
-        now = time.monotonic()
-        for aggregator in self.aggregators:
-            self._to_aggregator(aggregator, wire.brief_message(self.brief, aggregator))
-            self.asked[aggregator] = now
-        return self.brief
-
-    def brief_aggregators(self) -> None:
-        """Send every aggregator the open round's brief; wait (bounded) until each member of the last round holds
-        it. Those that hold it are this round's members: the devices are routed over them."""
-        expected = set(self.engine.members) or set(self.aggregators)
-        self.engine.set_members(())  # until they hold it: a task sent meanwhile names none (the engine reads it)
-        brief = self._send_brief()
-        briefed = lambda: {a for a in self.aggregators if self.aggregators_at.get(a) == brief.round}  # noqa: E731
-        if not self._pump(lambda: expected <= briefed(), time.monotonic() + self.args.aggregator_timeout):
-            LOG.warning("round %d: aggregators %s did not take its brief within --aggregator-timeout %g s: their "
-                        "devices go to the others", brief.round, sorted(expected - briefed()),
-                        self.args.aggregator_timeout)
-        members = briefed()
-        if not members:
-            LOG.warning("round %d: no aggregator holds its brief: the server reads the updates itself", brief.round)
-        self.engine.set_members(members)
-        self.heard.update(dict.fromkeys(members, time.monotonic()))
-
-    def _collect_partials(self, round_index: int) -> None:
-        """Ask each aggregator told to fold updates for its partial sums; wait for them (bounded), or until a lost
-        member's devices are awaited again."""
-        for aggregator in self.engine.partials_missing():
-            self._to_aggregator(aggregator, wire.close_message(aggregator, round_index, self.engine.fold_list(aggregator)))
-            self.asked[aggregator] = time.monotonic()
-        reopened = lambda: self.engine.closing(time.monotonic()) is None  # noqa: E731 (a lost member's devices)
-        if not self._pump(lambda: not self.engine.partials_missing() or reopened(),
-                          time.monotonic() + self.args.aggregator_timeout):
-            LOG.warning("round %d: no partial sums from %s within --aggregator-timeout %g s (their logs: %s)",
-                        round_index, self.engine.partials_missing(), self.args.aggregator_timeout,
-                        self.out.path / AGGREGATORS_DIR)
-
-    def _tend_aggregators(self, now: float) -> None:
-        """While a round is open: a member silent for --aggregator-timeout is lost (its devices are asked again, to
-        the others); one silent for a while is sent what it should answer (the brief, or the request for its
-        partial: either may have been lost while it or the server changed broker)."""
-        if self.brief is None or self.engine.opened is None or self.brief.round != self.engine.opened.round:
-            return
-        missing = self.engine.partials_missing()
-        for aggregator in self.aggregators:
-            member = aggregator in self.engine.members
-            if member and now - self.heard.get(aggregator, now) > self.args.aggregator_timeout:
-                for device_id in self.engine.member_lost(aggregator):
-                    self._send_task(device_id)
-                continue
-            if now - max(self.heard.get(aggregator, 0.0), self.asked.get(aggregator, 0.0)) < self.probe_s:
-                continue
-            if aggregator in missing and self.engine.closing(now) is not None:
-                self._to_aggregator(aggregator, wire.close_message(aggregator, self.brief.round,
-                                                                     self.engine.fold_list(aggregator)))
-            elif member or self.aggregators_at.get(aggregator) != self.brief.round:
-                self._to_aggregator(aggregator, wire.brief_message(self.brief, aggregator))
-            self.asked[aggregator] = now
-
-    def _ask_again(self, aggregator: str) -> None:
-        """``aggregator`` connected again: what its devices sent while it was away is lost; send them their task again
-        (a device that answered re-sends its answer)."""
-        devices = self.engine.routed_to(aggregator)
-        if devices:
-            LOG.info("aggregator %s connected again: asking %s again", aggregator, ", ".join(devices))
-        for device_id in devices:
-            self._send_task(device_id)
 
     # -- outbound ---------------------------------------------------------------------------
 
@@ -624,7 +384,7 @@ class Federation:
         wire_before = (stats["bytes_out"], stats["bytes_in"])
         tasks = self.engine.open_round(round_index, time.monotonic(), train=train, wall=time.time())
         if self.aggregators:
-            self.brief_aggregators()
+            self.channel.brief_members()
         for device_id, task in tasks.items():
             task.aggregator = self.engine.route(device_id)  # over the members that took the brief
             self._send_built_task(device_id, task)
@@ -641,7 +401,7 @@ class Federation:
             self._pump(lambda: self.engine.closing(time.monotonic()) is not None)
             if not self.aggregators:
                 return
-            self._collect_partials(round_index)
+            self.channel.collect_partials(round_index)
             if self.engine.closing(time.monotonic()) is not None:
                 return
 
@@ -649,7 +409,7 @@ class Federation:
         """Rounds first_round..rounds, then the evaluation of the final model; checkpoint after each."""
         rounds = self.engine.config.rounds
         if self.aggregators:
-            self.wait_for_aggregators()
+            self.channel.wait_for_start()
         for t in range(first_round, rounds + 1):
             self.wait_for_devices()
             progress.evaluated(self.run_round(t))

@@ -21,7 +21,8 @@ from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES
 from device_runtime.help_format import DefaultsHelpFormatter
 from device_runtime.log_budget import hold_back_floods
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX
-from server.run_config import (AGGREGATION_RULES, ALGORITHMS, DATASETS, DEFAULT_LAM_WARMUP, DEFAULT_MU, DEFAULT_TIERS,
+from server.data import DATASETS
+from server.engine.run_config import (AGGREGATION_RULES, ALGORITHMS, DEFAULT_LAM_WARMUP, DEFAULT_MU, DEFAULT_TIERS,
                                MODELS, FederationConfig, add_norm_bound_arguments, norm_bound_from_args)
 
 RUNS_DIR = "runs"
@@ -56,8 +57,8 @@ STATUS_HOST = "127.0.0.1"
 
 
 def add_status_flags(parser: argparse.ArgumentParser) -> None:
-    """The live status flags of the server (server.live_status): where the operator's read-only pages listen."""
-    status = parser.add_argument_group("live status (see server/live_status.py)")
+    """The live status flags of the server (server.outputs.status_server): where the operator's read-only pages listen."""
+    status = parser.add_argument_group("live status (see server/outputs/status_server.py)")
     status.add_argument("--status-port", type=int, default=None, metavar="PORT",
                         help="serve /metrics (Prometheus), / (status page) and /api/status read-only on this port while "
                              "the run lasts (0: any free port, printed at start; default: off)")

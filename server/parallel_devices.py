@@ -52,9 +52,9 @@ def assign(device_ids: Iterable[str], workers: int) -> dict[str, int]:
 
 def _worker_main(conn: Connection, settings: WorkerSettings) -> None:
     """A worker's loop: 'adopt' devices and plans once, then answer 'tasks' until 'stop' (or the pipe closes)."""
-    # Imported here: the simulator imports this module, and a spawned worker imports it before the simulator.
+    # Imported here: a spawned worker loads torch and the trainers only once it runs.
     from server.compute_threads import use_server_threads
-    from server.simulate import InProcessDevice, Trainers
+    from server.in_process import InProcessDevice, Trainers
 
     use_server_threads(settings.threads)
     plans: dict[str, Any] = {}

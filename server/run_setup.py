@@ -22,29 +22,24 @@ from device_runtime.artifact_contract import MANIFEST_NAME, PORTABLE_KIND
 from device_runtime.profile import ResourceProfile
 from device_runtime.shard import Shard
 from export.artifacts import ArtifactSet, build_artifacts_of_kind
-from server.algorithms import get_algorithm
 from server.algorithms.base import Algorithm
-from server.checkpoint import CHECKPOINT_NAME, Checkpoint, load_checkpoint, save_checkpoint
+from server.outputs.checkpoint import CHECKPOINT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from fedcore.lowrank import FE_PREFIX, RankPlan, ResolvedPlan, factorize_model, resolve_plan
 from fedcore.models import SplitModel, build_model
 from server.cli import parse_tiers
 from server.compute_threads import use_server_threads
-from server.coordinator import Coordinator, CoordinatorConfig
-from server.cost_model import CostModelError, peak_predictor
-from server.engine import Predictor, RoundEngine
-from server.rank_assignment import DEFAULT_TIERS, check_tiers, load_overrides, tier_predictor
-from server.run_config import FederationConfig, norm_bound_from_args
-from server.report import METRICS_CSV, METRICS_FILE, write_metrics, write_metrics_csv, write_report
-from server.shards import DEVICE_ID, data_from_args, partition_from_args
-from server.strategy import to_numpy
+from server.engine.coordinator import Coordinator, CoordinatorConfig
+from server.engine.cost_model import CostModelError, peak_predictor
+from server.engine.round_engine import Predictor, RoundEngine, algorithm_for
+from server.engine.rank_assignment import check_tiers, load_overrides, tier_predictor
+from server.engine.run_config import DEFAULT_TIERS, FederationConfig, RunError, norm_bound_from_args
+from server.outputs.report import METRICS_CSV, METRICS_FILE, write_metrics, write_metrics_csv, write_report
+from server.data.shards import DEVICE_ID, data_from_args, partition_from_args
+from server.engine.sampling import to_numpy
 
 LOG = logging.getLogger("fedara.setup")
 RESUME_IGNORED = ("rounds",)
 """Settings a resumed run may change (a run can be extended); every other setting must match."""
-
-
-class RunError(RuntimeError):
-    """The run cannot go on: not enough devices, every local device died, a bad resume."""
 
 
 def device_ids(count: int) -> list[str]:
@@ -277,7 +272,7 @@ def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder,
     the algorithm, the tiers, the data and its shards, the models and plans, the engine (restored from --out's
     checkpoint with --resume)."""
     use_server_threads(args.threads)
-    algorithm = get_algorithm(config.algo)
+    algorithm = algorithm_for(config)
     tiers = tiers_from_args(args)
     overrides = load_overrides(args.rank_overrides) if args.rank_overrides else {}
     settings = run_settings(args, config.to_dict(), deployment.settings_keys)

@@ -1,6 +1,6 @@
 """In-process federation: ``python -m server.simulate``.
 
-The round engine (``server.engine``) with every device in this process and no transport: each device gets
+The round engine (``server.engine.round_engine``) with every device in this process and no transport: each device gets
 its plan, answers each task with the same local round a real device runs (``device_runtime.local_round``),
 and keeps its personal tensors (its head; for local training its whole model). ``--backend torch`` trains with
 the PyTorch reference, ``--backend ort`` with the device runtime's onnxruntime trainer. The run folder is the
@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
 from server.cli import check_args, check_before_loading, console_logging, fail, new_parser, parse, run_folder
@@ -61,66 +61,18 @@ if __name__ == "__main__":  # --help and a mistake in the flags answer before to
     check_before_loading(build_parser(), check_simulate_args)
 
 # The run's imports load torch (seconds, tens under load): after the flags are checked.
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from device_runtime.local_round import Trainer, load_weights, run_task
-from device_runtime.messages import Join, Plan, ShardInfo, update_message
+from device_runtime.messages import Join, ShardInfo, update_message
 from device_runtime.profile import ResourceProfile
-from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
-from device_runtime.runtimes import open_trainer
-from server.checkpoint import CheckpointError
-from fedcore.lowrank import factorize_model
-from server.compute_threads import device_blas_threads
+from server.in_process import InProcessDevice, Trainers
+from server.outputs.checkpoint import CheckpointError
 from server.parallel_devices import DevicePool, WorkerError, WorkerSettings
-from server.progress import Progress, print_and_log
-from server.rank_assignment import OverrideError
-from server.run_setup import Deployment, PlanArtifacts, RunError, RunFolder, assemble
-from server.torch_trainer import TorchTrainer
-
-class InProcessDevice:
-    """One simulated device: its shard and personal tensors; trainers are shared by the devices of a plan
-    (each device's tensors are written into it before its turn, as a device loads them from disk)."""
-
-    def __init__(self, device_id: str, shard: Shard, trainer_for: Callable[[str], Trainer], threads: int):
-        self.device_id, self.shard, self.trainer_for, self.threads = device_id, shard, trainer_for, threads
-        self.plan_hash: str | None = None
-        self.personal: dict[str, np.ndarray] = {}
-
-    def install(self, plan: Plan) -> None:
-        """Take the plan; a device that holds nothing of this run starts from the plan's initial tensors."""
-        self.plan_hash = plan.plan_hash
-        if not self.personal:
-            self.personal = {k: v.copy() for k, v in plan.init.items()}
-
-    def answer(self, task: Task) -> Update:
-        trainer = self.trainer_for(self.plan_hash)
-        load_weights(trainer, self.personal)
-        with device_blas_threads(self.threads):  # a device process's BLAS threads: the same kernels, the same bits
-            update = run_task(trainer, self.shard, task)
-        if not task.evaluate_only:
-            held = {**trainer.get_fe(), **trainer.get_head()}
-            self.personal = {k: held[k] for k in self.personal}
-        return update
-
-
-class Trainers:
-    """One trainer per plan: the PyTorch reference or the device runtime's onnxruntime trainer."""
-
-    def __init__(self, backend: str, plans: dict[str, PlanArtifacts], threads: int, device: str = "cpu"):
-        self.backend, self.plans, self.threads, self.device = backend, plans, threads, device
-        self._trainers: dict[str, Trainer] = {}
-
-    def __call__(self, plan_hash: str) -> Trainer:
-        if plan_hash not in self._trainers:
-            plan = self.plans[plan_hash]
-            if self.backend == "torch":
-                model = factorize_model(plan.model, plan.resolved.ranks).to(self.device)
-                self._trainers[plan_hash] = TorchTrainer(model)
-            else:
-                self._trainers[plan_hash] = open_trainer(plan.artifacts.directory, threads=self.threads)
-        return self._trainers[plan_hash]
+from server.outputs.progress import Progress, print_and_log
+from server.engine.rank_assignment import OverrideError
+from server.engine.run_config import RunError
+from server.run_setup import Deployment, PlanArtifacts, RunFolder, assemble
 
 
 class Simulation:

@@ -9,7 +9,7 @@ from device_runtime.trainer import EvalResult, TrainResult
 from fedcore.lowrank import FE_PREFIX
 from fedcore.models import SplitModel
 from fedcore.objective import compute_anchors
-from server.strategy import to_numpy, to_torch
+from server.engine.sampling import to_numpy, to_torch
 from server.training import evaluate, train_local
 
 HEAD_PREFIX = "head."

@@ -1,6 +1,7 @@
-"""Shared test set-up: one compute thread per test process, the broker fixtures (a mosquitto
-subprocess restartable on its port, and the embedded amqtt broker), the one condition wait (``wait_for``: tests
-wait on something they can observe, never a fixed sleep), and the session's shared artifact cache.
+"""Shared test set-up: one compute thread per test process, the one rule for what a test needs from the machine
+(``require``/``needs``: a skip here, a failure under CI=true), the broker fixtures (a mosquitto subprocess
+restartable on its port, and the embedded amqtt broker), the one condition wait (``wait_for``: tests wait on
+something they can observe, never a fixed sleep), and the session's shared artifact cache.
 
 Nothing here imports torch or the server's dependencies at load time, so the device-only tests also run on
 a device-only install (numpy, onnxruntime, paho-mqtt)."""
@@ -24,7 +25,7 @@ import pytest
 from device_runtime.artifact_contract import KINDS
 from device_runtime.log_budget import lift_flood_budget
 from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES
-from server.mosquitto_config import TlsFiles, write_mosquitto_conf
+from server.mqtt.mosquitto_config import TlsFiles, write_mosquitto_conf
 
 MOSQUITTO_BIN = Path("/usr/sbin/mosquitto")
 MOSQUITTO_PUB = shutil.which("mosquitto_pub")
@@ -36,12 +37,90 @@ ARTIFACT_SHAPE, ARTIFACT_CLASSES = (1, 28, 28), 10
 WAIT_POLL_S = 0.05
 
 T = TypeVar("T")
+CI = os.environ.get("CI") == "true"
+"""A CI run: what a test needs from the machine must be there (a skipped test did not run)."""
+NEEDS_MARKER = "needs"
 
 if importlib.util.find_spec("torch") is not None:  # a server or dev install
     import torch
 
     # Multi-threaded MKL spins under load: on 2 shared cores one thread is both faster and repeatable.
     torch.set_num_threads(1)
+
+
+def require(missing: str | None) -> None:
+    """The one rule for a test that needs something from the machine (a binary, root, a memory controller, a
+    dataset folder): ``missing`` None means it is there; otherwise ``missing`` says what to install or enable, and
+    the test fails with it under CI=true (a CI step that skips did not run) or skips with it elsewhere."""
+    if missing is None:
+        return
+    if CI:
+        pytest.fail(f"CI=true and this machine lacks what the test needs: {missing}", pytrace=False)
+    pytest.skip(missing)
+
+
+def needs(missing: str | None) -> pytest.MarkDecorator:
+    """``require(missing)`` as a mark, checked before the test's fixtures are set up: for a test, a class, or a
+    module's ``pytestmark``."""
+    return getattr(pytest.mark, NEEDS_MARKER)(missing)
+
+
+def missing_binary(name: str, package: str, path: Path | None = None) -> str | None:
+    """None when ``name`` is at ``path`` (where the test runs it from), or on PATH when no path is given; else what
+    to install."""
+    if (path.exists() if path is not None else shutil.which(name) is not None):
+        return None
+    return f"{name} not found (apt-get install {package}; scripts/setup.sh installs it)"
+
+
+def missing_fmnist() -> str | None:
+    """None when Debian's Fashion-MNIST files are in their folder; else what to install."""
+    from server.data import FMNIST_DIR, FMNIST_FILES, FMNIST_PACKAGE
+
+    absent = [name for pair in FMNIST_FILES.values() for name in pair if not (FMNIST_DIR / name).is_file()]
+    return f"Fashion-MNIST {absent} not in {FMNIST_DIR} (apt-get install {FMNIST_PACKAGE})" if absent else None
+
+
+def missing_root(why: str) -> str | None:
+    """None when this process is root; else that the test must run as root, and ``why``."""
+    return None if os.geteuid() == 0 else f"run as root: {why}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{NEEDS_MARKER}(missing): what the test needs from the machine, None when "
+                                       "it is there (conftest.needs: skipped locally, a failure under CI=true)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers(NEEDS_MARKER):
+        require(*mark.args)
+
+
+_skipped: list[str] = []
+"""The node ids of this session's skipped tests."""
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _skipped.append(report.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if CI:
+        session.exitstatus, why = ci_verdict(exitstatus, _skipped)
+        if why is not None:
+            session.config.get_terminal_writer().line(why, red=True)
+
+
+def ci_verdict(exitstatus: int, skipped: list[str]) -> tuple[int, str | None]:
+    """The session's exit status under CI=true, and a line naming the skipped tests (None: none skipped). A session
+    that ran no test already fails (pytest's exit 5); one that skipped a test fails too: it did not run them all."""
+    if not skipped:
+        return exitstatus, None
+    return (pytest.ExitCode.TESTS_FAILED if exitstatus == pytest.ExitCode.OK else exitstatus,
+            f"CI=true: {len(skipped)} test(s) skipped, so this step did not run them all: {', '.join(skipped[:10])}"
+            + (" ..." if len(skipped) > 10 else ""))
 
 
 def _ours(handler: logging.Handler) -> bool:
@@ -181,13 +260,9 @@ class MosquittoProcess:
 def start_mosquitto(tmp_path: Path) -> Iterator[Callable[..., MosquittoProcess]]:
     """Factory: start_mosquitto(password_file=, acl_file=, tls=, persistence_dir=, max_frame_bytes=) -> broker.
 
-    Skips when mosquitto is not installed, except under CI=true where that is a failure.
+    Needs Debian's mosquitto (``require``).
     """
-    if not MOSQUITTO_BIN.exists():
-        reason = f"mosquitto binary not found at {MOSQUITTO_BIN} (Debian package 'mosquitto')"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+    require(missing_binary("mosquitto", "mosquitto", MOSQUITTO_BIN))
     brokers: list[MosquittoProcess] = []
     run_as_user = "root" if os.geteuid() == 0 else None  # mosquitto would drop to a user who can't read tmp_path
 
@@ -212,12 +287,9 @@ def start_mosquitto(tmp_path: Path) -> Iterator[Callable[..., MosquittoProcess]]
 @contextlib.contextmanager
 def attack_broker(folder: Path, max_frame_bytes: int) -> Iterator[MosquittoProcess]:
     """A mosquitto for a module's attack scenario (conf and log in ``folder``) and ``mosquitto_pub`` to attack
-    it with; skips without them, except under CI=true where that is a failure."""
-    if not MOSQUITTO_BIN.exists() or MOSQUITTO_PUB is None:
-        reason = "needs Debian's mosquitto and mosquitto-clients (scripts/setup.sh installs both)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+    it with (``require``)."""
+    require(missing_binary("mosquitto", "mosquitto", MOSQUITTO_BIN))
+    require(missing_binary("mosquitto_pub", "mosquitto-clients"))
     port = free_loopback_port()
     conf = write_mosquitto_conf(folder / "mosquitto.conf", port, max_frame_bytes,
                                 run_as_user="root" if os.geteuid() == 0 else None)
@@ -246,7 +318,7 @@ def mosquitto_broker(start_mosquitto: Callable[..., MosquittoProcess]) -> Mosqui
 @pytest.fixture
 def embedded_broker() -> Iterator[object]:
     """A running in-process amqtt broker on a free loopback port; `.url`."""
-    from server.embedded_broker import EmbeddedBroker  # amqtt: a server dependency
+    from server.mqtt.embedded_broker import EmbeddedBroker  # amqtt: a server dependency
 
     with EmbeddedBroker() as broker:
         yield broker

@@ -42,7 +42,7 @@ def write_key(path: Path, key: bytes = KEY) -> Path:
 
 def enrollment_file(path: Path, device_ids: list[str], key: bytes = KEY) -> Path:
     """An enrollment file giving every id ``key``."""
-    from server.enrollment import save_enrollment
+    from server.mqtt.enrollment import save_enrollment
 
     return save_enrollment(path, dict.fromkeys(device_ids, key))
 

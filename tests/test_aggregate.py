@@ -1,4 +1,4 @@
-"""Batched aggregation (server.aggregate): factor products folded in chunks equal the per-client reconstruction,
+"""Batched aggregation (server.engine.aggregate): factor products folded in chunks equal the per-client reconstruction,
 the conv layout survives the fold, partial sums of several aggregators merge, memory stays within the fold."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedcore.lowrank import decompose, full_rank, matrix_shape, reconstruct_state
-from server.aggregate import StreamingAverage
+from server.engine.aggregate import StreamingAverage
 
 SHAPES = {"fe.conv2.weight": (16, 8, 5, 5), "fe.conv2.bias": (16,), "fe.fc1.weight": (64, 200), "fe.fc1.bias": (64,)}
 CONV_RANKS = (None, 20, 10, 5)  # None: the layer arrives dense

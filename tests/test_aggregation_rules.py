@@ -8,11 +8,10 @@ from device_runtime.messages import Join, ShardInfo, update_message
 from device_runtime.profile import ResourceProfile
 from device_runtime.task import Update
 from fedcore.models import build_model
-from server.algorithms import get_algorithm
-from server.coordinator import Coordinator, CoordinatorConfig
-from server.engine import RoundEngine
+from server.engine.coordinator import Coordinator, CoordinatorConfig
+from server.engine.round_engine import RoundEngine, algorithm_for
 from server.run_setup import PlanBook, global_state, initial_personal
-from server.run_config import FederationConfig
+from server.engine.run_config import FederationConfig
 
 SHAPE, CLASSES, RUN = (1, 28, 28), 10, "run0"
 FC = "fe.fc1.weight"  # 512×1024: rank 64 at ratio 0.125
@@ -20,7 +19,7 @@ FC = "fe.fc1.weight"  # 512×1024: rank 64 at ratio 0.125
 
 def engine_for(rule: str, ratios: dict[str, float]) -> RoundEngine:
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
-    algorithm = get_algorithm("fedara")
+    algorithm = algorithm_for(FederationConfig(aggregate=rule))
     coordinator = Coordinator(CoordinatorConfig(SHAPE, CLASSES, round_deadline_s=10.0), RUN)
     engine = RoundEngine(algorithm, FederationConfig(aggregate=rule), coordinator,
                          PlanBook(model, SHAPE, None, onnx=False), global_state(model, algorithm),

@@ -21,8 +21,9 @@ from device_runtime.messages import parse_task, task_message, update_message
 from device_runtime.protocol import ProtocolError
 from device_runtime.task import Update
 from device_runtime.topics import Topics
-from server import aggregation_wire as wire
-from server.aggregate import PartialSum
+from server.engine import folding_records as folding
+from server.mqtt import aggregation_wire as wire
+from server.engine.aggregate import PartialSum
 from server import aggregator
 from server.aggregator import Aggregator
 from tests.sealing import KEY, OPEN_MAX, read, seal_up
@@ -67,7 +68,7 @@ def deliver(engine, member: Aggregator, msg: Message):
     return verdict
 
 
-def close(engine, member: Aggregator) -> wire.Partial:
+def close(engine, member: Aggregator) -> folding.Partial:
     """The member's answer to the engine's CLOSE of round 1 (naming what the engine told it to fold)."""
     partial = member.on_close(1, tuple(engine.fold_list(member.name)))
     assert not isinstance(partial, str), partial
@@ -135,7 +136,7 @@ def test_a_partial_over_other_updates_than_the_engine_told_is_refused(federation
     engine, tasks, (member, _) = federation
     deliver(engine, member, device_update(engine, "dev_000", tasks["dev_000"], 1.0))
     partial = close(engine, member)
-    forged = wire.Partial(1, partial.sum, ("dev_000", "dev_001"))
+    forged = folding.Partial(1, partial.sum, ("dev_000", "dev_001"))
     assert "it was told to fold ['dev_000']" in engine.receive_partial(member.name, forged)
 
 
@@ -182,9 +183,9 @@ def test_the_engine_refuses_what_is_sealed_under_another_key_than_the_server_key
     engine_side = wire.engine_link(SERVER_KEY, tmp_path / "engine", OPEN_MAX)
     forger = wire.aggregator_link(WRONG_KEY, tmp_path / "forger", OPEN_MAX)
     if kind == wire.RECEIPT:
-        msg = wire.receipt_message(wire.Receipt("dev_000", RUN, 1, "update-1", 7, {}, 0), "agg-0")
+        msg = wire.receipt_message(folding.Receipt("dev_000", RUN, 1, "update-1", 7, {}, 0), "agg-0")
     else:
-        msg = wire.partial_message(wire.Partial(1, PartialSum({}, 50.0, 1), ("dev_000",)), "agg-0")
+        msg = wire.partial_message(folding.Partial(1, PartialSum({}, 50.0, 1), ("dev_000",)), "agg-0")
     with pytest.raises(Refused) as info:
         engine_side.open(forger.seal(msg), RUN, device_id="agg-0")
     assert info.value.reason == Refusal.BAD_TAG
@@ -244,12 +245,12 @@ def test_the_aggregator_command_exits_2_saying_what_to_fix(flags: list[str], nam
 
 def test_routing_keeps_each_device_on_its_member_and_moves_only_a_lost_members_devices():
     devices = [f"dev_{i:03d}" for i in range(60)]
-    three = {d: wire.route(d, ["agg-0", "agg-1", "agg-2"]) for d in devices}
-    assert three == {d: wire.route(d, ["agg-2", "agg-0", "agg-1"]) for d in devices}  # a function of the set
+    three = {d: folding.route(d, ["agg-0", "agg-1", "agg-2"]) for d in devices}
+    assert three == {d: folding.route(d, ["agg-2", "agg-0", "agg-1"]) for d in devices}  # a function of the set
     assert set(three.values()) == {"agg-0", "agg-1", "agg-2"}
-    two = {d: wire.route(d, ["agg-0", "agg-2"]) for d in devices}
+    two = {d: folding.route(d, ["agg-0", "agg-2"]) for d in devices}
     assert {d for d in devices if two[d] != three[d]} == {d for d in devices if three[d] == "agg-1"}
-    assert wire.route("dev_000", []) is None
+    assert folding.route("dev_000", []) is None
 
 
 def test_each_task_names_its_devices_member_and_a_member_takes_only_its_topic():
@@ -260,7 +261,7 @@ def test_each_task_names_its_devices_member_and_a_member_takes_only_its_topic():
     engine.set_members(["agg-0", "agg-1"])
     for device_id in DEVICES:
         task = engine.task(device_id)
-        assert task.aggregator == wire.route(device_id, ["agg-0", "agg-1"])
+        assert task.aggregator == folding.route(device_id, ["agg-0", "agg-1"])
         assert parse_task(task_message(task, plan_hash=engine.plan_info(device_id).hash, device_id=device_id,
                                        run_id=RUN))[1].aggregator == task.aggregator
         topic = Topics("fedara", device_id).update_via(task.aggregator)

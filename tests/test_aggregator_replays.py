@@ -30,10 +30,14 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from device_runtime.framing import frame_msg_id
+from fedcore.models import build_model
+from server.algorithms import get_algorithm
 from server.broker_loop import AGGREGATORS_DIR, SERVER_LOG
-from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from server.enrollment import enroll, save_enrollment
-from server.report import METRICS_FILE, read_metrics
+from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.data.datasets import load_dataset
+from server.mqtt.enrollment import enroll, save_enrollment
+from server.outputs.report import METRICS_FILE, read_metrics
+from server.run_setup import global_state
 from tests.conftest import MosquittoProcess, attack_broker, mosquitto_pub, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +60,14 @@ UPDATE_TOPIC = re.compile(rf"{PREFIX}/dev/(dev_\d+)/update/agg-\d+")
 MSG_ID = re.compile(r"aggregation-[0-9a-f]{32}")
 REPEAT = re.compile(r"ignored a frame on (\S+): .*\[repeat\]$")
 FOLDED = re.compile(r"(agg-\d+) folded (dev_\d+)'s update of round (\d+)")
+AGREEMENT = 2e-3
+"""Of what training moved each tensor, how far the attacked run's final model may be from the clean run's. The runs
+differ only in how the two aggregators grouped float sums (float64, rounded to float32 once a round); training
+carries that on, and a ulp that flips a ReLU or max-pool decision moves a weight by ~lr·|grad|. Measured here
+(2026-12-02, Intel): max |Δ| 3.0e-8, ‖Δ‖ ≤ 1.5e-6 of the movement; one flip measured 3.5e-4 of it in the same
+federation split differently (tests/test_cluster_federation.py). The bound is 5.7x that flip, while one update of 3
+devices folded twice moves a round by a quarter of that device's distance from the mean update (not measured here);
+which updates were folded, and how often, is counted exactly above."""
 pytestmark = pytest.mark.timeout(900)
 """The first test sets up two runs of three processes and two aggregators (and compiles their artifacts unless
 the session's cache has them): minutes on a loaded 2-core machine, over the suite's 300 s default."""
@@ -270,6 +282,9 @@ def test_the_earlier_runs_messages_are_new_to_the_transports_and_refused_by_link
 
 def test_replayed_engine_and_aggregator_messages_are_refused_as_repeats_or_replays(attack: Attack):
     refusals = attack.refusals()
+    for kind in ("down", "up"):  # at least one line per replayed message (a repeat: one per frame)
+        replayed = {frame_msg_id(f) for t, f in attack.replayed if kind_of(t) == kind}
+        assert len(refusals[kind]) >= len(replayed) > 0, (kind, refusals)
     assert all(line.endswith(("[repeat]", "[replay]")) for line in refusals["down"] + refusals["up"]), refusals
 
 
@@ -284,6 +299,13 @@ def test_the_attacked_runs_model_is_the_unattacked_runs(attack: Attack):
     clean = load_checkpoint(attack.clean / CHECKPOINT_NAME)
     attacked = load_checkpoint(attack.attacked / CHECKPOINT_NAME)
     assert attacked.round == 3 and attacked.tensors.keys() == clean.tensors.keys()
-    for name, value in clean.tensors.items():  # float32 rounding of sums grouped otherwise, grown over 3 rounds
-        # (1.2e-5 at most, seen); which updates were folded, and how often, is checked exactly above
-        np.testing.assert_allclose(attacked.tensors[name], value, rtol=1e-3, atol=1e-4, err_msg=name)
+    data = load_dataset("digits")
+    initial = global_state(build_model("fedavgcnn", data.input_shape, data.num_classes, seed=0),
+                           get_algorithm("fedara"))
+    assert clean.tensors.keys() == initial.keys()
+    relative = {name: float(np.linalg.norm(attacked.tensors[name] - value)
+                            / np.linalg.norm(value - initial[name].numpy()))
+                for name, value in clean.tensors.items()}
+    absolute = max(float(np.abs(attacked.tensors[n] - v).max()) for n, v in clean.tensors.items())
+    print(f"attacked vs clean: max |Δ| {absolute:.3g}, largest ‖Δ‖ / ‖clean - initial‖ {max(relative.values()):.3g}")
+    assert max(relative.values()) <= AGREEMENT, relative

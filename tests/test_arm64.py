@@ -9,7 +9,6 @@ out; ``.ci/run`` runs it after the suite with ``pytest -m arm64``. The workload 
 from __future__ import annotations
 
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -23,8 +22,9 @@ from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.shard import Shard, save_shard
 from export.artifacts import build_artifacts_of_kind
 from fedcore.models import build_model
-from server.data import load_dataset
-from server.enrollment import enroll_devices
+from server.data.datasets import load_dataset
+from server.mqtt.enrollment import enroll_devices
+from tests.conftest import missing_root, require
 
 pytestmark = pytest.mark.arm64
 
@@ -65,14 +65,13 @@ np.savez(sys.argv[3], anchors=anchors, mask=mask, **trainer.get_fe(), **trainer.
 """
 
 
-def _skip_reason() -> str | None:
+def _missing() -> str | None:
+    """What the emulation lacks here, in words a user can act on; None: nothing."""
     if platform.machine() != "x86_64" or not sys.platform.startswith("linux"):
-        return "the emulation recipe is for x86_64 Linux hosts"
-    if os.geteuid() != 0:
-        return "needs root (debootstrap, binfmt_misc, chroot)"
+        return "an x86_64 Linux host (the emulation recipe is for one)"
     if not shutil.which("debootstrap") and not shutil.which("apt-get"):
-        return "needs debootstrap (or apt-get to install it)"
-    return None
+        return "debootstrap not found (apt-get install debootstrap)"
+    return missing_root("debootstrap, binfmt_misc and chroot need it")
 
 
 def emulated(command: str, work: Path, timeout: float) -> subprocess.CompletedProcess:
@@ -83,12 +82,10 @@ def emulated(command: str, work: Path, timeout: float) -> subprocess.CompletedPr
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
+    require(_missing())
     done = subprocess.run([str(EMULATION), "setup"], capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
     if done.returncode != 0 and "binfmt" in done.stderr:
-        pytest.skip(f"binfmt_misc is not available here: {done.stderr.strip()}")
+        require(f"binfmt_misc with qemu-aarch64 enabled (scripts/arm64_emulation.sh setup: {done.stderr.strip()})")
     assert done.returncode == 0, done.stdout + done.stderr
     return tmp_path_factory.mktemp("arm64")
 

@@ -11,8 +11,8 @@ from device_runtime.messages import update_message
 from device_runtime.task import Update
 from fedcore.lowrank import RankPlan, fe_state, resolve_plan
 from fedcore.models import build_model
-from server.rank_assignment import DEFAULT_TIERS
-from server.strategy import factorize_per_plan, plan_key
+from server.engine.run_config import DEFAULT_TIERS
+from server.engine.sampling import factorize_per_plan, plan_key
 from tests.envelope_edits import split
 
 MAX_SHARE = 0.001

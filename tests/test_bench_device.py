@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cost_model import COST_MODEL_FORMAT, load_cost_model, parse_cost_model, predict
+from server.engine.cost_model import COST_MODEL_FORMAT, MIB, load_cost_model, parse_cost_model, predict
 from tests.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
@@ -74,16 +74,33 @@ def test_quick_run_writes_tables_and_a_png(quick_run):
 
 
 def test_the_written_cost_model_predicts_for_the_measured_configuration(quick_run):
+    """A prediction between the two measured ratios is the linear interpolation of what the report measured: the
+    portable runtime's peak RSS, and its 1-thread step (decay amortized) scaled by the probe scores."""
     out, _ = quick_run
     bench = load_script("bench_device")
     model = load_cost_model(out / "cost_model.json")
     (name, shape), = bench.QUICK_CONFIGS
+    measured = {ratio: r for r in json.loads((out / "bench_device.json").read_text())["results"]
+                for ratio in r["ratios"]}
 
     class Device:
         probe_gflops, threads = 10.0, 1
 
-    prediction = predict(name, shape, 0.5, bench.BATCH, Device(), model)
-    assert prediction.peak_mb > 0 and prediction.step_ms > 0
+    def peak_mb(ratio: float) -> float:
+        return measured[ratio]["portable"]["rounds"][str(bench.BATCH)]["peak_rss_bytes"] / MIB
+
+    def step_ms(ratio: float) -> float:
+        latency = measured[ratio]["latency"]
+        one = bench.amortized_ms(latency["threads"]["1"], "portable", "portable_decay", bench.BATCH)
+        return one * latency["probe_gflops"] / Device.probe_gflops
+
+    low, high = sorted(bench.QUICK_RATIOS)
+    ratio = (low + high) / 2
+    weight = (ratio - low) / (high - low)
+    prediction = predict(name, shape, ratio, bench.BATCH, Device(), model)
+    # the same float64 arithmetic in another order: equal to a few ulps
+    assert prediction.peak_mb == pytest.approx(peak_mb(low) + weight * (peak_mb(high) - peak_mb(low)), rel=1e-12)
+    assert prediction.step_ms == pytest.approx(step_ms(low) + weight * (step_ms(high) - step_ms(low)), rel=1e-12)
 
 
 def test_the_leanest_session_variant_has_the_lowest_total_peak():

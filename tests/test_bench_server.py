@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from fedcore.lowrank import matrix_shape
+from fedcore.models import build_model
 from tests.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_server.py"
@@ -35,13 +39,33 @@ def test_quick_run_reports_every_client_count_and_phase(quick_run):
 
 
 def test_quick_run_measures_positive_seconds_bytes_and_rates(quick_run):
+    """What only a clock or the kernel can say is checked for being measured at all; what follows from it is
+    recomputed below."""
     report, _ = quick_run
     for result in report["results"]:
         f, b, p, fl, c = (result[k] for k in ("factorize", "batched", "per_client", "floor", "checkpoint"))
-        for value in (f["seconds"], f["svd_seconds"], b["seconds"], p["seconds"], b["updates_total_bytes"],
-                      fl["multiply_adds"], fl["gemm_flops_per_second"], fl["fraction_reached"], c["seconds"],
-                      c["bytes"], result["process_peak_rss_bytes"]):
+        for value in (f["seconds"], f["svd_seconds"], b["seconds"], p["seconds"], fl["gemm_flops_per_second"],
+                      c["seconds"], c["bytes"], result["process_peak_rss_bytes"]):
             assert value > 0
+
+
+def test_quick_run_derives_its_bytes_and_floor_from_its_plans_and_measurements(quick_run):
+    """Client k has plan k mod (number of plans); its update is its task's tensors plus noise (as many bytes); the
+    floor is 2 FLOP per multiply-add at the measured GEMM rate, and the fraction reached is the floor over the
+    batched path's time; its multiply-adds are Σ over clients and factorized layers of rank × the layer's matrix."""
+    report, _ = quick_run
+    bench = load_script("bench_server")
+    model = build_model(bench.MODEL, tuple(int(d) for d in QUICK_SHAPE.split("x")), bench.NUM_CLASSES)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for result in report["results"]:
+        b, fl, tasks = result["batched"], result["floor"], result["plan_task_bytes"]
+        assert result["tasks_total_bytes"] == sum(tasks[k % len(tasks)] for k in range(result["clients"]))
+        assert b["updates_total_bytes"] == result["tasks_total_bytes"] and b["clients"] == result["clients"]
+        ranks = [re.findall(r"([\w.]+)@r(\d+)", plan) for plan in result["plans"]]  # "fe.fc1@r256": factorized
+        assert fl["multiply_adds"] == sum(int(rank) * math.prod(matrix_shape(shapes[f"{layer}.weight"]))
+                                          for k in range(result["clients"]) for layer, rank in ranks[k % len(ranks)])
+        assert fl["seconds"] == pytest.approx(2 * fl["multiply_adds"] / fl["gemm_flops_per_second"], rel=1e-12)
+        assert fl["fraction_reached"] == pytest.approx(fl["seconds"] / b["seconds"], rel=1e-12)
 
 
 def test_quick_run_factorizes_with_one_svd_per_factorized_layer(quick_run):

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from server.run_config import ALGORITHMS
+from server.engine.run_config import ALGORITHMS
 
 REPO = Path(__file__).resolve().parents[1]
 DRIVERS = ("server/simulate.py", "server/broker_loop.py")
-ENGINE_AND_ASSEMBLY = ("server/engine.py", "server/run_setup.py")
+ENGINE_AND_ASSEMBLY = ("server/engine/round_engine.py", "server/run_setup.py")
 
 
 def tree(path: str) -> ast.Module:
@@ -36,7 +36,7 @@ def test_a_driver_reaches_nothing_behind_the_engine(driver: str):
     """No ``.coordinator``, no private engine attribute, no import of the coordinator."""
     reached = {node.attr for node in ast.walk(tree(driver)) if isinstance(node, ast.Attribute)}
     assert "coordinator" not in reached
-    assert "server.coordinator" not in imported_modules(REPO / driver)
+    assert "server.engine.coordinator" not in imported_modules(REPO / driver)
     engine_private = [node.attr for node in ast.walk(tree(driver)) if isinstance(node, ast.Attribute)
                       and isinstance(node.value, ast.Attribute) and node.value.attr == "engine"
                       and node.attr.startswith("_")]

@@ -1,7 +1,7 @@
-"""server.cgroups: memory groups a device process is started in, what they report, and their removal.
+"""server.mqtt.cgroups: memory groups a device process is started in, what they report, and their removal.
 
-The tests marked ``cgroup`` need root and a writable memory controller (skipped without); the others read fake
-cgroup trees."""
+The tests marked ``cgroup`` need root and a writable memory controller (``tests.conftest.needs``); the others read
+fake cgroup trees."""
 from __future__ import annotations
 
 import subprocess
@@ -10,17 +10,17 @@ import sys
 import pytest
 
 from device_runtime.memory_limit import SOURCE_V1, SOURCE_V2
-from server.cgroups import (CgroupError, Hierarchy, MemoryEvidence, MemoryGroup, available, create_group,
+from server.mqtt.cgroups import (CgroupError, Hierarchy, MemoryEvidence, MemoryGroup, available, create_group,
                             find_hierarchy, parse_limits, popen_in_group)
+from tests.conftest import needs
 
 MIB = 1024 * 1024
 CGROUPS = available()
 
 
 def needs_cgroups(test):
-    """Marks ``test`` as a cgroup test, skipped where this process cannot make memory groups."""
-    skip = pytest.mark.skipif(CGROUPS is not None, reason=f"memory cgroups unavailable: {CGROUPS}")
-    return pytest.mark.cgroup(skip(test))
+    """Marks ``test`` as a cgroup test, which needs this process to make memory groups."""
+    return pytest.mark.cgroup(needs(CGROUPS)(test))
 
 ALLOCATE_200_MIB = "b = bytearray(200 * 2**20)\nfor i in range(0, len(b), 4096): b[i] = 1"
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from server.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from server.outputs.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 
 
 def test_checkpoint_roundtrips_round_tensors_and_state(tmp_path):

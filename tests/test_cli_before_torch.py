@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from fedcore.models import ARCHITECTURES
-from server import run_config
+from server.engine import run_config
 from server.algorithms import REGISTRY
 
 

@@ -10,9 +10,7 @@ and the final model is the undisturbed run's on the same cluster up to float rou
 """
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -22,11 +20,13 @@ import pytest
 
 from fedcore.models import build_model
 from server import broker_loop
-from server.algorithms import get_algorithm
-from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from server.data import load_dataset
-from server.report import METRICS_FILE, read_metrics
+from server.engine.round_engine import algorithm_for
+from server.engine.run_config import FederationConfig
+from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.data.datasets import load_dataset
+from server.outputs.report import METRICS_FILE, read_metrics
 from server.run_setup import global_state
+from tests.conftest import missing_binary, require
 from tests.scripts import load_script
 
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
@@ -46,11 +46,7 @@ sixth of a device's update. The folds themselves are counted exactly above."""
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    if shutil.which("nats-server") is None and not Path("/usr/sbin/nats-server").exists():
-        reason = "needs Debian's nats-server (scripts/setup.sh installs it)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+    require(missing_binary("nats-server", "nats-server"))  # scripts/nats_cluster.py runs it from PATH
     module = load_script("nats_cluster")
     nodes = module.NatsCluster(tmp_path_factory.mktemp("nats"), 3).start()
     yield nodes
@@ -109,7 +105,7 @@ def test_a_node_killed_mid_round_2_loses_no_device_and_no_update(cluster, tmp_pa
     expected, got = load_checkpoint(undisturbed / CHECKPOINT_NAME), load_checkpoint(run / CHECKPOINT_NAME)
     assert got.round == ROUNDS and set(got.tensors) == set(expected.tensors)
     data = load_dataset("digits")
-    initial = global_state(build_model("fedavgcnn", data.input_shape, data.num_classes, seed=0), get_algorithm("fedara"))
+    initial = global_state(build_model("fedavgcnn", data.input_shape, data.num_classes, seed=0), algorithm_for(FederationConfig()))
     relative = {name: float(np.linalg.norm(got.tensors[name] - value) / np.linalg.norm(value - initial[name].numpy()))
                 for name, value in expected.tensors.items()}
     print(f"largest ‖killed - undisturbed‖ / ‖undisturbed - initial‖ over the tensors: {max(relative.values()):.3g}")

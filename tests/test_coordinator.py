@@ -7,8 +7,8 @@ import pytest
 from device_runtime.messages import Join, ShardInfo, ack_message, update_message
 from device_runtime.profile import ResourceProfile
 from device_runtime.task import Update
-from server.update_rule import Answer
-from server.coordinator import (ALL_ANSWERED, DEADLINE, NO_ANSWER, Coordinator, CoordinatorConfig, Evaluation)
+from server.engine.update_rule import Answer
+from server.engine.coordinator import (ALL_ANSWERED, DEADLINE, NO_ANSWER, Coordinator, CoordinatorConfig, Evaluation)
 
 RUN = "run1"
 PLAN = "a1" * 32

@@ -1,4 +1,4 @@
-"""server.cost_model: predictions interpolate the device benchmark's measurements and scale by the probe."""
+"""server.engine.cost_model: predictions interpolate the device benchmark's measurements and scale by the probe."""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,9 @@ import pytest
 
 from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
 from device_runtime.profile import ResourceProfile
-from server.cost_model import (FLOOR_MARGIN_MB, CostModelError, Prediction, load_cost_model, parse_cost_model,
+from server.engine.cost_model import (FLOOR_MARGIN_MB, CostModelError, Prediction, load_cost_model, parse_cost_model,
                                peak_predictor, predict)
-from server.rank_assignment import assign_tier
+from server.engine.rank_assignment import assign_tier
 
 SHAPE = (1, 28, 28)
 BENCH_PROBE = 100.0

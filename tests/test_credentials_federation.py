@@ -1,5 +1,5 @@
 """A federation over mosquitto configured as the project configures it: a password file and an ACL written by
-server.mosquitto_config.write_mosquitto_auth (what scripts/mosquitto_credentials.py writes), and TLS with a
+server.mqtt.mosquitto_config.write_mosquitto_auth (what scripts/mosquitto_credentials.py writes), and TLS with a
 CA this test creates. Every device logs in as itself. An impostor holding dev_001's credentials cannot
 publish on dev_000's up topic (the server never sees it) nor read dev_000's down topic.
 """
@@ -21,12 +21,12 @@ from device_runtime.task import Update
 from device_runtime.topics import Topics
 from device_runtime.transport import BrokerRefusedError, MqttEndpoint
 from server import broker_loop
-from server.mosquitto_config import TlsFiles, write_mosquitto_auth
-from server.partition import write_shards
-from server.report import METRICS_FILE, read_metrics
+from server.mqtt.mosquitto_config import TlsFiles, write_mosquitto_auth
+from server.data.partition import write_shards
+from server.outputs.report import METRICS_FILE, read_metrics
 from server.run_setup import load_shards
 from server.simulate import build_parser as simulate_parser
-from server.enrollment import save_enrollment
+from server.mqtt.enrollment import save_enrollment
 from tests.mqtt_peer import MqttPeer
 from tests.sealing import seal_up, write_key
 from tests.test_transport import tls_files  # noqa: F401  (a fixture: the test CA and the broker's certificate)

@@ -6,9 +6,8 @@ import pickle
 import numpy as np
 import pytest
 
-from server.data import (
+from server.data.datasets import (
     CHANNEL_STATS,
-    FMNIST_DIR,
     FMNIST_PACKAGE,
     DatasetFormatError,
     DatasetUnavailable,
@@ -16,6 +15,7 @@ from server.data import (
     parse_idx,
     read_idx,
 )
+from tests.conftest import missing_fmnist, needs
 
 
 def _idx_bytes(array: np.ndarray, code: int = 0x08) -> bytes:
@@ -113,7 +113,7 @@ def test_missing_fmnist_names_debian_package_and_option(tmp_path):
     assert "--data-dir" in str(error.value)
 
 
-@pytest.mark.skipif(not FMNIST_DIR.is_dir(), reason="Debian dataset-fashion-mnist not installed")
+@needs(missing_fmnist())
 def test_debian_fmnist_has_70000_standardized_samples():
     data = load_dataset("fmnist")
     assert data.x.shape == (70000, 1, 28, 28)

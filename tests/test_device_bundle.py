@@ -25,9 +25,10 @@ from device_runtime.artifact_contract import PORTABLE_KIND
 from export.artifacts import build_artifacts_of_kind
 from fedcore.lowrank import RankPlan, resolve_plan
 from fedcore.models import build_model
-from server.data import load_dataset
-from server.embedded_broker import EmbeddedBroker
-from server.partition import make_client_shards, write_shards
+from server.data.datasets import load_dataset
+from server.mqtt.embedded_broker import EmbeddedBroker
+from server.data.partition import make_client_shards, write_shards
+from tests.conftest import missing_binary, require
 from tests.scripts import load_script
 from tests.sealing import enrollment_file, write_key
 
@@ -117,8 +118,7 @@ def test_the_unit_hands_the_root_only_key_to_its_dynamic_user_as_a_credential(bu
 
 
 def test_systemd_finds_nothing_wrong_with_the_installed_unit(bundle_dir: Path, tmp_path: Path):
-    if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze missing (Debian package 'systemd')")
+    require(missing_binary("systemd-analyze", "systemd"))
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)
     shutil.copy(bundle_dir / "fedara-device.env", tmp_path)

@@ -13,7 +13,7 @@ import pytest
 
 from device_runtime.__main__ import PASSWORD_ENV
 from device_runtime.shard import ZIP_MAGIC, Shard, save_shard
-from server.mosquitto_config import write_mosquitto_auth
+from server.mqtt.mosquitto_config import write_mosquitto_auth
 from tests.conftest import assert_bad_input, free_loopback_port
 from tests.sealing import write_key
 

@@ -20,7 +20,7 @@ from device_runtime.onnx_bake import GraphEditError
 from device_runtime.runtimes import open_trainer
 from device_runtime.shard import load_shard
 from server import broker_loop
-from server.report import METRICS_FILE, read_metrics
+from server.outputs.report import METRICS_FILE, read_metrics
 from tests.conftest import ARTIFACT_CLASSES, ARTIFACT_SHAPE, assert_bad_input
 
 REPO = Path(__file__).resolve().parents[1]

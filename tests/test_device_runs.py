@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_runtime.agent import HEADS_DIR, PREVIOUS_RUN_DIR, DeviceAgent, Workdir
+from device_runtime.agent import DeviceAgent
+from device_runtime.workdir import HEADS_DIR, PREVIOUS_RUN_DIR, Workdir
 from device_runtime.envelope import MessageType
 from device_runtime.messages import Plan, plan_message, task_message
 from device_runtime.profile import collect_profile
@@ -16,9 +17,10 @@ from device_runtime.shard import Shard
 from device_runtime.task import Phase, Task
 from device_runtime.topics import Topics
 from fedcore.models import build_model
-from server.algorithms import get_algorithm
+from server.engine.round_engine import algorithm_for
+from server.engine.run_config import FederationConfig
 from server.run_setup import PlanBook, global_state, initial_personal
-from server.strategy import factorize_per_plan, plan_key
+from server.engine.sampling import factorize_per_plan, plan_key
 from tests.sealing import device_link, seal_down
 from tests.recording_endpoint import RecordingEndpoint
 
@@ -40,7 +42,7 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(shared_artifact_cache: Path) -> World:
-    algorithm = get_algorithm("fedara")
+    algorithm = algorithm_for(FederationConfig())
     model = build_model("fedavgcnn", INPUT_SHAPE, CLASSES, seed=0)
     plan = PlanBook(model, INPUT_SHAPE, shared_artifact_cache).get(1.0)
     fe = factorize_per_plan(global_state(model, algorithm), [plan.resolved])[plan_key(plan.resolved)]

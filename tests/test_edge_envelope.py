@@ -3,7 +3,7 @@ be, reads its limit, is assigned a tier that fits by the server's tier choice wi
 onnxruntime-training floors (the runtime it reports and runs), and completes two local rounds there; forced to a
 tier above its floor, the kernel OOM-kills it and the group says so.
 
-Needs root and a writable memory controller (server.cgroups.available), and the Debian Fashion-MNIST files.
+Needs root and a writable memory controller (server.mqtt.cgroups.available), and the Debian Fashion-MNIST files.
 """
 from __future__ import annotations
 
@@ -21,16 +21,17 @@ from device_runtime.shard import save_shard
 from export.artifacts import build_artifacts
 from fedcore.lowrank import RankPlan, resolve_plan
 from fedcore.models import build_model
-from server.cgroups import available, create_group, popen_in_group
-from server.cost_model import peak_predictor
-from server.data import FMNIST_DIR, load_dataset
-from server.partition import make_client_shards
-from server.rank_assignment import DEFAULT_TIERS, choose_ratio
+from server.mqtt.cgroups import available, create_group, popen_in_group
+from server.engine.cost_model import peak_predictor
+from server.data.datasets import load_dataset
+from server.data.partition import make_client_shards
+from server.engine.rank_assignment import choose_ratio
+from server.engine.run_config import DEFAULT_TIERS
+from tests.conftest import missing_fmnist, needs
 
 CGROUPS = available()
 pytestmark = [pytest.mark.cgroup, pytest.mark.slow,
-              pytest.mark.skipif(CGROUPS is not None, reason=f"memory cgroups unavailable: {CGROUPS}"),
-              pytest.mark.skipif(not FMNIST_DIR.is_dir(), reason="Debian dataset-fashion-mnist not installed")]
+              needs(CGROUPS), needs(missing_fmnist())]
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, INPUT_SHAPE, NUM_CLASSES = "cnn1", (1, 28, 28), 10

@@ -11,11 +11,10 @@ from device_runtime.messages import Join, ShardInfo, update_message
 from device_runtime.profile import ResourceProfile
 from device_runtime.task import Phase, Update
 from fedcore.models import build_model
-from server.algorithms import get_algorithm
-from server.coordinator import Coordinator, CoordinatorConfig
-from server.engine import MAX_PLAN_RESENDS, RoundEngine
+from server.engine.coordinator import Coordinator, CoordinatorConfig
+from server.engine.round_engine import MAX_PLAN_RESENDS, RoundEngine, algorithm_for
 from server.run_setup import PlanBook, global_state, initial_personal
-from server.run_config import FederationConfig
+from server.engine.run_config import FederationConfig
 
 SHAPE = (1, 28, 28)
 CLASSES = 10
@@ -27,8 +26,8 @@ def make_engine(algo: str = "fedara", *, tiers=(1.0,), predictor=None, min_compl
                 rounds: int = 3, join_ratio: float = 1.0, remote: bool = False) -> RoundEngine:
     torch.manual_seed(0)
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
-    algorithm = get_algorithm(algo)
     config = FederationConfig(algo=algo, rounds=rounds, local_epochs=2, join_ratio=join_ratio)
+    algorithm = algorithm_for(config)
     coordinator = Coordinator(CoordinatorConfig(SHAPE, CLASSES, join_ratio=join_ratio, round_deadline_s=10.0,
                                                 min_completion=min_completion), RUN)
     return RoundEngine(algorithm, config, coordinator, PlanBook(model, SHAPE, None, onnx=False),

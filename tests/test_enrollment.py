@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from device_runtime.auth import read_key_file
-from server.enrollment import (EnrollmentError, enroll, key_ring, load_enrollment, main, revoke, rotate,
+from server.mqtt.enrollment import (EnrollmentError, enroll, key_ring, load_enrollment, main, revoke, rotate,
                                run_key_ring, save_enrollment)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_runtime.agent import HEADS_DIR, STATE_FILE, DeviceAgent, Workdir
+from device_runtime.agent import DeviceAgent
+from device_runtime.workdir import HEADS_DIR, STATE_FILE, Workdir
 from device_runtime.artifact_contract import TRAINING_KIND
 from device_runtime.envelope import Message, decode
 from device_runtime.messages import ARTIFACT_BLOBS_BY_KIND, DEFAULT_TOPIC_PREFIX, Plan, parse_update, plan_message, task_message
@@ -36,10 +37,10 @@ from device_runtime.topics import Topics
 from export.artifacts import build_artifacts
 from fedcore.models import build_model
 from server import broker_loop
-from server.checkpoint import CHECKPOINT_NAME, STATE_KEY, load_checkpoint
-from server.coordinator import DEADLINE, NO_ANSWER
-from server.partition import write_shards
-from server.report import METRICS_FILE, read_metrics
+from server.outputs.checkpoint import CHECKPOINT_NAME, STATE_KEY, load_checkpoint
+from server.engine.coordinator import DEADLINE, NO_ANSWER
+from server.data.partition import write_shards
+from server.outputs.report import METRICS_FILE, read_metrics
 from server import run_setup, simulate
 from server.run_setup import RunFolder, load_shards
 

@@ -21,7 +21,7 @@ from hypothesis.extra import numpy as hnp
 
 from device_runtime.envelope import MAX_ROUND, Message, MessageType, decode
 from device_runtime.messages import ErrorCode, Join, ack_message, error_message, join_message
-from server.coordinator import NO_ANSWER
+from server.engine.coordinator import NO_ANSWER
 from tests.envelope_edits import apply_edits, envelope, rehashed, split
 from tests.envelope_edits import byte_edits as byte_edits_within
 from tests.sealing import seal_up as encode  # as the device would seal it: the fuzz reaches behind the tag

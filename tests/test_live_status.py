@@ -1,4 +1,4 @@
-"""The operator's live view (server.live_status): /metrics, / and /api/status of ``--status-port``.
+"""The operator's live view (server.outputs.status_server): /metrics, / and /api/status of ``--status-port``.
 
 The core (fleet_snapshot, metric_families) is driven on a real RoundEngine with explicit time; the server on a
 published snapshot; one slow test runs ``python -m server.broker_loop --status-port 0`` with device processes,
@@ -7,6 +7,7 @@ scrapes /metrics after every round against metrics.jsonl, and loads / in headles
 from __future__ import annotations
 
 import contextlib
+import http.client
 import copy
 import json
 import os
@@ -33,10 +34,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX
 from device_runtime.topics import Topics
 from server import broker_loop
-from server.live_status import (MAX_REFUSAL_KINDS, SnapshotCollector, StatusServer, count_refusal, fleet_snapshot,
-                                update_refusal)
-from server.report import METRICS_FILE, read_metrics
-from tests.conftest import wait_for
+from server.outputs.prometheus_metrics import SnapshotCollector
+from server.outputs.refusals import MAX_REFUSAL_KINDS, count_refusal, update_refusal
+from server.outputs.status_server import StatusServer
+from server.outputs.status_snapshot import fleet_snapshot
+from server.outputs.report import METRICS_FILE, read_metrics
+from tests.conftest import missing_binary, require, wait_for
 from tests.scripts import load_script
 from tests.test_engine import answer, join, make_engine
 
@@ -79,6 +82,16 @@ def post(url: str) -> int:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
+
+
+def answer_to(method: str, port: int) -> int:
+    """The status code of a ``method`` request for / on 127.0.0.1:``port``."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request(method, "/")
+        return connection.getresponse().status
+    finally:
+        connection.close()
 
 
 def refused_connection(port: int) -> bool:
@@ -215,6 +228,9 @@ def test_the_server_is_read_only_and_its_port_closes():
         assert links and all(link.startswith(b"/") for link in links), links  # no external assets
         for path in ("", "metrics", "api/status"):
             assert post(status.url + path) == 405
+        for method, code in (("PUT", 405), ("DELETE", 405), ("PATCH", 405), ("OPTIONS", 405), ("TRACE", 501),
+                             ("CONNECT", 501), ("BREW", 501)):  # 501: http.server's own "unsupported method"
+            assert answer_to(method, port) == code, method
         assert get(status.url + "nothing")[0] == 404
         assert json.loads(get(status.url + "api/status")[1]) == json.loads(json.dumps(snapshot))  # unchanged
     assert refused_connection(port)
@@ -408,9 +424,8 @@ def test_a_run_shows_its_fleet_on_metrics_and_in_a_browser_then_closes_its_port(
     assert refused_connection(port)
     records = read_metrics(run / METRICS_FILE)
     assert len(records) == ROUNDS and {t for r in records for t in r["per_tier"]} == {"1", "0.25"}
-    if CHROMIUM is None:
-        pytest.skip("chromium is not installed (scripts/setup.sh installs it as root): the page was not loaded "
-                    "in a browser; /metrics, read-only and the port were checked")
+    if CHROMIUM is None:  # what precedes was checked; the page was not loaded in a browser
+        require(missing_binary("chromium", "chromium"))
     kept = REPO_ROOT / ARTIFACTS_DIR / screenshot.name
     kept.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(screenshot, kept)

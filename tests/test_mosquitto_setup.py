@@ -22,13 +22,14 @@ import pytest
 from device_runtime.__main__ import PASSWORD_ENV
 from device_runtime.transport import BrokerRefusedError, MqttEndpoint
 from server import broker_loop
-from server.mosquitto_config import PACKET_HEADROOM_BYTES, parse_passwords
-from server.report import METRICS_FILE, read_metrics
-from tests.conftest import MOSQUITTO_BIN, MosquittoProcess, free_loopback_port
+from server.mqtt.mosquitto_config import PACKET_HEADROOM_BYTES, parse_passwords
+from server.outputs.report import METRICS_FILE, read_metrics
+from tests.conftest import (MOSQUITTO_BIN, MosquittoProcess, free_loopback_port, missing_binary, missing_root, needs,
+                            require)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "mosquitto_credentials.py"
-AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="handing files to the mosquitto user needs root")
+AS_ROOT = needs(missing_root("handing files to the mosquitto user needs it"))
 DATA = ["--dataset", "digits", "--max-samples", "300", "--seed", "0"]
 TRAINING = ["--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--lam", "2", "--lam-warmup", "1",
             "--threads", "1"]
@@ -162,8 +163,7 @@ def test_a_folder_the_mosquitto_user_cannot_enter_is_refused(tmp_path: Path):
 @AS_ROOT
 def test_two_devices_federate_through_the_setup_and_a_wrong_password_is_refused(
         reachable_dir: Path, monkeypatch: pytest.MonkeyPatch):
-    if not MOSQUITTO_BIN.exists():
-        pytest.skip(f"{MOSQUITTO_BIN} missing (Debian package 'mosquitto')")
+    require(missing_binary("mosquitto", "mosquitto", MOSQUITTO_BIN))
     port = free_loopback_port()
     setup = reachable_dir / "mosquitto"
     done = run_setup(setup, "--devices", "2", "--bind", "127.0.0.1", "--port", str(port),
@@ -218,8 +218,8 @@ def _uid_of(broker: MosquittoProcess) -> int:
 @pytest.mark.slow
 @AS_ROOT
 def test_with_tls_host_a_device_connects_verifying_the_broker_with_the_generated_ca(reachable_dir: Path):
-    if not MOSQUITTO_BIN.exists() or shutil.which("openssl") is None:
-        pytest.skip("needs /usr/sbin/mosquitto and openssl")
+    require(missing_binary("mosquitto", "mosquitto", MOSQUITTO_BIN))
+    require(missing_binary("openssl", "openssl"))
     port = free_loopback_port()
     setup = reachable_dir / "mosquitto"
     done = run_setup(setup, "--devices", "1", "--bind", "127.0.0.1", "--port", str(port), "--tls-host", "127.0.0.1")

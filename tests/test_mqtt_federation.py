@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from device_runtime.__main__ import PASSWORD_ENV
-from device_runtime.agent import DeviceAgent, Workdir
+from device_runtime.agent import DeviceAgent
+from device_runtime.workdir import Workdir
 from device_runtime.artifact_contract import TRAINING_KIND
 from device_runtime.envelope import MessageType
 from device_runtime.messages import (ARTIFACT_BLOBS_BY_KIND, DEFAULT_TOPIC_PREFIX, ErrorCode, Join, Plan, ShardInfo,
@@ -33,10 +34,10 @@ from device_runtime.transport import MqttEndpoint
 from export.artifacts import build_artifacts
 from fedcore.models import build_model
 from server import broker_loop
-from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from server.cost_model import predict
-from server.mosquitto_config import write_mosquitto_auth
-from server.report import ACCURACY_PLOT, BYTES_PLOT, METRICS_FILE, REPORT_FILE, read_metrics
+from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.engine.cost_model import predict
+from server.mqtt.mosquitto_config import write_mosquitto_auth
+from server.outputs.report import ACCURACY_PLOT, BYTES_PLOT, METRICS_FILE, REPORT_FILE, read_metrics
 from server import simulate
 from server.run_setup import RunFolder
 from tests.mqtt_peer import MqttPeer
@@ -236,7 +237,8 @@ def test_device_that_never_answers_is_dropped_at_the_deadline(embedded_broker, t
     (record,) = records
     assert record["dropped"] == {"dev_silent": "no answer by the deadline"}
     assert (record["participants"], record["selected"], record["closed_by"]) == (4, 5, "deadline")
-    assert record["aggregated"] and record["seconds"] < 3 * deadline_s
+    # closed by its deadline, not before it (a loaded machine only lengthens a round; the test's timeout bounds it)
+    assert record["aggregated"] and record["seconds"] >= deadline_s
     assert silent.tasks == 2  # the round's task and the final evaluation
 
 

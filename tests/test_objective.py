@@ -8,7 +8,7 @@ from torch import nn
 
 from fedcore.lowrank import decompose
 from fedcore.objective import compute_anchors, fac_loss, lam_at_round
-from server.aggregate import DEFAULT_DENSE_FOLD_CLIENTS, StreamingAverage
+from server.engine.aggregate import DEFAULT_DENSE_FOLD_CLIENTS, StreamingAverage
 
 
 def test_lam_is_zero_in_the_first_round():

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from device_runtime.shard import load_shard
-from server.data import LabeledData
-from server.partition import (
+from server.data.datasets import LabeledData
+from server.data.partition import (
     PartitionError,
     dirichlet_partition,
     make_client_shards,

@@ -27,20 +27,18 @@ from device_runtime.profile import ResourceProfile
 from device_runtime.shard import save_shard
 from fedcore.models import build_model
 from server.algorithms import get_algorithm
-from server.cgroups import available, create_group, popen_in_group
-from server.coordinator import Coordinator, CoordinatorConfig
-from server.data import FMNIST_DIR, load_dataset
-from server.engine import RoundEngine
-from server.partition import make_client_shards
-from server.rank_assignment import DEFAULT_TIERS
-from server.run_config import FederationConfig
+from server.data.datasets import load_dataset
+from server.data.partition import make_client_shards
+from server.engine.coordinator import Coordinator, CoordinatorConfig
+from server.engine.round_engine import RoundEngine
+from server.engine.run_config import DEFAULT_TIERS, FederationConfig
+from server.mqtt.cgroups import available, create_group, popen_in_group
 from server.run_setup import PlanBook, global_state, initial_personal, predictor_for
+from tests.conftest import missing_fmnist, needs
 from tests.scripts import load_script
 
 CGROUPS = available()
-pytestmark = [pytest.mark.cgroup, pytest.mark.slow,
-              pytest.mark.skipif(CGROUPS is not None, reason=f"memory cgroups unavailable: {CGROUPS}"),
-              pytest.mark.skipif(not FMNIST_DIR.is_dir(), reason="Debian dataset-fashion-mnist not installed")]
+pytestmark = [pytest.mark.cgroup, pytest.mark.slow, needs(CGROUPS), needs(missing_fmnist())]
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, INPUT_SHAPE, NUM_CLASSES = "cnn1", (1, 28, 28), 10

@@ -1,5 +1,5 @@
 """The per-round progress line: its ETA counts rounds only, not the compiling and joining before round 1."""
-from server.progress import Progress
+from server.outputs.progress import Progress
 
 
 def record(round_index: int, seconds: float) -> dict:

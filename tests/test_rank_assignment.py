@@ -7,7 +7,7 @@ import pytest
 
 from fedcore.lowrank import RankPlan, resolve_plan
 from fedcore.models import build_model
-from server.rank_assignment import (RUNTIME_BASE_MB, Footprint, OverrideError, assign_tier, check_tiers, choose_ratio,
+from server.engine.rank_assignment import (RUNTIME_BASE_MB, Footprint, OverrideError, assign_tier, check_tiers, choose_ratio,
                                     load_overrides, plan_footprint, predict_peak_mb, tier_predictor)
 
 TIERS = (1.0, 0.5, 0.25)

@@ -27,8 +27,8 @@ from device_runtime.envelope import Message, MessageType
 from device_runtime.framing import FRAME_HEADER_BYTES, chunk, frame_msg_id
 from device_runtime.messages import ErrorCode, error_message
 from device_runtime.topics import Topics
-from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from server.enrollment import enroll, save_enrollment
+from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.mqtt.enrollment import enroll, save_enrollment
 from tests.conftest import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub, wait_for
 from tests.sealing import seal_down, seal_up
 

@@ -5,9 +5,10 @@ import csv
 
 import pytest
 
-from server.coordinator import Evaluation
-from server.report import (ACCURACY_PLOT, BYTES_PLOT, DEVICE_PLOT, EVALUATION_NOTE, METRICS_CSV, accuracy_figure,
-                           device_accuracies, evaluation_summary, read_metrics, tier_accuracy, tiers_of,
+from server.engine.coordinator import Evaluation
+from server.engine.evaluation import evaluation_summary
+from server.outputs.report import (ACCURACY_PLOT, BYTES_PLOT, DEVICE_PLOT, EVALUATION_NOTE, METRICS_CSV, accuracy_figure,
+                           device_accuracies, read_metrics, tier_accuracy, tiers_of,
                            training_mb_by_tier, write_metrics, write_metrics_csv, write_report)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

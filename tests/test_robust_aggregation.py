@@ -1,4 +1,4 @@
-"""Norm-bounded updates (server.robust): off by default; with a bound, an update further than it from the
+"""Norm-bounded updates (server.engine.robust): off by default; with a bound, an update further than it from the
 global FE is clipped onto it or rejected, in the simulator and in the broker loop alike."""
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from device_runtime.messages import update_message
 from device_runtime.task import Update, tensor_bytes
 from fedcore.lowrank import reconstruct_state
 from server import broker_loop, simulate
-from server.aggregate import StreamingAverage
-from server.progress import Progress
-from server.robust import bound_update, clip_to_bound, fe_distance
-from server.run_config import NormAction, NormBound, norm_bound_from_args
+from server.engine.aggregate import StreamingAverage
+from server.outputs.progress import Progress
+from server.engine.robust import bound_update, clip_to_bound, fe_distance
+from server.engine.run_config import NormAction, NormBound, norm_bound_from_args
 from server.run_setup import RunFolder
-from server.strategy import plan_key, to_torch
-from server.update_rule import Answer
+from server.engine.sampling import plan_key, to_torch
+from server.engine.update_rule import Answer
 from tests.test_hostile import (DENSE, EVAL, FACTORED, RUN, SERVER_LOG, TRAINER, World, close, genuine_update,
                                 open_server, update_topic, world)  # noqa: F401  (world is a fixture)
 from tests.sealing import seal_up as encode  # as the device would seal it

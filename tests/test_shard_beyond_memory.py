@@ -2,7 +2,7 @@
 (device_runtime.shard memory-maps the images; each step gathers its batch from the mapped file, and the kernel drops
 clean pages under pressure). Reading the shard whole, as np.load does, cannot fit: the file alone exceeds the limit.
 
-Needs root and a writable memory controller (server.cgroups.available).
+Needs root and a writable memory controller (server.mqtt.cgroups.available).
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from device_runtime.shard import Shard, save_shard
 from export.artifacts import build_artifacts_of_kind
 from fedcore.lowrank import RankPlan, resolve_plan
 from fedcore.models import build_model
-from server.cgroups import MIB, available, create_group, popen_in_group
+from server.mqtt.cgroups import MIB, available, create_group, popen_in_group
+from tests.conftest import needs
 
 CGROUPS = available()
-pytestmark = [pytest.mark.cgroup, pytest.mark.slow,
-              pytest.mark.skipif(CGROUPS is not None, reason=f"memory cgroups unavailable: {CGROUPS}")]
+pytestmark = [pytest.mark.cgroup, pytest.mark.slow, needs(CGROUPS)]
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, INPUT_SHAPE, NUM_CLASSES, RATIO = "fedavgcnn", (3, 32, 32), 10, 0.125

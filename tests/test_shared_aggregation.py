@@ -22,8 +22,9 @@ import psutil
 import pytest
 
 from server import broker_loop
-from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from server.report import METRICS_FILE, read_metrics
+from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.outputs.report import METRICS_FILE, read_metrics
+from tests.conftest import missing_binary, require
 
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
          "--lam", "2", "--lam-warmup", "1", "--threads", "1", "--join-timeout", "300", "--round-deadline", "300"]
@@ -63,8 +64,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 def test_chunked_updates_routed_to_two_members_fold_once_while_outsiders_subscribe_to_everything(
         start_mosquitto, tmp_path: Path, cache: Path):
-    if MOSQUITTO_SUB is None:
-        pytest.skip("needs Debian's mosquitto-clients (scripts/setup.sh installs it)")
+    require(missing_binary("mosquitto_sub", "mosquitto-clients"))
     broker = start_mosquitto(max_frame_bytes=FRAME_BYTES)
     alone = federate(tmp_path / "alone", cache, broker.url, 0)
     outsiders = {name: tmp_path / f"{name}.topics" for name in ("plain", "shared")}

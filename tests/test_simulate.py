@@ -12,13 +12,13 @@ import torch
 from device_runtime.messages import update_message
 from device_runtime.task import Phase, Update
 from fedcore.lowrank import FE_PREFIX
-from server.algorithms import FedAra, FedAvg, FedRep, Local, get_algorithm
-from server.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from server.report import METRICS_FILE, REPORT_FILE, read_metrics
+from server.algorithms import FedAra, FedAvg, FedRep, Local, Settings, get_algorithm
+from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.outputs.report import METRICS_FILE, REPORT_FILE, read_metrics
 from server.run_setup import RunFolder
 from server.simulate import DEVICE_PREFIX, Simulation, build_parser, main
-from server.run_config import FederationConfig
-from server.strategy import batch_seed, sample_clients, weighted_accuracy
+from server.engine.run_config import FederationConfig
+from server.engine.sampling import batch_seed, sample_clients, weighted_accuracy
 
 QUICK = ["--dataset", "digits", "--clients", "4", "--rounds", "2", "--local-epochs", "1", "--batch-size", "32",
          "--max-samples", "600", "--lr", "0.05", "--lam", "1", "--lam-warmup", "1"]
@@ -148,33 +148,36 @@ def test_rank_tiers_are_assigned_round_robin_by_device_id(tmp_path):
     assert [bool(sim.engine.plan_info(d).resolved.ranks) for d in sorted(sim.devices)] == [False, True, False, True]
 
 
+SETTINGS = Settings(local_epochs=5, lam=10.0, lam_warmup=10, mu=1e-3)
+
+
 def fit(algorithm, round_index: int = 11, factorized: bool = True):
     """What ``algorithm`` tells a training client in ``round_index`` (5 epochs, λ 10 over 10 rounds, μ 1e-3)."""
-    return algorithm.configure_fit(round_index, 5, 10.0, 10, 1e-3, factorized)
+    return algorithm.configure_fit(round_index, factorized)
 
 
 def test_the_algorithms_phases_returns_and_anchor_weight():
-    assert fit(FedAra()).phases == fit(FedAvg()).phases == fit(Local()).phases == (Phase("all", 5),)
-    assert fit(FedRep()).phases == (Phase("head", 1), Phase("fe", 5))  # head first, on the received FE
-    assert [fit(a).returns for a in (FedAra(), FedAvg(), FedRep(), Local())] == ["fe", "all", "fe", "none"]
-    assert fit(FedAra(), 1).lam == 0.0 and fit(FedAra(), 11).lam == 10.0
-    assert all(fit(a).lam == 0.0 for a in (FedAvg(), FedRep(), Local()))
-    assert fit(FedAra()).mu == 1e-3 and fit(FedAra(), factorized=False).mu == 0.0  # μ acts on factors only
+    assert fit(FedAra.from_settings(SETTINGS)).phases == fit(FedAvg.from_settings(SETTINGS)).phases == fit(Local.from_settings(SETTINGS)).phases == (Phase("all", 5),)
+    assert fit(FedRep.from_settings(SETTINGS)).phases == (Phase("head", 1), Phase("fe", 5))  # head first, on the received FE
+    assert [fit(a).returns for a in (FedAra.from_settings(SETTINGS), FedAvg.from_settings(SETTINGS), FedRep.from_settings(SETTINGS), Local.from_settings(SETTINGS))] == ["fe", "all", "fe", "none"]
+    assert fit(FedAra.from_settings(SETTINGS), 1).lam == 0.0 and fit(FedAra.from_settings(SETTINGS), 11).lam == 10.0
+    assert all(fit(a).lam == 0.0 for a in (FedAvg.from_settings(SETTINGS), FedRep.from_settings(SETTINGS), Local.from_settings(SETTINGS)))
+    assert fit(FedAra.from_settings(SETTINGS)).mu == 1e-3 and fit(FedAra.from_settings(SETTINGS), factorized=False).mu == 0.0  # μ acts on factors only
 
 
 def test_what_each_algorithm_shares_keeps_and_expects_back():
     state = {"fe.w": torch.ones(2, 3), "head.w": torch.ones(4, 2)}
     fe, head = {"fe.w": (2, 3)}, {"head.w": (4, 2)}
-    for algorithm in (FedAra(), FedRep()):
+    for algorithm in (FedAra.from_settings(SETTINGS), FedRep.from_settings(SETTINGS)):
         assert (set(algorithm.global_tensors(state)), set(algorithm.personal_tensors(state))) == ({"fe.w"}, {"head.w"})
         assert algorithm.update_shapes(fe, head) == fe
-    assert set(FedAvg().global_tensors(state)) == {"fe.w", "head.w"} and FedAvg().update_shapes(fe, head) == {**fe, **head}
-    assert Local().global_tensors(state) == {} and set(Local().personal_tensors(state)) == {"fe.w", "head.w"}
-    assert Local().update_shapes(fe, head) == {}
-    assert FedAra().offered_tiers((1.0, 0.5), {"d": 0.5}) == ((1.0, 0.5), {"d": 0.5})
-    assert all(a.offered_tiers((1.0, 0.5), {"d": 0.5}) == ((1.0,), {}) for a in (FedAvg(), FedRep(), Local()))
+    assert set(FedAvg.from_settings(SETTINGS).global_tensors(state)) == {"fe.w", "head.w"} and FedAvg.from_settings(SETTINGS).update_shapes(fe, head) == {**fe, **head}
+    assert Local.from_settings(SETTINGS).global_tensors(state) == {} and set(Local.from_settings(SETTINGS).personal_tensors(state)) == {"fe.w", "head.w"}
+    assert Local.from_settings(SETTINGS).update_shapes(fe, head) == {}
+    assert FedAra.from_settings(SETTINGS).offered_tiers((1.0, 0.5), {"d": 0.5}) == ((1.0, 0.5), {"d": 0.5})
+    assert all(a.offered_tiers((1.0, 0.5), {"d": 0.5}) == ((1.0,), {}) for a in (FedAvg.from_settings(SETTINGS), FedRep.from_settings(SETTINGS), Local.from_settings(SETTINGS)))
     with pytest.raises(ValueError, match="unknown algorithm"):
-        get_algorithm("fedprox")
+        get_algorithm("fedprox", SETTINGS)
 
 
 @pytest.mark.parametrize("algo, weights, phases, returns", [

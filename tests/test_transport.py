@@ -6,7 +6,6 @@ import contextlib
 import logging
 import os
 import random
-import shutil
 import socket
 import subprocess
 import sys
@@ -21,9 +20,9 @@ from device_runtime.framing import chunk
 from device_runtime.topics import Topics, server_subscriptions
 from device_runtime.transport import (BrokerRefusedError, BrokerURL, ConnectTimeoutError, FrameTooLargeError,
                                       MqttEndpoint, PublishError, parse_brokers, rotate_brokers)
-from server.aggregation_wire import member_update_filter
-from server.mosquitto_config import TlsFiles, acl_text, mosquitto_password_hash, write_mosquitto_auth
-from tests.conftest import wait_for
+from server.mqtt.aggregation_wire import member_update_filter
+from server.mqtt.mosquitto_config import TlsFiles, acl_text, mosquitto_password_hash, write_mosquitto_auth
+from tests.conftest import missing_binary, require, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "fedtest"
@@ -408,11 +407,7 @@ def openssl(*args: object) -> None:
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     """A test CA and a server certificate for 127.0.0.1 that it signed."""
-    if shutil.which("openssl") is None:
-        reason = "openssl CLI not found: needed to make the test certificates"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+    require(missing_binary("openssl", "openssl"))  # it makes the test certificates
     directory = tmp_path_factory.mktemp("tls")
     ca_key, ca_cert = make_ca(directory, "test-ca")
     key, csr, cert, ext = (directory / name for name in ("server.key", "server.csr", "server.pem", "san.ext"))

@@ -18,6 +18,17 @@ Shapes = dict[str, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
+class Settings:
+    """The run's settings an algorithm is built with (each algorithm keeps those it uses): passes over a client's
+    data per round, FedARA's anchor weight λ and its warm-up in rounds, and the Frobenius decay μ."""
+
+    local_epochs: int
+    lam: float
+    lam_warmup: int
+    mu: float
+
+
+@dataclass(frozen=True)
 class Fit:
     """A training client's instructions for a round: what it trains, in order, the anchor weight λ, the
     Frobenius decay μ, and what it sends back ("fe", "all" or "none")."""
@@ -32,6 +43,14 @@ class Algorithm(ABC):
     """One federated algorithm's decisions (defaults: the FE is shared and averaged, the head is personal)."""
 
     name: str
+
+    def __init__(self, local_epochs: int) -> None:
+        self.local_epochs = local_epochs
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Algorithm:
+        """The algorithm with the run's settings (by default it uses only the local epochs)."""
+        return cls(settings.local_epochs)
 
     def offered_tiers(self, tiers: tuple[float, ...], overrides: dict[str, float]
                       ) -> tuple[tuple[float, ...], dict[str, float]]:
@@ -52,8 +71,7 @@ class Algorithm(ABC):
         return dict(fe_shapes)
 
     @abstractmethod
-    def configure_fit(self, round_index: int, local_epochs: int, lam: float, warmup: int, mu: float,
-                      factorized: bool) -> Fit:
+    def configure_fit(self, round_index: int, factorized: bool) -> Fit:
         """What a training client does in round ``round_index`` (``factorized``: its plan has factors)."""
 
     def aggregate_fit(self, global_state: dict[str, torch.Tensor], mean: dict[str, torch.Tensor],

@@ -18,6 +18,5 @@ class FedAvg(Algorithm):
         """The FE and the head."""
         return {**fe_shapes, **personal_shapes}
 
-    def configure_fit(self, round_index: int, local_epochs: int, lam: float, warmup: int, mu: float,
-                      factorized: bool) -> Fit:
-        return Fit((Phase("all", local_epochs),), 0.0, 0.0, "all")
+    def configure_fit(self, round_index: int, factorized: bool) -> Fit:
+        return Fit((Phase("all", self.local_epochs),), 0.0, 0.0, "all")

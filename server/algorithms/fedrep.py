@@ -12,6 +12,5 @@ HEAD_EPOCHS = 1
 class FedRep(Algorithm):
     name = "fedrep"
 
-    def configure_fit(self, round_index: int, local_epochs: int, lam: float, warmup: int, mu: float,
-                      factorized: bool) -> Fit:
-        return Fit((Phase("head", HEAD_EPOCHS), Phase("fe", local_epochs)), 0.0, 0.0, "fe")
+    def configure_fit(self, round_index: int, factorized: bool) -> Fit:
+        return Fit((Phase("head", HEAD_EPOCHS), Phase("fe", self.local_epochs)), 0.0, 0.0, "fe")

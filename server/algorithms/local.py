@@ -22,6 +22,5 @@ class Local(Algorithm):
         """None: an answer carries only the evaluation."""
         return {}
 
-    def configure_fit(self, round_index: int, local_epochs: int, lam: float, warmup: int, mu: float,
-                      factorized: bool) -> Fit:
-        return Fit((Phase("all", local_epochs),), 0.0, 0.0, "none")
+    def configure_fit(self, round_index: int, factorized: bool) -> Fit:
+        return Fit((Phase("all", self.local_epochs),), 0.0, 0.0, "none")

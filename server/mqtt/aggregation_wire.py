@@ -8,7 +8,7 @@ move), names it in the device's authenticated TASK, and the device publishes its
 of a chunked update reaches the one member, on any MQTT broker, and another subscriber only gets a copy.
 
 The broker is open (anyone may publish anything), so every message between them is an envelope sealed under the
-enrollment file's server key, which no device holds (``server.enrollment.load_server_key``), with the sender's
+enrollment file's server key, which no device holds (``server.mqtt.enrollment.load_server_key``), with the sender's
 fresh counters: a forged or replayed message is refused by the receiver's ``Link`` before anything reads it.
 Aggregator ``A`` speaks on ``PREFIX/agg/A/up`` (direction UP) and hears on ``PREFIX/agg/A/down`` (DOWN); every
 message is of type AGGREGATION with ``meta["kind"]`` one of:
@@ -25,10 +25,8 @@ message is of type AGGREGATION with ``meta["kind"]`` one of:
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,8 +38,9 @@ from device_runtime.link import Link
 from device_runtime.messages import new_msg_id
 from device_runtime.protocol import ProtocolError, Reason, check_id
 from device_runtime.topics import TopicKind, check_topic_prefix, device_id_from_topic, update_filter
-from server.aggregate import PartialSum
-from server.update_rule import Answer, Asked
+from server.engine.aggregate import PartialSum
+from server.engine.folding_records import Brief, Partial, Receipt
+from server.engine.update_rule import Asked
 
 READY, ROUND, RECEIPT, VERDICT, CLOSE, PARTIAL = "ready", "round", "receipt", "verdict", "close", "partial"
 KINDS = (READY, ROUND, RECEIPT, VERDICT, CLOSE, PARTIAL)
@@ -79,15 +78,6 @@ def device_from_member_topic(prefix: str, aggregator: str, topic: str) -> str:
     if kind != TopicKind.UPDATE:
         raise ProtocolError(Reason.BAD_TOPIC, f"topic {topic!r:.200} is not an update topic")
     return device_id
-
-
-def route(device_id: str, members: Iterable[str]) -> str | None:
-    """The member that takes ``device_id``'s updates: the highest SHA-256 of (member, device) over ``members``
-    (rendezvous hashing: the same member every round while it is alive; a lost member's devices spread over the
-    others, no other device moves). None without members."""
-    def score(member: str) -> bytes:
-        return hashlib.sha256(f"{member}\n{device_id}".encode()).digest()
-    return max(sorted(set(members)), key=score, default=None)
 
 
 def aggregator_from_topic(prefix: str, topic: str) -> str | None:
@@ -133,18 +123,6 @@ def kind_of(msg: Message) -> str:
 # -- round brief -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Brief:
-    """What an aggregator needs to check and fold round ``round``'s updates."""
-
-    run_id: str
-    round: int
-    dense_shapes: dict[str, tuple[int, ...]]
-    plan_shapes: dict[str, dict[str, tuple[int, ...]]]  # plan hash -> tensors of a training update
-    devices: dict[str, Asked]
-    max_inbound: int
-
-
 def brief_message(brief: Brief, aggregator: str) -> Message:
     return message(ROUND, aggregator, run_id=brief.run_id, round_index=brief.round,
                    dense={k: list(v) for k, v in brief.dense_shapes.items()},
@@ -165,24 +143,6 @@ def parse_brief(msg: Message) -> Brief:
 
 
 # -- receipt and verdict -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Receipt:
-    """An update an aggregator verified: the device's header (run, round, msg id, meta), its counter and the bytes
-    of its tensors. The engine judges it as it would the update itself, without the tensors."""
-
-    device_id: str
-    run_id: str
-    round: int
-    msg_id: str
-    counter: int
-    meta: dict[str, Any]
-    nbytes: int
-
-    def answer(self) -> Answer:
-        """The update as the engine judges it: the device's header and fields, its tensors held by the aggregator."""
-        return Answer(self.device_id, self.run_id, self.round, dict(self.meta), None)
 
 
 def receipt_message(receipt: Receipt, aggregator: str) -> Message:
@@ -236,15 +196,6 @@ def parse_close(msg: Message) -> tuple[str, ...]:
 
 
 # -- partial sums ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Partial:
-    """One aggregator's share of a round: its PartialSum and the devices behind it."""
-
-    round: int
-    sum: PartialSum
-    devices: tuple[str, ...]
 
 
 def partial_message(partial: Partial, aggregator: str) -> Message:

@@ -273,7 +273,7 @@ def predict(model_name: str, input_shape: Sequence[int], ratio: float, batch_siz
 def peak_predictor(model_name: str, input_shape: Sequence[int], batch_size: int, profile: DeviceProfile,
                    cost_model: CostModel | None = None, shard_samples: int | None = None) -> Callable[[float], float]:
     """``ratio -> the MiB the device needs`` (``Prediction.need_mb``: the measured floor plus margin where the cost
-    model has floors, else the predicted peak) for one device: the predictor ``server.rank_assignment.assign_tier``
+    model has floors, else the predicted peak) for one device: the predictor ``server.engine.rank_assignment.assign_tier``
     compares with the device's budget."""
     return lambda ratio: predict(model_name, input_shape, ratio, batch_size, profile, cost_model,
                                  shard_samples).need_mb

@@ -2,7 +2,7 @@
 
 Every method takes the time ``now`` (monotonic seconds) explicitly and does no I/O: the broker loop feeds
 it what arrives and acts on what it returns. An update is accepted only when it answers the open round's
-task for that device under the one rule of ``server.update_rule``, for this run, before the deadline, with an
+task for that device under the one rule of ``server.engine.update_rule``, for this run, before the deadline, with an
 evaluation that fits the test samples the device declared; otherwise the Verdict says why not. A caller may add a last screen of well-formed training updates (the
 robust-aggregation rule), which can refuse an update or change what is aggregated. A round closes when every
 device asked has answered (accepted or rejected) or at its deadline; it counts when at least
@@ -17,8 +17,8 @@ from typing import Any
 
 from device_runtime.messages import Join, MessageError
 from device_runtime.task import Update
-from server.strategy import sample_clients
-from server.update_rule import Answer, Asked, body_problem, header_problem
+from server.engine.sampling import sample_clients
+from server.engine.update_rule import Answer, Asked, body_problem, header_problem
 
 ALL_ANSWERED = "all answered"
 DEADLINE = "deadline"
@@ -235,7 +235,7 @@ class Coordinator:
 
     def judge(self, topic_device: str, answer: Answer, now: float, screen: Screen | None = None, *,
               expected: dict[str, tuple[int, ...]] | None = None) -> Verdict:
-        """Accept or reject an update that arrived on ``topic_device``'s up topic, under ``server.update_rule``
+        """Accept or reject an update that arrived on ``topic_device``'s up topic, under ``server.engine.update_rule``
         plus what only the server knows: the device, the run, the deadline, the evaluation's fit.
 
         A training update must carry exactly the tensors ``expected`` (default: its plan's FE tensors); an

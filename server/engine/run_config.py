@@ -2,7 +2,7 @@
 federation's settings with their checks.
 
 The drivers parse and check their flags with this alone, so a mistake is reported (exit 2) before torch and the
-data load. The modules that implement the names (``server.algorithms``, ``server.data``) take them from here;
+data load. The algorithms take their names from here and the datasets' names live in ``server.data`` (torch-free, below the engine);
 ``fedcore.models`` sits below ``server`` and keeps its own registry. A test holds each registry to its names.
 """
 from __future__ import annotations
@@ -16,8 +16,6 @@ ALGORITHMS = ("fedara", "fedavg", "fedrep", "local")
 """The algorithms, one file each in server/algorithms/."""
 MODELS = ("fedavgcnn", "cnn1", "cnn2", "cnn3", "cnn4", "cnn5")
 """The model zoo (fedcore/models.py)."""
-DATASETS = ("digits", "fmnist", "cifar10", "cifar100", "synthetic")
-"""What server/data.py reads from files on this machine."""
 DEFAULT_MU = 1e-3
 """The Frobenius decay μ on factorized layers (the paper's)."""
 DEFAULT_LAM_WARMUP = 10
@@ -27,6 +25,11 @@ DEFAULT_TIERS = (1.0, 0.75, 0.5, 0.25, 0.125)
 
 AGGREGATION_RULES = ("weights", "updates")
 """weights: ω ← Σ p_k U_k V_kᵀ (the paper's); updates: ω ← ω + Σ p_k (U_k V_kᵀ − U_k⁰ V_k⁰ᵀ), what was sent subtracted."""
+
+
+
+class RunError(RuntimeError):
+    """The run cannot go on: not enough devices, every local device died, a bad resume."""
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """The round engine: every decision of a federation, for any algorithm, with no I/O, behind the one door the
 drivers use.
 
-It owns the device registry and round state machine (``server.coordinator``), the devices' presence
-(``server.presence``), the rank tier of each device, the plans it is sent (artifact files only when it lacks
+It owns the device registry and round state machine (``server.engine.coordinator``), the devices' presence
+(``server.engine.presence``), the rank tier of each device, the plans it is sent (artifact files only when it lacks
 them, at most ``MAX_PLAN_RESENDS`` times after it says it lost them), the tasks of a round, which updates count
-(``server.update_rule``), the aggregation (the algorithm's ``aggregate_fit``), remote folding by aggregator
-processes (``server.remote_folding``) and each round's record (``server.round_record``). Every method takes the
+(``server.engine.update_rule``), the aggregation (the algorithm's ``aggregate_fit``), remote folding by aggregator
+processes (``server.engine.remote_folding``) and each round's record (``server.engine.round_record``). Every method takes the
 time ``now`` where time matters and returns what to send; the two drivers, in-process devices
 (``server.simulate``) and MQTT devices (``server.broker_loop``), deliver it and touch nothing behind it. So a rule
 is found once, here, and both drivers run the same federation. The algorithm (``server.algorithms``) says what is
@@ -30,25 +30,30 @@ from device_runtime.messages import Join, Plan
 from device_runtime.profile import ResourceProfile
 from device_runtime.envelope import Message
 from device_runtime.task import Task, Update, tensor_bytes
-from server.aggregate import StreamingAverage
-from server.aggregation_wire import Brief, Partial, Receipt
-from server.algorithms.base import Algorithm
+from server.engine.aggregate import StreamingAverage
+from server.engine.fold_order import FoldOrder
+from server.engine.folding_records import Brief, Partial, Receipt
+from server.algorithms import get_algorithm
+from server.algorithms.base import Algorithm, Settings
 from fedcore.lowrank import ResolvedPlan
-from server.coordinator import NO_ANSWER, Coordinator, DeviceRecord, RoundOpen, RoundResult, Verdict
-from server.presence import Presence
-from server.rank_assignment import choose_ratio
-from server.remote_folding import RemoteFolding
-from server.report import EVAL_DIRECTION
-from server.robust import bound_update, rejection_reason
-from server.round_record import RoundBook, TrainingRecord, tier_label
-from server.run_config import FederationConfig, NormBound
-from server.strategy import batch_seed, factorize_per_plan, plan_key, to_numpy, to_torch
-from server.update_rule import Answer, Asked
+from server.engine.coordinator import NO_ANSWER, Coordinator, DeviceRecord, RoundOpen, RoundResult, Verdict
+from server.engine.presence import Presence
+from server.engine.rank_assignment import choose_ratio
+from server.engine.remote_folding import RemoteFolding
+from server.engine.evaluation import EVAL_DIRECTION
+from server.engine.robust import bound_update, rejection_reason
+from server.engine.round_record import RoundBook, TrainingRecord, tier_label
+from server.engine.run_config import FederationConfig, NormBound
+from server.engine.sampling import batch_seed, factorize_per_plan, plan_key, to_numpy, to_torch
+from server.engine.update_rule import Answer, Asked
 
 LOG = logging.getLogger("fedara.engine")
 MAX_PLAN_RESENDS = 3
-MAX_HELD_BYTES = 256 << 20
-"""Accepted updates that may wait for a slower, lower-id device before being folded (order-independence)."""
+
+
+def algorithm_for(config: FederationConfig) -> Algorithm:
+    """The run's algorithm (``--algo``), built with the run's settings: the engine and its algorithm read one config."""
+    return get_algorithm(config.algo, Settings(config.local_epochs, config.lam, config.lam_warmup, config.mu))
 
 
 class PlanInfo(Protocol):
@@ -125,10 +130,7 @@ class RoundEngine:
         self._round_weights: dict[tuple, dict[str, np.ndarray]] = {}
         self._average: StreamingAverage | None = None
         self._sent_weight: dict[tuple, float] = {}  # plan -> Σ samples of its accepted updates (the updates rule)
-        self._fold_order: list[str] = []
-        self._next = 0
-        self._held: dict[str, tuple[Update, int]] = {}
-        self._held_bytes = 0
+        self._folds: FoldOrder[tuple[Update, int]] = FoldOrder()  # accepted updates, folded in device-id order
         self._book = RoundBook(0.0)
 
     # -- what the drivers read ------------------------------------------------------------------
@@ -310,9 +312,7 @@ class RoundEngine:
         self._round_weights = factorize_per_plan(self.global_state, plans) if self.global_state else {}
         self._average = StreamingAverage(self.dense_shapes) if self.global_state else None
         self._sent_weight = {}
-        self._fold_order, self._next = sorted(opened.train), 0
-        self._held = {}  # accepted, waiting for a lower id to be folded first
-        self._held_bytes = 0
+        self._folds = FoldOrder(opened.train)
         if self.remote is not None:
             self.remote.open_round()
         return {d: self.task(d, now=now, wall=wall) for d in opened.train + opened.evaluate}
@@ -338,8 +338,7 @@ class RoundEngine:
         weights = self._weights(device_id)
         training = device_id in opened.train
         config = self.config
-        fit = self.algorithm.configure_fit(opened.round, config.local_epochs, config.lam, config.lam_warmup,
-                                           config.mu, bool(plan.resolved.ranks)) if training else None
+        fit = self.algorithm.configure_fit(opened.round, bool(plan.resolved.ranks)) if training else None
         deadline = None if wall is None else wall + max(0.0, opened.deadline - now)
         task = Task(round=opened.round, weights=weights, lam=fit.lam if fit else 0.0, mu=fit.mu if fit else 0.0,
                     lr=config.lr, phases=fit.phases if fit else (), batch_size=config.batch_size,
@@ -371,31 +370,19 @@ class RoundEngine:
         if not verdict.accepted or device_id not in self.coordinator.open.train:
             return verdict
         nbytes = tensor_bytes(msg.tensors)  # as sent: a clipped update is aggregated dense
-        self._held[device_id] = (verdict.update, nbytes)
-        self._held_bytes += tensor_bytes(verdict.update.weights)
+        self._folds.hold(device_id, (verdict.update, nbytes), tensor_bytes(verdict.update.weights))
         self._fold_ready()
         return verdict
 
     def _fold_ready(self, *, closing: bool = False) -> None:
-        """Fold held updates into the average in device-id order, never in arrival order: float sums depend on
-        their order, and a run must not depend on which device answered first. An update waits only for the
-        training devices before it that may still answer; past ``MAX_HELD_BYTES`` of waiting updates they are
-        folded at once (in id order among themselves) and the run says so."""
-        order = self._fold_order
-        while self._next < len(order):
-            device_id = order[self._next]
-            if device_id in self._held:
-                self._fold(device_id)
-            elif not (closing or self._held_bytes > MAX_HELD_BYTES) and self.coordinator.awaits(device_id):
-                break
-            self._next += 1
-        if self._held_bytes > MAX_HELD_BYTES:
+        """Fold the held updates whose turn has come (``FoldOrder``: device-id order, never arrival order)."""
+        for device_id, (update, nbytes) in self._folds.ready(self.coordinator.awaits, closing=closing):
+            self._fold(device_id, update, nbytes)
+        if self._folds.overflowing:
             LOG.warning("%d updates wait for a slower device: folded now, in id order among themselves",
-                        len(self._held))
+                        len(self._folds.held))
 
-    def _fold(self, device_id: str) -> None:
-        update, nbytes = self._held.pop(device_id)
-        self._held_bytes -= tensor_bytes(update.weights)
+    def _fold(self, device_id: str, update: Update, nbytes: int) -> None:
         if self._average is not None:
             self._average.add(to_torch(update.weights), update.num_samples)
         self._count(device_id, update, nbytes)
@@ -431,7 +418,7 @@ class RoundEngine:
         self.remote.set_members(members)
 
     def route(self, device_id: str) -> str | None:
-        """The aggregator whose topic takes ``device_id``'s update (``aggregation_wire.route``), None when the
+        """The aggregator whose topic takes ``device_id``'s update (``folding_records.route``), None when the
         engine reads the updates itself."""
         return self.remote.route(device_id) if self.remote is not None else None
 

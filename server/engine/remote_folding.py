@@ -1,5 +1,5 @@
 """Remote folding: the engine's side of the aggregator processes (``server/aggregator.py``), apart from the round
-logic. Which members are alive this round and which device each takes (``aggregation_wire.route``), which of
+logic. Which members are alive this round and which device each takes (``folding_records.route``), which of
 their receipts counted (told to fold), the partial sums they sent, and what a lost member leaves to ask again.
 The engine judges every receipt with the one update rule; this object only keeps the books."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import logging
 from collections.abc import Callable
 
 from device_runtime.task import Update
-from server.aggregate import StreamingAverage
-from server.aggregation_wire import Partial, Receipt, route
-from server.coordinator import Verdict
+from server.engine.aggregate import StreamingAverage
+from server.engine.folding_records import Partial, Receipt, route
+from server.engine.coordinator import Verdict
 
 LOG = logging.getLogger("fedara.engine")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from server.coordinator import Evaluation, RoundResult
-from server.report import EVAL_DIRECTION, TIER_DIRECTIONS, evaluation_summary
+from server.engine.coordinator import Evaluation, RoundResult
+from server.engine.evaluation import EVAL_DIRECTION, TIER_DIRECTIONS, evaluation_summary
 
 
 def tier_label(ratio: float | None) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from device_runtime.shard import SHARD_FILENAME, Shard, save_shard
-from server.data import LabeledData
+from server.data.datasets import LabeledData
 
 PARTITIONS = ("dirichlet", "pathological")
 MIN_SAMPLES = 40

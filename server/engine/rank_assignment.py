@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from fedcore.lowrank import FactorizedConv2d, FactorizedLinear, RankPlan, factorize_model, resolve_plan
-from server.run_config import DEFAULT_TIERS
 
 RUNTIME_BASE_MB = 60.0
 """Resident memory of the device runtime before any model: onnxruntime's C bindings, numpy and Python

@@ -3,7 +3,7 @@
 An update answers the open round's ask of a device when it came under that device's own topic, for the open
 round, from a device asked in it, for the first time; and when its body is well formed, for the device's plan,
 with exactly the tensors a training update of that plan carries (finite), and the sample count the device
-declared at join (0 for an evaluation). The engine (``server.coordinator``) adds what only it knows (the run,
+declared at join (0 for an evaluation). The engine (``server.engine.coordinator``) adds what only it knows (the run,
 the deadline, the evaluation's fit to the test set, the robust screen); an aggregator adds the device's
 signature. An update reaches the rule as an :class:`Answer`: the device's UPDATE message, or an aggregator's
 receipt of one (the aggregator checked and holds its tensors).

@@ -12,7 +12,7 @@ import csv
 import io
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from device_runtime.atomic_file import write_atomic
-from server.coordinator import Evaluation
-from server.strategy import weighted_accuracy
+from server.engine.evaluation import TIER_DIRECTIONS
 
 METRICS_FILE = "metrics.jsonl"
 METRICS_CSV = "metrics.csv"
@@ -30,10 +29,6 @@ REPORT_FILE = "report.md"
 ACCURACY_PLOT = "accuracy.png"
 BYTES_PLOT = "bytes_by_tier.png"
 DEVICE_PLOT = "accuracy_by_device.png"
-TIER_DIRECTIONS = ("down", "up", "artifacts")
-"""The training traffic of a tier, what the table's down/up/artifacts columns and the summary count."""
-EVAL_DIRECTION = "eval"
-"""Evaluation-only downloads (the task after the last round, devices not selected for training): counted apart."""
 PLOT_SIZE_IN = (6.0, 3.6)
 PLOT_DPI = 110
 MB = 1e6
@@ -45,17 +40,6 @@ EVALUATION_NOTE = (
     "evaluate the FE it received (round t's model) before training, and after the last round the server "
     "sends an evaluation-only task. Round t's line is therefore written once round t+1's answers are in "
     "(or its deadline passed); devices that did not answer are missing from that round's accuracy.")
-
-
-def evaluation_summary(evaluations: Iterable[Evaluation]) -> dict[str, Any]:
-    """accuracy (Σ correct / Σ total), accuracy_std over devices, mean eval loss, and how many devices."""
-    evaluations = list(evaluations)
-    total = sum(e.total for e in evaluations)
-    if total == 0:
-        return {"accuracy": None, "accuracy_std": None, "eval_loss": None, "evaluated": len(evaluations)}
-    accuracy, std = weighted_accuracy([e.correct for e in evaluations], [e.total for e in evaluations])
-    loss = sum(e.loss * e.total for e in evaluations) / total
-    return {"accuracy": accuracy, "accuracy_std": std, "eval_loss": loss, "evaluated": len(evaluations)}
 
 
 def write_metrics(path: str | os.PathLike, records: Sequence[Mapping[str, Any]]) -> None:

@@ -19,8 +19,8 @@ import torch
 
 from device_runtime.task import Update
 from fedcore.lowrank import reconstruct_state
-from server.run_config import NormAction, NormBound
-from server.strategy import to_numpy, to_torch
+from server.engine.run_config import NormAction, NormBound
+from server.engine.sampling import to_numpy, to_torch
 
 
 

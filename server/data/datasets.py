@@ -17,7 +17,7 @@ import numpy as np
 from scipy.ndimage import zoom
 from sklearn.datasets import load_digits
 
-from server.run_config import DATASETS
+from server.data import DATASETS
 
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
