@@ -75,7 +75,7 @@ def missing_binary(name: str, package: str, path: Path | None = None) -> str | N
 
 def missing_fmnist() -> str | None:
     """None when Debian's Fashion-MNIST files are in their folder; else what to install."""
-    from server.data import FMNIST_DIR, FMNIST_FILES, FMNIST_PACKAGE
+    from server.data.datasets import FMNIST_DIR, FMNIST_FILES, FMNIST_PACKAGE
 
     absent = [name for pair in FMNIST_FILES.values() for name in pair if not (FMNIST_DIR / name).is_file()]
     return f"Fashion-MNIST {absent} not in {FMNIST_DIR} (apt-get install {FMNIST_PACKAGE})" if absent else None
