@@ -26,11 +26,10 @@ from device_runtime.messages import Join, ShardInfo
 from device_runtime.profile import ResourceProfile
 from device_runtime.shard import save_shard
 from fedcore.models import build_model
-from server.algorithms import get_algorithm
 from server.data.datasets import load_dataset
 from server.data.partition import make_client_shards
 from server.engine.coordinator import Coordinator, CoordinatorConfig
-from server.engine.round_engine import RoundEngine
+from server.engine.round_engine import RoundEngine, algorithm_for
 from server.engine.run_config import DEFAULT_TIERS, FederationConfig
 from server.mqtt.cgroups import available, create_group, popen_in_group
 from server.run_setup import PlanBook, global_state, initial_personal, predictor_for
@@ -83,10 +82,11 @@ def engine(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: Path
     plans built as ONNX artifacts of the device's kind."""
     def make() -> RoundEngine:
         model = build_model(MODEL, INPUT_SHAPE, NUM_CLASSES, seed=0)
-        algorithm = get_algorithm("fedara")
+        config = FederationConfig(algo="fedara", rounds=ROUNDS)
+        algorithm = algorithm_for(config)
         plans = PlanBook(model, INPUT_SHAPE, shared_artifact_cache)
         coordinator = Coordinator(CoordinatorConfig(INPUT_SHAPE, NUM_CLASSES, round_deadline_s=60.0), "run0")
-        return RoundEngine(algorithm, FederationConfig(algo="fedara", rounds=ROUNDS), coordinator, plans,
+        return RoundEngine(algorithm, config, coordinator, plans,
                            global_state(model, algorithm), initial_personal([model], algorithm),
                            tiers=DEFAULT_TIERS, predictor=predictor_for(plans, BATCH_SIZE))
     shared_artifact_cache.mkdir(parents=True, exist_ok=True)
