@@ -34,11 +34,13 @@ The parent writes bench_device.json, bench_device.md (tables) and bench_device.p
     sudo .venv/bin/python scripts/bench_device.py --memory-floor --out-dir docs \\
         --cost-model device_runtime/cost_model.json
 
-measures memory floors instead (root and a writable memory cgroup controller, server/mqtt/cgroups.py): for each plan and
-runtime (``--runtimes``, default the onnxruntime-training device and a PyTorch client), the smallest cgroup limit, to
-4 MiB, under which FLOOR_REPEATS fresh processes in a row each complete FLOOR_ROUNDS local rounds on a small
-synthetic shard (bisection from above the charged peak of a run in an open group); into memory_floor.{md,json},
-and as ``floor_mb`` into the device runtime's cost-model entries, which the server's tier choice then prefers.
+measures memory floors instead (root and a writable memory cgroup controller, server/mqtt/cgroups.py): for each plan,
+runtime (``--runtimes``, default both device runtimes and a PyTorch client; ``portable`` in ``--portable-python``)
+and batch size (``--batch-sizes``), the smallest cgroup limit, to 4 MiB, under which FLOOR_REPEATS fresh processes
+in a row each complete FLOOR_ROUNDS local rounds on a small synthetic shard (bisection from above the charged peak
+of a run in an open group); into memory_floor[_RUNTIMES].{md,json}, and as ``floors[kind].floor_mb[batch]`` into the
+cost-model entries (kind: the artifact kind a device reports, DEVICE_RUNTIMES), which the server's tier choice then
+prefers for devices of that runtime.
 Only the stdlib and numpy are imported at the top of this file: a worker must not carry torch unless it is the one
 measuring torch.
 """
@@ -501,10 +503,27 @@ FLOOR_WORKERS = {"ort-training": lambda spec: device_floor_worker(spec, "artifac
                  "torch": torch_floor_worker}
 """Runtime name -> the worker that does a device's rounds on it (``portable``: the step graph on stock onnxruntime,
 in ``--portable-python``)."""
-DEVICE_RUNTIMES = ("ort-training",)  # the runtimes whose floors go into the cost model (the others are references)
+DEVICE_RUNTIMES = {"portable": "onnxruntime", "ort-training": "onnxruntime-training"}
+"""The runtimes whose floors go into the cost model, each under the artifact kind a device names in its profile
+(device_runtime.artifact_contract.KINDS); the others (torch) are references."""
+
+
+def runtime_probe_worker(spec: dict) -> dict:
+    """The onnxruntime build of this interpreter: its version and the artifact kinds it runs (a training build
+    also runs the portable kind, but is not the stock onnxruntime a device installs)."""
+    import importlib.metadata
+    from device_runtime.runtimes import available
+    versions = {}
+    for distribution in ("onnxruntime", "onnxruntime-training-cpu", "onnxruntime-training"):
+        try:
+            versions[distribution] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return dict(kinds=list(available()), distributions=versions)
 
 
 WORKERS = {"ort-memory": ort_memory_worker, "torch-memory": torch_memory_worker,
+           "runtime-probe": runtime_probe_worker,
            **{f"floor-{name}": worker for name, worker in FLOOR_WORKERS.items()}}
 
 
@@ -712,21 +731,21 @@ def measure_floor(plan: dict, runtime: str, batch_size: int, rounds: int, python
 
 
 def floor_tables(floors: list[dict]) -> str:
-    """One row per (model, input, ratio): the floor of each runtime, and its reference run's peaks."""
+    """One row per (model, input, ratio, batch size): the floor of each runtime, and its reference run's peaks."""
     runtimes = sorted({f["runtime"] for f in floors}, key=lambda r: (r not in DEVICE_RUNTIMES, r))
-    by_key = {(f["model"], shape_name(f["input_shape"]), ratio, f["runtime"]): f
+    by_key = {(f["model"], shape_name(f["input_shape"]), ratio, f["batch_size"], f["runtime"]): f
               for f in floors for ratio in f["ratios"]}
-    rows = sorted({key[:3] for key in by_key}, key=lambda k: (k[0], k[1], -k[2]))
-    header = ["model", "input", "ratio", "plan"]
+    rows = sorted({key[:4] for key in by_key}, key=lambda k: (k[0], k[1], k[3], -k[2]))
+    header = ["model", "input", "ratio", "batch", "plan"]
     for runtime in runtimes:
         header += [f"{runtime} floor MiB", f"{runtime} open-group peak MiB (charged / VmHWM)",
                    f"{runtime} s at floor / open"]
-    lines = ["| " + " | ".join(header) + " |", "|---|---|---:|---|" + "---:|" * (3 * len(runtimes))]
-    for model, shape, ratio in rows:
-        plan = next(f["plan"] for k, f in by_key.items() if k[:3] == (model, shape, ratio))
-        cells = [model, shape, f"{ratio:g}", plan]
+    lines = ["| " + " | ".join(header) + " |", "|---|---|---:|---:|---|" + "---:|" * (3 * len(runtimes))]
+    for model, shape, ratio, batch in rows:
+        plan = next(f["plan"] for k, f in by_key.items() if k[:4] == (model, shape, ratio, batch))
+        cells = [model, shape, f"{ratio:g}", str(batch), plan]
         for runtime in runtimes:
-            f = by_key.get((model, shape, ratio, runtime))
+            f = by_key.get((model, shape, ratio, batch, runtime))
             if f is None:
                 cells += ["", "", ""]
                 continue
@@ -740,9 +759,12 @@ def floor_tables(floors: list[dict]) -> str:
 
 
 def with_floors(document: dict, floors: list[dict], command: str) -> dict:
-    """The cost-model document with each device runtime's floors set on its entries (``floor_mb`` by batch size,
-    ``floor_samples``: the samples of the shard they were measured with, ``floor_runtime``, ``floor_generated_by``);
-    KeyError names a (model, input, ratio) the document lacks."""
+    """The cost-model document with each device runtime's floors set on its entries, under ``floors[kind]`` (the
+    artifact kind a device reports: DEVICE_RUNTIMES): ``floor_mb`` by batch size, ``floor_samples`` (the samples
+    of the shard they were measured with), and by batch size the command that measured each (``generated_by``)
+    and the onnxruntime distribution it ran on (``onnxruntime``);
+    floors of other runtimes and batch sizes already there are kept. KeyError names a (model, input, ratio) the
+    document lacks."""
     entries = {(e["model"], tuple(e["input_shape"]), e["ratio"]): e for e in document["entries"]}
     for f in floors:
         if f["runtime"] not in DEVICE_RUNTIMES:
@@ -753,14 +775,16 @@ def with_floors(document: dict, floors: list[dict], command: str) -> dict:
                 raise KeyError(f"the cost model has no entry for {f['model']} {shape_name(f['input_shape'])} ratio "
                                f"{ratio}: measure it first (scripts/bench_device.py --config "
                                f"{f['model']}:{shape_name(f['input_shape'])} --cost-model PATH)")
-            entry = entries[key]
-            entry["floor_mb"] = dict(entry.get("floor_mb", {}), **{str(f["batch_size"]): f["floor_mb"]})
-            entry.update(floor_samples=FLOOR_TRAIN_SAMPLES + TEST_SAMPLES, floor_runtime=f["runtime"],
-                         floor_generated_by=command)
+            record = entries[key].setdefault("floors", {}).setdefault(DEVICE_RUNTIMES[f["runtime"]], {})
+            batch = str(f["batch_size"])
+            record["floor_mb"] = dict(record.get("floor_mb", {}), **{batch: f["floor_mb"]})
+            record["floor_samples"] = FLOOR_TRAIN_SAMPLES + TEST_SAMPLES
+            record["generated_by"] = dict(record.get("generated_by", {}), **{batch: command})
+            record["onnxruntime"] = dict(record.get("onnxruntime", {}), **{batch: f.get("onnxruntime")})
     return document
 
 
-FLOOR_FIELDS = ("floor_mb", "floor_samples", "floor_runtime", "floor_generated_by")
+FLOOR_FIELDS = ("floors",)
 
 
 def merge_cost_model(old: dict | None, new: dict) -> dict:
@@ -780,6 +804,12 @@ def merge_cost_model(old: dict | None, new: dict) -> dict:
     return dict(new, entries=kept + new["entries"])
 
 
+def floor_report_name(runtimes: tuple[str, ...]) -> str:
+    """``memory_floor`` for the default runtimes, else ``memory_floor_<runtime>[_<runtime>...]``, so a run of one
+    runtime does not overwrite the report of all of them."""
+    return "memory_floor" if set(runtimes) == set(FLOOR_WORKERS) else "_".join(("memory_floor", *runtimes))
+
+
 def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -> int:
     """--memory-floor: floors of every plan on every runtime, the tables, and the cost model's floors."""
     from server.mqtt.cgroups import available
@@ -791,6 +821,13 @@ def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -
     if why_not is not None:
         print(f"error: --memory-floor needs memory cgroups: {why_not}", file=sys.stderr)
         return 2
+    builds = {runtime: run_worker("runtime-probe", {}, args.portable_python if runtime == "portable" else sys.executable)
+              for runtime in args.runtimes if runtime in DEVICE_RUNTIMES}
+    if args.cost_model and "portable" in builds and "onnxruntime-training" in builds["portable"]["kinds"]:
+        print(f"error: --runtimes portable with --cost-model: --portable-python {args.portable_python} has "
+              f"onnxruntime-training's build ({builds['portable']['distributions']}), not the stock onnxruntime a "
+              "device runs; pass an interpreter whose environment has stock onnxruntime", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwind: workers and groups go
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as shard_dir:
@@ -798,23 +835,26 @@ def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -
         if args.shard:
             plans = [dict(plan, shard=str(args.shard)) for plan in plans]
         floors = []
-        for plan in plans:
-            for runtime in args.runtimes:
-                python = args.portable_python if runtime == "portable" else sys.executable
-                floors.append(measure_floor(plan, runtime, BATCH, FLOOR_ROUNDS, python))
-                print(f"floor {runtime} {plan['label']}: {floors[-1]['floor_mb']} MiB "
-                      f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+        for batch_size in args.batch_sizes:
+            for plan in plans:
+                for runtime in args.runtimes:
+                    python = args.portable_python if runtime == "portable" else sys.executable
+                    floors.append(dict(measure_floor(plan, runtime, batch_size, FLOOR_ROUNDS, python),
+                                       onnxruntime=builds.get(runtime, {}).get("distributions")))
+                    print(f"floor {runtime} batch {batch_size} {plan['label']}: {floors[-1]['floor_mb']} MiB "
+                          f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     tables = floor_tables(floors)
     report = dict(command=command, settings=dict(train_samples=FLOOR_TRAIN_SAMPLES, rounds=FLOOR_ROUNDS,
                                                  shard=str(args.shard) if args.shard else "synthetic",
                                                  repeats=FLOOR_REPEATS,
-                                                 batch=BATCH, resolution_mb=FLOOR_RESOLUTION_MB,
+                                                 batch_sizes=list(args.batch_sizes), resolution_mb=FLOOR_RESOLUTION_MB,
                                                  time_factor=FLOOR_TIME_FACTOR, time_slack_s=FLOOR_TIME_SLACK_S),
                   machine=dict(platform=platform.platform(), cpus=os.cpu_count(), loadavg_at_end=list(os.getloadavg())),
                   wall_seconds=time.perf_counter() - started, floors=floors)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "memory_floor.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out_dir / "memory_floor.md").write_text(tables)
+    name = floor_report_name(args.runtimes)
+    (args.out_dir / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out_dir / f"{name}.md").write_text(tables)
     if args.cost_model:
         try:
             document = with_floors(json.loads(args.cost_model.read_text()), floors, command)
@@ -1020,6 +1060,16 @@ def parse_ratios(text: str) -> tuple[float, ...]:
     return ratios
 
 
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, got {text!r}") from None
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
+    return sizes
+
+
 def parse_runtimes(text: str) -> tuple[str, ...]:
     runtimes = tuple(text.split(","))
     unknown = [r for r in runtimes if r not in FLOOR_WORKERS]
@@ -1051,6 +1101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runtimes", type=parse_runtimes, default=tuple(FLOOR_WORKERS),
                    help="with --memory-floor: comma-separated runtimes "
                         f"(default and choices: {','.join(FLOOR_WORKERS)})")
+    p.add_argument("--batch-sizes", type=parse_batch_sizes, default=(BATCH,),
+                   help=f"with --memory-floor: comma-separated batch sizes to measure floors at (default {BATCH}; the "
+                        f"cost model's floors cover {','.join(map(str, BATCH_SIZES))})")
     p.add_argument("--portable-python", default=sys.executable,
                    help="interpreter whose environment has stock onnxruntime, for the portable runtime's workers "
                         "(latency and --memory-floor; default: this one, whose training build's InferenceSession "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from server.engine.cost_model import MIB, load_cost_model, predict
+from server.engine.cost_model import COST_MODEL_FORMAT, MIB, load_cost_model, parse_cost_model, predict
 from tests.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
@@ -141,18 +141,44 @@ def test_floor_bisection_gives_up_above_its_ceiling():
         load_script("bench_device").bisect_floor(lambda limit: False, upper_mb=100, max_upper_mb=256)
 
 
-def floor_result(runtime: str, ratios: list[float], floor: int) -> dict:
-    return dict(model="cnn1", input_shape=[1, 28, 28], ratios=ratios, plan="p", runtime=runtime, batch_size=16,
-                floor_mb=floor)
+def floor_result(runtime: str, ratios: list[float], floor: int, batch_size: int = 16) -> dict:
+    build = {"onnxruntime": "1.27.0"} if runtime == "portable" else None
+    return dict(model="cnn1", input_shape=[1, 28, 28], ratios=ratios, plan="p", runtime=runtime,
+                batch_size=batch_size, floor_mb=floor, onnxruntime=build)
 
 
-def test_floors_of_the_device_runtime_go_into_the_cost_model_and_reference_ones_do_not():
+def test_floors_of_each_device_runtime_go_into_the_cost_model_under_its_kind_and_reference_ones_do_not():
     bench = load_script("bench_device")
     document = dict(entries=[dict(model="cnn1", input_shape=[1, 28, 28], ratio=r) for r in (1.0, 0.5)])
-    bench.with_floors(document, [floor_result("ort-training", [1.0], 148), floor_result("torch", [0.5], 240)], "cmd")
+    bench.with_floors(document, [floor_result("ort-training", [1.0], 148), floor_result("portable", [1.0], 152),
+                                 floor_result("torch", [0.5], 240)], "cmd")
     dense, half = document["entries"]
-    assert dense["floor_mb"] == {"16": 148} and dense["floor_samples"] == bench.FLOOR_TRAIN_SAMPLES + bench.TEST_SAMPLES
-    assert "floor_mb" not in half
+    samples = bench.FLOOR_TRAIN_SAMPLES + bench.TEST_SAMPLES
+    assert dense["floors"] == {"onnxruntime-training": dict(floor_mb={"16": 148}, floor_samples=samples,
+                                                            generated_by={"16": "cmd"}, onnxruntime={"16": None}),
+                               "onnxruntime": dict(floor_mb={"16": 152}, floor_samples=samples,
+                                                   generated_by={"16": "cmd"},
+                                                   onnxruntime={"16": {"onnxruntime": "1.27.0"}})}
+    assert "floors" not in half
+
+
+def test_floors_of_another_batch_size_join_those_already_measured_each_with_its_command():
+    bench = load_script("bench_device")
+    document = dict(entries=[dict(model="cnn1", input_shape=[1, 28, 28], ratio=1.0)])
+    bench.with_floors(document, [floor_result("portable", [1.0], 152)], "first")
+    bench.with_floors(document, [floor_result("portable", [1.0], 180, batch_size=64)], "second")
+    record = document["entries"][0]["floors"]["onnxruntime"]
+    assert record["floor_mb"] == {"16": 152, "64": 180} and record["generated_by"] == {"16": "first", "64": "second"}
+
+
+def test_the_cost_model_reads_the_floors_the_benchmark_writes():
+    bench = load_script("bench_device")
+    raw = dict(model="cnn1", input_shape=[1, 28, 28], ratio=1.0, probe_gflops=50.0, peak_mb={"16": 150.0},
+               step_ms={"1": {"16": 20.0}})
+    document = bench.with_floors(dict(format_version=COST_MODEL_FORMAT, entries=[raw]),
+                                 [floor_result("portable", [1.0], 152)], "cmd")
+    (entry,) = parse_cost_model(document).entries[("cnn1", (1, 28, 28))]
+    assert entry.floors["onnxruntime"].floor_mb == {16: 152.0}
 
 
 def test_floors_for_an_entry_the_cost_model_lacks_name_the_command_to_measure_it():
@@ -173,7 +199,7 @@ def test_a_cost_model_rewrite_keeps_the_entries_it_does_not_measure():
 
 def test_a_cost_model_rewrite_keeps_the_memory_floors_of_the_entries_it_re_measures():
     bench = load_script("bench_device")
-    floors = dict(floor_mb={"16": 88}, floor_samples=80, floor_runtime="ort-training", floor_generated_by="floors")
+    floors = dict(floors={"onnxruntime": dict(floor_mb={"16": 88}, floor_samples=80, generated_by={"16": "floors"})})
     old = dict(generated_by="old", entries=[dict(model="b", input_shape=[1, 2, 2], ratio=1.0, peak_mb=2, **floors)])
     new = dict(generated_by="new", entries=[dict(model="b", input_shape=[1, 2, 2], ratio=1.0, peak_mb=3)])
     (entry,) = bench.merge_cost_model(old, new)["entries"]
@@ -185,3 +211,33 @@ def test_an_unknown_floor_runtime_is_refused_naming_the_choices(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--memory-floor", "--runtimes", "tflite", "--out-dir",
                            str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "tflite" in done.stderr and "ort-training,portable,torch" in done.stderr
+
+
+def test_a_floor_run_of_some_runtimes_names_its_report_after_them_and_one_of_all_keeps_the_plain_name():
+    bench = load_script("bench_device")
+    assert bench.floor_report_name(("portable",)) == "memory_floor_portable"
+    assert bench.floor_report_name(tuple(bench.FLOOR_WORKERS)) == "memory_floor"
+
+
+def test_a_non_positive_floor_batch_size_is_refused_naming_the_flag(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--memory-floor", "--batch-sizes", "16,0", "--out-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--batch-sizes" in done.stderr and "16,0" in done.stderr
+
+
+def test_portable_floors_for_a_cost_model_are_refused_from_a_training_build_before_any_measurement(tmp_path):
+    """This environment's onnxruntime is the training build: its InferenceSession runs the step graph, but a floor
+    measured with it is not the stock runtime's, so it must not be written into the cost model as one."""
+    cost_model = tmp_path / "cost_model.json"
+    cost_model.write_text("{}")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--memory-floor", "--runtimes", "portable", "--out-dir",
+                           str(tmp_path), "--cost-model", str(cost_model)], capture_output=True, text=True, timeout=120)
+    if "needs memory cgroups" in done.stderr:
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 2 and "--portable-python" in done.stderr and "stock onnxruntime" in done.stderr
+    assert cost_model.read_text() == "{}" and not list(tmp_path.glob("memory_floor*"))
+
+
+def test_the_runtime_probe_names_this_environments_onnxruntime_build():
+    probe = load_script("bench_device").runtime_probe_worker({})
+    assert probe["kinds"][0] == "onnxruntime" and probe["distributions"]

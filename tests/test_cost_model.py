@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from importlib import resources
 
 import pytest
 
+from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
 from device_runtime.profile import ResourceProfile
 from server.engine.cost_model import (FLOOR_MARGIN_MB, CostModelError, Prediction, load_cost_model, parse_cost_model,
                                peak_predictor, predict)
@@ -19,6 +21,7 @@ BENCH_PROBE = 100.0
 class Device:
     probe_gflops: float = BENCH_PROBE
     threads: int = 1
+    runtime: str | None = PORTABLE_KIND
 
 
 def entry(ratio: float, peak16: float, peak64: float, step16: float, step64: float, model: str = "fedavgcnn") -> dict:
@@ -29,7 +32,7 @@ def entry(ratio: float, peak16: float, peak64: float, step16: float, step64: flo
 
 
 def document(*entries: dict) -> dict:
-    return dict(format_version=1, generated_by="test", entries=list(entries))
+    return dict(format_version=2, generated_by="test", entries=list(entries))
 
 
 MODEL = parse_cost_model(document(entry(0.25, 100.0, 140.0, 10.0, 34.0), entry(0.5, 120.0, 180.0, 20.0, 68.0),
@@ -127,23 +130,37 @@ def test_the_shipped_cost_model_covers_the_benchmarked_models():
     assert all(len(entries) == 5 for entries in shipped.entries.values())
 
 
-def test_the_shipped_cost_model_has_floors_for_every_tier_of_the_28x28_models():
+def test_the_shipped_cost_model_has_portable_floors_at_batch_16_and_64_for_every_tier_of_every_model():
     shipped = load_cost_model()
-    for model in ("fedavgcnn", "cnn1"):
-        assert all(16 in e.floor_mb for e in shipped.entries[(model, SHAPE)])
+    for entries in shipped.entries.values():
+        assert all({16, 64} <= set(e.floors[PORTABLE_KIND].floor_mb) for e in entries)
+
+
+def test_every_shipped_floor_was_measured_on_the_build_of_the_runtime_it_is_filed_under():
+    """A portable floor comes from stock onnxruntime (not the training build's InferenceSession), a training floor
+    from onnxruntime-training, as each floor's recorded build says."""
+    document = json.loads(resources.files("device_runtime").joinpath("cost_model.json").read_text())
+    expected = {PORTABLE_KIND: {"onnxruntime"}, TRAINING_KIND: {"onnxruntime-training-cpu", "onnxruntime-training"}}
+    for entry in document["entries"]:
+        for kind, record in entry.get("floors", {}).items():
+            assert set(record["onnxruntime"]) == set(record["floor_mb"]) == set(record["generated_by"])
+            assert all(set(build) <= expected[kind] and build for build in record["onnxruntime"].values()), entry
 
 
 FLOOR_SAMPLES = 80
 SAMPLE_MB = 28 * 28 * 4 / 2**20
 
 
-def with_floors(floors: dict[float, float]) -> object:
-    """MODEL with a floor at batch 16, measured on an 80-sample shard, for each ratio in ``floors``."""
+def with_floors(floors: dict[float, float], training: dict[float, float] | None = None) -> object:
+    """MODEL with a portable floor at batch 16, measured on an 80-sample shard, for each ratio in ``floors``, and
+    an onnxruntime-training one for each ratio in ``training``."""
     entries = [entry(0.25, 100.0, 140.0, 10.0, 34.0), entry(0.5, 120.0, 180.0, 20.0, 68.0),
                entry(1.0, 160.0, 260.0, 40.0, 136.0)]
     for e in entries:
-        if e["ratio"] in floors:
-            e.update(floor_mb={"16": floors[e["ratio"]]}, floor_samples=FLOOR_SAMPLES)
+        for kind, table in ((PORTABLE_KIND, floors), (TRAINING_KIND, training or {})):
+            if e["ratio"] in table:
+                e.setdefault("floors", {})[kind] = dict(floor_mb={"16": table[e["ratio"]]},
+                                                        floor_samples=FLOOR_SAMPLES)
     return parse_cost_model(document(*entries))
 
 
@@ -153,6 +170,7 @@ FLOORED = with_floors({0.25: 60.0, 0.5: 80.0, 1.0: 130.0})
 def test_a_measured_floor_plus_margin_is_the_memory_need():
     prediction = predict("fedavgcnn", SHAPE, 0.5, 16, Device(), FLOORED)
     assert (prediction.peak_mb, prediction.floor_mb, prediction.need_mb) == (120.0, 80.0, 80.0 + FLOOR_MARGIN_MB)
+    assert prediction.floor_runtime == PORTABLE_KIND
 
 
 def test_without_floors_the_need_is_the_predicted_peak():
@@ -178,9 +196,43 @@ def test_a_smaller_shard_does_not_lower_a_floor():
 
 def test_floors_without_their_shard_size_are_refused():
     bad = entry(0.5, 1, 2, 3, 4)
-    bad["floor_mb"] = {"16": 50}
+    bad["floors"] = {PORTABLE_KIND: {"floor_mb": {"16": 50}}}
     with pytest.raises(CostModelError, match="floor_samples"):
         parse_cost_model(document(bad))
+
+
+def test_floors_of_an_unknown_runtime_are_refused_naming_the_runtimes():
+    bad = entry(0.5, 1, 2, 3, 4)
+    bad["floors"] = {"tflite": {"floor_mb": {"16": 50}, "floor_samples": FLOOR_SAMPLES}}
+    with pytest.raises(CostModelError, match="onnxruntime, onnxruntime-training.*tflite"):
+        parse_cost_model(document(bad))
+
+
+BOTH = with_floors({0.25: 60.0, 0.5: 80.0, 1.0: 130.0}, training={0.25: 70.0, 0.5: 76.0, 1.0: 120.0})
+
+
+@pytest.mark.parametrize("runtime, floor", [(PORTABLE_KIND, 80.0), (TRAINING_KIND, 76.0)])
+def test_a_device_is_predicted_with_the_floors_of_the_runtime_it_reports(runtime, floor):
+    prediction = predict("fedavgcnn", SHAPE, 0.5, 16, Device(runtime=runtime), BOTH)
+    assert (prediction.floor_mb, prediction.floor_runtime) == (floor, runtime)
+
+
+def test_a_device_that_names_no_runtime_is_predicted_with_the_larger_floor_at_its_ratio():
+    assert predict("fedavgcnn", SHAPE, 0.5, 16, Device(runtime=None), BOTH).floor_mb == 80.0  # portable's
+    assert predict("fedavgcnn", SHAPE, 0.25, 16, Device(runtime=None), BOTH).floor_mb == 70.0  # training's
+
+
+def test_a_runtime_without_floors_of_its_own_gets_the_peak_not_another_runtimes_floor():
+    prediction = predict("fedavgcnn", SHAPE, 0.5, 16, Device(runtime=TRAINING_KIND), FLOORED)
+    assert (prediction.floor_mb, prediction.need_mb) == (None, 120.0)
+
+
+def test_floors_interpolate_between_measured_batch_sizes_and_grow_with_the_peak_above_them():
+    both_batches = entry(0.5, 120.0, 180.0, 20.0, 68.0)
+    both_batches["floors"] = {PORTABLE_KIND: dict(floor_mb={"16": 80, "64": 104}, floor_samples=FLOOR_SAMPLES)}
+    model = parse_cost_model(document(both_batches))
+    assert predict("fedavgcnn", SHAPE, 0.5, 40, Device(), model).floor_mb == 92.0
+    assert predict("fedavgcnn", SHAPE, 0.5, 112, Device(), model).floor_mb == 104.0 + (240.0 - 180.0)
 
 
 def test_floors_on_only_some_ratios_are_not_used():
@@ -189,8 +241,8 @@ def test_floors_on_only_some_ratios_are_not_used():
 
 def test_a_non_positive_floor_is_refused_by_name():
     bad = entry(0.5, 1, 2, 3, 4)
-    bad.update(floor_mb={"16": 0}, floor_samples=FLOOR_SAMPLES)
-    with pytest.raises(CostModelError, match=r"floor_mb\[16\]"):
+    bad["floors"] = {PORTABLE_KIND: dict(floor_mb={"16": 0}, floor_samples=FLOOR_SAMPLES)}
+    with pytest.raises(CostModelError, match=r"floors\[onnxruntime\] floor_mb\[16\]"):
         parse_cost_model(document(bad))
 
 

@@ -1,6 +1,7 @@
 """The edge envelope: a CNN1 device on Fashion-MNIST, confined to a 128 MB memory cgroup as a board's service would
-be, reads its limit, is assigned a tier that fits by the server's tier choice with the shipped cost model, and
-completes two local rounds there; forced to a tier above its floor, the kernel OOM-kills it and the group says so.
+be, reads its limit, is assigned a tier that fits by the server's tier choice with the shipped cost model's
+onnxruntime-training floors (the runtime it reports and runs), and completes two local rounds there; forced to a
+tier above its floor, the kernel OOM-kills it and the group says so.
 
 Needs root and a writable memory controller (server.mqtt.cgroups.available), and the Debian Fashion-MNIST files.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from device_runtime.artifact_contract import TRAINING_KIND
 from device_runtime.profile import ResourceProfile
 from device_runtime.shard import save_shard
 from export.artifacts import build_artifacts
@@ -71,7 +73,8 @@ class ConfinedDevice:
 
     def __init__(self, shard_path: Path, limit_mb: float) -> None:
         self.group = create_group("envelope", limit_mb)
-        self.proc = popen_in_group(self.group, [sys.executable, "-m", "tests.confined_device", str(shard_path)],
+        self.proc = popen_in_group(self.group, [sys.executable, "-m", "tests.confined_device", str(shard_path),
+                                                "--runtime", TRAINING_KIND],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    cwd=ROOT, env=child_env(repo_on_path=True, OMP_NUM_THREADS="1"))
 

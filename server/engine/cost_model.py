@@ -14,12 +14,15 @@ process that timed the steps. A prediction for a device:
   graphs and weights take the same bytes (the runtime's own libraries differ by platform; see docs/benchmarks.md).
 
 Where the benchmark also measured memory floors (``--memory-floor``: the smallest cgroup limit under which a fresh
-device process completes its rounds, per batch size), the memory a device needs is that floor plus
+device process completes its rounds, per runtime and batch size), the memory a device needs is that floor plus
 FLOOR_MARGIN_MB, not the predicted peak RSS: peak RSS counts shared library pages a cgroup does not charge and
-misses nothing the kernel enforces, so a floor is the measured answer to "does it fit a limit of L MiB". At a batch
-size above the measured ones the floor grows as the peak does; given the device's shard size, it grows by the bytes
-of the samples beyond those of the shard it was measured with (float32 images, resident for the whole run). A floor
-is used only where every ratio of the model has one (a mix would compare unlike quantities).
+misses nothing the kernel enforces, so a floor is the measured answer to "does it fit a limit of L MiB". Between
+measured batch sizes the floor is linear; above them it grows as the peak does; given the device's shard size, it
+grows by the bytes of the samples beyond those of the shard it was measured with (float32 images, resident for the
+whole run). Floors are kept per runtime (the artifact kind a device names in its profile: the portable step graph
+on stock onnxruntime and onnxruntime-training differ by up to 16 MiB, docs/edge_envelope.md): a device is predicted with its own runtime's floors,
+a device that names none with the larger of the runtimes' floors. A runtime's floors are used only where every
+ratio of the model has one (a mix would compare unlike quantities); without them the need is the predicted peak.
 """
 from __future__ import annotations
 
@@ -34,7 +37,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Protocol
 
-COST_MODEL_FORMAT = 1
+from device_runtime.artifact_contract import KINDS
+
+COST_MODEL_FORMAT = 2  # 2: floors per runtime (``floors: {kind: {floor_mb, floor_samples, generated_by}}``)
 COST_MODEL_PACKAGE = "device_runtime"
 COST_MODEL_FILE = "cost_model.json"
 FLOOR_MARGIN_MB = 8.0
@@ -48,7 +53,8 @@ class CostModelError(ValueError):
 
 
 class DeviceProfile(Protocol):
-    """What a prediction needs from a device's profile (device_runtime.profile.ResourceProfile has both)."""
+    """What a prediction needs from a device's profile (device_runtime.profile.ResourceProfile has these; a
+    profile without ``runtime``, or with None, is predicted with the larger of the runtimes' floors)."""
 
     probe_gflops: float
     threads: int
@@ -59,11 +65,20 @@ class Prediction:
     peak_mb: float  # peak RSS of the device process over a local round, MiB
     step_ms: float  # one training step (forward, backward, SGD update), milliseconds
     floor_mb: float | None = None  # smallest cgroup limit under which the rounds completed, MiB; None: not measured
+    floor_runtime: str | None = None  # the runtime (artifact kind) whose floor that is
 
     @property
     def need_mb(self) -> float:
         """The memory limit the device needs: the measured floor plus FLOOR_MARGIN_MB, else the predicted peak."""
         return self.peak_mb if self.floor_mb is None else self.floor_mb + FLOOR_MARGIN_MB
+
+
+@dataclass(frozen=True)
+class Floors:
+    """The memory floors of one rank ratio on one runtime."""
+
+    floor_mb: dict[int, float]  # batch size -> MiB
+    samples: int  # samples (train + test) of the shard they were measured with
 
 
 @dataclass(frozen=True)
@@ -74,8 +89,7 @@ class CostEntry:
     probe_gflops: float
     peak_mb: dict[int, float]  # batch size -> MiB
     step_ms: dict[int, dict[int, float]]  # threads -> batch size -> ms
-    floor_mb: dict[int, float] = field(default_factory=dict)  # batch size -> MiB; empty: not measured
-    floor_samples: int = 0  # samples (train + test) of the shard the floors were measured with
+    floors: dict[str, Floors] = field(default_factory=dict)  # runtime (artifact kind) -> floors; empty: none measured
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,15 @@ def _numbers_by_size(table: object, what: str) -> dict[int, float]:
     return {size: _number(value, f"{what}[{size}]") for size, value in _sizes(table, what).items()}
 
 
+def _floors(record: object, what: str) -> Floors:
+    if not isinstance(record, dict) or "floor_mb" not in record:
+        raise CostModelError(f"{what} must be an object with floor_mb and floor_samples, got {record!r:.80}")
+    samples = record.get("floor_samples")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise CostModelError(f"{what}: floor_samples must be a positive integer, got {samples!r}")
+    return Floors(_numbers_by_size(record["floor_mb"], f"{what} floor_mb"), samples)
+
+
 def _entry(raw: object, index: int) -> tuple[tuple[str, tuple[int, ...]], CostEntry]:
     if not isinstance(raw, dict):
         raise CostModelError(f"entry {index} must be an object, got {type(raw).__name__}")
@@ -121,13 +144,13 @@ def _entry(raw: object, index: int) -> tuple[tuple[str, tuple[int, ...]], CostEn
         raise CostModelError(f"entry {index}: ratio must be in (0, 1], got {ratio}")
     step = {threads: _numbers_by_size(table, f"entry {index} step_ms[{threads}]")
             for threads, table in _sizes(raw["step_ms"], f"entry {index} step_ms").items()}
-    floor = _numbers_by_size(raw["floor_mb"], f"entry {index} floor_mb") if "floor_mb" in raw else {}
-    floor_samples = raw.get("floor_samples", 0)
-    if floor and (isinstance(floor_samples, bool) or not isinstance(floor_samples, int) or floor_samples < 1):
-        raise CostModelError(f"entry {index}: floor_samples must be a positive integer with floor_mb, got "
-                             f"{floor_samples!r}")
+    floors = raw.get("floors", {})
+    if not isinstance(floors, dict) or set(floors) - set(KINDS):
+        raise CostModelError(f"entry {index}: floors must be an object keyed by runtime ({', '.join(KINDS)}), got "
+                             f"{sorted(floors) if isinstance(floors, dict) else floors!r}")
     entry = CostEntry(ratio, _number(raw["probe_gflops"], f"entry {index} probe_gflops"),
-                      _numbers_by_size(raw["peak_mb"], f"entry {index} peak_mb"), step, floor, floor_samples)
+                      _numbers_by_size(raw["peak_mb"], f"entry {index} peak_mb"), step,
+                      {kind: _floors(record, f"entry {index} floors[{kind}]") for kind, record in floors.items()})
     return (str(raw["model"]), tuple(shape)), entry
 
 
@@ -186,28 +209,36 @@ def _by_batch(table: dict[int, float], batch_size: int) -> float:
     return _interpolate(sorted(table.items()), batch_size, extrapolate_above=True)
 
 
-def _entry_floor(entry: CostEntry, batch_size: int, shard_mb: Callable[[int], float]) -> float | None:
-    """The floor at ``batch_size``: at the largest measured batch size b0 not above it (else the smallest one),
-    plus what the predicted peak grows from b0 to ``batch_size``, plus ``shard_mb(entry.floor_samples)``."""
-    if not entry.floor_mb:
-        return None
-    b0 = max((b for b in entry.floor_mb if b <= batch_size), default=min(entry.floor_mb))
+def _entry_floor(entry: CostEntry, floors: Floors, batch_size: int, shard_mb: Callable[[int], float]) -> float:
+    """The floor at ``batch_size``: linear between measured batch sizes; above the largest measured one b0, the
+    floor at b0 plus what the predicted peak grows from b0 to ``batch_size``; below the smallest, the smallest's;
+    plus ``shard_mb(floors.samples)``."""
+    b0 = max(floors.floor_mb)
     batch_growth = max(0.0, _by_batch(entry.peak_mb, batch_size) - _by_batch(entry.peak_mb, b0))
-    return entry.floor_mb[b0] + batch_growth + shard_mb(entry.floor_samples)
+    at_batch = (floors.floor_mb[b0] + batch_growth if batch_size > b0 else
+                _interpolate(sorted(floors.floor_mb.items()), batch_size, extrapolate_above=False))
+    return at_batch + shard_mb(floors.samples)
 
 
-def _entry_prediction(entry: CostEntry, batch_size: int, threads: int, probe_gflops: float,
-                      shard_mb: Callable[[int], float]) -> Prediction:
+def _entry_prediction(entry: CostEntry, batch_size: int, threads: int, probe_gflops: float) -> Prediction:
     usable = [t for t in entry.step_ms if t <= threads] or [min(entry.step_ms)]
     step = min(_by_batch(entry.step_ms[t], batch_size) for t in usable) * entry.probe_gflops / probe_gflops
-    return Prediction(_by_batch(entry.peak_mb, batch_size), step, _entry_floor(entry, batch_size, shard_mb))
+    return Prediction(_by_batch(entry.peak_mb, batch_size), step)
+
+
+def _floor_runtimes(entries: Sequence[CostEntry], runtime: str | None) -> list[str]:
+    """The runtimes whose floors predict for a device of ``runtime``: its own where every ratio has one (else
+    none); a device that names no runtime: every runtime whose floors cover every ratio (the larger one wins)."""
+    complete = [kind for kind in KINDS if all(kind in e.floors for e in entries)]
+    return complete if runtime is None else [kind for kind in complete if kind == runtime]
 
 
 def predict(model_name: str, input_shape: Sequence[int], ratio: float, batch_size: int, profile: DeviceProfile,
             cost_model: CostModel | None = None, shard_samples: int | None = None) -> Prediction:
     """Peak MiB, step ms and floor MiB of ``model_name`` on ``input_shape`` at rank ``ratio`` and ``batch_size`` on
-    the device described by ``profile`` (its probe score and thread count), whose shard holds ``shard_samples``
-    samples (train + test; None: as many as the floors were measured with); ``cost_model`` None: the shipped one."""
+    the device described by ``profile`` (its probe score, thread count and runtime: the floor is that runtime's,
+    or the larger runtime's where the profile names none), whose shard holds ``shard_samples`` samples (train +
+    test; None: as many as the floors were measured with); ``cost_model`` None: the shipped one."""
     model = _shipped() if cost_model is None else cost_model
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"rank ratio must be in (0, 1], got {ratio!r}")
@@ -226,13 +257,17 @@ def predict(model_name: str, input_shape: Sequence[int], ratio: float, batch_siz
     def shard_mb(floor_samples: int) -> float:
         return 0.0 if shard_samples is None else max(0, shard_samples - floor_samples) * sample_mb
 
-    per_ratio = [(e.ratio, _entry_prediction(e, batch_size, threads, probe, shard_mb)) for e in model.entries[key]]
+    entries = model.entries[key]
+    per_ratio = [(e.ratio, _entry_prediction(e, batch_size, threads, probe)) for e in entries]
     peak = _interpolate([(r, p.peak_mb) for r, p in per_ratio], ratio, extrapolate_above=False)
     step = _interpolate([(r, p.step_ms) for r, p in per_ratio], ratio, extrapolate_above=False)
-    floor = None
-    if all(p.floor_mb is not None for _, p in per_ratio):
-        floor = _interpolate([(r, p.floor_mb) for r, p in per_ratio], ratio, extrapolate_above=False)
-    return Prediction(peak, step, floor)
+    floors = {kind: _interpolate([(e.ratio, _entry_floor(e, e.floors[kind], batch_size, shard_mb)) for e in entries],
+                                 ratio, extrapolate_above=False)
+              for kind in _floor_runtimes(entries, getattr(profile, "runtime", None))}
+    if not floors:
+        return Prediction(peak, step)
+    kind = max(floors, key=floors.__getitem__)
+    return Prediction(peak, step, floors[kind], kind)
 
 
 def peak_predictor(model_name: str, input_shape: Sequence[int], batch_size: int, profile: DeviceProfile,

@@ -1,0 +1,415 @@
+"""Two questions about the step graph's form, answered by measurement on this CPU (stock onnxruntime's kernels).
+
+    .venv/bin/python scripts/bench_step_forms.py --python STOCK_PYTHON --out-dir DIR
+
+1. The few-channel first convolution (FedAvgCNN's conv1: 3 or 1 input channels, 5×5, 32 outputs): its forward and
+   weight gradient as the step compiler emits them (a Conv, and a Conv of the batch/channel-swapped input by the
+   swapped output gradient) against forms that share one patch matrix between the two products: kh·kw strided
+   slices stacked (planar patches), or a Conv with a one-hot weight (MLAS does the im2col), each with a batched
+   MatMul for the forward and for the weight gradient (or one GEMM over transposed copies), and the mixed forms
+   (Conv forward, patch-matrix weight gradient). Every form's outputs are checked against the first's.
+2. Reduced precision: each op kind of a compiled step graph at its step shapes in float16 against float32 (what
+   stock onnxruntime's CPU provider runs: where it has no float16 kernel it inserts casts), and the share of one
+   SGD step's parameter updates (lr 5e-3, CE + λ·L_FAC at λ 10, batch 16) that float16 or int8 weights cannot hold
+   (p + Δ rounds back to p), for FedAvgCNN 3×32×32 and CNN1 1×28×28 at their seed-0 weights.
+3. The whole step with float16 weights: the shipped FedAvgCNN 3×32×32 dense step graph with its parameter inputs
+   and updated-parameter outputs in float16 (a Cast to float32 after each input, one to float16 before each output:
+   the weights stored and sent in half the bytes, the arithmetic unchanged), against the graph as shipped: step
+   time and the peak RSS (VmHWM) of a fresh process that runs STEP_RUNS steps, each feeding its outputs back.
+The parent builds the graphs (onnx) and the update shares (torch); a worker in ``--python`` (an environment with
+stock onnxruntime and numpy, e.g. a venv of the device bundle's requirements-device.txt) times them at 1 thread,
+forms in interleaved blocks, in thread-CPU time (the calling thread's CPU: onnxruntime runs a 1-thread session on
+it) and wall time. Writes bench_step_forms.json and bench_step_forms.md into ``--out-dir``; prints the tables.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+C_OUT, KERNEL = 32, 5
+CONV_CONFIGS = ((16, 3, 32), (16, 1, 28), (64, 3, 32))  # (batch, input channels, image side)
+FORMS = ("conv + swapped conv (shipped)", "planar slices, shared", "one-hot conv, shared", "conv + planar slices dW",
+         "conv + one-hot conv dW", "one-hot conv, shared, one GEMM dW")
+PRECISION_CASES = (("MatMul", [[1600, 64], [64, 800]], {}), ("MatMul", [[16, 1600], [1600, 512]], {}),
+                   ("Gemm", [[16, 1600], [512, 1600], [512]], dict(transB=1)),
+                   ("Conv", [[16, 32, 14, 14], [64, 32, 5, 5], [64]], {}),
+                   ("Conv", [[16, 3, 32, 32], [32, 3, 5, 5], [32]], {}),
+                   ("MaxPool", [[16, 32, 28, 28]], dict(kernel_shape=[2, 2], strides=[2, 2])),
+                   ("Relu", [[16, 32, 28, 28]], {}), ("Mul", [[16, 32, 28, 28], [16, 32, 28, 28]], {}),
+                   ("Add", [[512, 1600], [512, 1600]], {}), ("ReduceSum", [[16, 64, 10, 10]], dict(keepdims=0)),
+                   ("Transpose", [[16, 64, 10, 10]], dict(perm=[0, 2, 3, 1])), ("Resize", [[16, 32, 14, 14]], {}))
+STEP_MODEL, STEP_SHAPE, STEP_RUNS = "fedavgcnn", (3, 32, 32), 60
+BLOCKS, PER_BLOCK = 12, 5
+FORM_TOLERANCE = 1e-5  # max |Δ| / max |reference| of a form's outputs: float32 sums in another order (~1e-7 seen)
+LR, LAM = 5e-3, 10.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Graphs (parent: onnx)
+
+def _conv_graph(form: str, batch: int, channels: int, side: int) -> bytes:
+    """Inputs X (N, C, H, W), W, B, G (the output gradient); outputs Y (the forward) and dW, in ``form``."""
+    from onnx import TensorProto, helper, numpy_helper
+    out = side - KERNEL + 1
+    area, depth = out * out, channels * KERNEL * KERNEL
+    nodes, inits = [], []
+
+    def ints(name: str, values) -> str:
+        inits.append(numpy_helper.from_array(np.array(values, np.int64), name))
+        return name
+
+    def node(op: str, inputs: list[str], output: str, **attrs) -> str:
+        nodes.append(helper.make_node(op, inputs, [output], **attrs))
+        return output
+
+    def planar() -> str:
+        taps = []
+        for ky in range(KERNEL):
+            for kx in range(KERNEL):
+                tap = node("Slice", ["X", ints(f"s{ky}{kx}", [ky, kx]), ints(f"e{ky}{kx}", [ky + out, kx + out]),
+                                     ints("axes", [2, 3])], f"t{ky}{kx}")
+                taps.append(node("Unsqueeze", [tap, ints("two", [2])], f"u{ky}{kx}"))
+        return node("Reshape", [node("Concat", taps, "P5", axis=2), ints("pshape", [batch, depth, area])], "P")
+
+    def one_hot() -> str:
+        eye = np.zeros((depth, channels, KERNEL, KERNEL), np.float32)
+        for c in range(channels):
+            for ky in range(KERNEL):
+                for kx in range(KERNEL):
+                    eye[c * KERNEL * KERNEL + ky * KERNEL + kx, c, ky, kx] = 1.0
+        inits.append(numpy_helper.from_array(eye, "E"))
+        return node("Reshape", [node("Conv", ["X", "E"], "P4"), ints("pshape", [batch, depth, area])], "P")
+
+    def gemm_forward(patches: str) -> None:
+        product = node("MatMul", [node("Reshape", ["W", ints("wshape", [C_OUT, depth])], "Wr"), patches], "Y0")
+        biased = node("Add", [product, node("Reshape", ["B", ints("bshape", [C_OUT, 1])], "Br")], "Y1")
+        node("Reshape", [biased, ints("yshape", [batch, C_OUT, out, out])], "Y")
+
+    def gemm_weight_gradient(patches: str, one_gemm: bool = False) -> None:
+        grads = node("Reshape", ["G", ints("gshape", [batch, C_OUT, area])], "Gr")
+        if one_gemm:
+            rows = node("Reshape", [node("Transpose", [grads], "Gt", perm=[1, 0, 2]),
+                                    ints("g2", [C_OUT, batch * area])], "G2")
+            cols = node("Reshape", [node("Transpose", [patches], "Pt", perm=[0, 2, 1]),
+                                    ints("p2", [batch * area, depth])], "P2")
+            summed = node("MatMul", [rows, cols], "D2")
+        else:
+            products = node("MatMul", [grads, node("Transpose", [patches], "Pt", perm=[0, 2, 1])], "D3")
+            summed = node("ReduceSum", [products, ints("zero", [0])], "D2", keepdims=0)
+        node("Reshape", [summed, ints("dwshape", [C_OUT, channels, KERNEL, KERNEL])], "dW")
+
+    def conv_forward() -> None:
+        node("Conv", ["X", "W", "B"], "Y")
+
+    if form == FORMS[0]:
+        conv_forward()
+        swapped = node("Conv", [node("Transpose", ["X"], "Xs", perm=[1, 0, 2, 3]),
+                                node("Transpose", ["G"], "Gs", perm=[1, 0, 2, 3])], "D")
+        node("Transpose", [swapped], "dW", perm=[1, 0, 2, 3])
+    elif form in (FORMS[1], FORMS[2], FORMS[5]):
+        patches = planar() if form == FORMS[1] else one_hot()
+        gemm_forward(patches)
+        gemm_weight_gradient(patches, one_gemm=form == FORMS[5])
+    else:
+        conv_forward()
+        gemm_weight_gradient(planar() if form == FORMS[3] else one_hot())
+    value = helper.make_tensor_value_info
+    inputs = [value("X", TensorProto.FLOAT, [batch, channels, side, side]),
+              value("W", TensorProto.FLOAT, [C_OUT, channels, KERNEL, KERNEL]), value("B", TensorProto.FLOAT, [C_OUT]),
+              value("G", TensorProto.FLOAT, [batch, C_OUT, out, out])]
+    outputs = [value("Y", TensorProto.FLOAT, None), value("dW", TensorProto.FLOAT, None)]
+    return _model(helper.make_graph(nodes, form, inputs, outputs, inits))
+
+
+def _op_graph(op: str, shapes: list[list[int]], attrs: dict, half: bool) -> bytes:
+    from onnx import TensorProto, helper, numpy_helper
+    dtype = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    inputs = [helper.make_tensor_value_info(f"x{i}", dtype, shape) for i, shape in enumerate(shapes)]
+    names, inits = [f"x{i}" for i in range(len(shapes))], []
+    if op == "Resize":  # nearest ×2, as the pool backward upsamples
+        inits.append(numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"))
+        names += ["", "scales"]
+    graph = helper.make_graph([helper.make_node(op, names, ["y"], **attrs)], op, inputs,
+                              [helper.make_tensor_value_info("y", dtype, None)], inits)
+    return _model(graph)
+
+
+def _model(graph) -> bytes:
+    from onnx import helper
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9  # onnxruntime >= 1.15 loads it
+    return model.SerializeToString()
+
+
+def half_weight_step(step_path: str) -> bytes:
+    """The step graph at ``step_path`` with every parameter input and every ``<param>.next`` output in float16 and a
+    Cast at each (the float32 graph in between unchanged)."""
+    import onnx
+    from onnx import TensorProto, helper
+    from device_runtime.artifact_contract import STEP_DATA_INPUTS, next_name
+    model = onnx.load(step_path)
+    graph = model.graph
+    params = [v.name for v in graph.input if v.name not in STEP_DATA_INPUTS]
+    outputs = {next_name(p) for p in params}
+    for node in graph.node:
+        node.input[:] = [f"{name}.f32" if name in params else name for name in node.input]
+        node.output[:] = [f"{name}.f32" if name in outputs else name for name in node.output]
+    casts_in = [helper.make_node("Cast", [p], [f"{p}.f32"], to=TensorProto.FLOAT) for p in params]
+    casts_out = [helper.make_node("Cast", [f"{o}.f32"], [o], to=TensorProto.FLOAT16) for o in sorted(outputs)]
+    nodes = [*casts_in, *graph.node, *casts_out]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    for value in [*graph.input, *graph.output]:
+        if value.name in params or value.name in outputs:
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def update_losses() -> dict:
+    """Per model: the share of one SGD step's updates that float16 weights, and int8 weights (per-tensor symmetric,
+    scale max|w|/127), cannot hold."""
+    import torch
+    from fedcore.models import build_model
+    from fedcore.objective import local_loss
+    torch.manual_seed(0)
+    shares = {}
+    for name, shape in (("fedavgcnn", (3, 32, 32)), ("cnn1", (1, 28, 28))):
+        model = build_model(name, shape, 10, seed=0)
+        anchors = torch.randn(10, model.feature_dim) * 0.1
+        loss, _ = local_loss(model, torch.randn(16, *shape), torch.randint(0, 10, (16,)), anchors, torch.ones(10), LAM)
+        loss.backward()
+        total = lost16 = lost8 = 0
+        for p in model.parameters():
+            w, delta = p.detach().numpy(), -LR * p.grad.numpy()
+            w16 = w.astype(np.float16)
+            lost16 += int(((w16 + delta.astype(np.float16)).astype(np.float16) == w16).sum())
+            scale = float(np.abs(w).max()) / 127
+            lost8 += int((np.round((w + delta) / scale) == np.round(w / scale)).sum())
+            total += w.size
+        shares[name] = dict(params=total, fp16_lost=lost16 / total, int8_lost=lost8 / total)
+    return shares
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker (numpy and onnxruntime only)
+
+def _session(ort, path: str):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = 1, 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
+def _timed(session, feeds: dict) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), time.thread_time()
+    session.run(None, feeds)
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+def step_worker(spec: dict) -> dict:
+    """STEP_RUNS steps of the step graph at ``spec["path"]`` on synthetic feeds (parameters in the graph's own
+    dtype), each step's updated parameters fed to the next: thread-CPU and wall p50 of the steps after the first,
+    and the process's peak RSS."""
+    import onnxruntime as ort
+    from device_runtime.artifact_contract import ANCHOR_MASK, LAM as LAM_INPUT, LR as LR_INPUT
+    rng = np.random.default_rng(0)
+    session = _session(ort, spec["path"])
+    dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
+    feeds = {}
+    for value in session.get_inputs():
+        shape = [spec["batch"] if not isinstance(d, int) else d for d in value.shape]
+        if value.type == "tensor(int64)":
+            feeds[value.name] = np.asarray(rng.integers(0, 10, shape), np.int64)
+        else:
+            feeds[value.name] = np.asarray(rng.standard_normal(shape) * 0.05, dtypes[value.type])
+    feeds.update({LR_INPUT: np.asarray(LR, np.float32), LAM_INPUT: np.asarray(LAM, np.float32),
+                  ANCHOR_MASK: np.ones_like(feeds[ANCHOR_MASK])})
+    names = [o.name for o in session.get_outputs()]
+    walls, cpus = [], []
+    for _ in range(STEP_RUNS):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        out = dict(zip(names, session.run(None, feeds)))
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.thread_time() - cpu)
+        feeds.update({name[:-len(".next")]: value for name, value in out.items() if name.endswith(".next")})
+    with open("/proc/self/status") as status:
+        peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    return dict(wall_ms=1e3 * float(np.median(walls[1:])), cpu_ms=1e3 * float(np.median(cpus[1:])),
+                peak_rss_mb=peak / 2**20, weight_bytes=int(sum(feeds[v.name].nbytes for v in session.get_inputs()
+                                                              if v.name.startswith(("fe.", "head.")))))
+
+
+def time_graphs(spec: dict) -> dict:
+    """Times of every graph in ``spec``: conv forms per config (interleaved blocks, outputs checked against the
+    first form), and each precision case in float32 and float16 (or why float16 does not load)."""
+    import onnxruntime as ort
+    rng = np.random.default_rng(0)
+    result = dict(onnxruntime=ort.__version__, conv={}, precision=[])
+    for config, paths in spec["conv"].items():
+        batch, channels, side = (int(v) for v in config.split("x"))
+        out = side - KERNEL + 1
+        feeds = dict(X=rng.standard_normal((batch, channels, side, side), np.float32),
+                     W=rng.standard_normal((C_OUT, channels, KERNEL, KERNEL), np.float32),
+                     B=rng.standard_normal(C_OUT).astype(np.float32),
+                     G=rng.standard_normal((batch, C_OUT, out, out), np.float32))
+        sessions = {form: _session(ort, path) for form, path in paths.items()}
+        reference = sessions[FORMS[0]].run(None, feeds)
+        error = {form: max(float(np.abs(a - b).max() / np.abs(b).max())
+                           for a, b in zip(s.run(None, feeds), reference)) for form, s in sessions.items()}
+        wrong = {form: e for form, e in error.items() if not e <= FORM_TOLERANCE}
+        if wrong:
+            raise RuntimeError(f"{config}: forms differ from the shipped one beyond {FORM_TOLERANCE:g}: {wrong}")
+        times = {form: ([], []) for form in sessions}
+        for _ in range(BLOCKS):
+            for form, s in sessions.items():
+                s.run(None, feeds)  # untimed
+                for _ in range(PER_BLOCK):
+                    wall, cpu = _timed(s, feeds)
+                    times[form][0].append(wall)
+                    times[form][1].append(cpu)
+        result["conv"][config] = {form: dict(wall_ms=1e3 * float(np.median(w)), cpu_ms=1e3 * float(np.median(c)),
+                                             relative_error=error[form]) for form, (w, c) in times.items()}
+    for case in spec["precision"]:
+        row = dict(op=case["op"], shapes=case["shapes"])
+        for tag, dtype in (("f32", np.float32), ("f16", np.float16)):
+            try:
+                s = _session(ort, case[tag])
+            except Exception as exc:  # a missing kernel: the answer, not a failure
+                row[tag] = str(exc).splitlines()[0][:120]
+                continue
+            feeds = {f"x{i}": (rng.standard_normal(shape) * 0.1).astype(dtype) for i, shape in enumerate(case["shapes"])}
+            s.run(None, feeds)
+            row[tag] = 1e3 * float(np.median([_timed(s, feeds)[1] for _ in range(BLOCKS * PER_BLOCK)]))
+        result["precision"].append(row)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parent
+
+def tables(report: dict) -> str:
+    lines = [f"First convolution, forward + weight gradient, 1 thread, onnxruntime {report['timings']['onnxruntime']} "
+             "(p50 ms; ratio to the shipped form in thread-CPU time)", ""]
+    configs = list(report["timings"]["conv"])
+    lines.append("| form | " + " | ".join(f"N×C×H {c}: thread-CPU / wall ms (ratio)" for c in configs) + " |")
+    lines.append("|---|" + "---:|" * len(configs))
+    for form in FORMS:
+        cells = []
+        for config in configs:
+            row, base = report["timings"]["conv"][config][form], report["timings"]["conv"][config][FORMS[0]]
+            cells.append(f"{row['cpu_ms']:.2f} / {row['wall_ms']:.2f} ({row['cpu_ms'] / base['cpu_ms']:.2f})")
+        lines.append(f"| {form} | " + " | ".join(cells) + " |")
+    lines += ["", "One op at its step shape in float16 against float32, thread-CPU p50 ms, 1 thread", "",
+              "| op | input shapes | float32 | float16 | float16/float32 |", "|---|---|---:|---:|---:|"]
+    for row in report["timings"]["precision"]:
+        half = row["f16"]
+        cells = [f"{half:.3f}", f"{half / row['f32']:.2f}"] if isinstance(half, float) else [f"not run: {half}", ""]
+        lines.append(f"| {row['op']} | {row['shapes']} | {row['f32']:.3f} | " + " | ".join(cells) + " |")
+    lines += ["", "Share of one SGD step's updates (lr 5e-3, batch 16) lost to the weights' precision", "",
+              "| model | parameters | float16 weights | int8 weights |", "|---|---:|---:|---:|"]
+    for name, share in report["update_losses"].items():
+        lines.append(f"| {name} | {share['params']} | {100 * share['fp16_lost']:.1f} % | {100 * share['int8_lost']:.1f} % |")
+    lines += ["", f"The {STEP_MODEL} {'x'.join(map(str, STEP_SHAPE))} dense step with float16 weights, batch 16, 1 thread "
+              f"(medians of {STEP_REPEATS} fresh processes of {STEP_RUNS} steps)", "",
+              "| graph | step thread-CPU / wall ms | peak RSS MiB | weights KiB |", "|---|---:|---:|---:|"]
+    for label, row in report["half_weights"].items():
+        lines.append(f"| {label} | {row['cpu_ms']:.2f} / {row['wall_ms']:.2f} | {row['peak_rss_mb']:.1f} | "
+                     f"{row['weight_bytes'] / 1024:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+STEP_REPEATS = 3
+
+
+def _run(python: str, flag: str, spec: dict, spec_path: Path) -> dict:
+    """A worker (``flag``) in ``python`` on ``spec``; its JSON answer."""
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run([python, str(Path(__file__).resolve()), flag, str(spec_path)], capture_output=True,
+                          text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"the worker {flag} in {python} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def shipped_step(cache_dir: Path) -> Path:
+    """The step graph of STEP_MODEL on STEP_SHAPE, dense, as the step compiler builds it (cached in ``cache_dir``)."""
+    from device_runtime.artifact_contract import PORTABLE_KIND
+    from export.artifacts import build_artifacts_of_kind
+    from fedcore.models import build_model
+    model = build_model(STEP_MODEL, STEP_SHAPE, 10, seed=0)
+    artifacts = build_artifacts_of_kind(PORTABLE_KIND, model, {}, STEP_SHAPE, 10, cache_dir)
+    return Path(artifacts.directory) / "step_model.onnx"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path)
+    parser.add_argument("--python", default=sys.executable,
+                        help="interpreter with stock onnxruntime and numpy that times the graphs (default: this one)")
+    parser.add_argument("--cache-dir", type=Path, default=ROOT / "artifacts_cache" / "bench_step_forms",
+                        help="artifact cache for the compiled step graph (built once)")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--step-worker", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(time_graphs(json.loads(args.worker.read_text()))))
+        return 0
+    if args.step_worker:
+        print(json.dumps(step_worker(json.loads(args.step_worker.read_text()))))
+        return 0
+    if args.out_dir is None:
+        parser.error("--out-dir is required")
+    command = " ".join([".venv/bin/python", "scripts/bench_step_forms.py", *(argv if argv is not None else sys.argv[1:])])
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory() as work:
+        def write(name: str, data: bytes) -> str:
+            path = Path(work) / name
+            path.write_bytes(data)
+            return str(path)
+        spec = dict(conv={f"{b}x{c}x{s}": {form: write(f"conv{i}_{b}_{c}_{s}.onnx", _conv_graph(form, b, c, s))
+                                           for i, form in enumerate(FORMS)} for b, c, s in CONV_CONFIGS},
+                    precision=[dict(op=op, shapes=shapes, f32=write(f"op{i}_f32.onnx", _op_graph(op, shapes, attrs, False)),
+                                    f16=write(f"op{i}_f16.onnx", _op_graph(op, shapes, attrs, True)))
+                               for i, (op, shapes, attrs) in enumerate(PRECISION_CASES)])
+        (Path(work) / "spec.json").write_text(json.dumps(spec))
+        timings = _run(args.python, "--worker", spec, Path(work) / "spec.json")
+        shipped = shipped_step(args.cache_dir)
+        graphs = {"float32 (shipped)": str(shipped), "float16 weights": write("half.onnx", half_weight_step(str(shipped)))}
+        steps = {label: [] for label in graphs}
+        for _ in range(STEP_REPEATS):  # fresh processes in turn: each one's peak is its own
+            for label, path in graphs.items():
+                steps[label].append(_run(args.python, "--step-worker", dict(path=path, batch=16),
+                                         Path(work) / "step.json"))
+    report = dict(command=command, machine=dict(platform=platform.platform(), cpus=os.cpu_count(),
+                                                loadavg_at_start=list(load), loadavg_at_end=list(os.getloadavg())),
+                  timings=timings, update_losses=update_losses(),
+                  half_weights={label: dict(cpu_ms=float(np.median([r["cpu_ms"] for r in runs])),
+                                            wall_ms=float(np.median([r["wall_ms"] for r in runs])),
+                                            peak_rss_mb=float(np.median([r["peak_rss_mb"] for r in runs])),
+                                            weight_bytes=runs[0]["weight_bytes"], runs=runs)
+                                for label, runs in steps.items()})
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "bench_step_forms.json").write_text(json.dumps(report, indent=1) + "\n")
+    text = tables(report)
+    (args.out_dir / "bench_step_forms.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
