@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ from server.mqtt.cgroups import available, create_group, popen_in_group
 from server.run_setup import PlanBook, global_state, initial_personal, predictor_for
 from tests.conftest import missing_fmnist, needs
 from tests.scripts import load_script
+from tests.processes import child_env
 
 CGROUPS = available()
 pytestmark = [pytest.mark.cgroup, pytest.mark.slow, needs(CGROUPS), needs(missing_fmnist())]
@@ -55,11 +55,11 @@ def stock_python(tmp_path_factory: pytest.TempPathFactory) -> str:
     venv = tmp_path_factory.mktemp("stock") / "venv"
     requirements = venv.parent / bundle.REQUIREMENTS_NAME
     requirements.write_text(bundle.pinned_requirements(bundle.installed_versions(bundle.PINNED)))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     for command in ([sys.executable, "-m", "venv", str(venv)],
                     [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--quiet",
                      "--disable-pip-version-check", "-r", str(requirements)]):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, env=env)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
+                              env=child_env(drop=("PYTHONPATH", "VIRTUAL_ENV")))
         assert done.returncode == 0, done.stdout + done.stderr
     return str(venv / "bin" / "python")
 
@@ -99,11 +99,10 @@ class ConfinedDevice:
 
     def __init__(self, python: str, shard_path: Path, limit_mb: float) -> None:
         self.group = create_group("portable-floor", limit_mb)
-        env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
         env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         self.proc = popen_in_group(self.group, [python, "-m", "tests.confined_device", str(shard_path)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   cwd=ROOT, env=env)
+                                   cwd=ROOT, env=child_env(drop=("VIRTUAL_ENV",)))
 
     def profile(self) -> ResourceProfile:
         return ResourceProfile.from_meta(json.loads(self.proc.stdout.readline())["profile"])
