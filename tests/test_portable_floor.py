@@ -99,10 +99,10 @@ class ConfinedDevice:
 
     def __init__(self, python: str, shard_path: Path, limit_mb: float) -> None:
         self.group = create_group("portable-floor", limit_mb)
-        env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         self.proc = popen_in_group(self.group, [python, "-m", "tests.confined_device", str(shard_path)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   cwd=ROOT, env=child_env(drop=("VIRTUAL_ENV",)))
+                                   cwd=ROOT, env=child_env(drop=("VIRTUAL_ENV",), repo_on_path=True,
+                                                                     OMP_NUM_THREADS="1"))
 
     def profile(self) -> ResourceProfile:
         return ResourceProfile.from_meta(json.loads(self.proc.stdout.readline())["profile"])
