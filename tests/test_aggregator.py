@@ -26,8 +26,8 @@ from server.mqtt import aggregation_wire as wire
 from server.engine.aggregate import PartialSum
 from server import aggregator
 from server.aggregator import Aggregator
-from tests.sealing import KEY, OPEN_MAX, read, seal_up
-from tests.test_engine import RUN, join, make_engine
+from tests.support.sealing import KEY, OPEN_MAX, read, seal_up
+from tests.support.engine import RUN, join, make_engine
 
 DEVICES = ("dev_000", "dev_001", "dev_002")
 WRONG_KEY = bytes(32)

@@ -34,7 +34,8 @@ from server.broker_loop import AGGREGATORS_DIR, SERVER_LOG
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.mqtt.enrollment import enroll, save_enrollment
 from server.outputs.report import METRICS_FILE, read_metrics
-from tests.conftest import MosquittoProcess, attack_broker, mosquitto_pub, wait_for
+from tests.support.broker import MosquittoProcess, attack_broker, mosquitto_pub
+from tests.support.waiting import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "fedara"

@@ -182,7 +182,7 @@ def test_an_arm64_epoch_equals_the_pytorch_reference(installed: str, work: Path,
     from fedcore.lowrank import factorize_model, fe_state
     from fedcore.objective import compute_anchors
     from server.training import train_local
-    from tests.test_parity import CLASSES, PARAM_ATOL, SHAPE
+    from tests.support.parity import CLASSES, PARAM_ATOL, SHAPE
 
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
     reference = factorize_model(model, ranks)

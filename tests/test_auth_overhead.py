@@ -13,7 +13,7 @@ from fedcore.lowrank import RankPlan, fe_state, resolve_plan
 from fedcore.models import build_model
 from server.engine.run_config import DEFAULT_TIERS
 from server.engine.sampling import factorize_per_plan, plan_key
-from tests.envelope_edits import split
+from tests.support.envelope_edits import split
 
 MAX_SHARE = 0.001
 """Authentication may add at most 0.1 % to a model update."""

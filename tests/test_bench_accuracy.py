@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from server.simulate import build_parser as simulate_parser
-from tests import scripts
+from tests.support import scripts
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_accuracy.py"
 MODULE_NAME = "bench_accuracy"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from server.engine.cost_model import load_cost_model, predict
-from tests.scripts import load_script
+from tests.support.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts import load_script
+from tests.support.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_server.py"
 QUICK_SHAPE = "1x28x28"

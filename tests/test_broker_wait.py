@@ -4,7 +4,7 @@ from __future__ import annotations
 import socket
 
 from device_runtime.broker_wait import REPORT_EVERY_S, report_due, timed_out, unreachable_reason
-from tests.conftest import free_loopback_port
+from tests.support.broker import free_loopback_port
 
 
 def test_the_first_failure_is_reported_at_once():

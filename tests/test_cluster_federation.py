@@ -27,7 +27,7 @@ from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.data.datasets import load_dataset
 from server.outputs.report import METRICS_FILE, read_metrics
 from server.run_setup import global_state
-from tests.scripts import load_script
+from tests.support.scripts import load_script
 
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
          "--threads", "1", "--join-timeout", "300", "--round-deadline", "300", "--aggregator-timeout", "60"]

@@ -27,9 +27,8 @@ from server.outputs.report import METRICS_FILE, read_metrics
 from server.run_setup import load_shards
 from server.simulate import build_parser as simulate_parser
 from server.mqtt.enrollment import save_enrollment
-from tests.mqtt_peer import MqttPeer
-from tests.sealing import seal_up, write_key
-from tests.test_transport import tls_files  # noqa: F401  (a fixture: the test CA and the broker's certificate)
+from tests.support.mqtt_peer import MqttPeer
+from tests.support.sealing import seal_up, write_key
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFIX = DEFAULT_TOPIC_PREFIX
@@ -50,7 +49,7 @@ EVAL = {"eval_correct": 0, "eval_total": 1, "eval_loss": 1.0}
 
 
 @pytest.fixture
-def secured_broker(tmp_path: Path, start_mosquitto, tls_files: TlsFiles):  # noqa: F811
+def secured_broker(tmp_path: Path, start_mosquitto, tls_files: TlsFiles):
     passwd, acl = write_mosquitto_auth(tmp_path / "auth", SERVER_USER, SERVER_PASSWORD, PASSWORDS, PREFIX)
     return start_mosquitto(password_file=passwd, acl_file=acl, tls=tls_files)
 
@@ -100,7 +99,7 @@ class Impostor(MqttPeer):
 
 
 def test_device_cannot_write_or_read_another_devices_topics_during_a_federation(
-        secured_broker, tls_files: TlsFiles, tmp_path: Path, shared_artifact_cache: Path):  # noqa: F811
+        secured_broker, tls_files: TlsFiles, tmp_path: Path, shared_artifact_cache: Path):
     devices = start_devices(secured_broker.url, tls_files.cafile, tmp_path)
     try:
         with Impostor(secured_broker.url, tls_files.cafile) as impostor:
@@ -125,7 +124,7 @@ def test_device_cannot_write_or_read_another_devices_topics_during_a_federation(
     assert f"dropped an update from {VICTIM}" not in log
 
 
-def test_anonymous_client_is_refused(secured_broker, tls_files: TlsFiles):  # noqa: F811
+def test_anonymous_client_is_refused(secured_broker, tls_files: TlsFiles):
     anonymous = MqttEndpoint("anonymous", secured_broker.url, tls_ca=tls_files.cafile)
     anonymous.start()
     try:

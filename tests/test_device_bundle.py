@@ -28,8 +28,8 @@ from fedcore.models import build_model
 from server.data.datasets import load_dataset
 from server.mqtt.embedded_broker import EmbeddedBroker
 from server.data.partition import make_client_shards, write_shards
-from tests.scripts import load_script
-from tests.sealing import enrollment_file, write_key
+from tests.support.scripts import load_script
+from tests.support.sealing import enrollment_file, write_key
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "build_device_bundle.py"

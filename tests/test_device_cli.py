@@ -14,8 +14,9 @@ import pytest
 from device_runtime.__main__ import PASSWORD_ENV
 from device_runtime.shard import ZIP_MAGIC, Shard, save_shard
 from server.mqtt.mosquitto_config import write_mosquitto_auth
-from tests.conftest import assert_bad_input, free_loopback_port
-from tests.sealing import write_key
+from tests.support.broker import free_loopback_port
+from tests.support.commands import assert_bad_input
+from tests.support.sealing import write_key
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEVICE_ID = "dev_000"

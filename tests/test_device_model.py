@@ -21,7 +21,8 @@ from device_runtime.runtimes import open_trainer
 from device_runtime.shard import load_shard
 from server import broker_loop
 from server.outputs.report import METRICS_FILE, read_metrics
-from tests.conftest import ARTIFACT_CLASSES, ARTIFACT_SHAPE, assert_bad_input
+from tests.support.artifact_cache import ARTIFACT_CLASSES, ARTIFACT_SHAPE
+from tests.support.commands import assert_bad_input
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE, CLASSES = ARTIFACT_SHAPE, ARTIFACT_CLASSES  # the artifacts fixture's

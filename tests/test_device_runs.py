@@ -20,8 +20,8 @@ from fedcore.models import build_model
 from server.algorithms import get_algorithm
 from server.run_setup import PlanBook, global_state, initial_personal
 from server.engine.sampling import factorize_per_plan, plan_key
-from tests.sealing import device_link, seal_down
-from tests.recording_endpoint import RecordingEndpoint
+from tests.support.sealing import device_link, seal_down
+from tests.support.recording_endpoint import RecordingEndpoint
 
 DEVICE = "dev_000"
 PREFIX = "fedara-runs"

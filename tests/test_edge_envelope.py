@@ -67,12 +67,12 @@ def artifacts_at(ratio: float, cache: Path) -> str:
 
 
 class ConfinedDevice:
-    """tests/confined_device.py in a fresh memory group of ``limit_mb``: its profile, then its rounds."""
+    """tests/support/confined_device.py in a fresh memory group of ``limit_mb``: its profile, then its rounds."""
 
     def __init__(self, shard_path: Path, limit_mb: float) -> None:
         self.group = create_group("envelope", limit_mb)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        self.proc = popen_in_group(self.group, [sys.executable, "-m", "tests.confined_device", str(shard_path)],
+        self.proc = popen_in_group(self.group, [sys.executable, "-m", "tests.support.confined_device", str(shard_path)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    cwd=ROOT, env=env)
 

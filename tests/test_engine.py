@@ -3,57 +3,13 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 
-from device_runtime.messages import Join, ShardInfo, update_message
-from device_runtime.profile import ResourceProfile
+from device_runtime.messages import update_message
 from device_runtime.task import Phase, Update
-from fedcore.models import build_model
-from server.algorithms import get_algorithm
-from server.engine.coordinator import Coordinator, CoordinatorConfig
-from server.engine.round_engine import MAX_PLAN_RESENDS, RoundEngine
-from server.run_setup import PlanBook, global_state, initial_personal
-from server.engine.run_config import FederationConfig
-
-SHAPE = (1, 28, 28)
-CLASSES = 10
-PROFILE = ResourceProfile(None, 1, 1, "x86_64", "Linux", None, 1.0)
-RUN = "run0"
-
-
-def make_engine(algo: str = "fedara", *, tiers=(1.0,), predictor=None, min_completion: float = 0.5,
-                rounds: int = 3, join_ratio: float = 1.0, remote: bool = False) -> RoundEngine:
-    torch.manual_seed(0)
-    model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
-    algorithm = get_algorithm(algo)
-    config = FederationConfig(algo=algo, rounds=rounds, local_epochs=2, join_ratio=join_ratio)
-    coordinator = Coordinator(CoordinatorConfig(SHAPE, CLASSES, join_ratio=join_ratio, round_deadline_s=10.0,
-                                                min_completion=min_completion), RUN)
-    return RoundEngine(algorithm, config, coordinator, PlanBook(model, SHAPE, None, onnx=False),
-                       global_state(model, algorithm), initial_personal([model], algorithm), tiers=tiers,
-                       predictor=predictor, remote=remote)
-
-
-def join(engine: RoundEngine, device_id: str, num_train: int = 50, budget: float | None = None):
-    profile = ResourceProfile(budget, 1, 1, "x86_64", "Linux", None, 1.0)
-    admission = engine.join(device_id, Join(profile, ShardInfo(num_train, 10, SHAPE, CLASSES), ()))
-    assert admission.refusal is None
-    assert engine.acknowledge(device_id, admission.plan.plan_hash) is None
-    return admission.plan
-
-
-def answer(engine: RoundEngine, device_id: str, task, num_train: int = 50, scale: float = 1.0, now: float = 1.0):
-    weights = {k: v * np.float32(scale) for k, v in task.weights.items()}
-    if task.returns == "none" or task.evaluate_only:
-        weights = {}
-    elif task.returns == "all":
-        weights.update(engine._initial(device_id))
-    update = Update(task.round, weights, 0 if task.evaluate_only else num_train, 1.0, 0.5,
-                    {"eval_correct": 5, "eval_total": 10, "eval_loss": 1.0})
-    msg = update_message(update, plan_hash=engine.plan_info(device_id).hash, device_id=device_id, run_id=RUN)
-    return engine.receive(device_id, msg, now)
+from server.engine.round_engine import MAX_PLAN_RESENDS
+from tests.support.engine import RUN, answer, join, make_engine
 
 
 def test_a_devices_batch_seed_follows_its_id_not_the_order_devices_joined_in():

@@ -15,6 +15,7 @@ from export import artifacts
 from export.artifacts import artifact_config, build_artifacts, config_hash, load_artifact_set
 from fedcore.lowrank import RankPlan, factorize_model, fe_state, resolve_plan
 from fedcore.models import build_model
+from tests.support.artifact_cache import private_copy
 
 MODEL, SHAPE, CLASSES = "fedavgcnn", (1, 28, 28), 10
 MAX_ONNXRUNTIME_IR = 10
@@ -115,8 +116,7 @@ def test_training_graph_leaves_the_frobenius_term_to_the_device(built):
 
 
 def test_corrupt_file_is_refused(built, tmp_path):
-    copy = tmp_path / built.hash
-    shutil.copytree(built.directory, copy)
+    copy = private_copy(built.directory, tmp_path)
     target = copy / ARTIFACT_FILES_BY_KIND[TRAINING_KIND]["training_model"]
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -128,8 +128,7 @@ def test_corrupt_file_is_refused(built, tmp_path):
 
 
 def test_missing_file_is_refused(built, tmp_path):
-    copy = tmp_path / built.hash
-    shutil.copytree(built.directory, copy)
+    copy = private_copy(built.directory, tmp_path)
     (copy / ARTIFACT_FILES_BY_KIND[TRAINING_KIND]["checkpoint"]).unlink()
     with pytest.raises(ArtifactError, match="checkpoint is missing"):
         verify_artifacts(copy, built.hash)

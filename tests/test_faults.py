@@ -44,9 +44,9 @@ from server.outputs.report import METRICS_FILE, read_metrics
 from server import run_setup, simulate
 from server.run_setup import RunFolder, load_shards
 
-from tests.conftest import wait_for
-from tests.sealing import device_link, enrollment_file, seal_down, write_key
-from tests.recording_endpoint import RecordingEndpoint
+from tests.support.waiting import wait_for
+from tests.support.sealing import device_link, enrollment_file, seal_down, write_key
+from tests.support.recording_endpoint import RecordingEndpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -27,9 +27,10 @@ from device_runtime.protocol import MAX_ID_LEN
 from device_runtime.topics import Topics
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.mqtt.enrollment import enroll, load_enrollment, save_enrollment
-from tests.conftest import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub, wait_for
-from tests.sealing import seal_down
-from tests.test_replays import PREFIX, Capture, finish, record, rss_mib, wait_for_line
+from tests.support.broker import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub
+from tests.support.waiting import wait_for
+from tests.support.sealing import seal_down
+from tests.support.broker_capture import PREFIX, Capture, finish, record, rss_mib, wait_for_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

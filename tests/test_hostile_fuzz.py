@@ -22,12 +22,12 @@ from hypothesis.extra import numpy as hnp
 from device_runtime.envelope import MAX_ROUND, Message, MessageType, decode
 from device_runtime.messages import ErrorCode, Join, ack_message, error_message, join_message
 from server.engine.coordinator import NO_ANSWER
-from tests.envelope_edits import apply_edits, envelope, rehashed, split
-from tests.envelope_edits import byte_edits as byte_edits_within
-from tests.sealing import seal_up as encode  # as the device would seal it: the fuzz reaches behind the tag
-from tests.test_hostile import (DENSE, EVAL, FACTORED, LOW_RANK, PROFILE, REFUSED, ROUND, RUN, SERVER_LOG, SHARD,
-                                STRANGER, TRAINER, UNASSIGNED, World, aggregated, close, genuine_update, open_server,
-                                server_state, up, world)  # noqa: F401  (world is a fixture)
+from tests.support.envelope_edits import apply_edits, envelope, rehashed, split
+from tests.support.envelope_edits import byte_edits as byte_edits_within
+from tests.support.sealing import seal_up as encode  # as the device would seal it: the fuzz reaches behind the tag
+from tests.support.hostile_world import (DENSE, EVAL, FACTORED, LOW_RANK, PROFILE, REFUSED, ROUND, RUN, SERVER_LOG,
+                                         SHARD, STRANGER, TRAINER, UNASSIGNED, World, aggregated, close,
+                                         genuine_update, open_server, server_state, up)
 
 DEVICES = (TRAINER, FACTORED, UNASSIGNED, STRANGER)
 TOPICS = tuple(up(d) for d in DEVICES)

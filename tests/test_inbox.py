@@ -15,8 +15,9 @@ from device_runtime.inbox import Inbox
 from device_runtime.messages import ErrorCode, error_message
 from device_runtime.topics import Topics
 from device_runtime.transport import MqttEndpoint
-from tests.conftest import MOSQUITTO_PUB, mosquitto_pub, wait_for
-from tests.sealing import device_link, read, seal_down
+from tests.support.broker import MOSQUITTO_PUB, mosquitto_pub
+from tests.support.waiting import wait_for
+from tests.support.sealing import device_link, read, seal_down
 
 JUNK_FRAMES = 20
 JUNK_BYTES = 15 * 1024 * 1024

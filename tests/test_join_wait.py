@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from tests.test_hostile import open_server, world  # noqa: F401 (world: the fixture open_server needs)
+from tests.support.hostile_world import open_server
 
 HANDLE_S = 0.4
 MESSAGES = 4
@@ -26,10 +26,10 @@ def pump_slow_messages(server, handling_counts: bool) -> tuple[bool, int]:
     return done, len(handled)
 
 
-def test_the_join_wait_does_not_count_the_time_spent_handling_messages(world) -> None:  # noqa: F811
+def test_the_join_wait_does_not_count_the_time_spent_handling_messages(world) -> None:
     assert pump_slow_messages(open_server(world), handling_counts=False) == (True, MESSAGES)
 
 
-def test_a_round_wait_counts_the_time_spent_handling_messages(world) -> None:  # noqa: F811
+def test_a_round_wait_counts_the_time_spent_handling_messages(world) -> None:
     done, handled = pump_slow_messages(open_server(world), handling_counts=True)
     assert not done and handled < MESSAGES

@@ -38,9 +38,9 @@ from server.outputs.refusals import MAX_REFUSAL_KINDS, count_refusal, update_ref
 from server.outputs.status_server import StatusServer
 from server.outputs.status_snapshot import fleet_snapshot
 from server.outputs.report import METRICS_FILE, read_metrics
-from tests.conftest import wait_for
-from tests.scripts import load_script
-from tests.test_engine import answer, join, make_engine
+from tests.support.waiting import wait_for
+from tests.support.scripts import load_script
+from tests.support.engine import answer, join, make_engine
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",

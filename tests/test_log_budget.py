@@ -12,8 +12,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 from device_runtime.log_budget import (BURST_LINES, FLOOD_LOGGERS, LINES_PER_S, MAX_KINDS, FloodFilter, LineBudget,
                                       hold_back_floods)
 from server.cli import console_logging
-from tests.conftest import wait_for
-from tests.test_transport import DEV1, WAIT_S, connect  # noqa: F401 (connect: a fixture)
+from tests.support.waiting import wait_for
+from tests.support.endpoints import DEV1, WAIT_S
 
 JUNK_FRAMES = 1000
 

@@ -24,7 +24,7 @@ from device_runtime.transport import BrokerRefusedError, MqttEndpoint
 from server import broker_loop
 from server.mqtt.mosquitto_config import PACKET_HEADROOM_BYTES, parse_passwords
 from server.outputs.report import METRICS_FILE, read_metrics
-from tests.conftest import MOSQUITTO_BIN, MosquittoProcess, free_loopback_port
+from tests.support.broker import MOSQUITTO_BIN, MosquittoProcess, free_loopback_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "mosquitto_credentials.py"

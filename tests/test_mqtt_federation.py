@@ -40,8 +40,8 @@ from server.mqtt.mosquitto_config import write_mosquitto_auth
 from server.outputs.report import ACCURACY_PLOT, BYTES_PLOT, METRICS_FILE, REPORT_FILE, read_metrics
 from server import simulate
 from server.run_setup import RunFolder
-from tests.mqtt_peer import MqttPeer
-from tests.sealing import device_link, enrollment_file, read, seal_down, write_key
+from tests.support.mqtt_peer import MqttPeer
+from tests.support.sealing import device_link, enrollment_file, read, seal_down, write_key
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",

@@ -17,10 +17,9 @@ from fedcore.lowrank import factorize_model, fe_state
 from fedcore.models import build_model
 from fedcore.objective import compute_anchors
 from server.training import evaluate, train_local
+from tests.support.parity import CLASSES, PARAM_ATOL, SHAPE
 
-SHAPE, CLASSES = (1, 28, 28), 10
 FACTORIZED = {"fe.conv2": 80, "fe.fc1": 256}
-PARAM_ATOL = 1e-5
 SETTINGS = dict(mu=1e-3, lr=0.05, epochs=1, batch_size=8)  # 20 samples: batches of 8, 8 and a partial 4
 SEED = 3
 STRONG_DECAY = dict(mu=0.05, epochs=2)  # large enough that the per-epoch decay step shows in the weights

@@ -11,20 +11,13 @@ import numpy as np
 import pytest
 
 from device_runtime.envelope import MAX_HEADER_BYTES, MAX_META_DEPTH, MAX_TENSOR_RANK, Message, MessageType, decode
-from device_runtime.envelope import encode as encode_with_key
 from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Reassembler, chunk
 from device_runtime.protocol import PROTOCOL_VERSION, ProtocolError
 from device_runtime.topics import TopicKind, Topics, device_id_from_topic, server_subscriptions
-
-KEY = bytes(range(32))
+from tests.support.sealing import FRAME_LAYOUT, KEY, encode
 
 MAX_BYTES = 1 << 20
-FRAME_LAYOUT = struct.Struct("<4sBB64sIIQ32s")  # the frame header as documented
 FRAME_1K = FRAME_HEADER_BYTES + 1000  # frames carrying 1000 payload bytes each
-
-
-def encode(msg: Message) -> bytes:
-    return encode_with_key(msg, key=KEY)
 
 
 def make_message(**changes) -> Message:

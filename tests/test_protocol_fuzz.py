@@ -15,10 +15,9 @@ from device_runtime.auth import MAX_COUNTER, Direction
 from device_runtime.envelope import Message, MessageType, decode
 from device_runtime.framing import FRAME_HEADER_BYTES, Reassembler, RepeatedFrame, chunk
 from device_runtime.protocol import ProtocolError
-from tests.test_protocol import encode
-from tests.envelope_edits import apply_edits, envelope, rehashed, split
-from tests.envelope_edits import byte_edits as byte_edits_within
-from tests.test_protocol import FRAME_LAYOUT
+from tests.support.envelope_edits import apply_edits, envelope, rehashed, split
+from tests.support.sealing import FRAME_LAYOUT, encode
+from tests.support.envelope_edits import byte_edits as byte_edits_within
 
 MAX_BYTES = 1 << 16
 

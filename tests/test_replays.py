@@ -14,26 +14,25 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import paho.mqtt.client as mqtt
 import psutil
 import pytest
-from paho.mqtt.enums import CallbackAPIVersion
 
 from device_runtime.envelope import Message, MessageType
-from device_runtime.framing import FRAME_HEADER_BYTES, chunk, frame_msg_id
+from device_runtime.framing import FRAME_HEADER_BYTES, chunk
 from device_runtime.messages import ErrorCode, error_message
 from device_runtime.topics import Topics
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.mqtt.enrollment import enroll, save_enrollment
-from tests.conftest import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub, wait_for
-from tests.sealing import seal_down, seal_up
+from tests.support.broker import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub
+from tests.support.waiting import wait_for
+from tests.support.sealing import seal_down, seal_up
+from tests.support.broker_capture import MARKER_TOPIC, PREFIX, Capture, finish, record, rss_mib, wait_for_line
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PREFIX = "fedara"
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
          "--threads", "1", "--join-timeout", "300", "--round-deadline", "300", "--prefix", PREFIX]
 ROUNDS = 8
@@ -47,63 +46,10 @@ ATTACK_TIMEOUT_S = 30  # well inside the broker's keep-alive (1.5 x 30 s): pause
 SERVER_REFUSALS = 5
 """dev_000's JOIN, dev_001's offline frame and forged JOIN, dev_003's JOIN and ACK."""
 WAIT_S = 30
+"""Bound on waits for what takes a moment (a subscription, a message through the broker)."""
 pytestmark = pytest.mark.timeout(900)
 """The first test sets up three runs (and compiles their artifacts unless the session's cache has them): minutes
 on a loaded 2-core machine, over the suite's 300 s default."""
-"""Bound on waits for what takes a moment (a subscription, a message through the broker)."""
-MARKER_TOPIC = f"{PREFIX}/dev/xmarker/up"
-"""A marker sent after what a subscriber must have seen: the broker forwards messages to one subscriber in the
-order it took them in, so once the marker arrived, so did everything before it. The server refuses it (no
-such device) with a logged line."""
-
-
-@dataclass
-class Capture:
-    """Every frame seen on ``PREFIX/dev/#`` by a plain paho subscriber: (topic, frame bytes)."""
-
-    frames: list[tuple[str, bytes]] = field(default_factory=list)
-    subscribed: threading.Event = field(default_factory=threading.Event)
-    marked: threading.Event = field(default_factory=threading.Event)
-    """Set when the marker arrived (it is not recorded)."""
-
-    def on_message(self, _client, _userdata, message) -> None:
-        if message.topic == MARKER_TOPIC:
-            self.marked.set()
-        else:
-            self.frames.append((message.topic, bytes(message.payload)))
-
-    def of(self, topic: str, msg_id_prefix: str) -> list[bytes]:
-        """The frames on ``topic`` of the first message whose msg_id starts with ``msg_id_prefix``, in order."""
-        chosen = None
-        found = []
-        for t, frame in self.frames:
-            ident = frame_msg_id(frame)
-            if t == topic and ident.startswith(msg_id_prefix) and ident == (chosen or ident):
-                chosen = ident
-                found.append(frame)
-        assert found, f"nothing captured on {topic} with a msg_id starting {msg_id_prefix!r}"
-        return found
-
-
-def record(url_port: int, stop: threading.Event, capture: Capture) -> threading.Thread:
-    """A plain paho subscriber to ``PREFIX/dev/#`` recording into ``capture`` until ``stop``; returns once it
-    subscribed."""
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="recorder", protocol=mqtt.MQTTv311)
-    client.on_connect = lambda c, *_: c.subscribe(f"{PREFIX}/dev/#", qos=1)
-    client.on_subscribe = lambda *_: capture.subscribed.set()
-    client.on_message = capture.on_message
-
-    def run() -> None:
-        client.connect("127.0.0.1", url_port)
-        client.loop_start()
-        stop.wait()
-        client.loop_stop()
-        client.disconnect()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert capture.subscribed.wait(WAIT_S), "the recorder did not subscribe"
-    return thread
 
 
 def marker_frame() -> bytes:
@@ -119,31 +65,11 @@ def server(out: Path, url: str, cache: Path, enrollment: Path, devices: int, see
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def wait_for_line(proc: subprocess.Popen, text: str, lines: list[str]) -> None:
-    for line in proc.stdout:
-        lines.append(line)
-        if text in line:
-            return
-    raise AssertionError(f"the server ended without printing {text!r}:\n{''.join(lines[-30:])}")
-
-
 def still_running(proc: subprocess.Popen) -> Callable[[], None]:
     """For ``wait_for``'s ``alive``: fail at once once the run ended (the attack must land while it runs)."""
     def alive() -> None:
         assert proc.poll() is None, "the run ended before the attack landed: raise ROUNDS"
     return alive
-
-
-def finish(proc: subprocess.Popen, lines: list[str], timeout: float = 300) -> None:
-    lines.extend(proc.stdout)
-    assert proc.wait(timeout) == 0, "".join(lines[-40:])
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 @dataclass

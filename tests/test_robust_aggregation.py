@@ -23,9 +23,9 @@ from server.engine.run_config import NormAction, NormBound, norm_bound_from_args
 from server.run_setup import RunFolder
 from server.engine.sampling import plan_key, to_torch
 from server.engine.update_rule import Answer
-from tests.test_hostile import (DENSE, EVAL, FACTORED, RUN, SERVER_LOG, TRAINER, World, close, genuine_update,
-                                open_server, update_topic, world)  # noqa: F401  (world is a fixture)
-from tests.sealing import seal_up as encode  # as the device would seal it
+from tests.support.hostile_world import (DENSE, EVAL, FACTORED, RUN, SERVER_LOG, TRAINER, World, close, genuine_update,
+                                         open_server, update_topic)
+from tests.support.sealing import seal_up as encode  # as the device would seal it
 
 GLOBAL = {"fe.fc.weight": torch.zeros(3, 4), "fe.fc.bias": torch.zeros(3)}
 SHAPES = {k: tuple(v.shape) for k, v in GLOBAL.items()}

@@ -62,7 +62,7 @@ def test_a_device_trains_a_round_on_a_shard_larger_than_its_memory_cgroup(tmp_pa
     assert shard.stat().st_size > LIMIT_MB * MIB
     group = create_group("bigshard", LIMIT_MB)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = popen_in_group(group, [sys.executable, "-m", "tests.confined_device", str(shard)], stdin=subprocess.PIPE,
+    proc = popen_in_group(group, [sys.executable, "-m", "tests.support.confined_device", str(shard)], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     try:
         profile = json.loads(proc.stdout.readline())["profile"]

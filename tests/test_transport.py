@@ -6,11 +6,10 @@ import contextlib
 import logging
 import os
 import random
-import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import paho.mqtt.publish
@@ -23,14 +22,12 @@ from device_runtime.transport import (BrokerRefusedError, BrokerURL, ConnectTime
                                       MqttEndpoint, PublishError, parse_brokers, rotate_brokers)
 from server.mqtt.aggregation_wire import member_update_filter
 from server.mqtt.mosquitto_config import TlsFiles, acl_text, mosquitto_password_hash, write_mosquitto_auth
-from tests.conftest import wait_for
+from tests.support.endpoints import DEV1, DEV2, PREFIX, WAIT_S
+from tests.support.tls import make_ca
+from tests.support.waiting import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PREFIX = "fedtest"
-WAIT_S = 10.0
-"""Upper bound for events that take milliseconds; only a failing test waits this long."""
 SMALL_FRAME = 4096
-DEV1, DEV2 = Topics(PREFIX, "dev1"), Topics(PREFIX, "dev2")
 
 
 def plain_status(online: bool, nonce: str) -> bytes:
@@ -57,24 +54,6 @@ endpoint.wait_connected(10)
 print("ready", flush=True)
 sys.stdin.read()
 """
-
-
-@pytest.fixture
-def connect() -> Iterator[Callable[..., MqttEndpoint]]:
-    """Factory: connect(client_id, url, **kwargs) -> started endpoint, connected unless wait=False."""
-    started: list[MqttEndpoint] = []
-
-    def make(client_id: str, url: str, *, wait: bool = True, **kwargs: object) -> MqttEndpoint:
-        endpoint = MqttEndpoint(client_id, url, **kwargs)
-        endpoint.start()
-        started.append(endpoint)
-        if wait:
-            endpoint.wait_connected(WAIT_S)
-        return endpoint
-
-    yield make
-    for endpoint in reversed(started):
-        endpoint.stop()
 
 
 @contextlib.contextmanager
@@ -391,37 +370,6 @@ def test_bad_password_is_refused(secured_broker, connect) -> None:
 
 
 # -- TLS (mosquitto) ----------------------------------------------------------------------------
-
-
-def make_ca(directory: Path, name: str) -> tuple[Path, Path]:
-    key, cert = directory / f"{name}.key", directory / f"{name}.pem"
-    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", key, "-out", cert, "-days", "1", "-subj", f"/CN={name}",
-            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign")
-    return key, cert
-
-
-def openssl(*args: object) -> None:
-    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    """A test CA and a server certificate for 127.0.0.1 that it signed."""
-    if shutil.which("openssl") is None:
-        reason = "openssl CLI not found: needed to make the test certificates"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    directory = tmp_path_factory.mktemp("tls")
-    ca_key, ca_cert = make_ca(directory, "test-ca")
-    key, csr, cert, ext = (directory / name for name in ("server.key", "server.csr", "server.pem", "san.ext"))
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1")
-    openssl("x509", "-req", "-in", csr, "-CA", ca_cert, "-CAkey", ca_key, "-CAcreateserial",
-            "-out", cert, "-days", "1", "-extfile", ext)
-    return TlsFiles(cafile=ca_cert, certfile=cert, keyfile=key)
 
 
 def test_tls_round_trip_with_the_test_ca(tls_files: TlsFiles, start_mosquitto, connect) -> None:

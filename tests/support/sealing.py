@@ -1,12 +1,15 @@
-"""Keys and sealing for tests that speak the protocol directly (scripted servers, devices and impostors)."""
+"""Keys and sealing for tests that speak the protocol directly (scripted servers, devices and impostors), and the
+frame header's documented layout."""
 from __future__ import annotations
 
+import struct
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from device_runtime.auth import SESSION_KEY, CounterSource, Direction, KeyRing
 from device_runtime.envelope import Message, decode, seal
+from device_runtime.envelope import encode as encode_with_key
 from device_runtime.link import Link
 
 KEY = bytes(range(32))
@@ -14,7 +17,13 @@ KEY = bytes(range(32))
 OPEN_MAX = 1 << 28
 SESSION = "5e55" * 8
 """The session of every device link these tests make (device_link), which seal_down names by default."""
+FRAME_LAYOUT = struct.Struct("<4sBB64sIIQ32s")  # the frame header as documented
 _COUNTERS = CounterSource(int(time.time()))
+
+
+def encode(msg: Message) -> bytes:
+    """``msg`` as an envelope under KEY (no direction, no counter: the envelope layer alone)."""
+    return encode_with_key(msg, key=KEY)
 
 
 def seal_down(msg: Message, key: bytes = KEY, session: str | None = SESSION) -> bytes:

@@ -8,7 +8,7 @@ import struct
 from hypothesis import strategies as st
 
 from device_runtime.auth import compute_tag
-from tests.sealing import KEY
+from tests.support.sealing import KEY
 
 EDIT_OPS = ("flip", "delete", "insert", "truncate")
 NEAR_START_BYTES = 1024

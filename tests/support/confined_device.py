@@ -1,7 +1,7 @@
 """A device process for the edge-envelope tests, run inside a memory cgroup: it reports its resource profile,
 takes the plan the test assigns, and does a device's local rounds on it.
 
-    python -m tests.confined_device SHARD [--memory-budget-mb MB]
+    python -m tests.support.confined_device SHARD [--memory-budget-mb MB]
 
 Lines of JSON on stdout and stdin: out ``{"profile": ...}`` (device_runtime.profile, with no budget flag the
 budget is the limit it read); in ``{"artifacts": DIR, "rounds": N, "batch_size": B}``; out the rounds' result.
@@ -16,7 +16,7 @@ import json
 import sys
 
 from device_runtime.profile import collect_profile
-from tests.scripts import load_script
+from tests.support.scripts import load_script
 
 
 def main() -> int:
