@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from server.engine.run_config import ALGORITHMS
+from tests.support.source_imports import imported_modules
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVERS = ("server/simulate.py", "server/broker_loop.py")
@@ -19,16 +20,6 @@ ENGINE_AND_ASSEMBLY = ("server/engine/round_engine.py", "server/run_setup.py")
 
 def tree(path: str) -> ast.Module:
     return ast.parse((REPO / path).read_text(), path)
-
-
-def imported_modules(path: Path) -> set[str]:
-    modules = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            modules.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            modules.add(node.module)
-    return modules
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
