@@ -143,7 +143,7 @@ def test_simulator_refuses_a_bound_that_is_not_positive(tmp_path: Path, capsys):
 
 def test_screened_out_update_is_the_devices_rejected_answer(world: World):
     server = open_server(world)
-    verdict = server.engine.round_engine.coordinator.judge(TRAINER, Answer.of_message(genuine_update(world)), 0.0, screen=lambda device, update: "too far")
+    verdict = server.engine.coordinator.judge(TRAINER, Answer.of_message(genuine_update(world)), 0.0, screen=lambda device, update: "too far")
     assert not verdict.accepted and verdict.reason == "too far"
     assert close(server).dropped[TRAINER] == "too far"
 
@@ -151,32 +151,32 @@ def test_screened_out_update_is_the_devices_rejected_answer(world: World):
 def test_screen_decides_what_is_aggregated(world: World):
     server = open_server(world)
     replacement = Update(1, {}, 30, 0.0, 0.0, {})
-    verdict = server.engine.round_engine.coordinator.judge(TRAINER, Answer.of_message(genuine_update(world)), 0.0, screen=lambda device, update: replacement)
+    verdict = server.engine.coordinator.judge(TRAINER, Answer.of_message(genuine_update(world)), 0.0, screen=lambda device, update: replacement)
     assert verdict.accepted and verdict.update is replacement
 
 
 def evaluation_round(server) -> Message:
     """Close round 1 and open the evaluation-only round 2; TRAINER's evaluation answer to it."""
     close(server)
-    server.engine.round_engine.open_round(2, time.monotonic(), train=False)
+    server.engine.open_round(2, time.monotonic(), train=False)
     evaluation = Update(2, {}, 0, 0.0, 0.0, dict(EVAL))
-    return update_message(evaluation, plan_hash=server.engine.round_engine.plan_info(TRAINER).hash, device_id=TRAINER, run_id=RUN)
+    return update_message(evaluation, plan_hash=server.engine.plan_info(TRAINER).hash, device_id=TRAINER, run_id=RUN)
 
 
 def test_evaluation_answers_are_not_screened(world: World):
     server = open_server(world)
     message = evaluation_round(server)
-    assert server.engine.round_engine.coordinator.judge(TRAINER, Answer.of_message(message), time.monotonic(),
+    assert server.engine.coordinator.judge(TRAINER, Answer.of_message(message), time.monotonic(),
                                            screen=lambda device, update: "too far").accepted
 
 
 def test_engine_screens_training_updates_only(world: World):
     """A bound no update meets, with reject: the engine refuses every training update, never an evaluation."""
     server = open_server(world, "--update-norm-bound", "1e-9", "--update-norm-action", "reject")
-    verdict = server.engine.round_engine.receive(TRAINER, genuine_update(world), time.monotonic())
+    verdict = server.engine.receive(TRAINER, genuine_update(world), time.monotonic())
     assert not verdict.accepted and "over the norm bound 1e-09" in verdict.reason
     message = evaluation_round(server)
-    assert server.engine.round_engine.receive(TRAINER, message, time.monotonic()).accepted
+    assert server.engine.receive(TRAINER, message, time.monotonic()).accepted
 
 
 # -- the broker loop ----------------------------------------------------------------------------------
@@ -224,8 +224,8 @@ def test_broker_loop_clips_an_update_onto_the_bound(world: World):
         server._handle(update_topic(message.device_id), encode(message))
     result = close(server)
     assert result.accepted == (TRAINER, FACTORED) and result.enough
-    assert bound / 2 < fe_distance(server.engine.round_engine.global_state, world.global_fe) <= bound * (1 + 1e-6)
-    assert server.engine.round_engine.pending["bytes_up"] == sum(tensor_bytes(m.tensors) for m in sent)  # counted as sent
+    assert bound / 2 < fe_distance(server.engine.global_state, world.global_fe) <= bound * (1 + 1e-6)
+    assert server.engine.pending["bytes_up"] == sum(tensor_bytes(m.tensors) for m in sent)  # counted as sent
 
 
 # -- the simulator ------------------------------------------------------------------------------------

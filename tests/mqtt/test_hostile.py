@@ -166,7 +166,7 @@ def test_update_replayed_in_a_later_round_is_refused(world: World, caplog):
     payload = encode(genuine_update(world))
     server._handle(update_topic(TRAINER), payload)
     close(server)
-    server.engine.round_engine.open_round(ROUND + 1, time.monotonic())
+    server.engine.open_round(ROUND + 1, time.monotonic())
     assert refused(server, update_topic(TRAINER), payload, caplog).endswith("[replay]")
     resent = encode(genuine_update(world))
     assert "stale: update for round 1, round 2 is open" in refused(server, update_topic(TRAINER), resent, caplog)

@@ -166,13 +166,13 @@ def genuine_update(world: World, device_id: str = TRAINER, *, round_index: int =
 
 def aggregated(server: Federation) -> int:
     """How many updates the open round has accepted: folded into its average, or held to be folded in id order."""
-    return server.engine.round_engine._average.count + len(server.engine.round_engine._held)
+    return server.engine._average.count + len(server.engine._held)
 
 
 def server_state(server: Federation) -> tuple:
     """What a refused message must leave as it was: the global FE's bytes, the running average, the round's
     byte and training book, the registry, and which plans the server sent, re-sent or still asks for."""
-    engine = server.engine.round_engine
+    engine = server.engine
     return ({name: value.numpy().tobytes() for name, value in engine.global_state.items()},
             (engine._average.count, engine._average.total_weight, sorted(engine._held), engine._next),
             repr(engine._book),
@@ -197,5 +197,5 @@ def refused(server: Federation, topic: str, payload: bytes, caplog: pytest.LogCa
 
 
 def close(server: Federation) -> RoundResult:
-    result, _ = server.engine.round_engine.close_round(time.monotonic())
+    result, _ = server.engine.close_round(time.monotonic())
     return result
