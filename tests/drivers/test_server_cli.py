@@ -65,6 +65,7 @@ def test_a_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     assert (args.rounds, args.local_epochs, args.algo) == (7, 2, "fedrep")
 
 
+@pytest.mark.slow
 def test_without_out_each_run_gets_a_fresh_folder(tmp_path):
     flags = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--local-epochs", "1", "--max-samples", "300",
              "--rank-ratio", "1.0"]

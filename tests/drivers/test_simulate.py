@@ -124,6 +124,7 @@ def test_a_model_list_is_refused_for_an_algorithm_that_shares_one_model(capsys):
     assert "--model 'cnn1,cnn2' names several models" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_same_seed_gives_identical_runs_and_another_seed_does_not(tmp_path):
     runs = [run_main(tmp_path / name, *flags) for name, flags in (("a", ()), ("b", ()), ("c", ("--seed", "1")))]
     (a, fe_a, _), (b, fe_b, _), (c, fe_c, _) = runs

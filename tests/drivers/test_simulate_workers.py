@@ -29,8 +29,8 @@ def assert_identical(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None
     assert not different, f"differ: {different[:5]}"
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("portable", marks=[pytest.mark.slow,
-                                                                             pytest.mark.timeout(1200)])])
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", pytest.param("portable", marks=pytest.mark.timeout(1200))])
 def test_two_workers_give_the_sequential_runs_checkpoint_bit_for_bit(backend, tmp_path):
     flags = ["--backend", backend, "--algo", "fedara", "--model", "fedavgcnn", "--rank-tiers", "1.0,0.5",
              "--aggregate", "updates", "--cache-dir", str(tmp_path / "cache")]

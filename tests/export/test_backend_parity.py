@@ -56,11 +56,13 @@ def test_ort_and_torch_backends_reach_the_same_accuracy_and_global_fe(tmp_path, 
     assert_same_federation(tmp_path, shared_artifact_cache)
 
 
+@pytest.mark.slow
 def test_fedrep_head_then_fe_phases_agree_across_backends(tmp_path, shared_artifact_cache):
     """FedRep's two phases (head on the frozen FE, then the FE with the head frozen) on both trainers."""
     assert_same_federation(tmp_path, shared_artifact_cache, "--algo", "fedrep", "--rounds", "2")
 
 
+@pytest.mark.slow
 def test_the_portable_runtime_runs_the_federation_of_the_training_runtime(tmp_path, shared_artifact_cache):
     """Stock onnxruntime's compiled step graph and onnxruntime-training's training API, over a whole federation."""
     portable_records, portable_fe, initial = run("portable", tmp_path / "portable", shared_artifact_cache)

@@ -95,6 +95,7 @@ def _scaled_gradient(step: onnx.ModelProto, parameter: str, factor: float) -> on
     return wrong
 
 
+@pytest.mark.slow
 def test_the_parity_gate_refuses_a_step_whose_gradient_is_doubled(fedavgcnn):
     step, evaluate = step_compiler.compile_step(fedavgcnn, SHAPE, CLASSES, fedavgcnn.feature_dim)
     session = inference_session
@@ -105,6 +106,7 @@ def test_the_parity_gate_refuses_a_step_whose_gradient_is_doubled(fedavgcnn):
                                    fedavgcnn.feature_dim, session)
 
 
+@pytest.mark.slow
 def test_a_set_that_fails_its_parity_gate_is_not_published(fedavgcnn, tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise step_compiler.ParityError("differs")
@@ -171,6 +173,7 @@ def test_the_pool_backward_without_indices_routes_ties_to_the_first_maximum_as_p
     assert not torch.equal(every_tie * torch.nn.functional.interpolate(grad, scale_factor=2), expected)
 
 
+@pytest.mark.slow
 def test_the_parity_gate_refuses_a_pool_backward_that_feeds_every_tied_maximum(fedavgcnn, monkeypatch):
     """The gate's batch is blank in its upper half: equal maxima in pooling windows, which such a graph gets wrong."""
     def every_maximum(x, kernel):
@@ -235,8 +238,10 @@ def test_relu_then_pool_is_compiled_as_pool_then_relu_in_a_copy(fedavgcnn):
 
 
 @pytest.fixture(scope="module")
-def compiled(fedavgcnn):
-    return step_compiler.compile_step(fedavgcnn, SHAPE, CLASSES, fedavgcnn.feature_dim)
+def compiled(fedavgcnn, cache):
+    """The dense FedAvgCNN's step and eval graphs as the compiler published them (from the artifact cache)."""
+    files = build_artifacts_of_kind(PORTABLE_KIND, fedavgcnn, {}, SHAPE, CLASSES, cache).files
+    return onnx.load(str(files["step_model"])), onnx.load(str(files["eval_model"]))
 
 
 def test_the_step_gathers_the_patches_of_each_gemm_convolution_once(compiled):

@@ -57,7 +57,7 @@ UPDATE_TOPIC = re.compile(rf"{PREFIX}/dev/(dev_\d+)/update/agg-\d+")
 MSG_ID = re.compile(r"aggregation-[0-9a-f]{32}")
 REPEAT = re.compile(r"ignored a frame on (\S+): .*\[repeat\]$")
 FOLDED = re.compile(r"(agg-\d+) folded (dev_\d+)'s update of round (\d+)")
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 """The first test sets up two runs of three processes and two aggregators (and compiles their artifacts unless
 the session's cache has them): minutes on a loaded 2-core machine, over the suite's 300 s default."""
 MARKER_TOPIC = f"{PREFIX}/test/marker"

@@ -252,6 +252,7 @@ def assert_every_round_once_with_every_device(out: Path) -> None:
 # -- 1. a device killed mid-round ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_device_killed_mid_round_is_dropped_at_the_deadline_and_rejoins_with_its_cache_and_head(
         federation: FederationProcesses):
     """SLOW is SIGKILLed while training round 2: the round closes at its deadline with the other four and is
@@ -279,6 +280,7 @@ def test_device_killed_mid_round_is_dropped_at_the_deadline_and_rejoins_with_its
 # -- 2. the broker restarted mid-run -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_broker_restart_mid_round_loses_no_update_and_counts_none_twice(
         federation: FederationProcesses, mosquitto_broker, shards: dict[str, Shard], cache: Path,
         monkeypatch: pytest.MonkeyPatch):
@@ -300,6 +302,7 @@ def test_broker_restart_mid_round_loses_no_update_and_counts_none_twice(
 # -- 3. the server killed mid-round, then --resume -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_server_killed_mid_round_resumes_to_the_uninterrupted_global_fe(
         federation: FederationProcesses, shards: dict[str, Shard], cache: Path, monkeypatch: pytest.MonkeyPatch):
     """The server is SIGKILLed in round 2 (four answers in, SLOW computing); the devices run on. --resume re-runs

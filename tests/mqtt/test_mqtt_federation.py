@@ -92,6 +92,7 @@ def test_five_device_processes_federate_over_the_embedded_broker(embedded_run: P
         assert (embedded_run / name).stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_five_device_processes_federate_over_mosquitto_in_chunks(start_mosquitto, tmp_path: Path, cache: Path):
     """mosquitto drops every publish above its limit: the run completes only if every message is chunked."""
     broker = start_mosquitto(max_frame_bytes=SMALL_FRAME)
@@ -137,6 +138,7 @@ def test_mqtt_run_ends_with_the_in_process_ort_runs_global_fe(embedded_run: Path
 ALGO_DEVICES, ALGO_ROUNDS = 3, 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["fedara", "fedavg", "fedrep", "local"])
 def test_each_algorithm_over_mqtt_is_the_in_process_ort_run_exactly(algo: str, tmp_path: Path, cache: Path):
     """Same seed and flags, three device processes: the MQTT run's final global model is bit-identical to
@@ -180,6 +182,7 @@ def test_artifacts_go_down_once_per_device(embedded_run: Path):
     assert by_tier["0.25"]["artifacts"] == sum(b for d, b in per_device.items() if int(d[-3:]) % 2 == 1)
 
 
+@pytest.mark.slow
 def test_resumed_run_reuses_the_devices_cached_artifacts(embedded_run: Path, tmp_path: Path, cache: Path):
     """Extending the finished run by a round respawns the devices: they rejoin listing their cache."""
     out = tmp_path / "run"
@@ -226,6 +229,7 @@ class SilentDevice(MqttPeer):
             self.join()
 
 
+@pytest.mark.slow
 def test_device_that_never_answers_is_dropped_at_the_deadline(embedded_broker, tmp_path: Path, cache: Path):
     """The silent device connects before the server listens: the server finds it by its status and asks it to join."""
     deadline_s = 4.0
@@ -446,6 +450,7 @@ def test_device_cli_and_agent_import_neither_torch_nor_onnx():
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.slow
 def test_devices_get_the_largest_tier_the_cost_model_fits_in_their_memory_budget(tmp_path: Path, cache: Path):
     """Budgets against the shipped cost model (device_runtime/cost_model.json): ample memory trains dense, a
     budget that only the smallest tier's predicted need (its measured floor plus margin) fits gets a tier at most

@@ -47,7 +47,7 @@ SERVER_REFUSALS = 5
 """dev_000's JOIN, dev_001's offline frame and forged JOIN, dev_003's JOIN and ACK."""
 WAIT_S = 30
 """Bound on waits for what takes a moment (a subscription, a message through the broker)."""
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 """The first test sets up three runs (and compiles their artifacts unless the session's cache has them): minutes
 on a loaded 2-core machine, over the suite's 300 s default."""
 
