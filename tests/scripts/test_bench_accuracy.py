@@ -185,6 +185,7 @@ def test_negative_lambda_is_an_error_naming_the_flag(bench, capsys):
     assert "--lambdas" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_quick_run_runs_each_command_once_and_every_cell_finds_its_run(quick_run, bench):
     out_dir, stdout = quick_run
     document = json.loads((out_dir / bench.JSON_NAME).read_text())
@@ -196,6 +197,7 @@ def test_quick_run_runs_each_command_once_and_every_cell_finds_its_run(quick_run
     assert sum(line.startswith("[") for line in stdout.splitlines()) == QUICK_UNIQUE_RUNS
 
 
+@pytest.mark.slow
 def test_quick_run_writes_every_studys_tables_and_both_plots(quick_run, bench):
     out_dir, _ = quick_run
     report = (out_dir / bench.MARKDOWN_NAME).read_text()
@@ -206,6 +208,7 @@ def test_quick_run_writes_every_studys_tables_and_both_plots(quick_run, bench):
         assert (out_dir / name).read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow
 def test_render_only_rebuilds_the_report_from_the_json(quick_run, bench, tmp_path):
     out_dir, _ = quick_run
     shutil.copy(out_dir / bench.JSON_NAME, tmp_path / bench.JSON_NAME)
@@ -219,6 +222,7 @@ def test_render_only_without_a_json_is_an_error(bench, tmp_path, capsys):
     assert bench.JSON_NAME in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_estimate_times_one_run_per_cost_class_and_shows_in_the_report(bench, tmp_path, quick_run):
     assert bench.main(["--quick", "--study", "partition", "--estimate", "--out-dir", str(tmp_path)]) == 0
     estimate = json.loads((tmp_path / bench.ESTIMATE_NAME).read_text())

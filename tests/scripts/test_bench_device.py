@@ -32,6 +32,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: P
     return out, done.stdout
 
 
+@pytest.mark.slow
 def test_quick_run_reports_every_ratio_of_its_subset(quick_run):
     out, _ = quick_run
     bench = load_script("bench_device")
@@ -40,6 +41,7 @@ def test_quick_run_reports_every_ratio_of_its_subset(quick_run):
     assert reported == sorted((m, s, ratio) for m, s in bench.QUICK_CONFIGS for ratio in bench.QUICK_RATIOS)
 
 
+@pytest.mark.slow
 def test_quick_run_measures_every_session_variant_and_latency_variant(quick_run):
     out, _ = quick_run
     bench = load_script("bench_device")
@@ -51,6 +53,7 @@ def test_quick_run_measures_every_session_variant_and_latency_variant(quick_run)
             assert all(v["n"] == bench.QUICK_STEPS and v["p95"] >= v["p50"] > 0 for v in per_variant.values())
 
 
+@pytest.mark.slow
 def test_the_device_process_imports_neither_torch_nor_onnx(quick_run):
     out, _ = quick_run
     for result in json.loads((out / "bench_device.json").read_text())["results"]:
@@ -58,6 +61,7 @@ def test_the_device_process_imports_neither_torch_nor_onnx(quick_run):
             assert session["imported_torch"] is False and session["imported_onnx"] is False
 
 
+@pytest.mark.slow
 def test_peak_memory_is_at_least_the_memory_after_loading(quick_run):
     out, _ = quick_run
     for result in json.loads((out / "bench_device.json").read_text())["results"]:
@@ -65,6 +69,7 @@ def test_peak_memory_is_at_least_the_memory_after_loading(quick_run):
             assert worker["rounds"]["16"]["peak_rss_bytes"] >= worker["rss_loaded_bytes"] > worker["rss_import_bytes"]
 
 
+@pytest.mark.slow
 def test_quick_run_writes_tables_and_a_png(quick_run):
     out, stdout = quick_run
     tables = (out / "bench_device.md").read_text()
@@ -73,6 +78,7 @@ def test_quick_run_writes_tables_and_a_png(quick_run):
     assert (out / "bench_device.png").read_bytes().startswith(PNG_MAGIC)
 
 
+@pytest.mark.slow
 def test_the_written_cost_model_predicts_for_the_measured_configuration(quick_run):
     out, _ = quick_run
     bench = load_script("bench_device")

@@ -25,6 +25,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     return json.loads(out.read_text()), done.stdout
 
 
+@pytest.mark.slow
 def test_quick_run_reports_every_client_count_and_phase(quick_run):
     report, _ = quick_run
     bench = load_script("bench_server")
@@ -34,6 +35,7 @@ def test_quick_run_reports_every_client_count_and_phase(quick_run):
         assert len(result["plans"]) == len(bench.TIERS)
 
 
+@pytest.mark.slow
 def test_quick_run_measures_positive_seconds_bytes_and_rates(quick_run):
     report, _ = quick_run
     for result in report["results"]:
@@ -44,11 +46,13 @@ def test_quick_run_measures_positive_seconds_bytes_and_rates(quick_run):
             assert value > 0
 
 
+@pytest.mark.slow
 def test_quick_run_factorizes_with_one_svd_per_factorized_layer(quick_run):
     report, _ = quick_run
     assert all(r["factorize"]["svd_layers"] == 2 for r in report["results"])  # FedAvgCNN: conv2 and fc1
 
 
+@pytest.mark.slow
 def test_quick_run_scales_the_per_client_path_beyond_the_limit(quick_run):
     report, _ = quick_run
     bench = load_script("bench_server")
@@ -56,6 +60,7 @@ def test_quick_run_scales_the_per_client_path_beyond_the_limit(quick_run):
     assert measured == [min(k, bench.QUICK_PER_CLIENT_LIMIT) for k in bench.QUICK_CLIENTS]
 
 
+@pytest.mark.slow
 def test_batched_and_per_client_paths_agree_where_both_saw_every_update(quick_run):
     report, _ = quick_run
     compared = [r["per_client"]["max_relative_difference"] for r in report["results"]
@@ -63,12 +68,14 @@ def test_batched_and_per_client_paths_agree_where_both_saw_every_update(quick_ru
     assert compared and max(compared) < 1e-6
 
 
+@pytest.mark.slow
 def test_batched_path_traces_far_less_than_the_updates_it_folds(quick_run):
     report, _ = quick_run
     for result in report["results"]:
         assert result["batched"]["tracemalloc_peak_bytes"] < result["batched"]["updates_total_bytes"] / 10
 
 
+@pytest.mark.slow
 def test_quick_run_prints_markdown_tables(quick_run):
     _, stdout = quick_run
     assert "| input | K |" in stdout and "tracemalloc peak" in stdout

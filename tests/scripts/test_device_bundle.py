@@ -146,6 +146,7 @@ def test_requirements_pin_numpy_paho_and_stock_onnxruntime_and_nothing_heavy(bun
     assert all("==" in line for line in pins)
 
 
+@pytest.mark.slow
 def test_install_leaves_torch_and_onnx_out_of_the_venv(prefix: Path):
     for module in ("torch", "onnx"):
         done = subprocess.run([venv_python(prefix), "-c", f"import {module}"], capture_output=True, text=True,
@@ -153,6 +154,7 @@ def test_install_leaves_torch_and_onnx_out_of_the_venv(prefix: Path):
         assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr
 
 
+@pytest.mark.slow
 def test_install_writes_the_unit_and_settings_for_its_prefix(prefix: Path):
     unit = (prefix / "fedara-device.service").read_text()
     assert f"ExecStart={prefix}/venv/bin/python -m device_runtime " in unit
@@ -160,6 +162,7 @@ def test_install_writes_the_unit_and_settings_for_its_prefix(prefix: Path):
     assert "FEDARA_BROKER=" in (prefix / "fedara-device.env").read_text()
 
 
+@pytest.mark.slow
 def test_installed_device_trains_a_local_round(prefix: Path, tmp_path: Path, shared_artifact_cache: Path):
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
     artifacts = build_artifacts_of_kind(PORTABLE_KIND, model, resolve_plan(model, RankPlan(0.25)).ranks, SHAPE, CLASSES,
@@ -181,6 +184,7 @@ def test_installed_device_trains_a_local_round(prefix: Path, tmp_path: Path, sha
     assert result["trainer"] == "PortableTrainer"
 
 
+@pytest.mark.slow
 def test_installed_device_joins_a_federation_over_a_local_broker_and_trains(prefix: Path, tmp_path: Path,
                                                                             shared_artifact_cache: Path):
     data = load_dataset("digits")
@@ -234,6 +238,7 @@ print(json.dumps(dict(importable=importable, onnxruntime=onnxruntime.__file__, k
 """
 
 
+@pytest.mark.slow
 def test_stock_onnxruntime_imports_neither_torch_nor_onnx_even_where_both_are_importable(prefix: Path):
     import torch
 
