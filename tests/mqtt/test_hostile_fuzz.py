@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -29,6 +30,9 @@ from tests.support.hostile_world import (DENSE, EVAL, FACTORED, LOW_RANK, PROFIL
                                          SHARD, STRANGER, TRAINER, UNASSIGNED, World, aggregated, close,
                                          genuine_update, open_server, server_state, up)
 
+pytestmark = pytest.mark.slow
+"""Thousands of envelopes: minutes on two loaded cores. One case per refusal stays in the default suite
+(tests/mqtt/test_hostile.py, tests/wire/test_protocol.py)."""
 DEVICES = (TRAINER, FACTORED, UNASSIGNED, STRANGER)
 TOPICS = tuple(up(d) for d in DEVICES)
 TAKEN = (MessageType.JOIN, MessageType.ACK, MessageType.ERROR, MessageType.UPDATE)

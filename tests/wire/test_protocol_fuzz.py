@@ -7,6 +7,7 @@ import hashlib
 import json
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -19,6 +20,9 @@ from tests.support.envelope_edits import apply_edits, envelope, rehashed, split
 from tests.support.sealing import FRAME_LAYOUT, encode
 from tests.support.envelope_edits import byte_edits as byte_edits_within
 
+pytestmark = pytest.mark.slow
+"""Thousands of envelopes: minutes on two loaded cores. One case per refusal stays in the default suite
+(tests/mqtt/test_hostile.py, tests/wire/test_protocol.py)."""
 MAX_BYTES = 1 << 16
 
 
