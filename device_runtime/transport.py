@@ -233,7 +233,7 @@ class MqttEndpoint:
             return
         self._broker_index = (self._broker_index + 1) % len(self.brokers)
         # paho's host/port setters refuse while its state is "connection lost"; its reconnect reads these two
-        # (paho-mqtt 2.x; tests/test_transport.py's failover tests would catch a rename)
+        # (paho-mqtt 2.x; tests/wire/test_transport.py's failover tests would catch a rename)
         client._host, client._port = self.url.host, self.url.port  # noqa: SLF001
         self._set_credentials(client)
         LOG.info("%s: next attempt on %s", self.client_id, self.url)

@@ -1,7 +1,7 @@
 """The per-step part of the FedARA local objective as an onnxblock loss, inside the training graph:
 L = CE + λ·L_FAC.
 
-Same expression as ``fedcore.objective.local_loss`` (tests/test_parity.py holds them equal):
+Same expression as ``fedcore.objective.local_loss`` (tests/export/test_parity.py holds them equal):
 - CE: SoftmaxCrossEntropyLoss, mean over the batch;
 - L_FAC = Σ_i m_{y_i}·mean_d (f_i − a_{y_i,d})² / max(Σ_i m_{y_i}, 1), with anchors and mask as graph inputs.
 λ is a scalar graph input, so one artifact set serves every round. The Frobenius term μ·Σ‖U Vᵀ‖²_F is not in

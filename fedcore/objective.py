@@ -15,7 +15,7 @@ L = CE + λ·L_FAC + μ·Σ_q ‖U_q V_qᵀ‖²_F, minimised by plain SGD in tw
   feature dimensions averaged over the samples whose class has an anchor. The summed form diverges with
   plain SGD once λ passes ~2 (measured: lr 5e-3, 512-d features), so the paper's λ values assume the mean.
 - λ is 0 at round 1 (no aggregated FE yet) and ramps linearly to its target over the warm-up rounds.
-The ONNX training graph (export/loss_block.py) builds the same per-step expression; tests/test_parity.py holds
+The ONNX training graph (export/loss_block.py) builds the same per-step expression; tests/export/test_parity.py holds
 the two trainers equal.
 """
 from __future__ import annotations

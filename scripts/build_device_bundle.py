@@ -31,7 +31,7 @@ DISTRIBUTION = "fedara-device"
 WHEEL_PREFIX = "fedara_device"
 ALLOWED_IMPORTS = frozenset({"numpy", "paho", "onnxruntime", PACKAGE})
 PINNED = ("numpy", "paho-mqtt")  # as installed here
-# The stock build the bundle and arm64 tests run (tests/test_device_bundle.py, test_arm64.py). Measured under
+# The stock build the bundle and arm64 tests run (tests/scripts/test_device_bundle.py, test_arm64.py). Measured under
 # qemu-user 7.2 (Debian bookworm's arm64 emulation): the aarch64 wheels of 1.19.2, 1.22.0, 1.24.4 and 1.27.0
 # import, those of 1.30.0 and 1.32.0 segfault on import; 1.27.0 is the newest verified there.
 STOCK_ONNXRUNTIME = "1.27.0"

@@ -27,7 +27,6 @@ new key file on the server and every device.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys

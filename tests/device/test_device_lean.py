@@ -1,0 +1,48 @@
+"""A full local round through device_runtime, in a fresh interpreter, never loads torch or onnx, on either runtime.
+
+torch and onnx are installed in this environment (the server needs them), so the check is real: the training
+build's own ``onnxruntime/__init__`` would import both; the device must load the ORT bindings without it (runtime
+detection included).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from tests.support.processes import child_env
+
+REPO = Path(__file__).resolve().parents[2]
+ROUND_TIMEOUT_S = 60
+
+DEVICE_ROUND = """
+import json, sys
+import numpy as np
+from device_runtime.artifact_contract import verify_artifacts
+from device_runtime.runtimes import detect, open_trainer
+
+directory, expected_hash = sys.argv[1], sys.argv[2]
+verify_artifacts(directory, expected_hash)
+detect("auto")
+trainer = open_trainer(directory)
+rng = np.random.default_rng(0)
+x = rng.standard_normal((12, 1, 28, 28)).astype(np.float32)
+y = rng.integers(0, 10, 12).astype(np.int64)
+trainer.set_fe(trainer.get_fe())
+anchors, mask = trainer.compute_anchors(x, y)
+result = trainer.train(x, y, anchors=anchors, mask=mask, lam=2.0, mu=1e-3, lr=0.01, epochs=1, batch_size=8, rng=rng)
+evaluation = trainer.evaluate(x, y)
+update = trainer.get_fe()
+forbidden = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "onnx"))
+print(json.dumps({"steps": result.steps, "total": evaluation.total, "tensors": len(update), "forbidden": forbidden}))
+"""
+
+
+def test_a_device_round_loads_neither_torch_nor_onnx(artifacts):
+    done = subprocess.run([sys.executable, "-c", DEVICE_ROUND, str(artifacts.directory), artifacts.hash],
+                          cwd=REPO, capture_output=True, text=True, timeout=ROUND_TIMEOUT_S,
+                          env=child_env(repo_on_path=True))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["forbidden"] == []
+    assert (report["steps"], report["total"], report["tensors"]) == (2, 12, len(artifacts.fe_names))

@@ -1,0 +1,88 @@
+"""The servers' command lines: one definition, defaults in --help, a config file, and bad input that is named
+once, before any data is loaded, with exit status 2."""
+from __future__ import annotations
+
+import io
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server import broker_loop, simulate
+from server.cli import console_logging, parse
+from tests.support.processes import child_env
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 120
+
+
+def run(module: str, *flags: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", module, *flags], cwd=cwd, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env=child_env(repo_on_path=True))
+
+
+def test_both_drivers_share_every_algorithm_and_data_flag_with_the_same_defaults():
+    sim, mqtt = simulate.build_parser(), broker_loop.build_parser()
+    shared = {a.dest: a.default for a in sim._actions if a.dest not in ("help", "clients", "backend", "workers", "device")}
+    theirs = {a.dest: a.default for a in mqtt._actions}
+    assert {k: theirs.get(k, "missing") for k in shared} == shared
+
+
+@pytest.mark.parametrize("module", ["server.simulate", "server.broker_loop"])
+def test_help_shows_the_defaults(module):
+    done = run(module, "--help")
+    assert done.returncode == 0
+    assert "(default: 300.0)" in done.stdout if module == "server.broker_loop" else "(default: 20)" in done.stdout
+    assert "(default: 0.005)" in done.stdout  # --lr
+
+
+@pytest.mark.parametrize("module", ["server.simulate", "server.broker_loop"])
+def test_a_negative_lambda_is_named_once_with_its_value_and_exits_2(module, tmp_path):
+    extra = ["--local-devices", "2"] if module == "server.broker_loop" else []
+    done = run(module, "--lam", "-1", "--out", str(tmp_path / "run"), *extra)
+    assert done.returncode == 2
+    assert done.stderr.count("--lam must be non-negative, got -1") == 1, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "run" / "checkpoint.npz").exists()
+
+
+def test_no_local_devices_and_no_broker_is_refused_at_once(tmp_path):
+    done = run("server.broker_loop", "--local-devices", "0", "--out", str(tmp_path / "run"))
+    assert done.returncode == 2 and "--local-devices 0 with the embedded broker" in done.stderr
+
+
+def test_an_unknown_config_setting_is_named(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('rounds = 3\nlocal_epoks = 1\n')
+    done = run("server.simulate", "--config", str(config), "--out", str(tmp_path / "run"))
+    assert done.returncode == 2 and "unknown setting 'local_epoks'" in done.stderr
+
+
+def test_a_config_file_sets_flags_and_the_command_line_wins(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('rounds = 3\nlocal-epochs = 2\nalgo = "fedrep"\n')
+    args = parse(simulate.build_parser(), ["--config", str(config), "--rounds", "7"])
+    assert (args.rounds, args.local_epochs, args.algo) == (7, 2, "fedrep")
+
+
+@pytest.mark.slow
+def test_without_out_each_run_gets_a_fresh_folder(tmp_path):
+    flags = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--local-epochs", "1", "--max-samples", "300",
+             "--rank-ratio", "1.0"]
+    first, second = run("server.simulate", *flags, cwd=tmp_path), run("server.simulate", *flags, cwd=tmp_path)
+    assert first.returncode == 0 and second.returncode == 0, second.stderr
+    folders = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert len(folders) == 2 and all((tmp_path / "runs" / f / "report.md").exists() for f in folders)
+
+
+def test_console_logging_writes_to_the_current_stderr_after_the_old_one_is_closed(monkeypatch) -> None:
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    console_logging()
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", second)
+    logging.getLogger("fedara.test").warning("a warning after the swap")
+    assert "fedara.test WARNING a warning after the swap" in second.getvalue()
+    assert "Logging error" not in second.getvalue()
