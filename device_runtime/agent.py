@@ -20,14 +20,17 @@ from device_runtime.link import Link, Refused
 from device_runtime.local_round import load_weights, run_task
 from device_runtime.messages import (NO_RUN, ErrorCode, Join, MessageError, ShardInfo, ack_message,
                                      error_message, join_message, new_msg_id, parse_error, parse_plan, parse_task,
-                                     update_message)
+                                     payload_request_message, task_payload, update_message)
 from device_runtime.model import DEFAULT_KEEP, ModelStore
 from device_runtime.onnx_bake import GraphEditError
+from device_runtime.payload import PayloadRef, decode_payload
+from device_runtime.payload_wait import PayloadWait
 from device_runtime.profile import ResourceProfile
 from device_runtime.runtimes import open_trainer
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
-from device_runtime.topics import Topics
+from device_runtime.protocol import ProtocolError
+from device_runtime.topics import Topics, payload_filter, payload_topic
 from device_runtime.trainer import LocalTrainer
 from device_runtime.transport import MqttEndpoint
 from device_runtime.workdir import PREVIOUS_RUN_DIR, Workdir
@@ -39,11 +42,14 @@ PLAN_HEADROOM = 8
 later run's plan may be denser (the smallest default tier, 0.125, stores about 1/8 of a dense layer)."""
 
 
-def inbound_screen(link: Link, device_id: str, down_topic: str) -> Screen:
+def inbound_screen(link: Link, device_id: str, down_topic: str, payloads: str | None = None) -> Screen:
     """The screen of a device's inbox (device_runtime/inbox.py): only what its link would take now is queued, under
     its message type; the rest is dropped on arrival with the reason the agent would log, so a device that trains
-    holds no junk and at most one message per type."""
+    holds no junk and at most one message per type. A payload (on a topic under ``payloads``, the prefix's payload
+    level) is queued under its topic, the newest one per topic: the agent checks it against its TASK."""
     def screen(topic: str, payload: bytes) -> str | None:
+        if payloads is not None and topic.startswith(payloads):
+            return topic
         if topic != down_topic:
             return None
         try:
@@ -83,6 +89,8 @@ class DeviceAgent:
         self.computing = False  # true while training or evaluating: a stop request may interrupt it
         self.models = ModelStore(workdir.root, keep_models)
         self.plan_tier: tuple[float, str] | None = None  # the loaded plan's (ratio, description), for model.json
+        self.payload: tuple[PayloadRef, dict[str, np.ndarray]] | None = None  # the last payload fetched, checked
+        self.waiting: PayloadWait | None = None  # a TASK whose payload is being fetched
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -98,6 +106,7 @@ class DeviceAgent:
                 item = self.endpoint.get(POLL_S)
                 if item is not None:
                     self.handle(*item)
+                self.tend_payload(time.monotonic())
         finally:
             self._drop_trainer()
             self.endpoint.stop()
@@ -129,7 +138,10 @@ class DeviceAgent:
 
         Other topics are ignored: amqtt 0.12 also hands new subscribers retained messages of other topics."""
         if topic != self.topics.down:
-            LOG.debug("ignored a message on %s", topic)
+            if self.waiting is not None and topic == payload_topic(self.topics.prefix, self.waiting.ref.sha256):
+                self._on_payload(payload)
+            else:
+                LOG.debug("ignored a message on %s", topic)
             return
         try:  # authenticated before anything else looks at it; a forged REFUSED is dropped here, not obeyed
             msg = self.link.open(payload, self.state.run_id, device_id=self.device_id)
@@ -230,6 +242,12 @@ class DeviceAgent:
                                   self.link.reseal(self.workdir.load_answer()),
                                   new_msg_id(MessageType.UPDATE))
             return
+        ref = task_payload(msg)
+        if ref is not None:
+            weights = self._payload_for(ref, msg)
+            if weights is None:
+                return  # fetching it: the task runs when it is whole (_on_payload)
+            task.weights = weights
         kept = self._kept_by(task)
         try:
             update = self._compute(task)
@@ -250,6 +268,60 @@ class DeviceAgent:
             self.workdir.drop_previous_run()
         self._save_model(plan_hash, task.round - 1, {**kept, **task.weights}, update.metrics)
         self.endpoint.publish(self.topics.update_via(task.aggregator), payload, new_msg_id(MessageType.UPDATE))
+
+    # -- the plan's payload (device_runtime/payload.py) ---------------------------------------------------------
+
+    def _payload_for(self, ref: PayloadRef, msg: Message) -> dict[str, np.ndarray] | None:
+        """The payload ``ref``'s tensors if this device holds them; else start fetching it for the TASK ``msg``."""
+        if self.payload is not None and self.payload[0] == ref:
+            return self.payload[1]
+        if self.waiting is not None and self.waiting.ref == ref:
+            self.waiting.task = msg  # the newest TASK runs (a re-sent one, or one naming another aggregator)
+            return None
+        self._stop_waiting()
+        self.waiting = PayloadWait(ref, msg, time.monotonic())
+        self.endpoint.follow(payload_filter(self.topics.prefix, ref.sha256))  # the retained copy comes on subscribe
+        LOG.info("round %d: fetching payload %s (%d bytes)", msg.round, ref.sha256[:12], ref.nbytes)
+        return None
+
+    def _on_payload(self, data: bytes) -> None:
+        """A payload on the awaited payload's topic: run the waiting TASK with it if its size and SHA-256 are the
+        ones that TASK names; else refuse it, saying why, and ask the server again (see PayloadWait)."""
+        wait = self.waiting
+        try:
+            tensors = decode_payload(data, wait.ref)
+        except ProtocolError as exc:
+            LOG.warning("refused a payload for round %d: %s", wait.task.round, exc)
+            wait.refused = True
+            self.tend_payload(time.monotonic())
+            return
+        LOG.info("round %d: payload %s fetched (%d bytes)", wait.task.round, wait.ref.sha256[:12], len(data))
+        self.payload = (wait.ref, tensors)
+        self._stop_waiting()
+        try:
+            self._on_task(wait.task)
+        except MessageError as exc:
+            LOG.warning("dropped a malformed task message: %s", exc)
+
+    def tend_payload(self, now: float) -> None:
+        """Ask the server for the awaited payload again when it is due (PayloadWait), and subscribe again: the
+        broker then sends its retained copy once more."""
+        wait = self.waiting
+        if wait is None:
+            return
+        refused = wait.refused
+        if not wait.ask_now(now):
+            return
+        detail = (f"a payload that did not match {wait.ref.sha256[:12]} came" if refused
+                  else f"payload {wait.ref.sha256[:12]} not whole after {now - wait.since:.0f} s")
+        self._send(payload_request_message(wait.ref, detail, device_id=self.device_id, run_id=self.state.run_id,
+                                           round_index=wait.task.round))
+        self.endpoint.follow(payload_filter(self.topics.prefix, wait.ref.sha256))
+
+    def _stop_waiting(self) -> None:
+        if self.waiting is not None:
+            self.endpoint.unfollow(payload_filter(self.topics.prefix, self.waiting.ref.sha256))
+            self.waiting = None
 
     def _kept_by(self, task: Task) -> dict[str, np.ndarray]:
         """Copies of the tensors the task's weights do not replace (the head, for FedARA): with the task's weights,

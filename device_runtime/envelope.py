@@ -1,6 +1,6 @@
 """The envelope: one logical protocol message as bytes, tagged under the sender's key (numpy + stdlib only).
 
-Envelope, version 2:
+Envelope (layout of protocol versions 2 and 3; the header's ``version`` says which):
 
     b"FAR2" | uint32 LE header length | tag (32 B) | UTF-8 JSON header | body
 

@@ -4,7 +4,8 @@
 - PLAN (server -> device): the rank plan's artifact hash and ratio; carries the artifact files only when the
   device lacks that hash, and the run's initial personal tensors.
 - ACK (device -> server): the plan's artifacts are installed and verified.
-- TASK (server -> device): one round's Task; no phases asks for an evaluation only (no training).
+- TASK (server -> device): one round's Task; no phases asks for an evaluation only (no training). Its weights come
+  inline or (protocol 3) from the plan's payload the TASK names by SHA-256 (device_runtime/payload.py).
 - UPDATE (device -> server): the Update (the tensors its task asked back, none for an evaluation), with the evaluation of the
   received model in ``metrics`` (``eval_correct``, ``eval_total``, ``eval_loss``).
 - ERROR (either way): a code from ErrorCode and a human-readable detail.
@@ -25,6 +26,7 @@ import numpy as np
 
 from device_runtime.artifact_contract import ARTIFACT_FILES_BY_KIND, MANIFEST_NAME
 from device_runtime.envelope import MAX_ROUND, Message, MessageType
+from device_runtime.payload import PayloadRef
 from device_runtime.profile import ProfileError, ResourceProfile
 from device_runtime.protocol import ProtocolError, check_id
 from device_runtime.shard import Shard
@@ -58,6 +60,7 @@ class ErrorCode(str, Enum):
     ARTIFACTS_CORRUPT = "artifacts_corrupt"  # device: the artifact files failed verification
     UNKNOWN_PLAN = "unknown_plan"  # device: TASK for a plan or run I was not given
     BAD_TASK = "bad_task"  # device: TASK tensors do not fit my plan's artifacts
+    PAYLOAD_WANTED = "payload_wanted"  # device: publish the payload my TASK names again (it did not come, or not whole)
 
 
 @dataclass(frozen=True)
@@ -217,13 +220,30 @@ def parse_ack(msg: Message) -> str:
 # -- TASK and UPDATE --------------------------------------------------------------------------
 
 
-def task_message(task: Task, *, plan_hash: str, device_id: str, run_id: str) -> Message:
+def task_message(task: Task, *, plan_hash: str, device_id: str, run_id: str, payload: PayloadRef | None = None
+                 ) -> Message:
+    """A TASK carrying the task's weights, or (``payload``) naming the plan's payload that carries them: the device
+    fetches it once for every task of its plan and round (device_runtime/payload.py), so a TASK stays small."""
     meta = {"plan_hash": plan_hash, "lam": task.lam, "mu": task.mu, "lr": task.lr,
             "phases": [[p.params, p.epochs] for p in task.phases], "returns": task.returns,
             "batch_size": task.batch_size, "seed": task.seed, "deadline": task.deadline,
-            "aggregator": task.aggregator}
+            "aggregator": task.aggregator, "payload": None if payload is None else payload.to_meta()}
     return Message(MessageType.TASK, run_id, task.round, device_id, new_msg_id(MessageType.TASK), meta,
-                   tensors=dict(task.weights))
+                   tensors={} if payload is not None else dict(task.weights))
+
+
+def task_payload(msg: Message) -> PayloadRef | None:
+    """The payload a TASK names for its weights, or None where it carries them (or has none)."""
+    value = _expect(msg, MessageType.TASK).get("payload")
+    if value is None:
+        return None
+    try:
+        ref = PayloadRef.from_meta(value)
+    except ValueError as exc:
+        raise MessageError(str(exc)) from None
+    if msg.tensors:
+        raise MessageError("a task names a payload and carries tensors: one or the other")
+    return ref
 
 
 def _phases(value: Any) -> tuple[Phase, ...]:
@@ -307,6 +327,22 @@ def error_message(code: ErrorCode, detail: str, *, device_id: str, run_id: str =
                   round_index: int = 0) -> Message:
     meta = {"code": ErrorCode(code).value, "detail": str(detail)[:MAX_DETAIL_CHARS]}
     return Message(MessageType.ERROR, run_id, round_index, device_id, new_msg_id(MessageType.ERROR), meta)
+
+
+def payload_request_message(ref: PayloadRef, detail: str, *, device_id: str, run_id: str, round_index: int
+                            ) -> Message:
+    """An ERROR asking the server to publish the payload ``ref`` again (``detail``: why, for its log)."""
+    msg = error_message(ErrorCode.PAYLOAD_WANTED, detail, device_id=device_id, run_id=run_id, round_index=round_index)
+    msg.meta["payload"] = ref.to_meta()
+    return msg
+
+
+def parse_payload_request(msg: Message) -> PayloadRef:
+    """The payload a PAYLOAD_WANTED error asks for."""
+    try:
+        return PayloadRef.from_meta(_expect(msg, MessageType.ERROR).get("payload"))
+    except ValueError as exc:
+        raise MessageError(str(exc)) from None
 
 
 def parse_error(msg: Message) -> ErrorReport:

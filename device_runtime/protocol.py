@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from enum import Enum
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+"""3: a TASK may name its plan's payload (device_runtime/payload.py) instead of carrying the tensors; 2 carried them
+always (same envelope and frame layouts)."""
 
 MAX_ID_LEN = 64
 

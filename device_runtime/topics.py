@@ -7,6 +7,7 @@ process goes one level below its update topic (server/mqtt/aggregation_wire.py).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import Enum
 
@@ -67,6 +68,11 @@ class Topics:
         """Device -> server, UPDATEs only (read by the server when it folds the updates itself)."""
         return self._topic(TopicKind.UPDATE)
 
+    @property
+    def payloads(self) -> str:
+        """The level every plan's payload is published under (``payload_topic``), with its trailing '/'."""
+        return f"{self.prefix}/{PAYLOAD_LEVEL}/"
+
     def update_via(self, aggregator: str | None) -> str:
         """Where this device's UPDATE goes: the update topic, or below it the level of the aggregator process its
         task names (each aggregator subscribes only to its own level: see server/aggregator.py)."""
@@ -86,6 +92,31 @@ def server_subscriptions(prefix: str) -> list[str]:
     update routed to one goes a level below, out of this filter)."""
     check_topic_prefix(prefix)
     return [f"{prefix}/dev/+/{TopicKind.UP.value}", f"{prefix}/dev/+/{TopicKind.STATUS.value}", update_filter(prefix)]
+
+
+PAYLOAD_LEVEL = "payload"
+_PAYLOAD_FRAME = re.compile(r"(.+/%s/[0-9a-f]{64})/(0|[1-9][0-9]{0,9})" % PAYLOAD_LEVEL)
+
+
+def payload_topic(prefix: str, sha256: str) -> str:
+    """The topic a plan's payload (device_runtime/payload.py) is published under: ``PREFIX/payload/<sha256>``; frame
+    i of it is retained on ``PREFIX/payload/<sha256>/<i>`` (a broker retains one message per topic)."""
+    check_topic_prefix(prefix)
+    if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        raise ProtocolError(Reason.BAD_TOPIC, f"payload sha256 must be 64 lowercase hex digits, got {sha256!r:.80}")
+    return f"{prefix}/{PAYLOAD_LEVEL}/{sha256}"
+
+
+def payload_filter(prefix: str, sha256: str) -> str:
+    """The filter of every frame of one payload (a device subscribes to it while it fetches the payload)."""
+    return f"{payload_topic(prefix, sha256)}/+"
+
+
+def frame_stream(topic: str) -> str:
+    """The stream a frame belongs to for reassembly: a payload frame's payload topic (its frames come one per topic
+    level), any other topic itself."""
+    match = _PAYLOAD_FRAME.fullmatch(topic)
+    return topic if match is None else match.group(1)
 
 
 def device_id_from_topic(prefix: str, topic: str) -> tuple[str, TopicKind]:

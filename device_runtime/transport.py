@@ -29,6 +29,7 @@ from device_runtime.auth import new_nonce
 from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Reassembler, RepeatedFrame, chunk
 from device_runtime.inbox import Inbox, Screen
 from device_runtime.protocol import ProtocolError
+from device_runtime.topics import frame_stream
 
 LOG = logging.getLogger("fedara.transport")
 
@@ -310,6 +311,31 @@ class MqttEndpoint:
         if wait:
             self._wait_acked(mids, start_seq, timeout, topic, msg_id)
 
+    def publish_retained(self, topic: str, payload: bytes, msg_id: str) -> int:
+        """Publish ``payload`` retained, frame i on ``topic/i`` (a broker retains one message per topic), so that a
+        subscriber to ``topic/+`` gets it whenever it subscribes; returns the number of frames. The receiver joins
+        them as one stream (``topics.frame_stream``)."""
+        frames = chunk(payload, self.max_frame_bytes, msg_id)
+        for i, frame in enumerate(frames):
+            self._publish_frame(f"{topic}/{i}", frame, True, msg_id)
+        return len(frames)
+
+    def clear_retained(self, topic: str, frames: int) -> None:
+        """Delete what :meth:`publish_retained` left on the broker under ``topic`` (an empty retained message)."""
+        for i in range(frames):
+            self._client.publish(f"{topic}/{i}", b"", qos=self.qos, retain=True)
+
+    def follow(self, topic_filter: str) -> None:
+        """Subscribe to ``topic_filter`` now and on every later connect (the broker sends its retained messages)."""
+        if topic_filter not in self.subscriptions:
+            self.subscriptions += (topic_filter,)
+        self._client.subscribe(topic_filter, qos=self.qos)
+
+    def unfollow(self, topic_filter: str) -> None:
+        """Stop receiving ``topic_filter`` (now and after reconnects)."""
+        self.subscriptions = tuple(f for f in self.subscriptions if f != topic_filter)
+        self._client.unsubscribe(topic_filter)
+
     def _publish_frame(self, topic: str, frame: bytes, retain: bool, msg_id: str) -> int:
         info = self._client.publish(topic, frame, qos=self.qos, retain=retain)
         queued_offline = info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN and self.qos > 0
@@ -449,9 +475,11 @@ class MqttEndpoint:
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         now = time.monotonic()
-        topic, frame = message.topic, message.payload
+        topic, frame = frame_stream(message.topic), message.payload
         self._bump("frames_in")
         self._bump("bytes_in", len(frame))
+        if not frame and topic != message.topic:
+            return  # a payload's retained frame deleted by its publisher (clear_retained): nothing to read
         try:
             payload = self._reassembler.feed(frame, now, stream=topic)
         except RepeatedFrame as exc:

@@ -607,7 +607,7 @@ def test_rejects_frame_with_wrong_magic():
 
 def test_rejects_frame_of_other_version():
     frames = chunk(payload_of(10), FRAME_1K, "m1")
-    assert feed_reason(new_reassembler(), frames[0][:4] + b"\x03" + frames[0][5:]) == "bad_version"
+    assert feed_reason(new_reassembler(), frames[0][:4] + bytes([PROTOCOL_VERSION + 1]) + frames[0][5:]) == "bad_version"
 
 
 def test_rejects_a_version_1_frame_naming_both_versions():

@@ -1,0 +1,181 @@
+"""The round's tensors once per plan (issue 31): a TASK names its plan's payload by SHA-256, the device fetches it
+from the broker and believes only the payload its authenticated TASK names."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device_runtime.envelope import MessageType
+from device_runtime.messages import (ErrorCode, parse_error, parse_payload_request, plan_message, task_message,
+                                     task_payload)
+from device_runtime.payload import PayloadMismatch, PayloadRef, decode_payload, encode_payload, payload_ref
+from device_runtime.payload_wait import ASK_AGAIN_S, MIN_ASK_S, PayloadWait
+from device_runtime.protocol import ProtocolError
+from device_runtime.topics import frame_stream, payload_filter, payload_topic
+from server.plan_payloads import REPUBLISH_MIN_S, PlanPayloads
+from tests.sealing import read
+from tests.test_mqtt_federation import (artifact_files, cache, dense_artifacts, dense_task, deliver,  # noqa: F401
+                                        make_agent, plan_for, tiny_shard)
+
+PREFIX = "fedara"
+
+
+def tensors(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"fe.a": rng.standard_normal((3, 4)).astype(np.float32), "fe.b": rng.standard_normal(5).astype(np.float32)}
+
+
+# -- the payload itself ---------------------------------------------------------------------------
+
+
+def test_a_payload_decodes_to_its_tensors_once_its_hash_matches():
+    sent = tensors(0)
+    data = encode_payload(sent)
+    got = decode_payload(data, payload_ref(data))
+    assert list(got) == list(sent)
+    for name, value in sent.items():
+        np.testing.assert_array_equal(got[name], value)
+
+
+def test_a_payload_of_another_round_is_refused_by_its_hash():
+    round_1, round_2 = encode_payload(tensors(1)), encode_payload(tensors(2))
+    assert len(round_1) == len(round_2)  # same shapes: only the hash tells them apart
+    with pytest.raises(PayloadMismatch, match="sha256"):
+        decode_payload(round_1, payload_ref(round_2))
+
+
+def test_a_payload_of_another_size_is_refused_before_it_is_hashed():
+    data = encode_payload(tensors(0))
+    with pytest.raises(PayloadMismatch, match="bytes"):
+        decode_payload(data + b"\0", payload_ref(data))
+
+
+def test_a_task_names_its_payload_and_carries_no_tensors(dense_artifacts):
+    model, artifacts = dense_artifacts
+    ref = PayloadRef("ab" * 32, 1234)
+    msg = read_back(task_message(dense_task(model), plan_hash=artifacts.hash, device_id="dev_t", run_id="run1",
+                                 payload=ref))
+    assert task_payload(msg) == ref and msg.tensors == {}
+
+
+def read_back(msg):
+    from tests.sealing import seal_down
+    return read(seal_down(msg))
+
+
+def test_payload_frames_join_as_one_stream_whatever_their_index():
+    topic = payload_topic(PREFIX, "0f" * 32)
+    assert frame_stream(f"{topic}/0") == frame_stream(f"{topic}/17") == topic
+    assert frame_stream(f"{PREFIX}/dev/dev_0/down") == f"{PREFIX}/dev/dev_0/down"
+    assert frame_stream(f"{topic}/x") == f"{topic}/x"
+
+
+# -- the server side: once per plan --------------------------------------------------------------
+
+
+def test_a_payload_is_handed_out_to_publish_once_per_plan_however_many_devices_share_it():
+    payloads = PlanPayloads()
+    published = []
+    for device in range(50):
+        plan = device % 5
+        ref, data = payloads.get(plan, tensors(plan), now=0.0)
+        if data is not None:
+            published.append(ref)
+    assert len(published) == 5 and len({r.sha256 for r in published}) == 5
+
+
+def test_a_payload_asked_again_is_published_again_at_most_once_a_second():
+    payloads = PlanPayloads()
+    ref, _ = payloads.get("p", tensors(0), now=0.0)
+    assert payloads.requested(ref, now=0.5) is None  # the publish of 0.5 s ago serves
+    assert payloads.requested(ref, now=REPUBLISH_MIN_S) is not None
+    assert payloads.requested(ref, now=REPUBLISH_MIN_S + 0.1) is None
+
+
+def test_a_payload_of_a_closed_round_is_not_published_again():
+    payloads = PlanPayloads()
+    ref, _ = payloads.get("p", tensors(0), now=0.0)
+    payloads.open_round()
+    assert payloads.requested(ref, now=10.0) is None
+    assert payloads.requested(PayloadRef("cd" * 32, 10), now=10.0) is None  # never one of ours
+
+
+# -- the device: fetch, check, refuse, ask again -------------------------------------------------
+
+
+def test_a_waiting_device_asks_again_after_silence_and_soon_after_a_refusal():
+    wait = PayloadWait(PayloadRef("ab" * 32, 10), task=None, since=0.0)
+    assert not wait.ask_now(ASK_AGAIN_S - 0.1) and wait.ask_now(ASK_AGAIN_S)
+    wait.refused = True
+    assert not wait.ask_now(ASK_AGAIN_S + MIN_ASK_S - 0.1) and wait.ask_now(ASK_AGAIN_S + MIN_ASK_S)
+
+
+class PayloadWorld:
+    """A device agent with its plan installed, given tasks that name their payload."""
+
+    def __init__(self, dense_artifacts, tmp_path: Path):
+        self.model, self.artifacts = dense_artifacts
+        self.agent, self.endpoint = make_agent(tmp_path / "work", tiny_shard(tmp_path / "shard.npz"))
+        deliver(self.agent, plan_message(plan_for(self.artifacts, artifact_files(self.artifacts), self.model),
+                                         device_id="dev_t", run_id="run1"))
+
+    def task(self, round_index: int) -> tuple[bytes, PayloadRef]:
+        task = dense_task(self.model, round_index)
+        data = encode_payload({k: v + round_index for k, v in task.weights.items()})
+        ref = payload_ref(data)
+        deliver(self.agent, task_message(task, plan_hash=self.artifacts.hash, device_id="dev_t", run_id="run1",
+                                         payload=ref))
+        return data, ref
+
+    def give(self, ref: PayloadRef, data: bytes) -> None:
+        self.agent.handle(payload_topic(PREFIX, ref.sha256), data)
+
+    def sent(self, kind: MessageType) -> list:
+        return [m for m in self.endpoint.messages() if m.type == kind]
+
+
+@pytest.fixture
+def world(dense_artifacts, tmp_path: Path) -> PayloadWorld:
+    return PayloadWorld(dense_artifacts, tmp_path)
+
+
+def test_a_device_fetches_the_payload_its_task_names_and_answers(world: PayloadWorld):
+    data, ref = world.task(1)
+    assert world.endpoint.followed == [payload_filter(PREFIX, ref.sha256)] and not world.sent(MessageType.UPDATE)
+    world.give(ref, data)
+    (update,) = world.sent(MessageType.UPDATE)
+    assert update.round == 1 and world.endpoint.followed == []  # it stops listening once it holds it
+
+
+def test_a_payload_that_does_not_match_is_refused_and_asked_for_again(world: PayloadWorld, caplog):
+    data, ref = world.task(1)
+    junk = bytearray(data)
+    junk[-1] ^= 1
+    world.give(ref, bytes(junk))
+    assert "refused a payload for round 1" in caplog.text and not world.sent(MessageType.UPDATE)
+    world.agent.tend_payload(world.agent.waiting.since + MIN_ASK_S)
+    (request,) = world.sent(MessageType.ERROR)
+    assert parse_error(request).code == ErrorCode.PAYLOAD_WANTED and parse_payload_request(request) == ref
+    world.give(ref, data)
+    assert len(world.sent(MessageType.UPDATE)) == 1
+
+
+def test_a_replayed_payload_of_the_last_round_is_refused_by_its_hash(world: PayloadWorld, caplog):
+    old, old_ref = world.task(1)
+    world.give(old_ref, old)
+    data, ref = world.task(2)
+    world.give(ref, old)  # anyone on the broker may publish round 1's payload again, on round 2's topic
+    assert "refused a payload for round 2" in caplog.text and len(world.sent(MessageType.UPDATE)) == 1
+    world.give(ref, data)
+    assert [u.round for u in world.sent(MessageType.UPDATE)] == [1, 2]
+
+
+def test_a_task_sent_again_costs_no_payload(world: PayloadWorld):
+    data, ref = world.task(1)
+    world.give(ref, data)
+    task = dense_task(world.model, 1)
+    deliver(world.agent, task_message(task, plan_hash=world.artifacts.hash, device_id="dev_t", run_id="run1",
+                                      payload=ref))
+    assert len(world.sent(MessageType.UPDATE)) == 2 and world.endpoint.followed == []  # the saved answer again
