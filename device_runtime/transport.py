@@ -137,6 +137,7 @@ class MqttEndpoint:
     stop()). `max_pending_bytes` bounds the chunks held for incomplete messages over all topics together
     (default: `max_message_bytes`). Complete messages wait in an Inbox (device_runtime/inbox.py): with `screen`, what
     it drops never queues and the queue keeps the newest message per kind, within `max_queued_bytes` (None: no bound).
+    `inbox` replaces that queue (a process hosting many simulated devices hands all their messages to one).
     `unsubscriptions` are filters this endpoint must not hold: each CONNECT drops them first, since a persistent
     session (same client id, clean_session False) keeps an earlier run's subscriptions.
     `broker_url` may list several brokers (``parse_brokers``): a lost connection or a failed attempt moves to the next.
@@ -153,7 +154,8 @@ class MqttEndpoint:
                  reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
                  max_pending_messages: int = DEFAULT_MAX_PENDING_MESSAGES,
                  max_pending_bytes: int | None = None, clean_session: bool = False, qos: int = 1,
-                 screen: Screen | None = None, max_queued_bytes: int | None = None) -> None:
+                 screen: Screen | None = None, max_queued_bytes: int | None = None, inbox: Inbox | None = None
+                 ) -> None:
         if not client_id:
             raise ValueError("client_id must not be empty (persistent sessions are keyed by it)")
         if qos not in (0, 1):
@@ -180,7 +182,7 @@ class MqttEndpoint:
         self._reassembler = Reassembler(max_message_bytes, reassembly_timeout_s, max_pending_messages,
                                         max_pending_bytes)
         self._next_expiry = 0.0
-        self._inbox = Inbox(max_queued_bytes, screen)
+        self._inbox = inbox if inbox is not None else Inbox(max_queued_bytes, screen)
         self._stats = dict.fromkeys(STAT_KEYS, 0)
         self._stats_lock = threading.Lock()
         self._acks = threading.Condition()

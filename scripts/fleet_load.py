@@ -1,0 +1,459 @@
+"""A fleet of simulated devices against the real server process over a real broker: what one server holds.
+
+    .venv/bin/python scripts/fleet_load.py --devices 100 --rounds 3 --broker mosquitto --aggregators 0 \
+        --out fleet_100.json
+
+Starts what it needs: the broker (Debian's mosquitto on a free loopback port, or the 3-node NATS cluster of
+scripts/nats_cluster.py), the real ``python -m server.broker_loop`` process (FedAvgCNN 3×32×32 at the five rank tiers
+round-robin, FedARA, enrolled devices only) and N simulated devices spread over ``--processes`` processes. A
+simulated device speaks the whole device protocol over its own MQTT connection (its own client id, persistent
+session, retained status and last will, its own enrolled key): it joins, acknowledges its plan, fetches its plan's
+payload once per round and checks its SHA-256 against its sealed TASK, and answers after a delay drawn from an
+exponential distribution (``--delay-mean``) with a synthetic update of its plan's exact tensors (random, small),
+sealed under its key, in frames of ``--max-message-bytes``. It trains nothing. With ``--churn F`` a share F of the
+devices drops its connection after its task came, each round, and comes back 1–3 s later (the server sends its task
+again; the payload comes from the broker's retained copy).
+
+Why threads, not asyncio: every device uses the project's own MqttEndpoint (paho-mqtt, one network thread per
+connection), the code a real board runs, so the harness measures the real framing, reassembly and inbox; one handler
+thread per process takes every device's complete messages from one queue and does the protocol work, so the Python
+work per message is the same as on a device and the threads only wait on sockets. A process holds a few hundred
+connections (~0.4 MiB each); ``--processes`` defaults to one per 250 devices.
+
+The broker-only ceiling is measured in the same run on the same broker, before the server starts: the same number
+of updates of the same plans published by one process as fast as the broker takes them, taken off by one plain
+subscriber that opens none of them (scripts/bench_aggregators.py's ``measure_broker``, at most 200 updates a round:
+a rate, not a round).
+
+Writes ``{"rounds": [...], ...}``: per round ``round``, ``devices`` (that answered), ``updates_folded``, ``lost``,
+``seconds`` (the server's round, open to close), ``server_bytes_out``/``in`` (the server's MQTT bytes in the round),
+``plan_payload_bytes`` (Σ over the round's plans of one payload), ``update_mb_per_s`` (update tensor bytes over the
+round's seconds), ``broker_only_mb_per_s``, ``server_peak_rss_mb`` and ``server_cpu_s`` (from /proc, sampled as the
+server prints each round).
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from device_runtime.auth import new_key  # noqa: E402
+from device_runtime.envelope import Message, MessageType  # noqa: E402
+from device_runtime.link import Link, Refused  # noqa: E402
+from device_runtime.messages import (ErrorCode, Join, MessageError, ShardInfo, ack_message, join_message,  # noqa: E402
+                                     new_msg_id, parse_error, parse_plan, parse_task, payload_request_message,
+                                     task_payload, update_message)
+from device_runtime.payload import PayloadRef, decode_payload  # noqa: E402
+from device_runtime.payload_wait import PayloadWait  # noqa: E402
+from device_runtime.profile import ResourceProfile  # noqa: E402
+from device_runtime.protocol import ProtocolError  # noqa: E402
+from device_runtime.task import Update  # noqa: E402
+from device_runtime.topics import Topics, payload_filter, payload_topic  # noqa: E402
+from device_runtime.transport import MqttEndpoint  # noqa: E402
+
+TIERS = (1.0, 0.75, 0.5, 0.25, 0.125)
+SHAPE, CLASSES, SAMPLES = (3, 32, 32), 10, 100
+PREFIX = "fleet"
+DEVICES_PER_PROCESS = 250
+CEILING_UPDATES = 200
+MB = 1e6
+LOG = logging.getLogger("fleet")
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--devices", type=int, required=True, help="simulated devices (each its own MQTT connection)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--broker", choices=("mosquitto", "nats"), default="mosquitto")
+    p.add_argument("--aggregators", type=int, default=0, help="aggregator processes of the server (0: it folds)")
+    p.add_argument("--out", required=True, help="the JSON file to write")
+    p.add_argument("--processes", type=int, default=None, help=f"device processes (default: one per "
+                                                                f"{DEVICES_PER_PROCESS} devices)")
+    p.add_argument("--delay-mean", type=float, default=1.0, help="mean seconds a device takes to answer")
+    p.add_argument("--churn", type=float, default=0.0, help="share of devices that drop and rejoin each round")
+    p.add_argument("--max-message-bytes", type=int, default=1 << 20, help="frame size of every process")
+    p.add_argument("--round-deadline", type=float, default=600.0)
+    p.add_argument("--workdir", default=None, help="keep the run here (default: a temporary folder)")
+    args = p.parse_args(argv)
+    for flag, value in (("--devices", args.devices), ("--rounds", args.rounds)):
+        if value < 1:
+            raise SystemExit(fail(f"{flag} must be >= 1, got {value}"))
+    if args.aggregators < 0 or not 0 <= args.churn <= 1 or args.delay_mean < 0:
+        raise SystemExit(fail("--aggregators >= 0, --churn in [0, 1] and --delay-mean >= 0, please"))
+    return args
+
+
+# -- simulated devices ------------------------------------------------------------------------------
+
+
+class Forward:
+    """A device endpoint's inbox that hands every complete message to its process's one queue."""
+
+    def __init__(self, device_id: str, sink: queue.Queue) -> None:
+        self.device_id, self.sink, self.dropped = device_id, sink, 0
+
+    def put(self, topic: str, payload: bytes) -> bool:
+        self.sink.put((self.device_id, topic, payload))
+        return True
+
+
+class SimDevice:
+    """One device's protocol, with no training: join, acknowledge, fetch the payload, answer with a synthetic update."""
+
+    def __init__(self, host: "DeviceHost", device_id: str, key: bytes, state_dir: Path) -> None:
+        self.host, self.device_id = host, device_id
+        self.topics = Topics(PREFIX, device_id)
+        self.link = Link.device(device_id, key, state_dir, host.max_inbound)
+        self.run_id = "none"
+        self.plan_hash: str | None = None
+        self.payload: tuple[PayloadRef, dict[str, np.ndarray]] | None = None
+        self.waiting: PayloadWait | None = None
+        self.answered: dict[tuple[int, bool], bytes] = {}  # (round, evaluation) -> the sealed answer
+        self.endpoint = self._endpoint()
+        self.stats = {"payload_bytes": 0, "payloads_refused": 0, "updates": 0, "tasks": 0, "reconnects": 0}
+
+    def _endpoint(self) -> MqttEndpoint:
+        return MqttEndpoint(self.device_id, self.host.url, subscriptions=[self.topics.down],
+                            status=(self.topics.status, self.link.status_signer(self.device_id)),
+                            max_frame_bytes=self.host.frame_bytes, max_message_bytes=self.host.max_inbound,
+                            clean_session=False, inbox=Forward(self.device_id, self.host.inbox))
+
+    def start(self) -> None:
+        self.endpoint.start()
+
+    def send(self, msg: Message, topic: str | None = None) -> None:
+        self.endpoint.publish(topic or self.topics.up, self.link.seal(msg), msg.msg_id)
+
+    def join(self) -> None:
+        profile = ResourceProfile(None, 1, 1, "x86_64", "Linux", None, 1.0)
+        self.send(join_message(Join(profile, ShardInfo(SAMPLES, 10, SHAPE, CLASSES), ()), device_id=self.device_id,
+                               run_id=self.run_id))
+
+    def handle(self, topic: str, data: bytes) -> None:
+        if topic != self.topics.down:
+            if self.waiting is not None and topic == payload_topic(PREFIX, self.waiting.ref.sha256):
+                self.on_payload(data)
+            return
+        try:
+            msg = self.link.open(data, self.run_id, device_id=self.device_id)
+        except Refused as exc:
+            LOG.warning("%s dropped a message: %s", self.device_id, exc)
+            return
+        try:
+            if msg.type == MessageType.PLAN:
+                plan = parse_plan(msg)
+                self.run_id, self.plan_hash = msg.run_id, plan.plan_hash
+                self.send(ack_message(plan.plan_hash, device_id=self.device_id, run_id=self.run_id))
+            elif msg.type == MessageType.TASK:
+                self.on_task(msg)
+            elif msg.type == MessageType.ERROR and parse_error(msg).code == ErrorCode.REJOIN:
+                self.join()
+        except MessageError as exc:
+            LOG.warning("%s dropped a malformed %s: %s", self.device_id, msg.type.value, exc)
+
+    def on_task(self, msg: Message) -> None:
+        _, task = parse_task(msg)
+        self.stats["tasks"] += 1
+        saved = self.answered.get((task.round, task.evaluate_only))
+        if saved is not None:  # asked again: the saved answer, resealed
+            self.endpoint.publish(self.topics.update_via(task.aggregator), self.link.reseal(saved),
+                                  new_msg_id(MessageType.UPDATE))
+            return
+        ref = task_payload(msg)
+        if ref is not None and (self.payload is None or self.payload[0] != ref):
+            if self.waiting is None or self.waiting.ref != ref:
+                if self.waiting is not None:
+                    self.endpoint.unfollow(payload_filter(PREFIX, self.waiting.ref.sha256))
+                self.waiting = PayloadWait(ref, msg, time.monotonic())
+                self.endpoint.follow(payload_filter(PREFIX, ref.sha256))
+            self.waiting.task = msg
+            return
+        self.host.later(self.host.delay(), self.device_id, msg)
+        self.host.maybe_churn(self)
+
+    def on_payload(self, data: bytes) -> None:
+        wait = self.waiting
+        try:
+            tensors = decode_payload(data, wait.ref)
+        except ProtocolError as exc:
+            LOG.warning("%s refused a payload: %s", self.device_id, exc)
+            self.stats["payloads_refused"] += 1
+            wait.refused = True
+            return
+        self.stats["payload_bytes"] += len(data)
+        self.payload = (wait.ref, tensors)
+        self.endpoint.unfollow(payload_filter(PREFIX, wait.ref.sha256))
+        self.waiting = None
+        self.on_task(wait.task)
+
+    def tend(self, now: float) -> None:
+        if self.waiting is not None and self.waiting.ask_now(now):
+            self.send(payload_request_message(self.waiting.ref, "asked again", device_id=self.device_id,
+                                              run_id=self.run_id, round_index=self.waiting.task.round))
+            self.endpoint.follow(payload_filter(PREFIX, self.waiting.ref.sha256))
+
+    def answer(self, msg: Message) -> None:
+        """The synthetic update of the task ``msg``: the plan's tensors (the payload's), random and small."""
+        _, task = parse_task(msg)
+        if (task.round, task.evaluate_only) in self.answered:
+            return
+        rng = self.host.rng
+        weights = {} if task.evaluate_only or self.payload is None else {
+            k: rng.standard_normal(v.shape, dtype=np.float32) * np.float32(1e-2) for k, v in self.payload[1].items()}
+        update = Update(task.round, weights, 0 if task.evaluate_only else SAMPLES, 1.0, 0.5,
+                        {"eval_correct": 5, "eval_total": 10, "eval_loss": 1.0})
+        sealed = self.link.seal(update_message(update, plan_hash=self.plan_hash, device_id=self.device_id,
+                                               run_id=self.run_id))
+        self.answered = {(task.round, task.evaluate_only): sealed}
+        self.endpoint.publish(self.topics.update_via(task.aggregator), sealed, new_msg_id(MessageType.UPDATE))
+        self.stats["updates"] += 1
+
+    def reconnect(self) -> None:
+        """Churn: drop the connection (its will says offline) and connect again as a new connection."""
+        self.endpoint.stop()
+        self.endpoint = self._endpoint()
+        follow = [] if self.waiting is None else [payload_filter(PREFIX, self.waiting.ref.sha256)]
+        self.endpoint.subscriptions += tuple(follow)
+        self.endpoint.start()
+        self.stats["reconnects"] += 1
+
+
+class DeviceHost:
+    """One process's simulated devices and the one thread that does their protocol work."""
+
+    def __init__(self, url: str, frame_bytes: int, max_inbound: int, delay_mean: float, churn: float,
+                 seed: int) -> None:
+        self.url, self.frame_bytes, self.max_inbound = url, frame_bytes, max_inbound
+        self.delay_mean, self.churn = delay_mean, churn
+        self.rng = np.random.default_rng(seed)
+        self.inbox: queue.Queue = queue.Queue()
+        self.timers: list[tuple[float, int, str, object]] = []
+        self.devices: dict[str, SimDevice] = {}
+        self._seq = 0
+        self._churned: set[tuple[str, int]] = set()
+
+    def delay(self) -> float:
+        return float(min(self.rng.exponential(self.delay_mean), 5 * self.delay_mean)) if self.delay_mean else 0.0
+
+    def later(self, seconds: float, device_id: str, what: object) -> None:
+        self._seq += 1
+        heapq.heappush(self.timers, (time.monotonic() + seconds, self._seq, device_id, what))
+
+    def maybe_churn(self, device: SimDevice) -> None:
+        round_index = device.waiting.task.round if device.waiting else 0
+        key = (device.device_id, round_index)
+        if self.churn and key not in self._churned and self.rng.random() < self.churn:
+            self._churned.add(key)
+            self.later(float(self.rng.uniform(0, 0.5)), device.device_id, "drop")
+
+    def serve(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            now = time.monotonic()
+            while self.timers and self.timers[0][0] <= now:
+                _, _, device_id, what = heapq.heappop(self.timers)
+                device = self.devices[device_id]
+                if what == "drop":
+                    device.endpoint.stop()
+                    self.later(float(self.rng.uniform(1, 3)), device_id, "back")
+                elif what == "back":
+                    device.reconnect()
+                else:
+                    device.answer(what)
+            for device in self.devices.values():
+                device.tend(now)
+            wait = 0.2 if not self.timers else max(0.0, min(0.2, self.timers[0][0] - time.monotonic()))
+            try:
+                device_id, topic, data = self.inbox.get(timeout=wait)
+            except queue.Empty:
+                continue
+            self.devices[device_id].handle(topic, data)
+
+
+def device_process(url: str, ids: list[str], keys: dict[str, bytes], folder: str, frame_bytes: int, max_inbound: int,
+                   delay_mean: float, churn: float, seed: int, stop: mp.Event, results: str) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s fleet %(message)s")
+    host = DeviceHost(url, frame_bytes, max_inbound, delay_mean, churn, seed)
+    for device_id in ids:
+        host.devices[device_id] = SimDevice(host, device_id, keys[device_id], Path(folder) / device_id)
+    done = threading.Event()
+    worker = threading.Thread(target=host.serve, args=(done,), daemon=True)
+    worker.start()
+    for device in host.devices.values():
+        device.start()
+    for device in host.devices.values():
+        device.endpoint.wait_connected(300)
+        device.join()
+    stop.wait()
+    done.set()
+    worker.join(10)
+    stats = {d.device_id: d.stats for d in host.devices.values()}
+    for device in host.devices.values():
+        device.endpoint.stop()
+    Path(results).write_text(json.dumps(stats))
+
+
+# -- the server and the broker ----------------------------------------------------------------------
+
+
+def fake_cifar(folder: Path) -> Path:
+    """A CIFAR-10 folder in the standard pickle layout (10 random images a batch): the server reads the input shape
+    and classes from it; the simulated devices bring no data."""
+    root = folder / "cifar-10-batches-py"
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (10, 3072), dtype=np.uint8), b"labels": list(range(10))}
+        (root / name).write_bytes(pickle.dumps(batch))
+    return folder
+
+
+def proc_sample(pid: int) -> tuple[float, float]:
+    """(CPU seconds so far, peak RSS MiB) of process ``pid``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    peak = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("VmHWM:")) / 1024
+    return cpu, peak
+
+
+def server_command(args: argparse.Namespace, url: str, enrollment: Path, data: Path, overrides: Path,
+                   out: Path) -> list[str]:
+    return [sys.executable, "-m", "server.broker_loop", "--broker", url, "--prefix", PREFIX, "--enroll",
+            str(enrollment), "--dataset", "cifar10", "--data-dir", str(data), "--model", "fedavgcnn",
+            "--rounds", str(args.rounds), "--min-devices", str(args.devices), "--rank-tiers",
+            ",".join(map(str, TIERS)), "--rank-overrides", str(overrides), "--round-deadline",
+            str(args.round_deadline), "--join-timeout", "1800", "--max-message-bytes", str(args.max_message_bytes),
+            "--aggregators", str(args.aggregators), "--threads", "1", "--out", str(out)]
+
+
+def bench_aggregators():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_aggregators", Path(__file__).with_name("bench_aggregators.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(args: argparse.Namespace, folder: Path) -> dict:
+    from server.enrollment import save_enrollment
+    bench = bench_aggregators()
+    devices = [f"dev_{i:05d}" for i in range(args.devices)]
+    keys = {d: new_key() for d in devices}
+    enrollment = save_enrollment(folder / "enrollment.json", keys)
+    overrides = folder / "overrides.json"
+    overrides.write_text(json.dumps({d: TIERS[i % len(TIERS)] for i, d in enumerate(devices)}))
+    data = fake_cifar(folder / "data")
+    with bench.broker_of(args.broker, folder / "broker") as url:
+        print(f"broker {args.broker} at {url}; measuring the broker-only ceiling", flush=True)
+        bench.FRAME_BYTES = args.max_message_bytes
+        ceiling = bench.measure_broker(url, min(args.devices, CEILING_UPDATES), args.rounds)
+        out = folder / "server"
+        log = open(folder / "server.out", "w")
+        server = subprocess.Popen(server_command(args, url, enrollment, data, overrides, out), cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        samples: dict[int, tuple[float, float]] = {}
+        start_cpu = [0.0]
+
+        def watch() -> None:
+            for line in server.stdout:
+                log.write(line)
+                log.flush()
+                words = line.split()
+                if words[:1] == ["round"] and "/" in words[1]:
+                    samples[int(words[1].split("/")[0])] = proc_sample(server.pid)
+                elif line.startswith("run "):
+                    start_cpu[0] = proc_sample(server.pid)[0]
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        processes = args.processes or -(-args.devices // DEVICES_PER_PROCESS)
+        stop = mp.Event()
+        procs, results = [], []
+        max_inbound = 64 << 20
+        for p in range(processes):
+            ids = devices[p::processes]
+            results.append(folder / f"devices-{p}.json")
+            proc = mp.Process(target=device_process, args=(url, ids, {d: keys[d] for d in ids}, str(folder / "dev"),
+                                                           args.max_message_bytes, max_inbound, args.delay_mean,
+                                                           args.churn, p, stop, str(results[-1])))
+            proc.start()
+            procs.append(proc)
+        code = server.wait()
+        watcher.join(10)
+        stop.set()
+        for proc in procs:
+            proc.join(120)
+        if code != 0:
+            raise SystemExit(fail(f"the server exited with {code}: see {folder / 'server.out'}"))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    stats = {}
+    for path in results:
+        stats.update(json.loads(path.read_text()) if path.exists() else {})
+    rounds = []
+    previous_cpu = start_cpu[0]
+    for record, broker in zip(records, ceiling["rounds"]):
+        r = record["round"]
+        cpu, peak = samples.get(r, (previous_cpu, float("nan")))
+        down = record["bytes_by_tier"]
+        update_bytes = record["bytes_up"]
+        rounds.append({
+            "round": r, "devices": record["participants"], "updates_folded": record["participants"],
+            "lost": record["selected"] - record["participants"], "seconds": record["seconds"],
+            "server_bytes_out": record.get("wire_bytes_out"), "server_bytes_in": record.get("wire_bytes_in"),
+            "plan_payload_bytes": sum(t.get("down", 0) for t in down.values()),
+            "update_mb_per_s": update_bytes / MB / record["seconds"],
+            "broker_only_mb_per_s": broker["mb_per_s"],
+            "server_peak_rss_mb": peak, "server_cpu_s": cpu - previous_cpu})
+        previous_cpu = cpu
+    return {"devices": args.devices, "broker": args.broker, "aggregators": args.aggregators, "churn": args.churn,
+            "delay_mean_s": args.delay_mean, "max_message_bytes": args.max_message_bytes, "processes": processes,
+            "cpu": bench.cpu_name(), "load_average": os.getloadavg(), "rounds": rounds,
+            "device_totals": {k: sum(s[k] for s in stats.values()) for k in
+                              ("payload_bytes", "payloads_refused", "updates", "tasks", "reconnects")},
+            "devices_reporting": len(stats)}
+
+
+def table(result: dict) -> str:
+    head = ("| round | devices | folded | lost | s | server out MB | server in MB | plan payloads MB | update MB/s | "
+            "broker-only MB/s | server peak RSS MiB | server CPU s |\n|" + "---:|" * 12)
+    rows = [f"| {r['round']} | {r['devices']} | {r['updates_folded']} | {r['lost']} | {r['seconds']:.1f} | "
+            f"{(r['server_bytes_out'] or 0) / MB:.1f} | {(r['server_bytes_in'] or 0) / MB:.1f} | "
+            f"{r['plan_payload_bytes'] / MB:.1f} | {r['update_mb_per_s']:.1f} | {r['broker_only_mb_per_s']:.1f} | "
+            f"{r['server_peak_rss_mb']:.0f} | {r['server_cpu_s']:.1f} |" for r in result["rounds"]]
+    return "\n".join([head, *rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="fleet-") as tmp:
+        folder = Path(args.workdir or tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        result = run(args, folder)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(table(result))
+    print(f"devices: {result['device_totals']}; CPU {result['cpu']}, load {result['load_average']}; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
