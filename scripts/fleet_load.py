@@ -356,7 +356,7 @@ def bench_aggregators():
 
 
 def run(args: argparse.Namespace, folder: Path) -> dict:
-    from server.enrollment import save_enrollment
+    from server.mqtt.enrollment import save_enrollment
     bench = bench_aggregators()
     devices = [f"dev_{i:05d}" for i in range(args.devices)]
     keys = {d: new_key() for d in devices}

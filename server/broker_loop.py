@@ -149,12 +149,13 @@ if __name__ == "__main__":  # --help and a mistake in the flags answer before to
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from device_runtime.messages import (ErrorCode, MessageError, error_message, parse_ack,
-                                     parse_error, parse_join, plan_message, task_message)
+from device_runtime.messages import (ErrorCode, MessageError, error_message, new_msg_id, parse_ack, parse_error,
+                                     parse_join, parse_payload_request, plan_message, task_message)
+from device_runtime.payload import PayloadRef
 from device_runtime.link import Link, Refused
 from device_runtime.envelope import Message, MessageType
 from device_runtime.protocol import ProtocolError
-from device_runtime.topics import Topics, device_id_from_topic, server_subscriptions
+from device_runtime.topics import Topics, device_id_from_topic, payload_topic, server_subscriptions
 from device_runtime.status import Status
 from device_runtime.task import Task
 from server.outputs.checkpoint import CheckpointError
@@ -213,6 +214,7 @@ class Federation:
                                          timeout_s=args.aggregator_timeout, join_timeout_s=args.join_timeout,
                                          max_inbound=max_inbound, logs=out.path / AGGREGATORS_DIR, pump=self._pump,
                                          send_task=self._send_task, refusals=self.refusals)
+        self.retained: dict[str, int] = {}  # payload topic -> frames retained there, this round
 
     def publish_status(self, *, force: bool = False, finished: bool = False) -> None:
         """Hand --status-port a fresh snapshot of the run (at most every STATUS_EVERY_S unless ``force``; ``finished``:
@@ -350,6 +352,14 @@ class Federation:
 
     def _on_error(self, device_id: str, msg: Message) -> None:
         report = parse_error(msg)
+        if report.code == ErrorCode.PAYLOAD_WANTED:
+            ref = parse_payload_request(msg)
+            data = self.engine.payload_wanted(device_id, ref, time.monotonic())
+            LOG.info("%s asks for payload %s again (%s): %s", device_id, ref.sha256[:12], report.detail,
+                     "published again" if data is not None else "not now (published moments ago, or not this round's)")
+            if data is not None:
+                self._publish_payload(ref, data)
+            return
         LOG.warning("%s reports %s: %s", device_id, report.code.value, report.detail)
         if report.code in (ErrorCode.ARTIFACTS_MISSING, ErrorCode.ARTIFACTS_CORRUPT):
             plan = self.engine.artifacts_lost(device_id)
@@ -368,8 +378,26 @@ class Federation:
         self._send_built_task(device_id, self.engine.task(device_id, now=time.monotonic(), wall=time.time()))
 
     def _send_built_task(self, device_id: str, task: Task) -> None:
+        """The TASK, naming its plan's payload (published first, once per plan and round) instead of carrying it."""
+        ref = None
+        if task.weights and self.engine.shares_payloads:
+            ref, data = self.engine.payload(device_id, time.monotonic())
+            if data is not None:
+                self._publish_payload(ref, data)
         self._send(device_id, task_message(task, plan_hash=self.engine.plan_info(device_id).hash,
-                                           device_id=device_id, run_id=self.engine.run_id))
+                                           device_id=device_id, run_id=self.engine.run_id, payload=ref))
+
+    def _publish_payload(self, ref: PayloadRef, data: bytes) -> None:
+        """A plan's payload, retained (a device that subscribes later gets it), in frames of --max-message-bytes."""
+        topic = payload_topic(self.args.prefix, ref.sha256)
+        self.retained[topic] = self.endpoint.publish_retained(topic, data, new_msg_id(MessageType.TASK))
+        LOG.info("published payload %s (%d bytes, %d frames)", ref.sha256[:12], len(data), self.retained[topic])
+
+    def clear_payloads(self) -> None:
+        """Delete the closed round's retained payloads from the broker."""
+        for topic, frames in self.retained.items():
+            self.endpoint.clear_retained(topic, frames)
+        self.retained = {}
 
     # -- rounds -----------------------------------------------------------------------------
 
@@ -397,6 +425,7 @@ class Federation:
         stats = self.endpoint.stats  # a snapshot: read it again
         _, completed = self.engine.close_round(time.monotonic(), wire=(stats["bytes_out"] - wire_before[0],
                                                                        stats["bytes_in"] - wire_before[1]))
+        self.clear_payloads()
         return completed
 
     def gather(self, round_index: int) -> None:
@@ -473,7 +502,8 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
     budgets = _budgets(args.local_memory_mb)
     assembly = assemble(args, config, out, Deployment(
         devices=args.local_devices, min_devices=args.min_devices or args.local_devices or 1,
-        round_deadline_s=args.round_deadline, remote=args.aggregators > 0, settings_keys=BROKER_SETTINGS),
+        round_deadline_s=args.round_deadline, remote=args.aggregators > 0, shared_payloads=True,
+        settings_keys=BROKER_SETTINGS),
         emit=print_and_log)
     engine, shards, settings, saved = assembly.engine, assembly.shards, assembly.settings, assembly.saved
     run_id = assembly.run_id

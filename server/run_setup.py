@@ -221,6 +221,7 @@ class Deployment:
     onnx: bool = True
     budgets: bool = True
     remote: bool = False
+    shared_payloads: bool = False  # tasks name their plan's payload, published once per plan (server/engine/plan_payloads.py)
     settings_keys: tuple[str, ...] = ()
 
 
@@ -291,7 +292,8 @@ def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder,
                          initial_personal(list(models.values()), algorithm), tiers=tiers, overrides=overrides,
                          device_models=models_of,
                          predictor=predictor_for(plans, config.batch_size) if deployment.budgets else None,
-                         norm_bound=norm_bound_from_args(args), remote=deployment.remote)
+                         norm_bound=norm_bound_from_args(args), remote=deployment.remote,
+                         shared_payloads=deployment.shared_payloads)
     for device_id in shards:
         engine.register(device_id)
     if saved:  # the global model's tensors (the simulator's checkpoint also holds its devices')

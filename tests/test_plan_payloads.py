@@ -14,7 +14,9 @@ from device_runtime.payload import PayloadMismatch, PayloadRef, decode_payload, 
 from device_runtime.payload_wait import ASK_AGAIN_S, MIN_ASK_S, PayloadWait
 from device_runtime.protocol import ProtocolError
 from device_runtime.topics import frame_stream, payload_filter, payload_topic
-from server.plan_payloads import REPUBLISH_MIN_S, PlanPayloads
+from device_runtime.transport import MqttEndpoint
+from server.engine.plan_payloads import REPUBLISH_MIN_S, PlanPayloads
+from tests.mqtt_peer import WAIT_S
 from tests.sealing import read
 from tests.test_mqtt_federation import (artifact_files, cache, dense_artifacts, dense_task, deliver,  # noqa: F401
                                         make_agent, plan_for, tiny_shard)
@@ -179,3 +181,46 @@ def test_a_task_sent_again_costs_no_payload(world: PayloadWorld):
     deliver(world.agent, task_message(task, plan_hash=world.artifacts.hash, device_id="dev_t", run_id="run1",
                                       payload=ref))
     assert len(world.sent(MessageType.UPDATE)) == 2 and world.endpoint.followed == []  # the saved answer again
+
+
+# -- over a real broker: the retained copy ------------------------------------------------------
+
+
+FRAME = 8 * 1024
+
+
+def payload_endpoint(url: str, client_id: str, **kwargs) -> MqttEndpoint:
+    endpoint = MqttEndpoint(client_id, url, max_frame_bytes=FRAME, clean_session=False, **kwargs)
+    endpoint.start()
+    endpoint.wait_connected(WAIT_S)
+    return endpoint
+
+
+def test_a_device_that_subscribes_after_the_publish_gets_the_retained_payload(mosquitto_broker):
+    data = encode_payload({"fe.w": np.arange(20000, dtype=np.float32)})  # 80 kB: 10 frames of 8 KiB
+    ref, topic = payload_ref(data), payload_topic(PREFIX, payload_ref(data).sha256)
+    server = payload_endpoint(mosquitto_broker.url, "server")
+    assert server.publish_retained(topic, data, "p-1") == 10
+    server.publish(f"{PREFIX}/flush", b"", "flush-1", wait=True)  # the broker holds every frame before a device asks
+    device = payload_endpoint(mosquitto_broker.url, "dev_late", subscriptions=["unused/topic"])
+    device.follow(payload_filter(PREFIX, ref.sha256))
+    assert device.get(WAIT_S) == (topic, data)
+    device.stop()
+    server.stop()
+
+
+def test_a_device_away_when_the_payload_was_published_gets_it_when_it_reconnects(mosquitto_broker):
+    data = encode_payload({"fe.w": np.arange(20000, dtype=np.float32)})
+    ref, topic = payload_ref(data), payload_topic(PREFIX, payload_ref(data).sha256)
+    device = payload_endpoint(mosquitto_broker.url, "dev_away", subscriptions=["unused/topic"])
+    device.follow(payload_filter(PREFIX, ref.sha256))
+    following = device.subscriptions
+    device.stop()  # gone mid-round, its task in hand
+    server = payload_endpoint(mosquitto_broker.url, "server")
+    server.publish_retained(topic, data, "p-2")
+    server.publish(f"{PREFIX}/flush", b"", "flush-2", wait=True)
+    back = payload_endpoint(mosquitto_broker.url, "dev_away", subscriptions=following)  # what it followed, again
+    assert back.get(WAIT_S) == (topic, data)
+    back.stop()
+    server.clear_retained(topic, 10)
+    server.stop()

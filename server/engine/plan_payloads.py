@@ -45,6 +45,10 @@ class PlanPayloads:
         self._published_at[ref.sha256] = now
         return ref, self._data[ref.sha256]
 
+    def ref_of(self, key: Hashable) -> PayloadRef | None:
+        """The reference of plan ``key``'s payload this round, None before its first task."""
+        return self._refs.get(key)
+
     def requested(self, ref: PayloadRef, now: float) -> bytes | None:
         """The bytes of payload ``ref`` to publish again for a device that asks, or None: not a payload of the open
         round, or published less than REPUBLISH_MIN_S ago (that publish serves this device too)."""
@@ -55,7 +59,3 @@ class PlanPayloads:
             return None
         self._published_at[ref.sha256] = now
         return data
-
-    def publishes(self) -> dict[str, int]:
-        """Payload sha256 -> its size, of the open round's payloads handed out to publish."""
-        return {sha: len(self._data[sha]) for sha in self._published_at}

@@ -29,6 +29,7 @@ from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.messages import Join, Plan
 from device_runtime.profile import ResourceProfile
 from device_runtime.envelope import Message
+from device_runtime.payload import PayloadRef
 from device_runtime.task import Task, Update, tensor_bytes
 from server.engine.aggregate import StreamingAverage
 from server.engine.fold_order import FoldOrder
@@ -37,6 +38,7 @@ from server.algorithms import get_algorithm
 from server.algorithms.base import Algorithm, Settings
 from fedcore.lowrank import ResolvedPlan
 from server.engine.coordinator import NO_ANSWER, Coordinator, DeviceRecord, RoundOpen, RoundResult, Verdict
+from server.engine.plan_payloads import PlanPayloads
 from server.engine.presence import Presence
 from server.engine.rank_assignment import choose_ratio
 from server.engine.remote_folding import RemoteFolding
@@ -101,7 +103,8 @@ class RoundEngine:
                  global_state: dict[str, torch.Tensor], initial_personal: dict[str, dict[str, np.ndarray]], *,
                  tiers: tuple[float, ...], overrides: dict[str, float] | None = None,
                  device_models: dict[str, str] | None = None,
-                 predictor: Predictor | None = None, norm_bound: NormBound | None = None, remote: bool = False):
+                 predictor: Predictor | None = None, norm_bound: NormBound | None = None, remote: bool = False,
+                 shared_payloads: bool = False):
         self.algorithm, self.config, self.coordinator, self.plans = algorithm, config, coordinator, plans
         self.global_state = global_state  # what the algorithm shares and aggregates (empty: no global model)
         self.initial_personal = initial_personal  # model name -> what a device of that model starts from
@@ -118,6 +121,7 @@ class RoundEngine:
                              "--update-norm-bound (the engine never sees their tensors)")
         self.dense_shapes = {k: tuple(v.shape) for k, v in global_state.items()}
         self.remote = RemoteFolding(self.dense_shapes) if remote else None  # aggregator processes hold the updates
+        self.payloads = PlanPayloads() if shared_payloads and global_state else None  # tasks name their payload
         self.presence = Presence()
         self.records: list[dict[str, Any]] = []
         self._pending: TrainingRecord | None = None  # round t's record, awaiting round t+1's evaluations
@@ -315,6 +319,8 @@ class RoundEngine:
         self._folds = FoldOrder(opened.train)
         if self.remote is not None:
             self.remote.open_round()
+        if self.payloads is not None:
+            self.payloads.open_round()
         return {d: self.task(d, now=now, wall=wall) for d in opened.train + opened.evaluate}
 
     def _weights(self, device_id: str) -> dict[str, np.ndarray]:
@@ -344,13 +350,45 @@ class RoundEngine:
                     lr=config.lr, phases=fit.phases if fit else (), batch_size=config.batch_size,
                     seed=batch_seed(config.seed, opened.round, device_id) if training else 0,
                     returns=fit.returns if fit else "none", deadline=deadline, aggregator=self.route(device_id))
-        nbytes = tensor_bytes(weights)
+        if self.payloads is None:  # the tensors go with each task; else once per plan (see payload)
+            self._book_down(plan, training, tensor_bytes(weights))
+        return task
+
+    def _book_down(self, plan: PlanInfo, training: bool, nbytes: int) -> None:
         if training:
             self._book.bytes_down += nbytes
         else:
             self._book.bytes_down_eval += nbytes
         self._book.count(tier_label(plan.ratio), "down" if training else EVAL_DIRECTION, nbytes)
-        return task
+
+    @property
+    def shares_payloads(self) -> bool:
+        """Whether a task names its plan's payload (published once per plan) instead of carrying the tensors."""
+        return self.payloads is not None
+
+    def payload(self, device_id: str, now: float) -> tuple[PayloadRef, bytes | None]:
+        """The open round's payload of the device's plan (its task's weights, server/engine/plan_payloads.py): the reference
+        its TASK carries, and the bytes to publish when they are not yet published this round (booked as sent down,
+        once per plan)."""
+        plan = self.plan_info(device_id)
+        ref, data = self.payloads.get(plan_key(plan.resolved), self._weights(device_id), now)
+        if data is not None:
+            self._book_down(plan, device_id in self.coordinator.open.train, len(data))
+        return ref, data
+
+    def payload_wanted(self, device_id: str, ref: PayloadRef, now: float) -> bytes | None:
+        """A device asks for payload ``ref`` again (it did not come whole, or one that did not match came): the bytes
+        to publish again (booked), or None: not its plan's payload of the open round, or published moments ago."""
+        opened = self.coordinator.open
+        if self.payloads is None or opened is None or device_id not in opened.train + opened.evaluate:
+            return None
+        plan = self.plan_info(device_id)
+        if self.payloads.ref_of(plan_key(plan.resolved)) != ref:
+            return None
+        data = self.payloads.requested(ref, now)
+        if data is not None:
+            self._book_down(plan, device_id in opened.train, len(data))
+        return data
 
     def _expected_shapes(self, device_id: str) -> dict[str, tuple[int, ...]] | None:
         """The tensors a training update must carry (the algorithm's ``update_shapes`` of the device's plan).

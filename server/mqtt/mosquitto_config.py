@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from device_runtime.topics import Topics, server_subscriptions, update_filter
+from device_runtime.topics import PAYLOAD_LEVEL, Topics, server_subscriptions, update_filter
 
 PBKDF2_ITERATIONS = 1000
 PBKDF2_SALT_BYTES = 12
@@ -76,17 +76,20 @@ def acl_text(prefix: str, server_user: str, device_ids: Iterable[str]) -> str:
     aggregator processes (``server.aggregator``, connecting as the server user) read the update topics routed to
     them (``PREFIX/dev/+/update/<member>``) and speak with the engine on ``PREFIX/agg/#``; each device user
     (username == device id) writes only its own up/update/status (its update topic and the levels below it, one
-    per aggregator) and reads only its own down."""
+    per aggregator) and reads only its own down and the plans' payloads (``PREFIX/payload/#``, which only the server
+    writes: device_runtime/payload.py)."""
     _check_username(server_user)
     device_ids = list(device_ids)
     lines = [f"user {server_user}"]
     lines += [f"topic read {topic_filter}" for topic_filter in server_subscriptions(prefix)]
     lines += [f"topic read {update_filter(prefix)}/+", f"topic readwrite {prefix}/agg/#"]
     lines += [f"topic write {Topics(prefix, device_id).down}" for device_id in device_ids]
+    lines += [f"topic write {prefix}/{PAYLOAD_LEVEL}/#"]
     for device_id in device_ids:
         topics = Topics(prefix, device_id)
         lines += ["", f"user {device_id}", f"topic write {topics.up}", f"topic write {topics.update}",
-                  f"topic write {topics.update}/+", f"topic write {topics.status}", f"topic read {topics.down}"]
+                  f"topic write {topics.update}/+", f"topic write {topics.status}", f"topic read {topics.down}",
+                  f"topic read {prefix}/{PAYLOAD_LEVEL}/#"]
     return "\n".join(lines) + "\n"
 
 

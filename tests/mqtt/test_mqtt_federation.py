@@ -5,6 +5,7 @@ transport and the round logic, which must not change the math.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import signal
@@ -21,6 +22,7 @@ from device_runtime.agent import DeviceAgent
 from device_runtime.workdir import Workdir
 from device_runtime.artifact_contract import TRAINING_KIND
 from device_runtime.envelope import MessageType
+from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES, chunk
 from device_runtime.messages import (ARTIFACT_BLOBS_BY_KIND, DEFAULT_TOPIC_PREFIX, ErrorCode, Join, Plan, ShardInfo,
                                      ack_message, join_message, parse_error, parse_join, parse_plan, plan_message,
                                      task_message)
@@ -39,6 +41,7 @@ from server.mqtt.mosquitto_config import write_mosquitto_auth
 from server.outputs.report import ACCURACY_PLOT, BYTES_PLOT, METRICS_FILE, REPORT_FILE, read_metrics
 from server import simulate
 from server.run_setup import RunFolder
+from tests.support.waiting import wait_for
 from tests.support.mqtt_peer import MqttPeer
 from tests.support.sealing import device_link, enrollment_file, read, seal_down, write_key
 from tests.support.processes import child_env
@@ -92,15 +95,86 @@ def test_five_device_processes_federate_over_the_embedded_broker(embedded_run: P
         assert (embedded_run / name).stat().st_size > 0
 
 
+class PayloadObserver(MqttPeer):
+    """Anyone on the broker reading every plan's payload (whole, as a device reassembles it), by topic."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.endpoint = MqttEndpoint(f"observer-{os.getpid()}", url, subscriptions=[f"{DEFAULT_TOPIC_PREFIX}/payload/#"],
+                                     max_message_bytes=1 << 26, clean_session=True)
+        self.payloads: dict[str, list[bytes]] = {}
+
+    def on_message(self, topic: str, payload: bytes) -> None:
+        self.payloads.setdefault(topic, []).append(payload)
+
+    def genuine(self) -> dict[str, int]:
+        """Payload topic -> how many times the payload its topic names was published whole."""
+        return {t: sum(hashlib.sha256(p).hexdigest() == t.rsplit("/", 1)[1] for p in ps)
+                for t, ps in self.payloads.items()}
+
+
 @pytest.mark.slow
 def test_five_device_processes_federate_over_mosquitto_in_chunks(start_mosquitto, tmp_path: Path, cache: Path):
-    """mosquitto drops every publish above its limit: the run completes only if every message is chunked."""
+    """mosquitto drops every publish above its limit: the run completes only if every message is chunked. The
+    round's tensors go down once per plan: five devices of one plan, one payload a round, however many share it."""
     broker = start_mosquitto(max_frame_bytes=SMALL_FRAME)
-    records = federate(tmp_path / "run", cache, "--rounds", "2", "--local-devices", str(DEVICES), "--rank-ratio",
-                       "0.5", "--broker", broker.url, "--max-message-bytes", str(SMALL_FRAME))
+    with PayloadObserver(broker.url) as observer:
+        records = federate(tmp_path / "run", cache, "--rounds", "2", "--local-devices", str(DEVICES), "--rank-ratio",
+                           "0.5", "--broker", broker.url, "--max-message-bytes", str(SMALL_FRAME))
+        wait_for(lambda: len(observer.payloads) == 3, WAIT_S, "the payloads of 2 rounds and the final evaluation")
     assert [r["participants"] for r in records] == [DEVICES, DEVICES]
     assert records[0]["bytes_artifacts"] > 10 * SMALL_FRAME
     assert all(r["evaluated"] == DEVICES for r in records)
+    asked_again = (tmp_path / "run" / broker_loop.SERVER_LOG).read_text().count("published again")
+    published = observer.genuine()
+    assert sum(published.values()) == len(published) + asked_again and len(published) == 3, published
+    largest = max(len(p[0]) for p in observer.payloads.values())
+    assert 0 < records[0]["bytes_down"] <= (1 + asked_again) * largest  # one payload, not five tasks' tensors
+
+
+class PayloadAttacker(PayloadObserver):
+    """Anyone on the open broker, with mosquitto_pub: on every new payload topic it publishes, retained, the last
+    payload it saw (a replay of the round before, over the genuine frames) and a frame of junk beside them, so a device
+    that subscribes after that finds both and no genuine copy until the server publishes it again."""
+
+    def __init__(self, url: str, port: int, folder: Path) -> None:
+        super().__init__(url)
+        self.port, self.folder = port, folder
+        self.attacked: list[str] = []
+        self.last: bytes | None = None
+
+    def on_message(self, topic: str, payload: bytes) -> None:
+        first = topic not in self.payloads
+        super().on_message(topic, payload)
+        if not first or hashlib.sha256(payload).hexdigest() != topic.rsplit("/", 1)[1]:
+            return
+        frames = chunk(self.last, DEFAULT_MAX_FRAME_BYTES, f"replay-{len(self.attacked)}") if self.last else []
+        frames.append(chunk(os.urandom(4096), DEFAULT_MAX_FRAME_BYTES, f"junk-{len(self.attacked)}")[0])
+        for i, frame in enumerate(frames):
+            path = self.folder / "frame.bin"
+            path.write_bytes(frame)
+            subprocess.run(["mosquitto_pub", "-h", "127.0.0.1", "-p", str(self.port), "-q", "1", "-r", "-t",
+                            f"{topic}/{i}", "-f", str(path)], check=True, capture_output=True)
+        self.attacked.append(topic)
+        self.last = payload
+
+
+@pytest.mark.slow
+def test_junk_and_replayed_payloads_on_the_payload_topics_change_nothing(start_mosquitto, embedded_run: Path,
+                                                                          tmp_path: Path, cache: Path):
+    broker = start_mosquitto()
+    with PayloadAttacker(broker.url, broker.port, tmp_path) as attacker:
+        records = federate(tmp_path / "run", cache, "--rounds", str(ROUNDS), "--local-devices", str(DEVICES),
+                           "--rank-overrides", str(tiered_overrides(tmp_path / "overrides.json")), "--broker",
+                           broker.url)
+    assert all(r["participants"] == DEVICES and r["evaluated"] == DEVICES for r in records)
+    assert len(attacker.attacked) == len(TIERS) * (ROUNDS + 1)  # every plan's payload of every round, attacked
+    got, expected = (load_checkpoint(run / CHECKPOINT_NAME).tensors for run in (tmp_path / "run", embedded_run))
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    refused = sum(log.read_text().count("refused a payload") for log in (tmp_path / "run" / "devices").glob("*.log"))
+    print(f"devices refused {refused} junk or replayed payload(s); the server published "
+          f"{(tmp_path / 'run' / broker_loop.SERVER_LOG).read_text().count('published again')} again on request")
 
 
 # -- transport must not change the math ------------------------------------------------------
@@ -118,10 +192,14 @@ def simulate_ort(out: Path, cache: Path, *flags: str) -> tuple[list[dict], dict[
 
 UNTIMED = ("seconds", "wire_bytes_out", "wire_bytes_in")
 """What a record measures of the machine, not of the federation."""
+DOWNLOADS = ("bytes_down", "bytes_down_eval")
+"""What the driver sends down: each task's tensors in process, each plan's payload once over MQTT."""
 
 
 def comparable(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in UNTIMED} for r in records]
+    return [{**{k: v for k, v in r.items() if k not in UNTIMED + DOWNLOADS},
+             "bytes_by_tier": {t: {d: n for d, n in b.items() if d not in ("down", "eval")}
+                               for t, b in r["bytes_by_tier"].items()}} for r in records]
 
 
 def test_mqtt_run_ends_with_the_in_process_ort_runs_global_fe(embedded_run: Path, cache: Path, tmp_path: Path):

@@ -320,7 +320,7 @@ def test_acl_grants_each_device_only_its_own_topics() -> None:
     device_block = acl_text(PREFIX, "server", ["dev1"]).split("\n\n")[1]
     assert device_block.splitlines() == [
         "user dev1", f"topic write {DEV1.up}", f"topic write {DEV1.update}", f"topic write {DEV1.update}/+",
-        f"topic write {DEV1.status}", f"topic read {DEV1.down}"]
+        f"topic write {DEV1.status}", f"topic read {DEV1.down}", f"topic read {PREFIX}/payload/#"]
 
 
 @pytest.fixture
