@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                                 status=(topics.status, link.status_signer(args.device_id)), username=username,
                                 password=args.password or os.environ.get(PASSWORD_ENV), tls_ca=args.tls_ca,
                                 max_frame_bytes=args.max_message_bytes, max_message_bytes=max_inbound,
-                                clean_session=False, screen=inbound_screen(link, args.device_id, topics.down, topics.payloads),
+                                clean_session=False, screen=inbound_screen(link, args.device_id, topics.down,
+                                                                      topics.payloads),
                                 max_queued_bytes=max_inbound)
     except (ProtocolError, ShardError, ProfileError, RuntimeUnavailable, ValueError, OSError) as exc:
         print(f"error: {flag}: {exc}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The envelope: one logical protocol message as bytes, tagged under the sender's key (numpy + stdlib only).
 
-Envelope (layout of protocol versions 2 and 3; the header's ``version`` says which):
+Envelope (the layout of protocol versions 2 and 3):
 
     b"FAR2" | uint32 LE header length | tag (32 B) | UTF-8 JSON header | body
 

@@ -4,8 +4,8 @@
 - PLAN (server -> device): the rank plan's artifact hash and ratio; carries the artifact files only when the
   device lacks that hash, and the run's initial personal tensors.
 - ACK (device -> server): the plan's artifacts are installed and verified.
-- TASK (server -> device): one round's Task; no phases asks for an evaluation only (no training). Its weights come
-  inline or (protocol 3) from the plan's payload the TASK names by SHA-256 (device_runtime/payload.py).
+- TASK (server -> device): one round's Task; no phases asks for an evaluation only (no training). Its weights
+  come inline or (protocol 3) from the plan's payload the TASK names by SHA-256 (device_runtime/payload.py).
 - UPDATE (device -> server): the Update (the tensors its task asked back, none for an evaluation), with the evaluation of the
   received model in ``metrics`` (``eval_correct``, ``eval_total``, ``eval_loss``).
 - ERROR (either way): a code from ErrorCode and a human-readable detail.

@@ -130,6 +130,7 @@ class SimDevice:
         self.payload: tuple[PayloadRef, dict[str, np.ndarray]] | None = None
         self.waiting: PayloadWait | None = None
         self.answered: dict[tuple[int, bool], bytes] = {}  # (round, evaluation) -> the sealed answer
+        self.planned = threading.Event()
         self.endpoint = self._endpoint()
         self.stats = {"payload_bytes": 0, "payloads_refused": 0, "updates": 0, "tasks": 0, "reconnects": 0}
 
@@ -147,7 +148,8 @@ class SimDevice:
 
     def join(self) -> None:
         profile = ResourceProfile(None, 1, 1, "x86_64", "Linux", None, 1.0)
-        self.send(join_message(Join(profile, ShardInfo(SAMPLES, 10, SHAPE, CLASSES), ()), device_id=self.device_id,
+        held = tuple(sorted(self.host.known_plans))  # the artifact sets a device of this process got: not sent again
+        self.send(join_message(Join(profile, ShardInfo(SAMPLES, 10, SHAPE, CLASSES), held), device_id=self.device_id,
                                run_id=self.run_id))
 
     def handle(self, topic: str, data: bytes) -> None:
@@ -164,7 +166,9 @@ class SimDevice:
             if msg.type == MessageType.PLAN:
                 plan = parse_plan(msg)
                 self.run_id, self.plan_hash = msg.run_id, plan.plan_hash
+                self.host.known_plans.add(plan.plan_hash)
                 self.send(ack_message(plan.plan_hash, device_id=self.device_id, run_id=self.run_id))
+                self.planned.set()
             elif msg.type == MessageType.TASK:
                 self.on_task(msg)
             elif msg.type == MessageType.ERROR and parse_error(msg).code == ErrorCode.REJOIN:
@@ -250,6 +254,7 @@ class DeviceHost:
         self.inbox: queue.Queue = queue.Queue()
         self.timers: list[tuple[float, int, str, object]] = []
         self.devices: dict[str, SimDevice] = {}
+        self.known_plans: set[str] = set()
         self._seq = 0
         self._churned: set[tuple[str, int]] = set()
 
@@ -301,9 +306,10 @@ def device_process(url: str, ids: list[str], keys: dict[str, bytes], folder: str
     worker.start()
     for device in host.devices.values():
         device.start()
-    for device in host.devices.values():
+    for device in host.devices.values():  # one at a time: a device lists the plans others got (no files again)
         device.endpoint.wait_connected(300)
         device.join()
+        device.planned.wait(300)
     stop.wait()
     done.set()
     worker.join(10)

@@ -221,7 +221,7 @@ class Deployment:
     onnx: bool = True
     budgets: bool = True
     remote: bool = False
-    shared_payloads: bool = False  # tasks name their plan's payload, published once per plan (server/engine/plan_payloads.py)
+    shared_payloads: bool = False  # tasks name their plan's payload, published once per plan (engine/plan_payloads.py)
     settings_keys: tuple[str, ...] = ()
 
 

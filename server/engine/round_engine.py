@@ -367,7 +367,7 @@ class RoundEngine:
         return self.payloads is not None
 
     def payload(self, device_id: str, now: float) -> tuple[PayloadRef, bytes | None]:
-        """The open round's payload of the device's plan (its task's weights, server/engine/plan_payloads.py): the reference
+        """The open round's payload of the device's plan (its task's weights, plan_payloads.py): the reference
         its TASK carries, and the bytes to publish when they are not yet published this round (booked as sent down,
         once per plan)."""
         plan = self.plan_info(device_id)

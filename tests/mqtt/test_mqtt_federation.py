@@ -100,8 +100,8 @@ class PayloadObserver(MqttPeer):
 
     def __init__(self, url: str) -> None:
         super().__init__()
-        self.endpoint = MqttEndpoint(f"observer-{os.getpid()}", url, subscriptions=[f"{DEFAULT_TOPIC_PREFIX}/payload/#"],
-                                     max_message_bytes=1 << 26, clean_session=True)
+        self.endpoint = MqttEndpoint(f"observer-{os.getpid()}", url, max_message_bytes=1 << 26, clean_session=True,
+                                     subscriptions=[f"{DEFAULT_TOPIC_PREFIX}/payload/#"])
         self.payloads: dict[str, list[bytes]] = {}
 
     def on_message(self, topic: str, payload: bytes) -> None:
