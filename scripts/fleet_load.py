@@ -299,14 +299,12 @@ def device_process(url: str, ids: list[str], keys: dict[str, bytes], folder: str
                    delay_mean: float, churn: float, seed: int, stop: mp.Event, results: str) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s fleet %(message)s")
     host = DeviceHost(url, frame_bytes, max_inbound, delay_mean, churn, seed)
-    for device_id in ids:
-        host.devices[device_id] = SimDevice(host, device_id, keys[device_id], Path(folder) / device_id)
     done = threading.Event()
     worker = threading.Thread(target=host.serve, args=(done,), daemon=True)
     worker.start()
-    for device in host.devices.values():
+    for device_id in ids:  # one at a time: a device lists the plans others got, and is not sent their files again
+        device = host.devices[device_id] = SimDevice(host, device_id, keys[device_id], Path(folder) / device_id)
         device.start()
-    for device in host.devices.values():  # one at a time: a device lists the plans others got (no files again)
         device.endpoint.wait_connected(300)
         device.join()
         device.planned.wait(300)
@@ -343,6 +341,31 @@ def proc_sample(pid: int) -> tuple[float, float]:
     return cpu, peak
 
 
+def watch(server: subprocess.Popen, log: Path, opened: dict[int, float], closed: dict[int, tuple[float, float]]
+          ) -> None:
+    """Sample the server's CPU seconds as each round opens and (with its peak RSS) as it closes, from its log."""
+    offset, rest = 0, b""
+    while server.poll() is None:
+        time.sleep(0.1)
+        try:
+            with open(log, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            continue
+        offset += len(chunk)
+        *lines, rest = (rest + chunk).split(b"\n")
+        for line in lines:
+            words = line.decode(errors="replace").split()
+            try:
+                if "fedara.server" in words and words[-2:] == ["device(s)", "asked"] and words[-4] == "opened:":
+                    opened[int(words[-5])] = proc_sample(server.pid)[0]
+                elif "fedara.progress" in words and words[4] == "round" and "/" in words[5]:
+                    closed[int(words[5].split("/")[0])] = proc_sample(server.pid)
+            except (IndexError, ValueError, OSError):
+                continue
+
+
 def server_command(args: argparse.Namespace, url: str, enrollment: Path, data: Path, overrides: Path,
                    out: Path) -> list[str]:
     return [sys.executable, "-m", "server.broker_loop", "--broker", url, "--prefix", PREFIX, "--enroll",
@@ -375,22 +398,12 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
         bench.FRAME_BYTES = args.max_message_bytes
         ceiling = bench.measure_broker(url, min(args.devices, CEILING_UPDATES), args.rounds)
         out = folder / "server"
-        log = open(folder / "server.out", "w")
-        server = subprocess.Popen(server_command(args, url, enrollment, data, overrides, out), cwd=REPO,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        samples: dict[int, tuple[float, float]] = {}
-        start_cpu = [0.0]
-
-        def watch() -> None:
-            for line in server.stdout:
-                log.write(line)
-                log.flush()
-                words = line.split()
-                if words[:1] == ["round"] and "/" in words[1]:
-                    samples[int(words[1].split("/")[0])] = proc_sample(server.pid)
-                elif line.startswith("run "):
-                    start_cpu[0] = proc_sample(server.pid)[0]
-        watcher = threading.Thread(target=watch, daemon=True)
+        with open(folder / "server.out", "w") as log:
+            server = subprocess.Popen(server_command(args, url, enrollment, data, overrides, out), cwd=REPO,
+                                      stdout=log, stderr=subprocess.STDOUT)
+        opened: dict[int, float] = {}
+        closed: dict[int, tuple[float, float]] = {}
+        watcher = threading.Thread(target=watch, args=(server, out / "server.log", opened, closed), daemon=True)
         watcher.start()
         processes = args.processes or -(-args.devices // DEVICES_PER_PROCESS)
         stop = mp.Event()
@@ -416,10 +429,9 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
     for path in results:
         stats.update(json.loads(path.read_text()) if path.exists() else {})
     rounds = []
-    previous_cpu = start_cpu[0]
     for record, broker in zip(records, ceiling["rounds"]):
         r = record["round"]
-        cpu, peak = samples.get(r, (previous_cpu, float("nan")))
+        cpu, peak = closed.get(r, (float("nan"), float("nan")))
         down = record["bytes_by_tier"]
         update_bytes = record["bytes_up"]
         rounds.append({
@@ -429,8 +441,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             "plan_payload_bytes": sum(t.get("down", 0) for t in down.values()),
             "update_mb_per_s": update_bytes / MB / record["seconds"],
             "broker_only_mb_per_s": broker["mb_per_s"],
-            "server_peak_rss_mb": peak, "server_cpu_s": cpu - previous_cpu})
-        previous_cpu = cpu
+            "server_peak_rss_mb": peak, "server_cpu_s": cpu - opened.get(r, float("nan"))})
     return {"devices": args.devices, "broker": args.broker, "aggregators": args.aggregators, "churn": args.churn,
             "delay_mean_s": args.delay_mean, "max_message_bytes": args.max_message_bytes, "processes": processes,
             "cpu": bench.cpu_name(), "load_average": os.getloadavg(), "rounds": rounds,

@@ -416,6 +416,7 @@ class Federation:
         stats = self.endpoint.stats
         wire_before = (stats["bytes_out"], stats["bytes_in"])
         tasks = self.engine.open_round(round_index, time.monotonic(), train=train, wall=time.time())
+        LOG.info("round %d opened: %d device(s) asked", round_index, len(tasks))
         if self.aggregators:
             self.channel.brief_members()
         for device_id, task in tasks.items():
