@@ -59,7 +59,7 @@ from device_runtime.link import Link, Refused  # noqa: E402
 from device_runtime.messages import (ErrorCode, Join, MessageError, ShardInfo, ack_message, join_message,  # noqa: E402
                                      new_msg_id, parse_error, parse_plan, parse_task, payload_request_message,
                                      task_payload, update_message)
-from device_runtime.payload import PayloadRef, decode_payload  # noqa: E402
+from device_runtime.payload import PayloadRef, check_payload, decode_payload  # noqa: E402
 from device_runtime.payload_wait import PayloadWait  # noqa: E402
 from device_runtime.profile import ResourceProfile  # noqa: E402
 from device_runtime.protocol import ProtocolError  # noqa: E402
@@ -95,6 +95,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-message-bytes", type=int, default=1 << 20, help="frame size of every process")
     p.add_argument("--round-deadline", type=float, default=600.0)
     p.add_argument("--workdir", default=None, help="keep the run here (default: a temporary folder)")
+    p.add_argument("--profile-server", default=None, metavar="FILE.prof",
+                   help="run the server under cProfile and write its profile here (read it with pstats)")
     args = p.parse_args(argv)
     for flag, value in (("--devices", args.devices), ("--rounds", args.rounds)):
         if value < 1:
@@ -170,6 +172,7 @@ class SimDevice:
                 self.send(ack_message(plan.plan_hash, device_id=self.device_id, run_id=self.run_id))
                 self.planned.set()
             elif msg.type == MessageType.TASK:
+                self.stats["tasks"] += 1
                 self.on_task(msg)
             elif msg.type == MessageType.ERROR and parse_error(msg).code == ErrorCode.REJOIN:
                 self.join()
@@ -178,7 +181,6 @@ class SimDevice:
 
     def on_task(self, msg: Message) -> None:
         _, task = parse_task(msg)
-        self.stats["tasks"] += 1
         saved = self.answered.get((task.round, task.evaluate_only))
         if saved is not None:  # asked again: the saved answer, resealed
             self.endpoint.publish(self.topics.update_via(task.aggregator), self.link.reseal(saved),
@@ -199,14 +201,15 @@ class SimDevice:
     def on_payload(self, data: bytes) -> None:
         wait = self.waiting
         try:
-            tensors = decode_payload(data, wait.ref)
+            check_payload(data, wait.ref)  # every device checks what it got against its own sealed TASK
+            tensors = self.host.decoded.get(wait.ref) or decode_payload(data, wait.ref)
         except ProtocolError as exc:
             LOG.warning("%s refused a payload: %s", self.device_id, exc)
             self.stats["payloads_refused"] += 1
             wait.refused = True
             return
         self.stats["payload_bytes"] += len(data)
-        self.payload = (wait.ref, tensors)
+        self.payload = (wait.ref, self.host.synthetic(wait.ref, tensors))
         self.endpoint.unfollow(payload_filter(PREFIX, wait.ref.sha256))
         self.waiting = None
         self.on_task(wait.task)
@@ -222,9 +225,7 @@ class SimDevice:
         _, task = parse_task(msg)
         if (task.round, task.evaluate_only) in self.answered:
             return
-        rng = self.host.rng
-        weights = {} if task.evaluate_only or self.payload is None else {
-            k: rng.standard_normal(v.shape, dtype=np.float32) * np.float32(1e-2) for k, v in self.payload[1].items()}
+        weights = {} if task.evaluate_only or self.payload is None else self.payload[1]
         update = Update(task.round, weights, 0 if task.evaluate_only else SAMPLES, 1.0, 0.5,
                         {"eval_correct": 5, "eval_total": 10, "eval_loss": 1.0})
         sealed = self.link.seal(update_message(update, plan_hash=self.plan_hash, device_id=self.device_id,
@@ -256,7 +257,21 @@ class DeviceHost:
         self.devices: dict[str, SimDevice] = {}
         self.known_plans: set[str] = set()
         self._seq = 0
+        self.decoded: dict[PayloadRef, dict[str, np.ndarray]] = {}  # the round's payloads, decoded once a process
+        self._synthetic: dict[PayloadRef, dict[str, np.ndarray]] = {}
         self._churned: set[tuple[str, int]] = set()
+
+    def synthetic(self, ref: PayloadRef, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A synthetic update of the payload's exact tensors (random, small), drawn once per payload and process: the
+        devices of one plan in a process send the same tensors, each sealed under its own key."""
+        if ref not in self._synthetic:
+            self.decoded[ref] = tensors
+            self._synthetic[ref] = {k: self.rng.standard_normal(v.shape, dtype=np.float32) * np.float32(1e-2)
+                                    for k, v in tensors.items()}
+            for held in (self.decoded, self._synthetic):  # two rounds of plans at most
+                while len(held) > 2 * len(TIERS):
+                    del held[next(iter(held))]
+        return self._synthetic[ref]
 
     def delay(self) -> float:
         return float(min(self.rng.exponential(self.delay_mean), 5 * self.delay_mean)) if self.delay_mean else 0.0
@@ -285,8 +300,9 @@ class DeviceHost:
                     device.reconnect()
                 else:
                     device.answer(what)
-            for device in self.devices.values():
-                device.tend(now)
+            if self.inbox.empty():  # asks again only with nothing left to handle (a payload may wait in the queue)
+                for device in list(self.devices.values()):
+                    device.tend(now)
             wait = 0.2 if not self.timers else max(0.0, min(0.2, self.timers[0][0] - time.monotonic()))
             try:
                 device_id, topic, data = self.inbox.get(timeout=wait)
@@ -368,7 +384,8 @@ def watch(server: subprocess.Popen, log: Path, opened: dict[int, float], closed:
 
 def server_command(args: argparse.Namespace, url: str, enrollment: Path, data: Path, overrides: Path,
                    out: Path) -> list[str]:
-    return [sys.executable, "-m", "server.broker_loop", "--broker", url, "--prefix", PREFIX, "--enroll",
+    profile = ["-m", "cProfile", "-o", str(Path(args.profile_server).resolve())] if args.profile_server else []
+    return [sys.executable, *profile, "-m", "server.broker_loop", "--broker", url, "--prefix", PREFIX, "--enroll",
             str(enrollment), "--dataset", "cifar10", "--data-dir", str(data), "--model", "fedavgcnn",
             "--rounds", str(args.rounds), "--min-devices", str(args.devices), "--rank-tiers",
             ",".join(map(str, TIERS)), "--rank-overrides", str(overrides), "--round-deadline",
