@@ -34,6 +34,7 @@ server prints each round).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import heapq
 import json
 import logging
@@ -41,11 +42,13 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -312,8 +315,11 @@ class DeviceHost:
 
 
 def device_process(url: str, ids: list[str], keys: dict[str, bytes], folder: str, frame_bytes: int, max_inbound: int,
-                   delay_mean: float, churn: float, seed: int, stop: mp.Event, results: str) -> None:
+                   delay_mean: float, churn: float, seed: int, stop: threading.Event, results: str) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s fleet %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=False)  # kill -USR1 PID: the main thread's stack on stderr
+    signal.signal(signal.SIGUSR2, lambda *_: print("".join(  # kill -USR2 PID: the protocol thread's stack
+        traceback.format_stack(sys._current_frames()[worker.ident])), file=sys.stderr, flush=True))
     host = DeviceHost(url, frame_bytes, max_inbound, delay_mean, churn, seed)
     done = threading.Event()
     worker = threading.Thread(target=host.serve, args=(done,), daemon=True)
@@ -423,13 +429,14 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
         watcher = threading.Thread(target=watch, args=(server, out / "server.log", opened, closed), daemon=True)
         watcher.start()
         processes = args.processes or -(-args.devices // DEVICES_PER_PROCESS)
-        stop = mp.Event()
+        spawn = mp.get_context("spawn")  # not fork: a lock another thread held at fork time stays held in the child
+        stop = spawn.Event()
         procs, results = [], []
         max_inbound = 64 << 20
         for p in range(processes):
             ids = devices[p::processes]
             results.append(folder / f"devices-{p}.json")
-            proc = mp.Process(target=device_process, args=(url, ids, {d: keys[d] for d in ids}, str(folder / "dev"),
+            proc = spawn.Process(target=device_process, args=(url, ids, {d: keys[d] for d in ids}, str(folder / "dev"),
                                                            args.max_message_bytes, max_inbound, args.delay_mean,
                                                            args.churn, p, stop, str(results[-1])))
             proc.start()

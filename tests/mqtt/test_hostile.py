@@ -29,7 +29,7 @@ from device_runtime.framing import FRAME_HEADER_BYTES, chunk
 from device_runtime.messages import (ErrorCode, Join, Plan, ack_message, error_message, join_message, parse_error,
                                      plan_message, task_message, update_message)
 from device_runtime.profile import collect_profile
-from device_runtime.protocol import ProtocolError
+from device_runtime.protocol import PROTOCOL_VERSION, ProtocolError
 from device_runtime.shard import Shard
 from device_runtime.task import Phase, Task, Update
 from device_runtime.topics import Topics, server_subscriptions
@@ -138,8 +138,9 @@ def test_body_that_does_not_match_its_hash_is_refused(world: World, caplog):
 
 
 def test_header_naming_another_protocol_version_is_refused(world: World, caplog):
-    payload = encode(genuine_update(world)).replace(b'"version":2', b'"version":3', 1)
-    assert "protocol version 3" in refused(open_server(world), update_topic(TRAINER), payload, caplog)
+    other = PROTOCOL_VERSION + 1
+    payload = encode(genuine_update(world)).replace(b'"version":%d' % PROTOCOL_VERSION, b'"version":%d' % other, 1)
+    assert f"protocol version {other}" in refused(open_server(world), update_topic(TRAINER), payload, caplog)
 
 
 def test_message_on_a_topic_outside_the_device_tree_is_refused(world: World, caplog):
