@@ -182,6 +182,7 @@ class Reassembler:
         self._pending: dict[tuple[str, str], _Pending] = {}
         self._delivered: dict[tuple[str, str], float] = {}
         self._held = 0
+        self.evicted: list[str] = []  # msg_ids of incomplete messages pushed out for room, until the caller takes them
 
     @property
     def pending_ids(self) -> tuple[str, ...]:
@@ -250,7 +251,7 @@ class Reassembler:
 
     def _admit(self, key: tuple[str, str], f: _Frame, now: float) -> _Pending:
         while len(self._pending) >= self.max_pending:
-            self._drop(next(iter(self._pending)))
+            self._evict(next(iter(self._pending)))
         pending = _Pending(now, f.count, f.total, f.digest, f.step)
         self._pending[key] = pending
         return pending
@@ -259,7 +260,11 @@ class Reassembler:
         """Evict the oldest incomplete messages but ``keep`` until ``size`` more bytes fit."""
         while self._held + size > self.max_pending_bytes:
             oldest = next(k for k in self._pending if k != keep)
-            self._drop(oldest)
+            self._evict(oldest)
+
+    def _evict(self, key: tuple[str, str]) -> None:
+        self.evicted.append(key[1])
+        self._drop(key)
 
     def _drop(self, key: tuple[str, str]) -> None:
         self._held -= self._pending.pop(key).held

@@ -47,7 +47,7 @@ EXPIRE_INTERVAL_S = 1.0
 StatusFrames = Callable[[bool, str], bytes]
 """(online, connection nonce) -> the sealed status payload (status.StatusSigner)."""
 STAT_KEYS = ("frames_in", "frames_rejected", "frames_repeated", "messages_in", "messages_expired",
-             "bytes_out", "bytes_in", "reconnects")
+             "messages_evicted", "bytes_out", "bytes_in", "reconnects")
 
 
 class TransportError(RuntimeError):
@@ -492,6 +492,13 @@ class MqttEndpoint:
             LOG.warning("%s: dropped frame on %s: %s", self.client_id, topic, exc)
             self._bump("frames_rejected")  # after the log line: a reader of the count finds it logged
             payload = None
+        if self._reassembler.evicted:
+            evicted, self._reassembler.evicted = self._reassembler.evicted, []
+            LOG.warning("%s: %d incomplete message(s) pushed out to make room (%d pending, at most %d; %d bytes held, "
+                        "at most %d): %s lost", self.client_id, len(evicted), len(self._reassembler.pending_ids),
+                        self._reassembler.max_pending, self._reassembler.pending_bytes,
+                        self._reassembler.max_pending_bytes, ", ".join(evicted[:3]))
+            self._bump("messages_evicted", len(evicted))
         if payload is not None:
             self._bump("messages_in")
             self._inbox.put(topic, payload)
