@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts import SCRIPTS
+from tests.support.scripts import SCRIPTS
 
 DEVICES, ROUNDS = 20, 2
 TASK_BYTES = 16 * 1024

@@ -16,9 +16,9 @@ from device_runtime.protocol import ProtocolError
 from device_runtime.topics import frame_stream, payload_filter, payload_topic
 from device_runtime.transport import MqttEndpoint
 from server.engine.plan_payloads import REPUBLISH_MIN_S, PlanPayloads
-from tests.mqtt_peer import WAIT_S
-from tests.sealing import read
-from tests.test_mqtt_federation import (artifact_files, cache, dense_artifacts, dense_task, deliver,  # noqa: F401
+from tests.support.mqtt_peer import WAIT_S
+from tests.support.sealing import read
+from tests.mqtt.test_mqtt_federation import (artifact_files, cache, dense_artifacts, dense_task, deliver,  # noqa: F401
                                         make_agent, plan_for, tiny_shard)
 
 PREFIX = "fedara"
@@ -63,7 +63,7 @@ def test_a_task_names_its_payload_and_carries_no_tensors(dense_artifacts):
 
 
 def read_back(msg):
-    from tests.sealing import seal_down
+    from tests.support.sealing import seal_down
     return read(seal_down(msg))
 
 
