@@ -176,3 +176,13 @@ def world(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: Path)
     from tests.support.hostile_world import build_world  # torch: a server dependency
 
     return build_world(tmp_path_factory.mktemp("hostile"), shared_artifact_cache)
+
+
+@pytest.fixture(scope="module")
+def dense_artifacts(shared_artifact_cache: Path):
+    """A dense fedavgcnn 1x28x28 (seed 0) and its onnxruntime-training artifacts, from the shared cache."""
+    from export.artifacts import build_artifacts  # torch: a server dependency
+    from fedcore.models import build_model
+
+    model = build_model("fedavgcnn", (1, 28, 28), 10, seed=0)
+    return model, build_artifacts(model, {}, (1, 28, 28), 10, shared_artifact_cache)

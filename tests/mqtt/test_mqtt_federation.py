@@ -19,22 +19,14 @@ import numpy as np
 import pytest
 
 from device_runtime.__main__ import PASSWORD_ENV
-from device_runtime.agent import DeviceAgent
-from device_runtime.workdir import Workdir
-from device_runtime.artifact_contract import TRAINING_KIND
 from device_runtime.envelope import MessageType
 from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES, chunk
-from device_runtime.messages import (ARTIFACT_BLOBS_BY_KIND, DEFAULT_TOPIC_PREFIX, ErrorCode, Join, Plan, ShardInfo,
-                                     ack_message, join_message, parse_error, parse_join, parse_plan, plan_message,
-                                     task_message)
+from device_runtime.messages import (DEFAULT_TOPIC_PREFIX, ErrorCode, Join, ShardInfo, ack_message, join_message,
+                                     parse_error, parse_join, parse_plan, plan_message, task_message)
 from device_runtime.profile import collect_profile
-from device_runtime.shard import Shard, load_shard, save_shard
 from device_runtime.status import parse_status
-from device_runtime.task import Phase, Task
 from device_runtime.topics import Topics, server_subscriptions
 from device_runtime.transport import MqttEndpoint
-from export.artifacts import build_artifacts
-from fedcore.models import build_model
 from server import broker_loop
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.engine.cost_model import predict
@@ -44,8 +36,9 @@ from server import simulate
 from server.run_setup import RunFolder
 from tests.support.waiting import wait_for
 from tests.support.mqtt_peer import MqttPeer
-from tests.support.sealing import device_link, enrollment_file, read, seal_down, write_key
+from tests.support.sealing import device_link, enrollment_file, read, write_key
 from tests.support.processes import child_env
+from tests.support.device_agent import artifact_files, dense_task, deliver, make_agent, plan_for, tiny_shard
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05",
@@ -328,14 +321,6 @@ def test_device_that_never_answers_is_dropped_at_the_deadline(embedded_broker, t
 # -- the device process --------------------------------------------------------------------------
 
 
-def tiny_shard(path: Path) -> Path:
-    rng = np.random.default_rng(0)
-    x = rng.random((16, 1, 28, 28), dtype=np.float32)
-    y = np.arange(16, dtype=np.int64) % 10
-    save_shard(path, Shard(x[:12], y[:12], x[12:], y[12:], 10))
-    return path
-
-
 @pytest.fixture
 def server_endpoint(embedded_broker) -> Iterator[MqttEndpoint]:
     endpoint = MqttEndpoint("test-server", embedded_broker.url, subscriptions=server_subscriptions(DEFAULT_TOPIC_PREFIX))
@@ -404,66 +389,6 @@ def test_device_with_a_wrong_password_exits_with_status_2(secured_broker, tmp_pa
 
 
 # -- the device's event loop, without a broker ----------------------------------------------------
-
-
-class RecordingEndpoint:
-    """Stands in for MqttEndpoint where only what the agent publishes matters."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, bytes]] = []
-        self.followed: list[str] = []
-
-    def follow(self, topic_filter: str) -> None:
-        if topic_filter not in self.followed:
-            self.followed.append(topic_filter)
-
-    def unfollow(self, topic_filter: str) -> None:
-        self.followed.remove(topic_filter)
-
-    def publish(self, topic: str, payload: bytes, msg_id: str, retain: bool = False, **kwargs: object) -> None:
-        self.sent.append((topic, payload))
-
-    def set_max_message_bytes(self, max_message_bytes: int) -> None:
-        self.max_message_bytes = max_message_bytes
-
-    def messages(self) -> list:
-        return [read(payload) for _, payload in self.sent]
-
-
-@pytest.fixture(scope="module")
-def dense_artifacts(cache: Path):
-    model = build_model("fedavgcnn", (1, 28, 28), 10, seed=0)
-    return model, build_artifacts(model, {}, (1, 28, 28), 10, cache)
-
-
-def make_agent(workdir: Path, shard_path: Path) -> tuple[DeviceAgent, RecordingEndpoint]:
-    endpoint = RecordingEndpoint()
-    agent = DeviceAgent("dev_t", load_shard(shard_path), collect_profile(None, 1), endpoint, Workdir(workdir),
-                        Topics(DEFAULT_TOPIC_PREFIX, "dev_t"), device_link("dev_t", workdir / "auth"))
-    return agent, endpoint
-
-
-def artifact_files(artifacts) -> dict[str, bytes]:
-    return {name: (artifacts.directory / name).read_bytes() for name in ARTIFACT_BLOBS_BY_KIND[TRAINING_KIND]}
-
-
-def deliver(agent: DeviceAgent, msg) -> None:
-    agent.handle(agent.topics.down, seal_down(msg))
-
-
-def dense_task(model, round_index: int = 1) -> Task:
-    fe = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if k.startswith("fe.")}
-    return Task(round=round_index, weights=fe, lam=0.0, mu=0.0, lr=0.05, phases=(Phase("all", 1),), batch_size=4,
-                seed=round_index)
-
-
-def initial_head(model) -> dict[str, np.ndarray]:
-    """What the server's PLAN says a device keeps to itself (FedARA: the head)."""
-    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if k.startswith("head.")}
-
-
-def plan_for(artifacts, files: dict[str, bytes], model=None) -> Plan:
-    return Plan(artifacts.hash, 1.0, "dense", files, {} if model is None else initial_head(model))
 
 
 def test_device_refuses_artifacts_that_fail_verification(dense_artifacts, tmp_path: Path):

@@ -12,14 +12,12 @@ from device_runtime.messages import (ErrorCode, parse_error, parse_payload_reque
                                      task_payload)
 from device_runtime.payload import PayloadMismatch, PayloadRef, decode_payload, encode_payload, payload_ref
 from device_runtime.payload_wait import ASK_AGAIN_S, MIN_ASK_S, PayloadWait
-from device_runtime.protocol import ProtocolError
 from device_runtime.topics import frame_stream, payload_filter, payload_topic
 from device_runtime.transport import MqttEndpoint
 from server.engine.plan_payloads import REPUBLISH_MIN_S, PlanPayloads
 from tests.support.mqtt_peer import WAIT_S
 from tests.support.sealing import read
-from tests.mqtt.test_mqtt_federation import (artifact_files, cache, dense_artifacts, dense_task, deliver,  # noqa: F401
-                                        make_agent, plan_for, tiny_shard)
+from tests.support.device_agent import artifact_files, dense_task, deliver, make_agent, plan_for, tiny_shard
 
 PREFIX = "fedara"
 
