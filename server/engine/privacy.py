@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedcore.lowrank import reconstruct_state
+from server.engine.accountant import Accountant
 from server.engine.run_config import DpSettings
 
 
@@ -131,3 +133,56 @@ class Privacy:
 
     def restore(self, state: dict[str, Any]) -> None:
         self.clip = float(state["clip"])
+
+
+class DpFedAvg:
+    """The round engine's one handle on DP: who a round samples, each accepted update clipped into the round's sum,
+    the noised release that becomes the next global model, and the budget it spends (one round charged when it
+    opens, whatever it then delivers)."""
+
+    def __init__(self, settings: DpSettings, shapes: dict[str, tuple[int, ...]]):
+        self.settings = settings
+        self.mechanism = Privacy.of(settings, shapes)
+        self.accountant = Accountant(settings.join_ratio, settings.noise_multiplier, settings.run_delta,
+                                     settings.accountant, settings.target_epsilon)
+        self._sum: ClippedSum | None = None
+        self._sent: dict[Any, dict[str, torch.Tensor]] = {}
+
+    def refusal(self) -> str | None:
+        """Why the next training round may not open (the budget), or None."""
+        return self.accountant.refusal()
+
+    def sample(self, ready: Sequence[str]) -> list[str]:
+        return self.mechanism.sample(ready)
+
+    def open_round(self) -> None:
+        self.accountant.charge()
+        self._sum = self.mechanism.open_round()
+        self._sent = {}
+
+    def add(self, returned: dict[str, torch.Tensor], sent: dict[str, torch.Tensor], plan: Any) -> float:
+        """Add one accepted update: Δ = reconstruct(returned) − reconstruct(sent) (``sent`` reconstructed once per
+        ``plan``), clipped; returns ‖Δ‖ before clipping."""
+        shapes = self.mechanism.shapes
+        if plan not in self._sent:
+            self._sent[plan] = reconstruct_state(sent, shapes)
+        before = self._sent[plan]
+        dense = reconstruct_state(returned, shapes)
+        return self._sum.add({k: dense[k].double() - before[k].double() for k in shapes})
+
+    def aggregate(self, global_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The next global model: ω + the round's noised mean update."""
+        release = self.mechanism.release(self._sum)
+        return {k: (v.double() + release.delta[k]).to(v.dtype) for k, v in global_state.items()}
+
+    @property
+    def epsilon(self) -> float:
+        """ε spent so far, at the run's δ."""
+        return self.accountant.spent
+
+    def to_state(self) -> dict[str, Any]:
+        return {"accountant": self.accountant.to_state(), "mechanism": self.mechanism.to_state()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.accountant.restore(state["accountant"])
+        self.mechanism.restore(state["mechanism"])
