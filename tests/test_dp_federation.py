@@ -18,7 +18,12 @@ from server.engine.accountant import epsilon
 from server.engine.privacy import l2_norm
 from server.engine.sampling import to_torch
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from server.outputs.report import METRICS_FILE, read_metrics
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.outputs.prometheus_metrics import SnapshotCollector
+from server.outputs.report import METRICS_FILE, PRIVACY_PLOT, REPORT_FILE, read_metrics
+from server.outputs.status_snapshot import fleet_snapshot
 from server.run_setup import RunFolder
 from server.simulate import Simulation, build_parser, main
 
@@ -40,6 +45,29 @@ def run(out, *flags: str) -> list[dict]:
 def test_every_row_carries_the_epsilon_spent_so_far(tmp_path):
     records = run(tmp_path / "run", "--rounds", "2")
     assert [r["epsilon"] for r in records] == pytest.approx([eps_after(1), eps_after(2)])
+
+
+def test_the_report_shows_the_budget_spent(tmp_path):
+    records = run(tmp_path / "run", "--rounds", "1")
+    text = (tmp_path / "run" / REPORT_FILE).read_text()
+    assert f"user-level ε = {records[-1]['epsilon']:.4g} spent after round 1" in text and "| ε |" in text
+    assert (tmp_path / "run" / PRIVACY_PLOT).stat().st_size > 0
+
+
+def test_the_status_and_metrics_show_the_budget_spent(tmp_path):
+    args = build_parser().parse_args([*QUICK, *DP, "--rounds", "3", "--dp-target-epsilon", "9",
+                                      "--out", str(tmp_path / "s")])
+    engine = Simulation(args, RunFolder(tmp_path / "s")).engine
+    engine.dp.accountant.charge()  # as if one round had opened
+    snapshot = fleet_snapshot(engine, now=0.0, wall=0.0)
+    assert snapshot["privacy"]["epsilon"] == pytest.approx(eps_after(1))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snapshot))
+    values = {(s.name, tuple(s.labels.values())): s.value
+              for family in text_string_to_metric_families(generate_latest(registry).decode()) for s in family.samples}
+    assert values[("fedara_privacy_epsilon", ("spent",))] == pytest.approx(eps_after(1))
+    assert values[("fedara_privacy_epsilon", ("target",))] == 9.0
+    assert values[("fedara_privacy_delta", ())] == pytest.approx(DELTA)
 
 
 def test_a_run_without_dp_reports_no_epsilon(tmp_path):
