@@ -47,6 +47,12 @@ def test_every_row_carries_the_epsilon_spent_so_far(tmp_path):
     assert [r["epsilon"] for r in records] == pytest.approx([eps_after(1), eps_after(2)])
 
 
+@pytest.mark.parametrize("algo", ["fedavg", "fedrep"])
+def test_every_algorithm_with_a_shared_model_runs_private(algo, tmp_path):
+    records = run(tmp_path / "run", "--rounds", "1", "--algo", algo)
+    assert records[0]["epsilon"] == pytest.approx(eps_after(1)) and records[0]["aggregated"]
+
+
 def test_the_report_shows_the_budget_spent(tmp_path):
     records = run(tmp_path / "run", "--rounds", "1")
     text = (tmp_path / "run" / REPORT_FILE).read_text()
