@@ -3,6 +3,7 @@
     nice -n 5 .venv/bin/python scripts/bench_privacy.py                       # the full grid (hours on 2 cores)
     .venv/bin/python scripts/bench_privacy.py --seeds 1 --epsilons inf,8,1    # a slice, in this order
     .venv/bin/python scripts/bench_privacy.py --render-only                   # the table again from the JSON
+    .venv/bin/python scripts/bench_privacy.py --keep-runs                     # finish an interrupted run
 
 For each ε in ``--epsilons`` (inf: no DP, the same schedule) the noise multiplier is the smallest that keeps
 ``--rounds`` rounds within ε at δ = 1/N^1.1 (``server.engine.accountant.noise_multiplier_for``, PLD); every run
@@ -55,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accountant", default="pld")
     p.add_argument("--out", default="docs/privacy.json")
     p.add_argument("--render-only", action="store_true")
+    p.add_argument("--keep-runs", action="store_true", help="reuse the runs --out already holds (same commands)")
     return p.parse_args(argv)
 
 
@@ -128,13 +130,16 @@ def main(argv: list[str] | None = None) -> int:
                 .stdout.splitlines() if line.startswith("Model name")), platform.processor())
     doc = {"config": dict(vars(a), epsilons=targets, settings=settings, delta=delta), "cpu": cpu,
            "load_before": os.getloadavg(), "noise_multipliers": z_for, "runs": []}
+    kept = {r["command"]: r for r in json.loads(out.read_text())["runs"]} if a.keep_runs and out.exists() else {}
     print(f"N = {a.clients}, q = {a.join_ratio}, {a.rounds} rounds, δ = {delta:.3g}: noise multipliers "
           + ", ".join(f"ε {t}: {'-' if z is None else f'{z:.3f}'}" for t, z in z_for.items()), flush=True)
     for seed in range(a.seeds):  # cells in the order asked, both settings each: a cut-short run keeps pairs
         for target in targets:
             for setting in settings:
                 argv_ = run_argv(a, setting, seed, z_for[target], math.inf if target == "inf" else float(target))
-                result = dict(execute(argv_), setting=setting, target=target, seed=seed, z=z_for[target])
+                command = shlex.join(["python", "-m", "server.simulate", *argv_])
+                result = kept.get(command) or dict(execute(argv_), setting=setting, target=target, seed=seed,
+                                                   z=z_for[target])
                 doc["runs"].append(result)
                 print(f"{setting} ε {target} seed {seed}: accuracy {result['final_accuracy']:.4f}, ε spent "
                       f"{result['epsilon']}, {result['wall_s']:.0f} s", flush=True)
