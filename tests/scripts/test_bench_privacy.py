@@ -1,7 +1,7 @@
 """scripts/bench_privacy.py: the commands it runs and the table it prints (the runs themselves are the benchmark's)."""
 from __future__ import annotations
 
-from tests.scripts import load_script
+from tests.support.scripts import load_script
 
 bench = load_script("bench_privacy")
 
