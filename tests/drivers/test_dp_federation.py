@@ -97,6 +97,7 @@ def test_a_resumed_run_continues_the_accounting(tmp_path):
     assert records[-1]["epsilon"] == pytest.approx(eps_after(3))
 
 
+@pytest.mark.slow  # four runs: ~15 s
 def test_the_noise_is_not_fixed_by_the_seed(tmp_path):
     def final(name: str, *flags: str) -> dict[str, np.ndarray]:
         run(tmp_path / name, "--rounds", "1", *flags)
