@@ -36,6 +36,7 @@ from server.mqtt import cgroups
 from server.cli import (PASSWORD_ENV, STATUS_HOST, add_broker_flags, add_status_flags, check_args,
                         check_before_loading, check_broker_connect_timeout, check_inputs, check_status_args,
                         console_logging, fail, new_parser, parse, run_folder)
+from server.engine.run_config import dp_from_args
 from server.mqtt.enrollment import ENROLL_OPEN
 
 LOG = logging.getLogger("fedara.server")
@@ -135,6 +136,10 @@ def check_broker_args(args: argparse.Namespace) -> None:
                          "holds the run key, so nothing could seal what the server and its aggregators say")
     check_status_args(args)
     check_broker_connect_timeout(args)
+    if args.dp_noise_multiplier is not None and not args.local_devices:
+        raise ValueError("--dp-noise-multiplier needs the devices a round samples from (its fixed denominator and δ): "
+                         "run with --local-devices N (devices from outside are not counted before they join)")
+    dp_from_args(args, args.local_devices)
     if args.local_memory_limit_mb:
         try:
             cgroups.parse_limits(args.local_memory_limit_mb)
@@ -441,18 +446,25 @@ class Federation:
                 return
 
     def run(self, first_round: int, progress: Progress) -> None:
-        """Rounds first_round..rounds, then the evaluation of the final model; checkpoint after each."""
+        """Rounds first_round..rounds (fewer where the privacy budget ends the run first), then the evaluation of the
+        final model; checkpoint after each."""
         rounds = self.engine.config.rounds
         if self.aggregators:
             self.channel.wait_for_start()
+        last = first_round - 1
         for t in range(first_round, rounds + 1):
+            stop = self.engine.budget_refusal()
+            if stop is not None:
+                print_and_log(stop)
+                break
             self.wait_for_devices()
             progress.evaluated(self.run_round(t))
             progress.trained(self.engine.pending)
             self.checkpoint(t, finished=False)
             self.publish_status(force=True)
+            last = t
         if self.engine.pending is not None:
-            progress.evaluated(self.run_round(rounds + 1, train=False))
+            progress.evaluated(self.run_round(last + 1, train=False))
         self.checkpoint(rounds, finished=True)
         self.publish_status(force=True, finished=True)
 

@@ -25,7 +25,8 @@ from server.data import DATASETS
 from server.data.datasets import DatasetUnavailable, check_available
 from server.outputs.checkpoint import folder_taken
 from server.engine.run_config import (AGGREGATION_RULES, ALGORITHMS, DEFAULT_LAM_WARMUP, DEFAULT_MU, DEFAULT_TIERS,
-                               MODELS, FederationConfig, add_norm_bound_arguments, norm_bound_from_args)
+                               MODELS, FederationConfig, add_dp_arguments, add_norm_bound_arguments,
+                               norm_bound_from_args)
 
 RUNS_DIR = "runs"
 DEFAULT_CACHE_DIR = "artifacts_cache"
@@ -142,6 +143,7 @@ def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
     algo.add_argument("--threads", type=int, default=1, help="compute threads, of the server and of each device")
     algo.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="ONNX artifact cache")
     add_norm_bound_arguments(algo)
+    add_dp_arguments(p.add_argument_group("differential privacy (user-level DP-FedAvg, see docs/privacy.md)"))
     out = p.add_argument_group("output")
     out.add_argument("--out", default=None,
                      help="run folder: metrics.jsonl, metrics.csv, checkpoint.npz, report.md, logs "

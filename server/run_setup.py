@@ -32,7 +32,7 @@ from server.engine.coordinator import Coordinator, CoordinatorConfig
 from server.engine.cost_model import CostModelError, peak_predictor
 from server.engine.round_engine import Predictor, RoundEngine, algorithm_for
 from server.engine.rank_assignment import check_tiers, load_overrides, tier_predictor
-from server.engine.run_config import DEFAULT_TIERS, FederationConfig, RunError, norm_bound_from_args
+from server.engine.run_config import DEFAULT_TIERS, FederationConfig, RunError, dp_from_args, norm_bound_from_args
 from server.outputs.report import METRICS_CSV, METRICS_FILE, write_metrics, write_metrics_csv, write_report
 from server.data.shards import DEVICE_ID, data_from_args, partition_from_args
 from server.engine.sampling import to_numpy
@@ -40,6 +40,9 @@ from server.engine.sampling import to_numpy
 LOG = logging.getLogger("fedara.setup")
 RESUME_IGNORED = ("rounds",)
 """Settings a resumed run may change (a run can be extended); every other setting must match."""
+DP_SETTINGS = ("dp_noise_multiplier", "dp_clip", "dp_clip_quantile", "dp_clip_lr", "dp_target_epsilon", "dp_delta",
+               "dp_accountant", "dp_test_seed")
+"""The differential-privacy flags a resumed run must match, where DP is on (its budget too: a resume keeps spending it)."""
 
 
 def device_ids(count: int) -> list[str]:
@@ -199,6 +202,8 @@ def run_settings(args: argparse.Namespace, config_dict: dict[str, Any], extra: t
     """Everything that defines the run's math; a resumed run must match (except RESUME_IGNORED)."""
     keys = ("dataset", "partition", "alpha", "classes_per_client", "min_samples", "max_samples", "model",
             "rank_ratio", "rank_tiers", "update_norm_bound", "update_norm_action", *extra)
+    if args.dp_noise_multiplier is not None:  # DP's settings where it is on (a run without DP resumes as before)
+        keys += DP_SETTINGS
     settings = dict(config_dict, **{k: getattr(args, k) for k in keys})
     if args.rank_ratio is None:  # the tiers offered, also when they are the defaults
         settings["rank_tiers"] = ",".join(f"{t:g}" for t in tiers_from_args(args))
@@ -293,7 +298,8 @@ def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder,
                          device_models=models_of,
                          predictor=predictor_for(plans, config.batch_size) if deployment.budgets else None,
                          norm_bound=norm_bound_from_args(args), remote=deployment.remote,
-                         shared_payloads=deployment.shared_payloads)
+                         shared_payloads=deployment.shared_payloads,
+                         privacy=dp_from_args(args, deployment.devices))
     for device_id in shards:
         engine.register(device_id)
     if saved:  # the global model's tensors (the simulator's checkpoint also holds its devices')

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
 from server.cli import (check_args, check_before_loading, check_inputs, console_logging, fail, new_parser, parse,
                         run_folder)
+from server.engine.run_config import dp_from_args
 
 log = logging.getLogger("fedara.simulate")
 BACKENDS = {"torch": None, "ort": TRAINING_KIND, "portable": PORTABLE_KIND}
@@ -48,6 +49,7 @@ def check_simulate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--clients must be >= 1, got {args.clients}")
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    dp_from_args(args, args.clients)
     if args.device == "cuda":
         if args.backend != "torch":
             raise ValueError(f"--device cuda trains with PyTorch: use --backend torch (got --backend {args.backend}; "
@@ -148,14 +150,21 @@ class Simulation:
         self.progress.evaluated(completed)
 
     def run(self) -> list[dict]:
-        """Rounds up to --rounds, then the evaluation of the final model; a checkpoint after each round."""
+        """Rounds up to --rounds (fewer where the privacy budget ends the run first), then the evaluation of the
+        final model; a checkpoint after each round."""
+        last = self.first_round - 1
         try:
             for t in range(self.first_round, self.config.rounds + 1):
+                stop = self.engine.budget_refusal()
+                if stop is not None:
+                    print_and_log(stop)
+                    break
                 self._round(t)
                 self.progress.trained(self.engine.pending)
                 self._checkpoint(t, finished=False)
+                last = t
             if self.engine.pending is not None:
-                self._round(self.config.rounds + 1, train=False)
+                self._round(last + 1, train=False)
         finally:
             self.close()
         self._checkpoint(self.config.rounds, finished=True)

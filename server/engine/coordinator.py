@@ -224,14 +224,21 @@ class Coordinator:
     def open(self) -> RoundOpen | None:
         return None if self._round is None else self._round.plan
 
-    def open_round(self, round_index: int, now: float, *, train: bool = True) -> RoundOpen:
-        """Ask the ready devices: a seeded sample of them trains (all with join ratio 1), the others evaluate.
+    def open_round(self, round_index: int, now: float, *, train: bool = True,
+                   sample: Callable[[list[str]], list[str]] | None = None) -> RoundOpen:
+        """Ask the ready devices: a seeded sample of them trains (all with join ratio 1), the others evaluate;
+        ``sample`` (ready devices -> those that train) replaces the seeded sample (DP's Poisson sampling).
 
         With ``train=False`` every ready device only evaluates (the evaluation after the last round)."""
         if self._round is not None:
             raise RuntimeError(f"round {self._round.plan.round} is still open")
         ready = self.ready_devices()
-        chosen = sample_clients(ready, self.config.join_ratio, round_index, self.config.seed) if train and ready else []
+        if not (train and ready):
+            chosen = []
+        elif sample is not None:
+            chosen = sample(ready)
+        else:
+            chosen = sample_clients(ready, self.config.join_ratio, round_index, self.config.seed)
         plan = RoundOpen(round_index, tuple(chosen), tuple(d for d in ready if d not in chosen),
                          now + self.config.round_deadline_s)
         self._round = _OpenRound(plan)

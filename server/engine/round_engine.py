@@ -40,12 +40,13 @@ from fedcore.lowrank import ResolvedPlan
 from server.engine.coordinator import NO_ANSWER, Coordinator, DeviceRecord, RoundOpen, RoundResult, Verdict
 from server.engine.plan_payloads import PlanPayloads
 from server.engine.presence import Presence
+from server.engine.privacy import DpFedAvg
 from server.engine.rank_assignment import choose_ratio
 from server.engine.remote_folding import RemoteFolding
 from server.engine.evaluation import EVAL_DIRECTION
 from server.engine.robust import bound_update, rejection_reason
 from server.engine.round_record import RoundBook, TrainingRecord, tier_label
-from server.engine.run_config import FederationConfig, NormBound
+from server.engine.run_config import DpSettings, FederationConfig, NormBound
 from server.engine.sampling import batch_seed, factorize_per_plan, plan_key, to_numpy, to_torch
 from server.engine.update_rule import Answer, Asked
 
@@ -104,7 +105,7 @@ class RoundEngine:
                  tiers: tuple[float, ...], overrides: dict[str, float] | None = None,
                  device_models: dict[str, str] | None = None,
                  predictor: Predictor | None = None, norm_bound: NormBound | None = None, remote: bool = False,
-                 shared_payloads: bool = False):
+                 shared_payloads: bool = False, privacy: DpSettings | None = None):
         self.algorithm, self.config, self.coordinator, self.plans = algorithm, config, coordinator, plans
         self.global_state = global_state  # what the algorithm shares and aggregates (empty: no global model)
         self.initial_personal = initial_personal  # model name -> what a device of that model starts from
@@ -119,7 +120,12 @@ class RoundEngine:
             raise ValueError("--aggregators: aggregator processes fold the updates of an algorithm with a global model "
                              f"({algorithm.name} {'has none' if not global_state else 'has one'}), without "
                              "--update-norm-bound (the engine never sees their tensors)")
+        if privacy is not None and (remote or not global_state):
+            raise ValueError("--dp-noise-multiplier clips each update in the engine: it needs an algorithm with a global "
+                             "model and no --aggregators (aggregator processes fold updates the engine never sees)")
         self.dense_shapes = {k: tuple(v.shape) for k, v in global_state.items()}
+        self.dp = DpFedAvg(privacy, self.dense_shapes) if privacy is not None else None  # DP-FedAvg, its budget
+        self._private_round = False  # the open round is a DP training round
         self.remote = RemoteFolding(self.dense_shapes) if remote else None  # aggregator processes hold the updates
         self.payloads = PlanPayloads() if shared_payloads and global_state else None  # tasks name their payload
         self.presence = Presence()
@@ -306,15 +312,24 @@ class RoundEngine:
 
     # -- rounds ---------------------------------------------------------------------------------
 
+    def budget_refusal(self) -> str | None:
+        """Why no further training round may open (the privacy budget would be overspent), or None: the drivers
+        stop the run cleanly when it says so."""
+        return None if self.dp is None else self.dp.refusal()
+
     def open_round(self, round_index: int, now: float, *, train: bool = True,
                    wall: float | None = None) -> dict[str, Task]:
         """Open a round; returns each asked device's task (trainers train, the others only evaluate), with the
         round's deadline on the wall clock when ``wall`` (the wall time of ``now``) is given."""
-        opened = self.coordinator.open_round(round_index, now, train=train)
+        private = self.dp is not None and train
+        opened = self.coordinator.open_round(round_index, now, train=train, sample=self.dp.sample if private else None)
         self._book.opened_at = now  # artifacts sent since the last round closed count in this one
         plans = [self.plan_info(d).resolved for d in opened.train + opened.evaluate]
         self._round_weights = factorize_per_plan(self.global_state, plans) if self.global_state else {}
-        self._average = StreamingAverage(self.dense_shapes) if self.global_state else None
+        self._average = StreamingAverage(self.dense_shapes) if self.global_state and self.dp is None else None
+        self._private_round = private
+        if private:
+            self.dp.open_round()
         self._sent_weight = {}
         self._folds = FoldOrder(opened.train)
         if self.remote is not None:
@@ -423,6 +438,10 @@ class RoundEngine:
     def _fold(self, device_id: str, update: Update, nbytes: int) -> None:
         if self._average is not None:
             self._average.add(to_torch(update.weights), update.num_samples)
+        elif self.dp is not None:
+            norm = self.dp.add(to_torch(update.weights), to_torch(self._weights(device_id)),
+                               plan_key(self.plan_info(device_id).resolved))
+            LOG.info("%s: update norm %.6g (DP clip %g)", device_id, norm, self.dp.mechanism.clip)
         self._count(device_id, update, nbytes)
 
     def _count(self, device_id: str, update: Update, nbytes: int) -> None:
@@ -543,17 +562,21 @@ class RoundEngine:
                 if device_id in self._lost:
                     self.demote(device_id, f"went offline during round {result.round} and missed it")
         self._lost = {}
-        if not result.train and self._pending is not None:  # the evaluation after the last round: its downloads
+        training = bool(result.train) or self._private_round  # a Poisson sample may be empty: DP still releases
+        if not training and self._pending is not None:  # the evaluation after the last round: its downloads
             self._pending.add_evaluation_bytes(self._book)  # belong to the last round's record
         completed = self._complete_previous(result)
-        if result.train:
+        if training:
             self._pending = self._training_record(result, now, wire)
         self._book = RoundBook(now)
         return result, completed
 
     def _aggregate(self) -> dict[str, torch.Tensor]:
         """The new global model from the round's accepted updates: the algorithm's aggregate_fit over their
-        float64 sample-weighted mean (each client's tensors reconstructed to full rank), under --aggregate."""
+        float64 sample-weighted mean (each client's tensors reconstructed to full rank), under --aggregate; with
+        DP, the global model plus the round's noised mean of clipped updates (``server.engine.privacy``)."""
+        if self.dp is not None:
+            return self.dp.aggregate(self.global_state)
         def sent_mean() -> dict[str, torch.Tensor]:
             sent = StreamingAverage(self.dense_shapes)  # Σ p_k S_k, one factor set per plan
             for key, weight in self._sent_weight.items():
@@ -563,15 +586,16 @@ class RoundEngine:
                                             self.config.aggregate)
 
     def _training_record(self, result: RoundResult, now: float, wire: tuple[int, int] | None) -> TrainingRecord:
-        if result.enough and self._average is not None:
+        folding = self._average is not None or self.dp is not None
+        if result.enough and folding:
             self.global_state = self._aggregate()
-        elif self._average is not None:
+        elif folding:
             LOG.warning("round %d: %d of %d updates, below --min-completion %g: the global model is kept",
                         result.round, len(result.accepted), len(result.train), self.coordinator.config.min_completion)
         tiers = {d: tier_label(self.coordinator.devices[d].ratio) for d in result.train + result.evaluate}
-        return TrainingRecord.of(result, self._book, aggregated=result.enough and self._average is not None,
+        return TrainingRecord.of(result, self._book, aggregated=result.enough and folding,
                                  algorithm=self.algorithm.name, aggregate=self.config.aggregate, tiers=tiers,
-                                 now=now, wire=wire)
+                                 now=now, wire=wire, epsilon=None if self.dp is None else self.dp.epsilon)
 
     def _complete_previous(self, result: RoundResult) -> dict[str, Any] | None:
         """The evaluations that came with this round measure the previous round's model: finish its record."""
@@ -587,13 +611,16 @@ class RoundEngine:
     def to_state(self) -> dict[str, Any]:
         """JSON-able state (the global model is saved beside it as tensors; an open round is not kept)."""
         return {"registry": self.coordinator.to_state(), "records": self.records,
-                "pending": None if self._pending is None else self._pending.to_state(), "demoted": self.demoted}
+                "pending": None if self._pending is None else self._pending.to_state(), "demoted": self.demoted,
+                "privacy": None if self.dp is None else self.dp.to_state()}
 
     def restore(self, state: dict[str, Any], global_state: dict[str, np.ndarray]) -> None:
         self.coordinator.restore(state["registry"])
         self.records = state["records"]
         self._pending = None if state["pending"] is None else TrainingRecord.from_state(state["pending"])
         self.demoted = dict(state.get("demoted", {}))
+        if self.dp is not None and state.get("privacy") is not None:  # the budget spent goes on being spent
+            self.dp.restore(state["privacy"])
         if global_state:
             self.global_state = to_torch(global_state)
 

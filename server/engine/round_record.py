@@ -62,16 +62,18 @@ class TrainingRecord:
     tiers: dict[str, str]  # device -> its tier label in this round (per-tier accuracy)
     wire_bytes_out: int | None = None  # the transport's own count, where there is one (MQTT)
     wire_bytes_in: int | None = None
+    epsilon: float | None = None  # DP: ε spent up to and with this round, at the run's δ (None: no DP guarantee)
 
     @classmethod
     def of(cls, result: RoundResult, book: RoundBook, *, aggregated: bool, algorithm: str, aggregate: str,
-           tiers: dict[str, str], now: float, wire: tuple[int, int] | None) -> TrainingRecord:
+           tiers: dict[str, str], now: float, wire: tuple[int, int] | None,
+           epsilon: float | None = None) -> TrainingRecord:
         return cls(result.round, len(result.accepted), len(result.train), result.dropped, aggregated, algorithm,
                    aggregate, result.closed_by,
                    book.loss_sum / book.samples if book.samples else None,
                    book.accuracy_sum / book.samples if book.samples else None,
                    book.bytes_down, book.bytes_up, book.bytes_artifacts, book.bytes_down_eval, book.by_tier,
-                   now - book.opened_at, tiers, *(wire or (None, None)))
+                   now - book.opened_at, tiers, *(wire or (None, None)), epsilon)
 
     def add_evaluation_bytes(self, book: RoundBook) -> None:
         """The downloads of the evaluation after the last round belong to the last round's record."""

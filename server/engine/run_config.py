@@ -107,3 +107,120 @@ def norm_bound_from_args(args: argparse.Namespace) -> NormBound | None:
     if args.update_norm_bound is None:
         return None
     return NormBound(args.update_norm_bound, NormAction(args.update_norm_action))
+
+
+ACCOUNTANTS = ("pld", "rdp")
+"""ε from privacy loss distributions (tighter) or Rényi DP (the classic bound); both Google's dp-accounting."""
+DP_DEFAULT_CLIP = 0.1
+"""The clip C (L2, over every shared tensor), or the adaptive clip's start (Flower's default, Andrew et al.)."""
+DP_DEFAULT_CLIP_LR = 0.2
+"""The adaptive clip's learning rate η (Flower's default)."""
+
+
+@dataclass(frozen=True)
+class DpSettings:
+    """User-level DP-FedAvg (``server.engine.privacy``) and its budget (``server.engine.accountant``).
+
+    ``noise_multiplier`` is z, what the accountant charges per round; ``population`` N the devices a round samples
+    from (rate ``join_ratio``), so E = q·N participants are expected; ``delta`` defaults to 1/N^1.1."""
+
+    noise_multiplier: float
+    join_ratio: float
+    population: int
+    clip: float = DP_DEFAULT_CLIP
+    clip_quantile: float | None = None
+    clip_lr: float = DP_DEFAULT_CLIP_LR
+    delta: float | None = None
+    target_epsilon: float | None = None
+    accountant: str = ACCOUNTANTS[0]
+    test_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--dp-noise-multiplier", self.noise_multiplier), ("--dp-clip", self.clip),
+                            ("--dp-clip-lr", self.clip_lr), ("--dp-target-epsilon", self.target_epsilon)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{flag} must be a positive number, got {value:g}")
+        if self.population < 1:
+            raise ValueError(f"differential privacy needs the devices a round samples from, got {self.population}")
+        if self.clip_quantile is not None and not 0 < self.clip_quantile < 1:
+            raise ValueError(f"--dp-clip-quantile must be in (0, 1), got {self.clip_quantile:g}")
+        if self.delta is not None and not 0 < self.delta < 1:
+            raise ValueError(f"--dp-delta must be in (0, 1), got {self.delta:g}")
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"--dp-accountant {self.accountant!r} is unknown; choose one of {', '.join(ACCOUNTANTS)}")
+        if self.clip_quantile is not None and self.noise_multiplier >= 2 * self.count_stddev:
+            raise ValueError(f"--dp-noise-multiplier {self.noise_multiplier:g} with --dp-clip-quantile: the adaptive "
+                             f"clip's count takes noise of std E/20 = {self.count_stddev:.3g} (E = {self.expected:.3g} "
+                             f"expected participants), which alone costs multiplier {2 * self.count_stddev:.3g}; "
+                             "use a smaller multiplier, more devices per round, or a fixed --dp-clip")
+
+    @property
+    def expected(self) -> float:
+        """E = q·N, the fixed denominator of the mean update."""
+        return self.join_ratio * self.population
+
+    @property
+    def run_delta(self) -> float:
+        """δ: --dp-delta, or 1/N^1.1 (below 1/N, as a user-level δ must be)."""
+        return self.delta if self.delta is not None else self.population ** -1.1
+
+    @property
+    def count_stddev(self) -> float:
+        """σ_b, the noise on the adaptive clip's count of participants within the clip (Flower's E/20)."""
+        return self.expected / 20
+
+    @property
+    def update_noise_multiplier(self) -> float:
+        """z_Δ, the update's own multiplier: z with a fixed clip; (z⁻² − (2σ_b)⁻²)^(−½) with the adaptive one, so the
+        update and the count together cost z."""
+        if self.clip_quantile is None:
+            return self.noise_multiplier
+        return (self.noise_multiplier ** -2 - (2 * self.count_stddev) ** -2) ** -0.5
+
+
+def add_dp_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The differential-privacy flags shared by the simulator and the broker loop."""
+    parser.add_argument("--dp-noise-multiplier", type=float, default=None, metavar="Z",
+                        help="user-level DP-FedAvg: clip each device's reconstructed update, average with a fixed "
+                             "denominator (join ratio x devices), add Gaussian noise of std Z x clip / that "
+                             "(needs --aggregate updates; personal heads stay on the device, outside the guarantee); "
+                             "default: off")
+    parser.add_argument("--dp-clip", type=float, default=DP_DEFAULT_CLIP, metavar="C",
+                        help="L2 bound of each device's update over every shared tensor (the adaptive clip's start "
+                             "with --dp-clip-quantile)")
+    parser.add_argument("--dp-clip-quantile", type=float, default=None, metavar="Q",
+                        help="adapt the clip to this quantile of the update norms (Andrew et al. 2021; its count's "
+                             "noise is accounted); default: a fixed --dp-clip")
+    parser.add_argument("--dp-clip-lr", type=float, default=DP_DEFAULT_CLIP_LR, metavar="ETA",
+                        help="the adaptive clip's learning rate")
+    parser.add_argument("--dp-target-epsilon", type=float, default=None, metavar="E",
+                        help="stop before a round that would spend more than this ε (the checkpoint is kept); "
+                             "default: no limit (ε is still reported)")
+    parser.add_argument("--dp-delta", type=float, default=None, metavar="D",
+                        help="the δ of every reported ε (default: 1/N^1.1 for N devices)")
+    parser.add_argument("--dp-accountant", choices=ACCOUNTANTS, default=ACCOUNTANTS[0],
+                        help="pld: privacy loss distributions (tighter); rdp: Renyi DP (Google's dp-accounting)")
+    parser.add_argument("--dp-test-seed", type=int, default=None, metavar="N",
+                        help="TESTS ONLY: fix DP's sampling and noise (the guarantee no longer holds); default: "
+                             "seeded from the OS's secure generator, never by --seed")
+
+
+def dp_from_args(args: argparse.Namespace, population: int) -> DpSettings | None:
+    """The DP settings the flags ask for (``population``: the devices a round samples from), or None (off)."""
+    if args.dp_noise_multiplier is None:
+        asked = [f for f, v in (("--dp-clip-quantile", args.dp_clip_quantile), ("--dp-target-epsilon",
+                 args.dp_target_epsilon), ("--dp-delta", args.dp_delta), ("--dp-test-seed", args.dp_test_seed))
+                 if v is not None]
+        if asked:
+            raise ValueError(f"{asked[0]} needs --dp-noise-multiplier Z (differential privacy is off without it)")
+        return None
+    if args.aggregate != "updates":
+        raise ValueError(f"--dp-noise-multiplier clips each device's update (what it changed): use --aggregate updates "
+                         f"(got --aggregate {args.aggregate}, which averages whole weights)")
+    if args.algo == "local":
+        raise ValueError("--dp-noise-multiplier with --algo local: nothing is shared, so nothing needs noise; "
+                         "choose fedara, fedavg or fedrep")
+    if args.update_norm_bound is not None:
+        raise ValueError("--dp-noise-multiplier clips every update already: leave --update-norm-bound out")
+    return DpSettings(args.dp_noise_multiplier, args.join_ratio, population, args.dp_clip, args.dp_clip_quantile,
+                      args.dp_clip_lr, args.dp_delta, args.dp_target_epsilon, args.dp_accountant, args.dp_test_seed)

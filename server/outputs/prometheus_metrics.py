@@ -75,6 +75,16 @@ def metric_families(snapshot: Snapshot) -> list:
         refusals.add_metric([reason], value)
     families = [info, rounds, trained, duration, last_duration, participants, missed, nbytes, wire, devices,
                 round_gauge, in_round, deadline, accuracy, evaluated, refusals]
+    if snapshot.get("privacy"):
+        privacy = snapshot["privacy"]
+        spent = GaugeMetricFamily("fedara_privacy_epsilon", "User-level ε spent so far (an upper bound) at the run's "
+                                  "δ; target: --dp-target-epsilon (+Inf: none)", labels=["bound"])
+        spent.add_metric(["spent"], privacy["epsilon"])
+        target = privacy["target_epsilon"]
+        spent.add_metric(["target"], float("inf") if target is None else target)
+        delta = GaugeMetricFamily("fedara_privacy_delta", "The δ of every reported ε")
+        delta.add_metric([], privacy["delta"])
+        families += [spent, delta]
     if snapshot["aggregators"]:
         briefed = GaugeMetricFamily("fedara_aggregator_briefed_round", "The round whose brief an aggregator holds "
                                     "(0: started, -1: not yet)", labels=["aggregator"])

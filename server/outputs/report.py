@@ -31,6 +31,7 @@ REPORT_FILE = "report.md"
 ACCURACY_PLOT = "accuracy.png"
 BYTES_PLOT = "bytes_by_tier.png"
 DEVICE_PLOT = "accuracy_by_device.png"
+PRIVACY_PLOT = "accuracy_by_epsilon.png"
 PLOT_SIZE_IN = (6.0, 3.6)
 PLOT_DPI = 110
 MB = 1e6
@@ -108,6 +109,27 @@ def accuracy_figure(records: Sequence[Mapping[str, Any]]) -> Figure:
 def plot_accuracy(records: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
     """Save ``accuracy_figure`` as a PNG."""
     _save(accuracy_figure(records), Path(path))
+
+
+def private(records: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the run was differentially private (its rows carry the ε spent)."""
+    return any(r.get("epsilon") is not None for r in records)
+
+
+def privacy_figure(records: Sequence[Mapping[str, Any]]) -> Figure:
+    """Accuracy against the ε spent up to each round: what each unit of privacy bought."""
+    points = [(r["epsilon"], r["accuracy"]) for r in records
+              if r.get("epsilon") is not None and r.get("accuracy") is not None]
+    figure = Figure(figsize=PLOT_SIZE_IN)
+    ax = figure.add_subplot()
+    if points:
+        ax.plot(*zip(*points), marker="o")
+    ax.set_title("Accuracy against the privacy spent (user-level ε, upper bound)")
+    ax.set_xlabel("ε spent so far")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0.0, 1.0)
+    ax.grid(alpha=0.3)
+    return figure
 
 
 def tiers_of(records: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -263,18 +285,24 @@ def report_markdown(records: Sequence[Mapping[str, Any]], settings: Mapping[str,
     eval_total = sum(r.get("bytes_down_eval", 0) for r in records)
     lines += [f"- rounds: {len(records)}; bytes moved (FE down + up + artifacts): {total / MB:.2f} MB, "
               f"and {eval_total / MB:.2f} MB of evaluation-only downloads",
-              f"- updates dropped: {sum(len(r.get('dropped', {})) for r in records)}", "",
+              f"- updates dropped: {sum(len(r.get('dropped', {})) for r in records)}"]
+    dp = private(records)
+    if dp:
+        lines += [f"- privacy: user-level ε = {records[-1]['epsilon']:.4g} spent after round {records[-1]['round']} at "
+                  f"δ = {settings.get('dp_delta') or 'the default 1/N^1.1'} (an upper bound: docs/privacy.md); the "
+                  "devices' personal heads and the reported accuracies are outside the guarantee"]
+    lines += ["",
               "## Rounds", "",
               "| round | accuracy | ± std | train loss | participants | dropped | down MB | up MB | artifacts MB "
-              "| eval-only down MB | s |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              f"| eval-only down MB | s |{' ε |' if dp else ''}",
+              f"| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |{' --- |' if dp else ''}"]
     for r in records:
         lines.append(
             f"| {r['round']} | {_fmt(r.get('accuracy'), '.4f')} | {_fmt(r.get('accuracy_std'), '.4f')} | "
             f"{_fmt(r.get('train_loss'), '.4f')} | {r.get('participants', 0)}/{r.get('selected', 0)} | "
             f"{len(r.get('dropped', {}))} | {r.get('bytes_down', 0) / MB:.2f} | {r.get('bytes_up', 0) / MB:.2f} | "
             f"{r.get('bytes_artifacts', 0) / MB:.2f} | {r.get('bytes_down_eval', 0) / MB:.2f} | "
-            f"{r.get('seconds', 0.0):.1f} |")
+            f"{r.get('seconds', 0.0):.1f} |" + (f" {_fmt(r.get('epsilon'), '.4g')} |" if dp else ""))
     dropped = [(r["round"], d, why) for r in records for d, why in sorted(r.get("dropped", {}).items())]
     if dropped:
         lines += ["", "Dropped answers:", ""] + [f"- round {t}, {d}: {why}" for t, d, why in dropped]
@@ -282,6 +310,8 @@ def report_markdown(records: Sequence[Mapping[str, Any]], settings: Mapping[str,
     lines += ["## How accuracy is measured", "", EVALUATION_NOTE, "",
               "## Plots", "", f"![accuracy per round]({ACCURACY_PLOT})", "",
               f"![training traffic per round by tier]({BYTES_PLOT})", ""]
+    if dp:
+        lines += [f"![accuracy against the privacy spent]({PRIVACY_PLOT})", ""]
     return "\n".join(lines)
 
 
@@ -294,6 +324,8 @@ def write_report(out_dir: str | os.PathLike, records: Sequence[Mapping[str, Any]
     plot_bytes_by_tier(records, out_dir / BYTES_PLOT)
     if device_accuracies(records):
         plot_device_accuracy(records, out_dir / DEVICE_PLOT)
+    if private(records):
+        _save(privacy_figure(records), out_dir / PRIVACY_PLOT)
     path = out_dir / REPORT_FILE
     path.write_text(report_markdown(records, settings))
     return path

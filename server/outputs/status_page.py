@@ -48,6 +48,10 @@ def meta_parts(snapshot: Snapshot) -> list[str]:
     refused = sum(snapshot["refusals"].values()) + snapshot["transport"].get("frames_rejected", 0)
     aggregators = " ".join(f"{a['name']}@{_text(a['briefed_round'])}" for a in snapshot["aggregators"]) or "none"
     parts += [f"down {down / 1e6:.2f} MB", f"up {up / 1e6:.2f} MB", f"refused {refused}", f"aggregators {aggregators}"]
+    privacy = snapshot.get("privacy")
+    if privacy:
+        target = "∞" if privacy["target_epsilon"] is None else f"{privacy['target_epsilon']:g}"
+        parts.append(f"privacy ε {privacy['epsilon']:.3f} of {target} at δ {privacy['delta']:.2e}")
     if snapshot.get("finished"):
         parts.append("run finished")
     return parts

@@ -104,7 +104,17 @@ def fleet_snapshot(engine: Any, *, now: float, wall: float, transport: Mapping[s
             "last_trained_round": (engine.pending or (records[-1] if records else {})).get("round"),
             "history": kept["history"][:seen] + [_history(r) for r in new],
             "transport": dict(transport or {}), "refusals": dict(refusals or {}),
-            "aggregators": _aggregators(engine, aggregators), "finished": finished}
+            "aggregators": _aggregators(engine, aggregators), "finished": finished,
+            "privacy": _privacy(engine)}
+
+
+def _privacy(engine: Any) -> dict[str, Any] | None:
+    """The budget of a differentially private run: ε spent (at δ), the target, the clip now; None without DP."""
+    dp = engine.dp
+    if dp is None:
+        return None
+    return {"epsilon": dp.epsilon, "delta": dp.settings.run_delta, "target_epsilon": dp.settings.target_epsilon,
+            "rounds_charged": dp.accountant.rounds, "clip": dp.mechanism.clip}
 
 
 def _completed(record: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,154 @@
+"""Privacy benchmark: accuracy against the user-level ε of DP-FedAvg on Fashion-MNIST with many simulated devices.
+
+    nice -n 5 .venv/bin/python scripts/bench_privacy.py                       # the full grid (hours on 2 cores)
+    .venv/bin/python scripts/bench_privacy.py --seeds 1 --epsilons inf,8,1    # a slice, in this order
+    .venv/bin/python scripts/bench_privacy.py --render-only                   # the table again from the JSON
+    .venv/bin/python scripts/bench_privacy.py --keep-runs                     # finish an interrupted run
+
+For each ε in ``--epsilons`` (inf: no DP, the same schedule) the noise multiplier is the smallest that keeps
+``--rounds`` rounds within ε at δ = 1/N^1.1 (``server.engine.accountant.noise_multiplier_for``, PLD); every run
+is one ``python -m server.simulate`` command with ``--dp-noise-multiplier z --dp-target-epsilon ε`` (in a child
+process each), ``--clients`` devices, Poisson sampling at ``--join-ratio``, FedARA under ``--aggregate
+updates`` in two settings: heterogeneous (rank tiers 1/0.5/0.25 round-robin by device id) and homogeneous (dense),
+each for ``--seeds`` seeds (a seed is a partition and an initial model; DP's noise comes from the OS's generator,
+as in a real run, so a rerun differs by the noise). Prints a table (final accuracy mean ± standard error over
+seeds, and the paired drop from ε = inf) and writes the JSON (every run's command, rounds, ε spent).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from server.engine.accountant import noise_multiplier_for  # noqa: E402
+
+SETTINGS = {"hetero": ["--rank-tiers", "1.0,0.5,0.25"], "homog": ["--rank-ratio", "1.0"]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--epsilons", default="1,2,4,8,inf", help="comma-separated targets; inf: without DP")
+    p.add_argument("--settings", default="hetero,homog", help=f"comma-separated, of {', '.join(SETTINGS)}")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--clients", type=int, default=500)
+    p.add_argument("--join-ratio", type=float, default=0.1)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--max-samples", type=int, default=30000, help="a seeded subset of Fashion-MNIST (60 per device)")
+    p.add_argument("--min-samples", type=int, default=20)
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label skew")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lam", type=float, default=1.0)
+    p.add_argument("--clip", type=float, default=0.1, help="--dp-clip (the adaptive clip's start)")
+    p.add_argument("--clip-quantile", type=float, default=0.5, help="--dp-clip-quantile (0: a fixed --clip)")
+    p.add_argument("--accountant", default="pld")
+    p.add_argument("--out", default="docs/privacy.json")
+    p.add_argument("--render-only", action="store_true")
+    p.add_argument("--keep-runs", action="store_true", help="reuse the runs --out already holds (same commands)")
+    return p.parse_args(argv)
+
+
+def run_argv(a: argparse.Namespace, setting: str, seed: int, z: float | None, eps: float) -> list[str]:
+    argv = ["--dataset", "fmnist", "--algo", "fedara", "--aggregate", "updates", "--clients", str(a.clients),
+            "--join-ratio", str(a.join_ratio), "--rounds", str(a.rounds), "--local-epochs", str(a.local_epochs),
+            "--max-samples", str(a.max_samples), "--min-samples", str(a.min_samples), "--alpha", str(a.alpha),
+            "--lr", str(a.lr), "--lam", str(a.lam), "--seed", str(seed), *SETTINGS[setting]]
+    if z is not None:
+        argv += ["--dp-noise-multiplier", f"{z:.6g}", "--dp-clip", str(a.clip), "--dp-target-epsilon", f"{eps:g}",
+                 "--dp-accountant", a.accountant]
+        argv += ["--dp-clip-quantile", str(a.clip_quantile)] if a.clip_quantile else []
+    return argv
+
+
+def execute(argv: list[str]) -> dict:
+    """One simulate run in a child process (its memory goes back when it ends); its records from metrics.jsonl."""
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "server.simulate", *argv, "--out", tmp],
+                              capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+        if done.returncode != 0:
+            raise RuntimeError(f"{shlex.join(argv)} failed: {done.stderr.strip()[-2000:]}")
+        records = [json.loads(line) for line in Path(tmp, "metrics.jsonl").read_text().splitlines()]
+    accuracies = [r["accuracy"] for r in records if r.get("accuracy") is not None]
+    return {"command": shlex.join(["python", "-m", "server.simulate", *argv]), "wall_s": time.perf_counter() - start,
+            "final_accuracy": accuracies[-1] if accuracies else None, "rounds_run": len(records),
+            "epsilon": records[-1].get("epsilon") if records else None,
+            "accuracy_by_round": [r.get("accuracy") for r in records]}
+
+
+def se(values: list[float]) -> float:
+    return float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0
+
+
+def table(doc: dict) -> str:
+    """Final accuracy per (setting, ε) over seeds, and the paired drop from ε = inf (seed by seed)."""
+    lines = ["| setting | target ε | z | ε spent | rounds | final accuracy (mean ± se) | drop vs ε=inf (paired) | seeds |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    runs = doc["runs"]
+    for setting in doc["config"]["settings"]:
+        base = {r["seed"]: r["final_accuracy"] for r in runs if r["setting"] == setting and r["target"] == "inf"}
+        for target in doc["config"]["epsilons"]:
+            cell = [r for r in runs if r["setting"] == setting and r["target"] == target]
+            if not cell:
+                continue
+            acc = [r["final_accuracy"] for r in cell]
+            drops = [base[r["seed"]] - r["final_accuracy"] for r in cell if r["seed"] in base and target != "inf"]
+            z = cell[0]["z"]
+            spent = [r["epsilon"] for r in cell if r["epsilon"] is not None]
+            lines.append(f"| {setting} | {target} | {'-' if z is None else f'{z:.3f}'} | "
+                         f"{'-' if not spent else f'{max(spent):.3f}'} | {cell[0]['rounds_run']} | "
+                         f"{np.mean(acc):.4f} ± {se(acc):.4f} | "
+                         f"{'-' if not drops else f'{100 * np.mean(drops):+.2f} ± {100 * se(drops):.2f} pp'} | "
+                         f"{len(cell)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    out = Path(a.out)
+    if a.render_only:
+        print(table(json.loads(out.read_text())))
+        return 0
+    delta = a.clients ** -1.1
+    targets = a.epsilons.split(",")
+    settings = a.settings.split(",")
+    z_for = {t: None if t == "inf" else noise_multiplier_for(float(t), a.rounds, a.join_ratio, delta, a.accountant)
+             for t in targets}
+    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True)
+                .stdout.splitlines() if line.startswith("Model name")), platform.processor())
+    doc = {"config": dict(vars(a), epsilons=targets, settings=settings, delta=delta), "cpu": cpu,
+           "load_before": os.getloadavg(), "noise_multipliers": z_for, "runs": []}
+    kept = {r["command"]: r for r in json.loads(out.read_text())["runs"]} if a.keep_runs and out.exists() else {}
+    print(f"N = {a.clients}, q = {a.join_ratio}, {a.rounds} rounds, δ = {delta:.3g}: noise multipliers "
+          + ", ".join(f"ε {t}: {'-' if z is None else f'{z:.3f}'}" for t, z in z_for.items()), flush=True)
+    for seed in range(a.seeds):  # cells in the order asked, both settings each: a cut-short run keeps pairs
+        for target in targets:
+            for setting in settings:
+                argv_ = run_argv(a, setting, seed, z_for[target], math.inf if target == "inf" else float(target))
+                command = shlex.join(["python", "-m", "server.simulate", *argv_])
+                result = kept.get(command) or dict(execute(argv_), setting=setting, target=target, seed=seed,
+                                                   z=z_for[target])
+                doc["runs"].append(result)
+                print(f"{setting} ε {target} seed {seed}: accuracy {result['final_accuracy']:.4f}, ε spent "
+                      f"{result['epsilon']}, {result['wall_s']:.0f} s", flush=True)
+                doc["load_after"] = os.getloadavg()
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(doc, indent=1))
+    print(table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

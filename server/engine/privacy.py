@@ -1,0 +1,188 @@
+"""User-level differential privacy of the shared model: DP-FedAvg on the reconstructed update (McMahan et al.,
+ICLR 2018), with a fixed or an adaptive clip (Andrew et al., NeurIPS 2021). Central DP: the server is trusted.
+
+What a round releases is ω + (Σ_i clip_C(Δ_i) + N(0, (z_Δ·C)²·I)) / E, where Δ_i = reconstruct(what device i
+returned) − reconstruct(what it was sent), taken over every shared tensor as one vector (low-rank factors are
+multiplied back first: noise on U and on V would multiply in U·Vᵀ, so the guarantee is put on the reconstructed
+update), clip_C scales it onto the L2 ball of radius C, and E = q·N is the expected number of participants, a fixed
+denominator (each participant counts once, whatever its sample count: a sample-weighted mean would let one device
+weigh more than C/E). The devices are drawn by Poisson sampling with probability q: the sampling is part of the
+mechanism (amplification), so it draws from the same secure generator as the noise, never from --seed.
+
+The adaptive clip follows C towards the q_γ quantile of the update norms: C ← C·exp(−η·(b̄ − γ)), b̄ the noised share
+of participants within the clip (its count gets noise of std σ_b = E/20 with sensitivity ½, Flower's default), and
+the update's noise multiplier z_Δ = (z⁻² − (2σ_b)⁻²)^(−½) so that both releases together cost what one Gaussian
+mechanism of multiplier z costs: the accountant (``server.engine.accountant``) charges z per round.
+
+The guarantee covers what leaves the server: the shared model. Personal tensors (FedARA's and FedRep's heads)
+never leave their device and are outside it, as is anything a device itself reveals. Noise comes from numpy's PCG64
+seeded with 256 bits of ``secrets`` (the OS's generator); ``--dp-test-seed`` makes noise and sampling reproducible
+and voids the guarantee (tests only). Floating-point Gaussian sampling has known side channels (Mironov, CCS 2012)
+that this module does not address.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedcore.lowrank import reconstruct_state
+from server.engine.accountant import Accountant
+from server.engine.run_config import DpSettings
+
+
+def noise_generator(test_seed: int | None = None) -> np.random.Generator:
+    """The generator of a run's sampling and noise: seeded from the OS's secure source, unless a test fixes it."""
+    return np.random.default_rng(secrets.randbits(256) if test_seed is None else [test_seed, 0x5EC])
+
+
+def poisson_sample(ids: Sequence[str], rate: float, rng: np.random.Generator) -> list[str]:
+    """Each id independently with probability ``rate`` (in the given order): the sampling the accountant charges."""
+    draws = rng.random(len(ids))
+    return [device_id for device_id, u in zip(ids, draws) if u < rate]
+
+
+def l2_norm(tensors: dict[str, torch.Tensor]) -> float:
+    """‖·‖₂ of every tensor taken as one vector, in float64."""
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors.values()))
+
+
+def clip_factor(norm: float, clip: float) -> float:
+    """The scale that brings a vector of L2 norm ``norm`` within ``clip`` (1 when it is within already)."""
+    return 1.0 if norm <= clip else clip / norm
+
+
+@dataclass
+class ClippedSum:
+    """One round's Σ clip_C(Δ_i) in float64, with the participants counted and those within the clip (what the
+    adaptive clip learns from). Memory: one dense copy of the shared model, whatever the participant count."""
+
+    clip: float
+    sums: dict[str, torch.Tensor]
+    count: int = 0
+    within: int = 0
+
+    @classmethod
+    def zeros(cls, clip: float, shapes: dict[str, tuple[int, ...]]) -> ClippedSum:
+        return cls(clip, {k: torch.zeros(s, dtype=torch.float64) for k, s in shapes.items()})
+
+    def add(self, delta: dict[str, torch.Tensor]) -> float:
+        """Add one participant's update, clipped to the round's clip; returns its norm before clipping."""
+        if delta.keys() != self.sums.keys():
+            raise ValueError(f"an update over {sorted(delta)} cannot add to a sum over {sorted(self.sums)}")
+        norm = l2_norm(delta)
+        scale = clip_factor(norm, self.clip)
+        for key, value in delta.items():
+            self.sums[key].add_(value.double(), alpha=scale)
+        self.count += 1
+        self.within += norm <= self.clip
+        return norm
+
+
+@dataclass(frozen=True)
+class Release:
+    """What a round releases: the noised mean update to add to the global model, and the clip it used."""
+
+    delta: dict[str, torch.Tensor]
+    clip: float
+    participants: int
+
+
+@dataclass
+class Privacy:
+    """A run's DP mechanism (see the module docstring): the sampling, the current clip, the noise."""
+
+    settings: DpSettings
+    shapes: dict[str, tuple[int, ...]]
+    rng: np.random.Generator
+    clip: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.clip = self.settings.clip
+
+    @classmethod
+    def of(cls, settings: DpSettings, shapes: dict[str, tuple[int, ...]]) -> Privacy:
+        return cls(settings, dict(shapes), noise_generator(settings.test_seed))
+
+    def sample(self, ready: Sequence[str]) -> list[str]:
+        """The round's participants among the ready devices (in their order): Poisson, rate --join-ratio."""
+        return poisson_sample(ready, self.settings.join_ratio, self.rng)
+
+    def open_round(self) -> ClippedSum:
+        return ClippedSum.zeros(self.clip, self.shapes)
+
+    def release(self, total: ClippedSum) -> Release:
+        """The round's noised mean update, Σ clip(Δ_i)/E + N(0, (z_Δ·C/E)²), then the adaptive clip's step."""
+        s = self.settings
+        std = s.update_noise_multiplier * total.clip
+        delta = {k: (v + torch.from_numpy(self.rng.normal(0.0, std, size=tuple(v.shape)))) / s.expected
+                 for k, v in sorted(total.sums.items())}
+        if s.clip_quantile is not None:
+            noised = (total.within - total.count / 2 + self.rng.normal(0.0, s.count_stddev)) / s.expected + 0.5
+            self.clip = total.clip * math.exp(-s.clip_lr * (noised - s.clip_quantile))
+        return Release(delta, total.clip, total.count)
+
+    def to_state(self) -> dict[str, Any]:
+        """What a resumed run needs to go on with the same mechanism (the generator is re-seeded, securely)."""
+        return {"clip": self.clip}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.clip = float(state["clip"])
+
+
+class DpFedAvg:
+    """The round engine's one handle on DP: who a round samples, each accepted update clipped into the round's sum,
+    the noised release that becomes the next global model, and the budget it spends (one round charged when it
+    opens, whatever it then delivers)."""
+
+    def __init__(self, settings: DpSettings, shapes: dict[str, tuple[int, ...]]):
+        self.settings = settings
+        self.mechanism = Privacy.of(settings, shapes)
+        self.accountant = Accountant(settings.join_ratio, settings.noise_multiplier, settings.run_delta,
+                                     settings.accountant, settings.target_epsilon)
+        self._sum: ClippedSum | None = None
+        self._sent: dict[Any, dict[str, torch.Tensor]] = {}
+
+    def refusal(self) -> str | None:
+        """Why the next training round may not open (the budget), or None."""
+        return self.accountant.refusal()
+
+    def sample(self, ready: Sequence[str]) -> list[str]:
+        return self.mechanism.sample(ready)
+
+    def open_round(self) -> None:
+        self.accountant.charge()
+        self._sum = self.mechanism.open_round()
+        self._sent = {}
+
+    def add(self, returned: dict[str, torch.Tensor], sent: dict[str, torch.Tensor], plan: Any) -> float:
+        """Add one accepted update: Δ = reconstruct(returned) − reconstruct(sent) (``sent`` reconstructed once per
+        ``plan``), clipped; returns ‖Δ‖ before clipping."""
+        shapes = self.mechanism.shapes
+        if plan not in self._sent:
+            self._sent[plan] = reconstruct_state(sent, shapes)
+        before = self._sent[plan]
+        dense = reconstruct_state(returned, shapes)
+        return self._sum.add({k: dense[k].double() - before[k].double() for k in shapes})
+
+    def aggregate(self, global_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The next global model: ω + the round's noised mean update."""
+        release = self.mechanism.release(self._sum)
+        return {k: (v.double() + release.delta[k]).to(v.dtype) for k, v in global_state.items()}
+
+    @property
+    def epsilon(self) -> float:
+        """ε spent so far, at the run's δ."""
+        return self.accountant.spent
+
+    def to_state(self) -> dict[str, Any]:
+        return {"accountant": self.accountant.to_state(), "mechanism": self.mechanism.to_state()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.accountant.restore(state["accountant"])
+        self.mechanism.restore(state["mechanism"])
