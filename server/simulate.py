@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
 from server.cli import (check_args, check_before_loading, check_inputs, console_logging, fail, new_parser, parse,
                         run_folder)
+from server.engine.device_trace import Availability, SpeedModel
 
 log = logging.getLogger("fedara.simulate")
 BACKENDS = {"torch": None, "ort": TRAINING_KIND, "portable": PORTABLE_KIND}
@@ -39,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "the model is bit-identical to --workers 1")
     sim.add_argument("--device", choices=TRAIN_DEVICES, default="cpu",
                      help="where --backend torch trains the devices' models (cuda: an NVIDIA GPU)")
+    clock = p.add_argument_group("virtual clock (every metrics row's sim_time: the cost model's step time per tier)")
+    clock.add_argument("--device-speed", default=None, metavar="lognormal:SIGMA",
+                       help="each device's step time is its tier's times a seeded factor exp(SIGMA·z) (default: all 1)")
+    clock.add_argument("--availability", default=None, metavar="P,MEAN_S",
+                       help="each device online a fraction P of the time, in online periods of mean MEAN_S virtual "
+                            "seconds; away devices are not given training (default: always online)")
     return p
 
 
@@ -48,6 +55,13 @@ def check_simulate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--clients must be >= 1, got {args.clients}")
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if args.mode == "async" and args.workers != 1:
+        raise ValueError(f"--mode async trains each device when its task ends on the virtual clock: use --workers 1 "
+                         f"(got {args.workers})")
+    if args.device_speed:
+        SpeedModel.parse(args.device_speed)
+    if args.availability:
+        Availability.parse(args.availability)
     if args.device == "cuda":
         if args.backend != "torch":
             raise ValueError(f"--device cuda trains with PyTorch: use --backend torch (got --backend {args.backend}; "
@@ -74,6 +88,7 @@ from server.outputs.progress import Progress, final_line, print_and_log
 from server.engine.rank_assignment import OverrideError
 from server.engine.run_config import RunError
 from server.run_setup import Deployment, PlanArtifacts, RunFolder, assemble
+from server.virtual_clock import VirtualFleet
 
 
 class Simulation:
@@ -83,9 +98,12 @@ class Simulation:
         self.args, self.out = args, out
         self.config = check_args(args)
         check_simulate_args(args)
+        trace_keys = tuple(k for k in ("device_speed", "availability") if getattr(args, k))
         deployment = Deployment(devices=args.clients, min_devices=1, round_deadline_s=NO_DEADLINE_S,
-                                onnx=args.backend != "torch", budgets=False, settings_keys=("clients",))
+                                onnx=args.backend != "torch", budgets=False, settings_keys=("clients", *trace_keys))
         run = assemble(args, self.config, out, deployment, emit=print_and_log)
+        self.fleet = self._fleet(args, tuple(next(iter(run.shards.values())).x_train.shape[1:]))
+        self.clock = 0.0  # virtual seconds
         self.engine, self.settings, self.saved, self.run_id = run.engine, run.settings, run.saved, run.run_id
         self.by_hash: dict[str, PlanArtifacts] = {}
         self.trainers = Trainers(args.backend, self.by_hash, args.threads, args.device)
@@ -97,8 +115,27 @@ class Simulation:
         self.progress = progress or Progress(self.config.rounds)
         self._admit()
 
+    @staticmethod
+    def _fleet(args: argparse.Namespace, input_shape: tuple[int, ...]) -> VirtualFleet | None:
+        """The virtual clock's fleet; None (no sim_time) where the cost model lacks the model and no trace flag asks
+        for one."""
+        try:
+            return VirtualFleet.from_flags(args.seed, args.device_speed, args.availability, args.model.split(",")[0],
+                                           input_shape, args.batch_size)
+        except ValueError:
+            if args.device_speed or args.availability:
+                raise
+            return None
+
+    def _task_end(self, device_id: str, task: Task) -> float:
+        """When the device, starting now on the virtual clock, has trained ``task``."""
+        record = self.engine.registry()[device_id]
+        seconds = self.fleet.task_seconds(device_id, record.ratio, task, record.num_train)
+        return self.fleet.finish(device_id, self.clock, seconds)
+
     def _restore(self) -> None:
-        """The devices' personal tensors from the checkpoint (the engine restored its own)."""
+        """The devices' personal tensors from the checkpoint (the engine restored its own), and the virtual clock."""
+        self.clock = self.saved.state.get("clock", {}).get("now", 0.0)
         for key, value in self.saved.tensors.items():
             if key.startswith(DEVICE_PREFIX):
                 device_id, name = key[len(DEVICE_PREFIX):].split("/", 1)
@@ -137,14 +174,22 @@ class Simulation:
             self.pool = None
 
     def _round(self, round_index: int, train: bool = True) -> None:
-        engine = self.engine
-        for device_id, update in self._answers(engine.open_round(round_index, time.monotonic(), train=train)):
+        """One round; on the virtual clock it lasts until its slowest trainer is done (devices away when it opens
+        only evaluate, which takes no virtual time)."""
+        engine, fleet = self.engine, self.fleet
+        away = frozenset(d for d in self.devices if not fleet.online(d, self.clock)) if fleet else frozenset()
+        tasks = engine.open_round(round_index, time.monotonic(), train=train, away=away)
+        ends = [self.clock]
+        for device_id, update in self._answers(tasks):
             msg = update_message(update, plan_hash=self.devices[device_id].plan_hash, device_id=device_id,
                                  run_id=self.run_id)
             verdict = engine.receive(device_id, msg, time.monotonic())
             if not verdict.accepted:
                 log.warning("dropped %s's update (round %d): %s", device_id, round_index, verdict.reason)
-        _, completed = engine.close_round(time.monotonic())
+            if fleet is not None and not tasks[device_id].evaluate_only:
+                ends.append(self._task_end(device_id, tasks[device_id]))
+        self.clock = max(ends)
+        _, completed = engine.close_round(time.monotonic(), sim_time=self.clock if fleet else None)
         self.progress.evaluated(completed)
 
     def run(self) -> list[dict]:
@@ -162,12 +207,16 @@ class Simulation:
         return self.engine.records
 
     def _checkpoint(self, round_index: int, *, finished: bool) -> None:
-        tensors = dict(self.engine.global_arrays())
+        tensors = dict(self.engine.global_arrays(), **self.engine.state_tensors())
         for device_id, device in self.devices.items():
             tensors.update({f"{DEVICE_PREFIX}{device_id}/{k}": v for k, v in device.personal.items()})
         state = {"run_id": self.run_id, "settings": self.settings, "engine": self.engine.to_state(),
-                 "finished": finished}
+                 "finished": finished, "clock": self._clock_state()}
         self.out.save(round_index, tensors, state, self.engine.records)
+
+    def _clock_state(self) -> dict:
+        """The virtual clock, for --resume."""
+        return {"now": self.clock}
 
     def final_global(self) -> dict[str, torch.Tensor]:
         return self.engine.global_state
@@ -185,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     out = RunFolder(run_folder(args, "simulate"))
     try:
         check_inputs(args)
-        simulation = Simulation(args, out)
+        if args.mode == "async":
+            from server.async_simulation import AsyncSimulation  # it builds on this module's Simulation
+            simulation = AsyncSimulation(args, out)
+        else:
+            simulation = Simulation(args, out)
         out.path.mkdir(parents=True, exist_ok=True)
         print(f"run folder: {out.path}", flush=True)
         records = simulation.run()

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fedcore.lowrank import reconstruct
-from server.engine.fedbuff import TOO_STALE, BufferRule, FedBuff, Judged, staleness_weight, update_delta
+from server.engine.run_config import BufferRule
+from server.engine.fedbuff import TOO_STALE, FedBuff, Judged, staleness_weight, update_delta
 
 SHAPE = (2, 3)
 
@@ -180,7 +181,7 @@ def test_an_algorithm_without_a_global_model_still_counts_versions():
 
 
 @pytest.mark.parametrize("field, value", [("buffer_size", 0), ("max_staleness", -1), ("staleness_exponent", -0.5),
-                                          ("server_lr", 0.0), ("normalize", "mean")])
+                                          ("server_lr", 0.0), ("normalize", "mean"), ("concurrency", 0)])
 def test_a_rule_out_of_range_names_its_flag(field, value):
     flag = "--buffer-normalize" if field == "normalize" else "--" + field.replace("_", "-")
     with pytest.raises(ValueError, match=flag):

@@ -26,7 +26,8 @@ from device_runtime.task import Task, Update, tensor_bytes
 from device_runtime.topics import check_topic_device
 from device_runtime.protocol import ProtocolError
 from server.engine.coordinator import Evaluation, Verdict, evaluation_of
-from server.engine.fedbuff import TOO_STALE, BufferRule, FedBuff, InFlight, Judged, update_delta
+from server.engine.fedbuff import TOO_STALE, FedBuff, InFlight, Judged, update_delta
+from server.engine.run_config import BufferRule
 from server.engine.round_engine import RoundEngine
 from server.engine.round_record import RoundBook, TrainingRecord, tier_label
 from server.engine.sampling import batch_seed, factorize_per_plan, plan_key, to_torch
@@ -38,17 +39,15 @@ BUFFER_FULL = "buffer full"
 
 
 class AsyncEngine(RoundEngine):
-    """The round engine, asynchronous (see the module docstring). ``rule``: K, S, a, η_g; ``concurrency``: C."""
+    """The round engine, asynchronous (see the module docstring). ``rule``: C, K, S, a, η_g."""
 
-    def __init__(self, *args: Any, rule: BufferRule, concurrency: int, **kwargs: Any):
+    def __init__(self, *args: Any, rule: BufferRule, **kwargs: Any):
         super().__init__(*args, **kwargs)
         if self.remote is not None:
             raise ValueError("--mode async does not run with --aggregators (aggregator processes fold sync rounds)")
         if self.norm_bound is not None:
             raise ValueError("--mode async does not take --update-norm-bound (it bounds a sync round's updates)")
-        if concurrency < 1:
-            raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
-        self.rule, self.concurrency = rule, concurrency
+        self.rule = rule
         self.buff = FedBuff(rule, self.global_state)
         self._sent: dict[tuple[int, tuple], dict[str, np.ndarray]] = {}  # (version, plan) -> the weights sent
         self._evaluating: dict[str, tuple[int, int]] = {}  # device -> (task number, version) of its evaluation
@@ -71,7 +70,7 @@ class AsyncEngine(RoundEngine):
         return sorted(self.buff.in_flight)
 
     def free_slots(self) -> int:
-        return max(0, self.concurrency - self.buff.busy())
+        return max(0, self.rule.concurrency - self.buff.busy())
 
     # -- tasks ----------------------------------------------------------------------------------
 

@@ -23,10 +23,9 @@ import numpy as np
 import torch
 
 from fedcore.lowrank import reconstruct_state
+from server.engine.run_config import BufferRule
 
 TOO_STALE = "[too_stale]"
-NORMALIZATIONS = ("samples", "staleness")
-"""D in the step: Σ n_i (FedBuff's rule) or Σ s(τ_i)·n_i (the staleness-weighted mean)."""
 VERSION_PREFIX = "version/"
 BUFFER_PREFIX = "buffer/"
 
@@ -36,30 +35,6 @@ def staleness_weight(tau: int, exponent: float) -> float:
     if tau < 0:
         raise ValueError(f"staleness must be >= 0, got {tau}")
     return float((1.0 + tau) ** -exponent)
-
-
-@dataclass(frozen=True)
-class BufferRule:
-    """The flags of the async mode: K, S, a, η_g, and D (see the module docstring)."""
-
-    buffer_size: int = 10
-    max_staleness: int = 20
-    staleness_exponent: float = 0.5
-    server_lr: float = 1.0
-    normalize: str = "samples"
-
-    def __post_init__(self) -> None:
-        if self.buffer_size < 1:
-            raise ValueError(f"--buffer-size must be >= 1, got {self.buffer_size}")
-        if self.max_staleness < 0:
-            raise ValueError(f"--max-staleness must be >= 0, got {self.max_staleness}")
-        if not (np.isfinite(self.staleness_exponent) and self.staleness_exponent >= 0):
-            raise ValueError(f"--staleness-exponent must be a finite number >= 0, got {self.staleness_exponent:g}")
-        if not (np.isfinite(self.server_lr) and self.server_lr > 0):
-            raise ValueError(f"--server-lr must be a positive number, got {self.server_lr:g}")
-        if self.normalize not in NORMALIZATIONS:
-            raise ValueError(f"--buffer-normalize {self.normalize!r} is unknown; choose one of "
-                             f"{', '.join(NORMALIZATIONS)}")
 
 
 @dataclass(frozen=True)
