@@ -34,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import server.simulate as simulate  # noqa: E402
-from server.report import METRICS_FILE, read_metrics  # noqa: E402
+from server.outputs.report import METRICS_FILE, read_metrics  # noqa: E402
 
 TARGET_GAP = 0.01
 
