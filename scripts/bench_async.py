@@ -57,14 +57,19 @@ def common_flags(args: argparse.Namespace, seed: int) -> list[str]:
 
 
 def arms(args: argparse.Namespace) -> dict[str, list[str]]:
-    versions = args.rounds * args.clients // args.buffer_size
+    """sync, and one async arm per (K, a, normalization) of the comma lists."""
     arms = {"sync": ["--mode", "sync", "--rounds", str(args.rounds)]}
-    for normalize in args.normalize.split(","):
-        arms[f"async-{normalize}"] = ["--mode", "async", "--rounds", str(versions), "--buffer-size",
-                                      str(args.buffer_size), "--concurrency", str(args.concurrency),
-                                      "--max-staleness", str(args.max_staleness), "--staleness-exponent",
-                                      str(args.exponent), "--server-lr", str(args.server_lr),
-                                      "--buffer-normalize", normalize]
+    if args.sync_deadline:
+        arms[f"sync deadline {args.sync_deadline:g} s"] = ["--mode", "sync", "--rounds", str(args.rounds),
+                                                           "--virtual-deadline", f"{args.sync_deadline:g}"]
+    for k in (int(v) for v in args.buffer_size.split(",")):
+        for a in (float(v) for v in args.exponent.split(",")):
+            for normalize in args.normalize.split(","):
+                arms[f"async K={k} a={a:g} {normalize}"] = [
+                    "--mode", "async", "--rounds", str(args.rounds * args.clients // k), "--buffer-size", str(k),
+                    "--concurrency", str(args.concurrency), "--max-staleness", str(args.max_staleness),
+                    "--staleness-exponent", f"{a:g}", "--server-lr", str(args.server_lr), "--buffer-normalize",
+                    normalize]
     return arms
 
 
@@ -154,10 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sigma", type=float, default=1.0)
     p.add_argument("--away", type=float, default=0.3, help="share of the time a device is away")
     p.add_argument("--mean-online-s", type=float, default=2.0, help="mean online period, virtual seconds")
-    p.add_argument("--buffer-size", type=int, default=10)
+    p.add_argument("--sync-deadline", type=float, default=None,
+                   help="also a sync arm whose rounds close after this many virtual seconds")
+    p.add_argument("--buffer-size", default="10", help="async arms: K values, comma-separated")
     p.add_argument("--concurrency", type=int, default=20)
     p.add_argument("--max-staleness", type=int, default=20)
-    p.add_argument("--exponent", type=float, default=0.5)
+    p.add_argument("--exponent", default="0.5", help="async arms: staleness exponents a, comma-separated")
     p.add_argument("--server-lr", type=float, default=1.0)
     p.add_argument("--normalize", default="samples,staleness", help="async arms: --buffer-normalize values")
     p.add_argument("--out", default="docs/async.json")
@@ -176,16 +183,16 @@ def main(argv: list[str] | None = None) -> int:
                                           {k: r.get(k) for k in ("round", "accuracy", "sim_time", "participants",
                                                                  "staleness_mean", "too_stale")} for r in records]}
                 final = records[-1]
-                print(f"seed {seed} {arm:16s} final accuracy {final['accuracy']:.4f} at virtual {final['sim_time']:.2f} s"
+                print(f"seed {seed} {arm:26s} final accuracy {final['accuracy']:.4f} at virtual {final['sim_time']:.2f} s"
                       f"  ({len(records)} rows, {wall:.0f} s wall)", flush=True)
     summary = summarize(results)
-    print(f"\n{'arm':16s} {'time to sync final-1pp (async/sync)':38s} {'faster':>7s} {'acc. at equal compute (pp)':>28s}")
+    print(f"\n{'arm':26s} {'time to sync final-1pp (async/sync)':38s} {'faster':>7s} {'acc. at equal compute (pp)':>28s}")
     for arm, s in summary.items():
         ratio = s["time_ratio"]
         diff = s["accuracy_diff_equal_compute"]
         ratio_text = "-" if ratio is None else f"{ratio['mean']:.3f} ± {ratio['se']:.3f} ({s['reached']}/{s['seeds']} reached)"
         diff_text = "-" if diff is None else f"{100 * diff['mean']:+.2f} ± {100 * diff['se']:.2f}"
-        print(f"{arm:16s} {ratio_text:38s} {s['faster']:>3d}/{s['seeds']:<3d} {diff_text:>28s}")
+        print(f"{arm:26s} {ratio_text:38s} {s['faster']:>3d}/{s['seeds']:<3d} {diff_text:>28s}")
     document = {"settings": vars(args), "summary": summary, "results": {str(k): v for k, v in results.items()},
                 "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "loadavg_at_start": list(load_start),
                             "loadavg_at_end": list(os.getloadavg())},

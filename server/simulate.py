@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     clock.add_argument("--availability", default=None, metavar="P,MEAN_S",
                        help="each device online a fraction P of the time, in online periods of mean MEAN_S virtual "
                             "seconds; away devices are not given training (default: always online)")
+    clock.add_argument("--virtual-deadline", type=float, default=None, metavar="SECONDS",
+                       help="sync: a round closes this many virtual seconds after it opens; trainers not done by then "
+                            "are dropped, their work lost (default: a round waits for its slowest trainer)")
     return p
 
 
@@ -58,6 +61,10 @@ def check_simulate_args(args: argparse.Namespace) -> None:
     if args.mode == "async" and args.workers != 1:
         raise ValueError(f"--mode async trains each device when its task ends on the virtual clock: use --workers 1 "
                          f"(got {args.workers})")
+    if args.virtual_deadline is not None and not args.virtual_deadline > 0:
+        raise ValueError(f"--virtual-deadline must be positive virtual seconds, got {args.virtual_deadline:g}")
+    if args.virtual_deadline is not None and args.mode == "async":
+        raise ValueError("--virtual-deadline closes sync rounds; --mode async has none (--max-staleness bounds it)")
     if args.device_speed:
         SpeedModel.parse(args.device_speed)
     if args.availability:
@@ -98,7 +105,7 @@ class Simulation:
         self.args, self.out = args, out
         self.config = check_args(args)
         check_simulate_args(args)
-        trace_keys = tuple(k for k in ("device_speed", "availability") if getattr(args, k))
+        trace_keys = tuple(k for k in ("device_speed", "availability", "virtual_deadline") if getattr(args, k))
         deployment = Deployment(devices=args.clients, min_devices=1, round_deadline_s=NO_DEADLINE_S,
                                 onnx=args.backend != "torch", budgets=False, settings_keys=("clients", *trace_keys))
         run = assemble(args, self.config, out, deployment, emit=print_and_log)
@@ -174,21 +181,25 @@ class Simulation:
             self.pool = None
 
     def _round(self, round_index: int, train: bool = True) -> None:
-        """One round; on the virtual clock it lasts until its slowest trainer is done (devices away when it opens
-        only evaluate, which takes no virtual time)."""
+        """One round; on the virtual clock it lasts until its slowest trainer is done, or its --virtual-deadline
+        (trainers not done by then are not heard from; devices away when it opens only evaluate, which takes no
+        virtual time)."""
         engine, fleet = self.engine, self.fleet
         away = frozenset(d for d in self.devices if not fleet.online(d, self.clock)) if fleet else frozenset()
         tasks = engine.open_round(round_index, time.monotonic(), train=train, away=away)
-        ends = [self.clock]
+        ends = {d: self._task_end(d, t) for d, t in tasks.items() if not t.evaluate_only} if fleet else {}
+        deadline = self.args.virtual_deadline
+        if deadline is not None and fleet is not None:
+            late = {d for d, end in ends.items() if end > self.clock + deadline}
+            tasks = {d: t for d, t in tasks.items() if d not in late}
+            ends = {d: min(end, self.clock + deadline) for d, end in ends.items()}
         for device_id, update in self._answers(tasks):
             msg = update_message(update, plan_hash=self.devices[device_id].plan_hash, device_id=device_id,
                                  run_id=self.run_id)
             verdict = engine.receive(device_id, msg, time.monotonic())
             if not verdict.accepted:
                 log.warning("dropped %s's update (round %d): %s", device_id, round_index, verdict.reason)
-            if fleet is not None and not tasks[device_id].evaluate_only:
-                ends.append(self._task_end(device_id, tasks[device_id]))
-        self.clock = max(ends)
+        self.clock = max(ends.values(), default=self.clock)
         _, completed = engine.close_round(time.monotonic(), sim_time=self.clock if fleet else None)
         self.progress.evaluated(completed)
 
