@@ -62,7 +62,7 @@ def arms(args: argparse.Namespace) -> dict[str, list[str]]:
     if args.sync_deadline:
         arms[f"sync deadline {args.sync_deadline:g} s"] = ["--mode", "sync", "--rounds", str(args.rounds),
                                                            "--virtual-deadline", f"{args.sync_deadline:g}"]
-    for k in (int(v) for v in args.buffer_size.split(",")):
+    for k in (int(v) for v in args.buffer_size.split(",") if v):
         for a in (float(v) for v in args.exponent.split(",")):
             for normalize in args.normalize.split(","):
                 arms[f"async K={k} a={a:g} {normalize}"] = [

@@ -38,7 +38,7 @@ class AsyncSimulation(Simulation):
 
     def _dispatch(self) -> None:
         engine = self.engine
-        for device_id, task in engine.dispatch(self._online(), self.clock).items():
+        for device_id, task in engine.dispatch(self._online()).items():
             record = engine.registry()[device_id]
             seconds = self.fleet.task_seconds(device_id, record.ratio, task, record.num_train)
             heapq.heappush(self._ends, (self.fleet.finish(device_id, self.clock, seconds), task.round, device_id))

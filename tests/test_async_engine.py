@@ -66,7 +66,7 @@ def test_with_every_device_in_one_fresh_buffer_a_version_is_the_sync_rounds_mode
     """Oracle: K = N updates of staleness 0 with η_g = 1 is the sync rule ω + Σ p_k (W_k − S_k). Both sum float64
     reconstructions of float32 factors, in other orders (measured max |Δ| 3e-8 here; bound 1e-6)."""
     engine = make_async(buffer_size=4)
-    tasks = engine.dispatch(DEVICES, now=0.0)
+    tasks = engine.dispatch(DEVICES)
     for device_id in DEVICES:
         assert engine.receive(device_id, reply(engine, device_id, tasks[device_id]), now=1.0).accepted
     assert engine.version == 1
@@ -82,7 +82,7 @@ def test_with_every_device_in_one_fresh_buffer_a_version_is_the_sync_rounds_mode
 
 def test_staleness_is_measured_from_the_tasks_version_and_recorded_per_version():
     engine = make_async(buffer_size=2)
-    tasks = engine.dispatch(DEVICES, now=0.0)  # all four at version 0
+    tasks = engine.dispatch(DEVICES)  # all four at version 0
     for device_id in DEVICES[:2]:
         engine.receive(device_id, reply(engine, device_id, tasks[device_id]), now=1.0)
     assert engine.version == 1
@@ -95,20 +95,20 @@ def test_staleness_is_measured_from_the_tasks_version_and_recorded_per_version()
 
 def test_a_task_goes_to_at_most_concurrency_devices_chosen_by_seed():
     first, second = make_async(concurrency=2), make_async(concurrency=2)
-    chosen = first.dispatch(DEVICES, now=0.0)
-    assert len(chosen) == 2 and chosen.keys() == second.dispatch(list(reversed(DEVICES)), now=0.0).keys()
-    assert first.dispatch(DEVICES, now=0.0) == {}  # no free slot
+    chosen = first.dispatch(DEVICES)
+    assert len(chosen) == 2 and chosen.keys() == second.dispatch(list(reversed(DEVICES))).keys()
+    assert first.dispatch(DEVICES) == {}  # no free slot
 
 
 def test_a_replayed_update_or_one_for_an_old_task_moves_nothing():
     engine = make_async(buffer_size=3)
-    tasks = engine.dispatch(DEVICES, now=0.0)
+    tasks = engine.dispatch(DEVICES)
     device_id = DEVICES[0]
     msg = reply(engine, device_id, tasks[device_id])
     assert engine.receive(device_id, msg, now=1.0).accepted
     before = {k: v.clone() for k, v in engine.buff._buffer.sums.items()}
     assert "no task in flight" in engine.receive(device_id, msg, now=1.5).reason  # the same bytes again
-    new_task = engine.dispatch([device_id], now=2.0)[device_id]
+    new_task = engine.dispatch([device_id])[device_id]
     old = reply(engine, device_id, tasks[device_id])
     assert f"task is {new_task.round}" in engine.receive(device_id, old, now=2.5).reason
     assert all(torch.equal(before[k], v) for k, v in engine.buff._buffer.sums.items())
@@ -117,12 +117,12 @@ def test_a_replayed_update_or_one_for_an_old_task_moves_nothing():
 
 def test_an_update_staler_than_the_limit_is_refused_and_counted_in_the_row():
     engine = make_async(buffer_size=1, max_staleness=1)
-    tasks = engine.dispatch(DEVICES[:3], now=0.0)
+    tasks = engine.dispatch(DEVICES[:3])
     for device_id in DEVICES[:2]:
         engine.receive(device_id, reply(engine, device_id, tasks[device_id]), now=1.0)
     verdict = engine.receive(DEVICES[2], reply(engine, DEVICES[2], tasks[DEVICES[2]]), now=2.0)
     assert not verdict.accepted and verdict.reason.startswith(TOO_STALE)
-    engine.receive(DEVICES[3], reply(engine, DEVICES[3], engine.dispatch([DEVICES[3]], now=2.0)[DEVICES[3]]), now=3.0)
+    engine.receive(DEVICES[3], reply(engine, DEVICES[3], engine.dispatch([DEVICES[3]])[DEVICES[3]]), now=3.0)
     engine.finish()
     row = engine.records[-1]
     assert row["too_stale"] == 1 and DEVICES[2] in row["dropped"] and engine.version == 3
@@ -131,7 +131,7 @@ def test_an_update_staler_than_the_limit_is_refused_and_counted_in_the_row():
 def test_a_run_resumed_mid_buffer_makes_the_same_model():
     def run(stop: bool) -> dict[str, torch.Tensor]:
         engine = make_async(buffer_size=3)
-        tasks = engine.dispatch(DEVICES, now=0.0)
+        tasks = engine.dispatch(DEVICES)
         for i, device_id in enumerate(DEVICES):
             if stop and i == 1:  # one update waits in the buffer
                 state, tensors = engine.to_state(), engine.state_tensors()
@@ -141,7 +141,7 @@ def test_a_run_resumed_mid_buffer_makes_the_same_model():
                 join_all(engine)
                 tasks = {d: engine.resend(d) for d in engine.training()}
             engine.receive(device_id, reply(engine, device_id, tasks[device_id], scale=1.0 + i / 10), now=1.0 + i)
-        more = engine.dispatch(DEVICES, now=5.0)
+        more = engine.dispatch(DEVICES)
         for device_id, task in sorted(more.items()):
             engine.receive(device_id, reply(engine, device_id, task), now=6.0)
         assert engine.version == 2
@@ -152,7 +152,7 @@ def test_a_run_resumed_mid_buffer_makes_the_same_model():
 
 def test_evaluations_asked_of_a_version_complete_its_row():
     engine = make_async(buffer_size=4)
-    tasks = engine.dispatch(DEVICES, now=0.0)
+    tasks = engine.dispatch(DEVICES)
     for device_id in DEVICES:
         engine.receive(device_id, reply(engine, device_id, tasks[device_id]), now=1.0)
     evaluations = engine.evaluation_tasks(DEVICES[:3])
@@ -166,7 +166,7 @@ def test_evaluations_asked_of_a_version_complete_its_row():
 @pytest.mark.parametrize("algo", ["fedavg", "fedrep", "local"])
 def test_every_algorithm_makes_versions(algo):
     engine = make_async(algo, tiers=(1.0,), buffer_size=2)
-    tasks = engine.dispatch(DEVICES, now=0.0)
+    tasks = engine.dispatch(DEVICES)
     for device_id in DEVICES:
         assert engine.receive(device_id, reply(engine, device_id, tasks[device_id]), now=1.0).accepted
     assert engine.version == 2

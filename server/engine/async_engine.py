@@ -74,7 +74,7 @@ class AsyncEngine(RoundEngine):
 
     # -- tasks ----------------------------------------------------------------------------------
 
-    def dispatch(self, candidates: list[str], now: float) -> dict[str, Task]:
+    def dispatch(self, candidates: list[str]) -> dict[str, Task]:
         """Tasks at the current version for up to the free slots of ``candidates`` (online devices, as the driver
         knows them) that are ready and not training: a seeded choice, by id, never by the order they came in."""
         ready = set(self.ready_devices())
