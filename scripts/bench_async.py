@@ -140,7 +140,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("virtual time (s), log scale")
     ax.set_ylabel("accuracy (all devices)")
-    ax.set_title("digits, FedARA hetero tiers, log-normal speeds, devices away part of the time (one line a seed)")
+    ax.set_title("digits, FedARA tiers 1/0.5/0.25, log-normal speeds, devices away (a line per seed)")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     figure.tight_layout()

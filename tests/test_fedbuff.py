@@ -55,7 +55,7 @@ def test_staleness_is_counted_from_the_version_the_device_was_given():
 
 
 def test_the_step_weighs_each_update_by_its_staleness_and_samples():
-    buff = fedbuff(buffer_size=2, staleness_exponent=0.5, server_lr=0.5)
+    buff = fedbuff(buffer_size=2, staleness_exponent=0.5, server_lr=0.5, normalize="samples")
     buff.dispatch("old")
     advance(buff, 3)  # "old" is now 3 versions stale: s = 1/2
     buff.dispatch("fresh")

@@ -11,7 +11,7 @@ sync rule). Its staleness is τ = v − base when it arrives; an update staler t
     v+1 = v + η_g · Σ s(τ_i)·n_i·Δ_i / D,   s(τ) = (1 + τ)^−a,
 
 with D = Σ n_i (FedBuff's rule with sample weights, ``normalize="samples"``) or D = Σ s(τ_i)·n_i (a weighted
-mean, ``normalize="staleness"``). The buffer's sums are float64 and saved whole, so a run resumed mid-buffer
+mean, ``normalize="staleness"``, the default: it measured better, docs/async.md). The buffer's sums are float64 and saved whole, so a run resumed mid-buffer
 continues exactly. Versions are kept only while a task in flight (not yet too stale) was based on them.
 """
 from __future__ import annotations
