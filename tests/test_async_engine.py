@@ -10,12 +10,11 @@ from device_runtime.messages import Join, ShardInfo, update_message
 from device_runtime.profile import ResourceProfile
 from device_runtime.task import Update
 from fedcore.models import build_model
-from server.algorithms import get_algorithm
 from server.engine.async_engine import AsyncEngine
 from server.engine.coordinator import Coordinator, CoordinatorConfig
 from server.engine.fedbuff import TOO_STALE
 from server.engine.run_config import BufferRule
-from server.engine.round_engine import RoundEngine
+from server.engine.round_engine import RoundEngine, algorithm_for
 from server.engine.run_config import FederationConfig
 from server.run_setup import PlanBook, global_state, initial_personal
 
@@ -29,8 +28,8 @@ EVAL = {"eval_correct": 5, "eval_total": 10, "eval_loss": 1.0}
 
 def parts(algo: str, tiers: tuple[float, ...]):
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
-    algorithm = get_algorithm(algo)
     config = FederationConfig(algo=algo, rounds=3, local_epochs=1, aggregate="updates")
+    algorithm = algorithm_for(config)
     coordinator = Coordinator(CoordinatorConfig(SHAPE, CLASSES, round_deadline_s=10.0), RUN)
     overrides = {d: tiers[i % len(tiers)] for i, d in enumerate(DEVICES)}
     return ((algorithm, config, coordinator, PlanBook(model, SHAPE, None, onnx=False), global_state(model, algorithm),
@@ -170,5 +169,5 @@ def test_every_algorithm_makes_versions(algo):
     for device_id in DEVICES:
         assert engine.receive(device_id, reply(engine, device_id, tasks[device_id]), now=1.0).accepted
     assert engine.version == 2
-    initial = global_state(build_model("fedavgcnn", SHAPE, CLASSES, seed=0), get_algorithm(algo))
+    initial = global_state(build_model("fedavgcnn", SHAPE, CLASSES, seed=0), algorithm_for(FederationConfig(algo=algo)))
     assert any(not torch.equal(engine.global_state[k], v) for k, v in initial.items()) == (algo != "local")

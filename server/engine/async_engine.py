@@ -106,8 +106,7 @@ class AsyncEngine(RoundEngine):
         plan = self.plan_info(device_id)
         weights = self._sent_weights(device_id, flight.base)
         config = self.config
-        fit = self.algorithm.configure_fit(flight.base + 1, config.local_epochs, config.lam, config.lam_warmup,
-                                           config.mu, bool(plan.resolved.ranks))
+        fit = self.algorithm.configure_fit(flight.base + 1, bool(plan.resolved.ranks))
         if count:
             nbytes = tensor_bytes(weights)
             self._book.bytes_down += nbytes
