@@ -112,6 +112,9 @@ def _budgets(text: str | None) -> list[float | None]:
 
 def check_broker_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first broker/device flag out of range (before anything heavy starts)."""
+    if args.mode == "async":
+        raise ValueError("--mode async runs in python -m server.simulate only for now (the MQTT loop keeps sync "
+                         "rounds); use --mode sync here")
     if args.broker:
         parse_brokers(args.broker)
     for flag, value, low in (("--local-devices", args.local_devices, 0), ("--min-devices", args.min_devices or 1, 1)):

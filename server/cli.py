@@ -25,8 +25,8 @@ from server.data import DATASETS
 from server.data.datasets import DatasetUnavailable, check_available
 from server.outputs.checkpoint import folder_taken
 from server.engine.run_config import (AGGREGATION_RULES, ALGORITHMS, DEFAULT_LAM_WARMUP, DEFAULT_MU, DEFAULT_TIERS,
-                               MODELS, FederationConfig, add_dp_arguments, add_norm_bound_arguments,
-                               norm_bound_from_args)
+                                      MODELS, FederationConfig, add_async_arguments, add_dp_arguments,
+                                      add_norm_bound_arguments, async_rule_from_args, norm_bound_from_args)
 
 RUNS_DIR = "runs"
 DEFAULT_CACHE_DIR = "artifacts_cache"
@@ -144,6 +144,7 @@ def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
     algo.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="ONNX artifact cache")
     add_norm_bound_arguments(algo)
     add_dp_arguments(p.add_argument_group("differential privacy (user-level DP-FedAvg, see docs/privacy.md)"))
+    add_async_arguments(p)
     out = p.add_argument_group("output")
     out.add_argument("--out", default=None,
                      help="run folder: metrics.jsonl, metrics.csv, checkpoint.npz, report.md, logs "
@@ -255,6 +256,9 @@ def check_args(args: argparse.Namespace) -> FederationConfig:
         raise ValueError(f"--model {args.model!r} names several models; only --algo local trains different models "
                          "per device (the others share one)")
     norm_bound_from_args(args)
+    if async_rule_from_args(args) is not None and args.update_norm_bound is not None:
+        raise ValueError("--mode async does not take --update-norm-bound (it bounds a sync round's updates); "
+                         "leave one of them out")
     return config
 
 

@@ -32,7 +32,9 @@ from server.engine.coordinator import Coordinator, CoordinatorConfig
 from server.engine.cost_model import CostModelError, peak_predictor
 from server.engine.round_engine import Predictor, RoundEngine, algorithm_for
 from server.engine.rank_assignment import check_tiers, load_overrides, tier_predictor
-from server.engine.run_config import DEFAULT_TIERS, FederationConfig, RunError, dp_from_args, norm_bound_from_args
+from server.engine.async_engine import AsyncEngine
+from server.engine.run_config import (DEFAULT_TIERS, FederationConfig, RunError, async_rule_from_args, dp_from_args,
+                                      norm_bound_from_args)
 from server.outputs.report import METRICS_CSV, METRICS_FILE, write_metrics, write_metrics_csv, write_report
 from server.data.shards import DEVICE_ID, data_from_args, partition_from_args
 from server.engine.sampling import to_numpy
@@ -281,6 +283,9 @@ def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder,
     tiers = tiers_from_args(args)
     overrides = load_overrides(args.rank_overrides) if args.rank_overrides else {}
     settings = run_settings(args, config.to_dict(), deployment.settings_keys)
+    rule = async_rule_from_args(args)
+    if rule is not None:  # only then: a sync run's settings (and the checkpoints it resumes) stay as they were
+        settings["async"] = rule.to_dict()
     saved = out.resume_from(args.resume, settings)
     model, input_shape, shards = load_shards(args, deployment.devices)
     run_id = saved.state["run_id"] if saved else uuid.uuid4().hex[:16]
@@ -293,15 +298,16 @@ def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder,
     models_of = device_models(list(shards), model_names(args))
     if not deployment.budgets:
         overrides = round_robin_tiers(sorted(shards), tiers, overrides)
-    engine = RoundEngine(algorithm, config, coordinator, plans, global_state(model, algorithm),
+    engine_kind, mode = (RoundEngine, {}) if rule is None else (AsyncEngine, {"rule": rule})
+    engine = engine_kind(algorithm, config, coordinator, plans, global_state(model, algorithm),
                          initial_personal(list(models.values()), algorithm), tiers=tiers, overrides=overrides,
                          device_models=models_of,
                          predictor=predictor_for(plans, config.batch_size) if deployment.budgets else None,
                          norm_bound=norm_bound_from_args(args), remote=deployment.remote,
                          shared_payloads=deployment.shared_payloads,
-                         privacy=dp_from_args(args, deployment.devices))
+                         privacy=dp_from_args(args, deployment.devices), **mode)
     for device_id in shards:
         engine.register(device_id)
     if saved:  # the global model's tensors (the simulator's checkpoint also holds its devices')
-        engine.restore(saved.state["engine"], {k: v for k, v in saved.tensors.items() if k in engine.dense_shapes})
+        engine.restore(saved.state["engine"], saved.tensors)
     return Assembly(engine, shards, settings, saved)

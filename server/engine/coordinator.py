@@ -133,7 +133,7 @@ def _reject(reason: str) -> Verdict:
     return Verdict(False, reason)
 
 
-def _evaluation(metrics: dict[str, Any], num_test: int) -> Evaluation | str:
+def evaluation_of(metrics: dict[str, Any], num_test: int) -> Evaluation | str:
     """The evaluation in an update's metrics, or why it is not one."""
     missing = [k for k in EVAL_KEYS if k not in metrics]
     if missing:
@@ -225,20 +225,23 @@ class Coordinator:
         return None if self._round is None else self._round.plan
 
     def open_round(self, round_index: int, now: float, *, train: bool = True,
+                   away: frozenset[str] = frozenset(),
                    sample: Callable[[list[str]], list[str]] | None = None) -> RoundOpen:
         """Ask the ready devices: a seeded sample of them trains (all with join ratio 1), the others evaluate;
         ``sample`` (ready devices -> those that train) replaces the seeded sample (DP's Poisson sampling).
 
-        With ``train=False`` every ready device only evaluates (the evaluation after the last round)."""
+        With ``train=False`` every ready device only evaluates (the evaluation after the last round). Devices
+        ``away`` (the simulator's trace says so) only evaluate: a measurement that takes no virtual time."""
         if self._round is not None:
             raise RuntimeError(f"round {self._round.plan.round} is still open")
         ready = self.ready_devices()
-        if not (train and ready):
+        present = [d for d in ready if d not in away]
+        if not (train and present):
             chosen = []
         elif sample is not None:
-            chosen = sample(ready)
+            chosen = sample(present)
         else:
-            chosen = sample_clients(ready, self.config.join_ratio, round_index, self.config.seed)
+            chosen = sample_clients(present, self.config.join_ratio, round_index, self.config.seed)
         plan = RoundOpen(round_index, tuple(chosen), tuple(d for d in ready if d not in chosen),
                          now + self.config.round_deadline_s)
         self._round = _OpenRound(plan)
@@ -287,7 +290,7 @@ class Coordinator:
         problem = body_problem(plan_hash, update, asked, shapes, tensors_checked=answer.tensors is None)
         if problem is not None:
             return _reject(problem)
-        evaluation = _evaluation(update.metrics, record.num_test)
+        evaluation = evaluation_of(update.metrics, record.num_test)
         if isinstance(evaluation, str):
             return _reject(evaluation)
         if training and screen is not None:

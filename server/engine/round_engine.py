@@ -318,11 +318,13 @@ class RoundEngine:
         return None if self.dp is None else self.dp.refusal()
 
     def open_round(self, round_index: int, now: float, *, train: bool = True,
-                   wall: float | None = None) -> dict[str, Task]:
+                   wall: float | None = None, away: frozenset[str] = frozenset()) -> dict[str, Task]:
         """Open a round; returns each asked device's task (trainers train, the others only evaluate), with the
-        round's deadline on the wall clock when ``wall`` (the wall time of ``now``) is given."""
+        round's deadline on the wall clock when ``wall`` (the wall time of ``now``) is given. Devices ``away``
+        (the simulator's trace) only evaluate."""
         private = self.dp is not None and train
-        opened = self.coordinator.open_round(round_index, now, train=train, sample=self.dp.sample if private else None)
+        opened = self.coordinator.open_round(round_index, now, train=train, away=away,
+                                             sample=self.dp.sample if private else None)
         self._book.opened_at = now  # artifacts sent since the last round closed count in this one
         plans = [self.plan_info(d).resolved for d in opened.train + opened.evaluate]
         self._round_weights = factorize_per_plan(self.global_state, plans) if self.global_state else {}
@@ -547,9 +549,11 @@ class RoundEngine:
         for device_id in sorted(merged):
             self._count(device_id, *merged[device_id])
 
-    def close_round(self, now: float, *, wire: tuple[int, int] | None = None) -> tuple[RoundResult, dict[str, Any] | None]:
+    def close_round(self, now: float, *, wire: tuple[int, int] | None = None,
+                    sim_time: float | None = None) -> tuple[RoundResult, dict[str, Any] | None]:
         """Close the open round: aggregate when enough delivered (else keep the model), record it (``wire``: the
-        bytes the transport sent and took during the round, where it counts them), and complete the previous
+        bytes the transport sent and took during the round, where it counts them; ``sim_time``: the simulator's
+        virtual clock at the close), and complete the previous
         round's record with the evaluations that came in. Returns the result and the record completed now (None
         for the first round)."""
         self._fold_ready(closing=True)
@@ -567,7 +571,7 @@ class RoundEngine:
             self._pending.add_evaluation_bytes(self._book)  # belong to the last round's record
         completed = self._complete_previous(result)
         if training:
-            self._pending = self._training_record(result, now, wire)
+            self._pending = self._training_record(result, now, wire, sim_time)
         self._book = RoundBook(now)
         return result, completed
 
@@ -585,7 +589,8 @@ class RoundEngine:
         return self.algorithm.aggregate_fit(self.global_state, self._average.result(torch.float64), sent_mean,
                                             self.config.aggregate)
 
-    def _training_record(self, result: RoundResult, now: float, wire: tuple[int, int] | None) -> TrainingRecord:
+    def _training_record(self, result: RoundResult, now: float, wire: tuple[int, int] | None,
+                         sim_time: float | None = None) -> TrainingRecord:
         folding = self._average is not None or self.dp is not None
         if result.enough and folding:
             self.global_state = self._aggregate()
@@ -595,7 +600,8 @@ class RoundEngine:
         tiers = {d: tier_label(self.coordinator.devices[d].ratio) for d in result.train + result.evaluate}
         return TrainingRecord.of(result, self._book, aggregated=result.enough and folding,
                                  algorithm=self.algorithm.name, aggregate=self.config.aggregate, tiers=tiers,
-                                 now=now, wire=wire, epsilon=None if self.dp is None else self.dp.epsilon)
+                                 now=now, wire=wire, sim_time=sim_time,
+                                 epsilon=None if self.dp is None else self.dp.epsilon)
 
     def _complete_previous(self, result: RoundResult) -> dict[str, Any] | None:
         """The evaluations that came with this round measure the previous round's model: finish its record."""
@@ -614,15 +620,21 @@ class RoundEngine:
                 "pending": None if self._pending is None else self._pending.to_state(), "demoted": self.demoted,
                 "privacy": None if self.dp is None else self.dp.to_state()}
 
+    def state_tensors(self) -> dict[str, np.ndarray]:
+        """Tensors of the engine's state saved beside the global model (none in sync mode: an open round is not
+        kept)."""
+        return {}
+
     def restore(self, state: dict[str, Any], global_state: dict[str, np.ndarray]) -> None:
+        """Continue from ``to_state``; ``global_state``: the checkpoint's tensors (the global model's are taken)."""
         self.coordinator.restore(state["registry"])
         self.records = state["records"]
         self._pending = None if state["pending"] is None else TrainingRecord.from_state(state["pending"])
         self.demoted = dict(state.get("demoted", {}))
         if self.dp is not None and state.get("privacy") is not None:  # the budget spent goes on being spent
             self.dp.restore(state["privacy"])
-        if global_state:
-            self.global_state = to_torch(global_state)
+        if self.dense_shapes:
+            self.global_state = to_torch({k: global_state[k] for k in self.dense_shapes})
 
     def global_arrays(self) -> dict[str, np.ndarray]:
         return to_numpy(self.global_state)

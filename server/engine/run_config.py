@@ -222,5 +222,70 @@ def dp_from_args(args: argparse.Namespace, population: int) -> DpSettings | None
                          "choose fedara, fedavg or fedrep")
     if args.update_norm_bound is not None:
         raise ValueError("--dp-noise-multiplier clips every update already: leave --update-norm-bound out")
+    if getattr(args, "mode", "sync") != "sync":
+        raise ValueError(f"--dp-noise-multiplier with --mode {args.mode}: the privacy accounting charges sync rounds "
+                         "(a sampled round each); run DP with --mode sync")
     return DpSettings(args.dp_noise_multiplier, args.join_ratio, population, args.dp_clip, args.dp_clip_quantile,
                       args.dp_clip_lr, args.dp_delta, args.dp_target_epsilon, args.dp_accountant, args.dp_test_seed)
+MODES = ("sync", "async")
+"""sync: rounds that wait for their devices; async: buffered asynchronous aggregation (server/engine/fedbuff.py)."""
+NORMALIZATIONS = ("samples", "staleness")
+"""The async step's denominator: Σ n_i (FedBuff's rule) or Σ s(τ_i)·n_i (the staleness-weighted mean)."""
+
+
+@dataclass(frozen=True)
+class BufferRule:
+    """The async mode's settings: C devices training at once, a version every K accepted updates, updates staler
+    than S refused, staleness weight (1 + τ)^−a, server learning rate η_g and the step's denominator."""
+
+    buffer_size: int = 10
+    max_staleness: int = 20
+    staleness_exponent: float = 0.5
+    server_lr: float = 1.0
+    normalize: str = "staleness"  # measured better than FedBuff's "samples" (docs/async.md): +3.6 pp, 5 of 5 seeds
+    concurrency: int = 20
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--buffer-size", self.buffer_size), ("--concurrency", self.concurrency)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.max_staleness < 0:
+            raise ValueError(f"--max-staleness must be >= 0, got {self.max_staleness}")
+        if not (math.isfinite(self.staleness_exponent) and self.staleness_exponent >= 0):
+            raise ValueError(f"--staleness-exponent must be a finite number >= 0, got {self.staleness_exponent:g}")
+        if not (math.isfinite(self.server_lr) and self.server_lr > 0):
+            raise ValueError(f"--server-lr must be a positive number, got {self.server_lr:g}")
+        if self.normalize not in NORMALIZATIONS:
+            raise ValueError(f"--buffer-normalize {self.normalize!r} is unknown; choose one of "
+                             f"{', '.join(NORMALIZATIONS)}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def add_async_arguments(parser: argparse.ArgumentParser) -> None:
+    """The --mode flag and the async mode's settings, shared by both drivers."""
+    d = BufferRule()
+    group = parser.add_argument_group("asynchronous mode (--mode async: buffered aggregation, FedBuff; see docs/async.md)")
+    group.add_argument("--mode", choices=MODES, default="sync",
+                       help="sync: rounds that wait for their devices; async: devices train as they come free, a "
+                            "new model version every --buffer-size updates (--rounds counts versions)")
+    group.add_argument("--concurrency", type=int, default=d.concurrency, help="async: devices training at once")
+    group.add_argument("--buffer-size", type=int, default=d.buffer_size,
+                       help="async: accepted updates per new version (K)")
+    group.add_argument("--max-staleness", type=int, default=d.max_staleness,
+                       help="async: updates more versions behind than this are refused ([too_stale])")
+    group.add_argument("--staleness-exponent", type=float, default=d.staleness_exponent,
+                       help="async: an update of staleness τ weighs (1 + τ)^-a (0: no discount)")
+    group.add_argument("--server-lr", type=float, default=d.server_lr, help="async: the server's step size η_g")
+    group.add_argument("--buffer-normalize", choices=NORMALIZATIONS, default=d.normalize,
+                       help="async: divide the buffer's staleness-weighted sum by its staleness-weighted samples (a "
+                            "weighted mean; measured better) or by its samples (FedBuff's rule)")
+
+
+def async_rule_from_args(args: argparse.Namespace) -> BufferRule | None:
+    """The async mode's rule the flags ask for (checked), None in sync mode."""
+    if args.mode != "async":
+        return None
+    return BufferRule(args.buffer_size, args.max_staleness, args.staleness_exponent, args.server_lr,
+                      args.buffer_normalize, args.concurrency)

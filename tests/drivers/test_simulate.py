@@ -16,7 +16,8 @@ from server.algorithms import FedAra, FedAvg, FedRep, Local, Settings, get_algor
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.outputs.report import METRICS_FILE, REPORT_FILE, read_metrics
 from server.run_setup import RunFolder
-from server.simulate import DEVICE_PREFIX, Simulation, build_parser, main
+from server.simulate import Simulation, build_parser, main
+from server.simulator_flags import DEVICE_PREFIX
 from server.engine.run_config import FederationConfig
 from server.engine.sampling import batch_seed, sample_clients, weighted_accuracy
 

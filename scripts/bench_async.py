@@ -1,0 +1,208 @@
+"""Sync rounds against buffered async (FedBuff) on one simulated fleet: time to accuracy on the virtual clock.
+
+    nice -n 5 .venv/bin/python scripts/bench_async.py                 # docs/async.json, docs/async.png
+    .venv/bin/python scripts/bench_async.py --seeds 1 --rounds 3      # a smoke run
+
+Heterogeneous FedARA (rank tiers round-robin by device id) under ``--aggregate updates`` on sklearn's digits, with
+``--clients`` in-process devices whose speeds are log-normal (σ = ``--sigma``) and which are away ``--away`` of the
+time. Each seed (a partition, an initial model and a fleet trace) runs ``python -m server.simulate`` once in sync
+mode for ``--rounds`` rounds and once per async arm for R·N/K versions (the same number of device tasks as N
+devices for R rounds; away devices are not asked in sync, so sync does fewer). Both modes evaluate every device
+after every round / version (a measurement: no virtual time), so accuracy is over the same test samples.
+Per seed, paired:
+- time to target: the first virtual time at which each mode reaches (sync's final accuracy − 1 pp); the ratio
+  async / sync;
+- accuracy at equal device compute: async's accuracy at the version where its accepted updates reach the number
+  sync trained in all its rounds, minus sync's final accuracy.
+Prints a table, writes the JSON (every command, every curve) and a plot of accuracy against virtual time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import server.simulate as simulate  # noqa: E402
+from server.outputs.report import METRICS_FILE, read_metrics  # noqa: E402
+
+TARGET_GAP = 0.01
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown"
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
+                "unknown")
+
+
+def common_flags(args: argparse.Namespace, seed: int) -> list[str]:
+    return ["--dataset", "digits", "--clients", str(args.clients), "--alpha", str(args.alpha), "--min-samples",
+            str(args.min_samples), "--algo", "fedara", "--rank-tiers", args.tiers, "--aggregate", "updates",
+            "--local-epochs", "1", "--batch-size", "16", "--lr", str(args.lr), "--lam", "1", "--lam-warmup", "1",
+            "--seed", str(seed), "--device-speed", f"lognormal:{args.sigma:g}",
+            "--availability", f"{1 - args.away:g},{args.mean_online_s:g}"]
+
+
+def arms(args: argparse.Namespace) -> dict[str, list[str]]:
+    """sync, and one async arm per (K, a, normalization) of the comma lists."""
+    arms = {"sync": ["--mode", "sync", "--rounds", str(args.rounds)]}
+    if args.sync_deadline:
+        arms[f"sync deadline {args.sync_deadline:g} s"] = ["--mode", "sync", "--rounds", str(args.rounds),
+                                                           "--virtual-deadline", f"{args.sync_deadline:g}"]
+    for k in (int(v) for v in args.buffer_size.split(",") if v):
+        for a in (float(v) for v in args.exponent.split(",")):
+            for normalize in args.normalize.split(","):
+                arms[f"async K={k} a={a:g} {normalize}"] = [
+                    "--mode", "async", "--rounds", str(args.rounds * args.clients // k), "--buffer-size", str(k),
+                    "--concurrency", str(args.concurrency), "--max-staleness", str(args.max_staleness),
+                    "--staleness-exponent", f"{a:g}", "--server-lr", str(args.server_lr), "--buffer-normalize",
+                    normalize]
+    return arms
+
+
+def run(flags: list[str], out: Path) -> tuple[list[dict[str, Any]], float]:
+    started = time.perf_counter()
+    if simulate.main([*flags, "--out", str(out)]) != 0:
+        raise SystemExit(f"run failed: python -m server.simulate {shlex.join(flags)}")
+    return read_metrics(out / METRICS_FILE), time.perf_counter() - started
+
+
+def time_to(records: list[dict[str, Any]], target: float) -> float | None:
+    return next((r["sim_time"] for r in records if r["accuracy"] is not None and r["accuracy"] >= target), None)
+
+
+def at_compute(records: list[dict[str, Any]], updates: int) -> float | None:
+    done = 0
+    for r in records:
+        done += r["participants"]
+        if done >= updates:
+            return r["accuracy"]
+    return None
+
+
+def paired(values: list[float]) -> dict[str, float]:
+    n = len(values)
+    mean = sum(values) / n
+    se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else float("nan")
+    return {"mean": mean, "se": se, "n": n}
+
+
+def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    seeds = sorted(results)
+    for arm in [a for a in results[seeds[0]] if a != "sync"]:
+        ratios, diffs, reached, won = [], [], 0, 0
+        for seed in seeds:
+            sync, other = results[seed]["sync"]["records"], results[seed][arm]["records"]
+            target = sync[-1]["accuracy"] - TARGET_GAP
+            t_sync, t_async = time_to(sync, target), time_to(other, target)
+            results[seed][arm]["time_to_target"] = t_async
+            results[seed]["sync"]["time_to_target"] = t_sync
+            if t_async is not None and t_sync:
+                reached += 1
+                ratios.append(t_async / t_sync)
+                won += t_async < t_sync
+            updates = sum(r["participants"] for r in sync)
+            accuracy = at_compute(other, updates)
+            if accuracy is not None:
+                diffs.append(accuracy - sync[-1]["accuracy"])
+        summary[arm] = {"time_ratio": paired(ratios) if ratios else None, "reached": reached, "faster": won,
+                        "accuracy_diff_equal_compute": paired(diffs) if diffs else None, "seeds": len(seeds)}
+    return summary
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    figure = Figure(figsize=(8, 4.5))
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
+    colors = {}
+    for seed, arms_of in sorted(results.items()):
+        for arm, result in arms_of.items():
+            points = [(r["sim_time"], r["accuracy"]) for r in result["records"] if r["accuracy"] is not None]
+            line, = ax.plot(*zip(*points), color=colors.get(arm), alpha=0.6, lw=1,
+                            label=None if arm in colors else arm)
+            colors.setdefault(arm, line.get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("virtual time (s), log scale")
+    ax.set_ylabel("accuracy (all devices)")
+    ax.set_title("digits, FedARA tiers 1/0.5/0.25, log-normal speeds, devices away (a line per seed)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--clients", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=20, help="sync rounds (async: rounds x clients / buffer size)")
+    p.add_argument("--tiers", default="1.0,0.5,0.25")
+    p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--min-samples", type=int, default=20)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--sigma", type=float, default=1.0)
+    p.add_argument("--away", type=float, default=0.3, help="share of the time a device is away")
+    p.add_argument("--mean-online-s", type=float, default=2.0, help="mean online period, virtual seconds")
+    p.add_argument("--sync-deadline", type=float, default=None,
+                   help="also a sync arm whose rounds close after this many virtual seconds")
+    p.add_argument("--buffer-size", default="10", help="async arms: K values, comma-separated")
+    p.add_argument("--concurrency", type=int, default=20)
+    p.add_argument("--max-staleness", type=int, default=20)
+    p.add_argument("--exponent", default="0.5", help="async arms: staleness exponents a, comma-separated")
+    p.add_argument("--server-lr", type=float, default=1.0)
+    p.add_argument("--normalize", default="samples,staleness", help="async arms: --buffer-normalize values")
+    p.add_argument("--out", default="docs/async.json")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    results: dict[int, dict[str, Any]] = {}
+    load_start, started = os.getloadavg(), time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.seeds):
+            results[seed] = {}
+            for arm, flags in arms(args).items():
+                command = [*common_flags(args, seed), *flags]
+                records, wall = run(command, Path(tmp) / f"{seed}-{arm}")
+                results[seed][arm] = {"command": "python -m server.simulate " + shlex.join(command),
+                                      "wall_s": wall, "records": [
+                                          {k: r.get(k) for k in ("round", "accuracy", "sim_time", "participants",
+                                                                 "staleness_mean", "too_stale")} for r in records]}
+                final = records[-1]
+                print(f"seed {seed} {arm:26s} final accuracy {final['accuracy']:.4f} at virtual {final['sim_time']:.2f} s"
+                      f"  ({len(records)} rows, {wall:.0f} s wall)", flush=True)
+    summary = summarize(results)
+    print(f"\n{'arm':26s} {'time to sync final-1pp (async/sync)':38s} {'faster':>7s} {'acc. at equal compute (pp)':>28s}")
+    for arm, s in summary.items():
+        ratio = s["time_ratio"]
+        diff = s["accuracy_diff_equal_compute"]
+        ratio_text = "-" if ratio is None else f"{ratio['mean']:.3f} ± {ratio['se']:.3f} ({s['reached']}/{s['seeds']} reached)"
+        diff_text = "-" if diff is None else f"{100 * diff['mean']:+.2f} ± {100 * diff['se']:.2f}"
+        print(f"{arm:26s} {ratio_text:38s} {s['faster']:>3d}/{s['seeds']:<3d} {diff_text:>28s}")
+    document = {"settings": vars(args), "summary": summary, "results": {str(k): v for k, v in results.items()},
+                "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "loadavg_at_start": list(load_start),
+                            "loadavg_at_end": list(os.getloadavg())},
+                "wall_s": time.perf_counter() - started}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=1) + "\n")
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

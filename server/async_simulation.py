@@ -1,0 +1,97 @@
+"""``python -m server.simulate --mode async``: the in-process devices on the virtual clock, given tasks by the async
+engine (``server.engine.async_engine``) as they come free and online, each update arriving when its device has
+trained it (``server.virtual_clock``). After each new version the devices online then evaluate it (no virtual
+time: a measurement), which completes the version's metrics row; a checkpoint follows, with the tasks in flight
+and their ends, so ``--resume`` continues exactly."""
+from __future__ import annotations
+
+import heapq
+import logging
+
+from device_runtime.messages import update_message
+from device_runtime.task import Task
+from server.engine.run_config import RunError
+from server.simulation import Simulation
+
+log = logging.getLogger("fedara.simulate")
+
+
+class AsyncSimulation(Simulation):
+    """The simulation's devices under the async engine (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        self._ends: list[tuple[float, int, str]] = []  # (virtual end, task number, device) of the tasks in flight
+        self._tasks: dict[str, Task] = {}
+        super().__init__(*args, **kwargs)
+        if self.fleet is None:
+            raise RunError(f"--mode async needs the virtual clock: the cost model has no step time for "
+                           f"{self.args.model}")
+
+    def _restore(self) -> None:
+        super()._restore()
+        self._ends = [(end, number, device_id) for end, number, device_id in self.saved.state["clock"]["in_flight"]]
+        heapq.heapify(self._ends)
+        self._tasks = {d: self.engine.resend(d) for _, _, d in self._ends}
+
+    def _online(self) -> list[str]:
+        return [d for d in self.devices if self.fleet.online(d, self.clock)]
+
+    def _dispatch(self) -> None:
+        engine = self.engine
+        for device_id, task in engine.dispatch(self._online()).items():
+            record = engine.registry()[device_id]
+            seconds = self.fleet.task_seconds(device_id, record.ratio, task, record.num_train)
+            heapq.heappush(self._ends, (self.fleet.finish(device_id, self.clock, seconds), task.round, device_id))
+            self._tasks[device_id] = task
+
+    def _next_wake(self) -> float | None:
+        """The first time an idle device away now comes online (it may take a free slot then), None: none."""
+        if not self.engine.free_slots():
+            return None
+        idle = [d for d in self.devices if d not in self._tasks and not self.fleet.online(d, self.clock)]
+        return min((self.fleet.next_online(d, self.clock) for d in idle), default=None)
+
+    def _deliver(self, device_id: str, task: Task) -> None:
+        update = self.devices[device_id].answer(task)
+        msg = update_message(update, plan_hash=self.devices[device_id].plan_hash, device_id=device_id,
+                             run_id=self.run_id)
+        verdict = self.engine.receive(device_id, msg, self.clock)
+        if not verdict.accepted:
+            log.warning("dropped %s's update (task %d): %s", device_id, task.round, verdict.reason)
+
+    def _evaluate_version(self) -> None:
+        """Every device evaluates the new version (no virtual time: a measurement, as sync's away devices do)."""
+        for device_id, task in self.engine.evaluation_tasks(list(self.devices)).items():
+            self._deliver(device_id, task)
+
+    def run(self) -> list[dict]:
+        """Versions up to --rounds; a checkpoint after each."""
+        engine = self.engine
+        try:
+            while engine.version < self.config.rounds:
+                self._dispatch()
+                wake = self._next_wake()
+                if not self._ends and wake is None:
+                    raise RunError("--mode async: no device can train (none ready, or --concurrency slots all held)")
+                if wake is not None and (not self._ends or wake < self._ends[0][0]):
+                    self.clock = wake
+                    continue
+                end, _, device_id = heapq.heappop(self._ends)
+                self.clock = end
+                before = engine.version
+                self._deliver(device_id, self._tasks.pop(device_id))
+                if engine.version > before:
+                    self.progress.evaluated(engine.records[-1] if engine.records and
+                                            engine.records[-1]["round"] == before else None)
+                    self.progress.trained(engine.pending)
+                    self._evaluate_version()
+                    self._checkpoint(engine.version, finished=False)
+            self.progress.evaluated(engine.finish())
+        finally:
+            self.close()
+        self._checkpoint(self.config.rounds, finished=True)
+        return engine.records
+
+    def _clock_state(self) -> dict:
+        """The virtual clock and the ends of the tasks in flight, for --resume."""
+        return {"now": self.clock, "in_flight": sorted(self._ends)}

@@ -1,0 +1,299 @@
+"""The round engine's asynchronous mode (``--mode async``): buffered aggregation (``server.engine.fedbuff``) behind
+the same door as the sync rounds, for every algorithm.
+
+It is the round engine (admission, plans, presence, records, checkpoints are the sync engine's own) with tasks
+given out one device at a time instead of rounds: at most ``--concurrency`` devices train at once, each on the
+version that is current when it starts (a seeded choice among the free devices, so a run is reproducible). Each
+task and its update carry a task number (the ``round`` field; numbers only grow, so a device and the engine take
+an earlier one as a replay). An update is judged like a sync round's (its device's topic, this run, its plan, its
+tensors and declared samples, its evaluation's fit) plus fedbuff's rules (the device's task in flight, staleness).
+Every ``--buffer-size`` accepted updates make a new version; a version's metrics row is written when the next one
+is made (or at the end), with the evaluations of that version that came in: the evaluation that leads every task
+(the model received) and evaluation-only tasks a driver asks for.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from device_runtime.envelope import Message
+from device_runtime.messages import MessageError
+from device_runtime.task import Task, Update, tensor_bytes
+from device_runtime.topics import check_topic_device
+from device_runtime.protocol import ProtocolError
+from server.engine.coordinator import Evaluation, Verdict, evaluation_of
+from server.engine.fedbuff import TOO_STALE, FedBuff, InFlight, Judged, update_delta
+from server.engine.run_config import BufferRule
+from server.engine.round_engine import RoundEngine
+from server.engine.round_record import RoundBook, TrainingRecord, tier_label
+from server.engine.sampling import batch_seed, factorize_per_plan, plan_key, to_torch
+from server.engine.update_rule import Answer, Asked, body_problem
+from server.engine.evaluation import EVAL_DIRECTION
+
+LOG = logging.getLogger("fedara.async")
+BUFFER_FULL = "buffer full"
+
+
+class AsyncEngine(RoundEngine):
+    """The round engine, asynchronous (see the module docstring). ``rule``: C, K, S, a, η_g."""
+
+    def __init__(self, *args: Any, rule: BufferRule, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.remote is not None:
+            raise ValueError("--mode async does not run with --aggregators (aggregator processes fold sync rounds)")
+        if self.norm_bound is not None:
+            raise ValueError("--mode async does not take --update-norm-bound (it bounds a sync round's updates)")
+        self.rule = rule
+        self.buff = FedBuff(rule, self.global_state)
+        self._sent: dict[tuple[int, tuple], dict[str, np.ndarray]] = {}  # (version, plan) -> the weights sent
+        self._evaluating: dict[str, tuple[int, int]] = {}  # device -> (task number, version) of its evaluation
+        self._evaluations: dict[int, dict[str, Evaluation]] = {}  # version -> device -> its evaluation
+        self._refused: dict[str, str] = {}  # device -> why its update did not count, since the last version
+        self._version_record: TrainingRecord | None = None  # the last version's record, awaiting its evaluations
+        self._version_extra: dict[str, Any] = {}
+        self._too_stale_at_last = 0
+        self._last_version_at: float | None = None
+
+    # -- what the drivers read ------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The current model version (``--rounds`` counts versions in this mode)."""
+        return self.buff.version
+
+    def training(self) -> list[str]:
+        """The devices with a task in flight, by id."""
+        return sorted(self.buff.in_flight)
+
+    def free_slots(self) -> int:
+        return max(0, self.rule.concurrency - self.buff.busy())
+
+    # -- tasks ----------------------------------------------------------------------------------
+
+    def dispatch(self, candidates: list[str]) -> dict[str, Task]:
+        """Tasks at the current version for up to the free slots of ``candidates`` (online devices, as the driver
+        knows them) that are ready and not training: a seeded choice, by id, never by the order they came in."""
+        ready = set(self.ready_devices())
+        free = sorted(d for d in set(candidates) if d in ready and d not in self.buff.in_flight)
+        slots = self.free_slots()
+        if not free or not slots:
+            return {}
+        if len(free) > slots:
+            rng = np.random.default_rng([self.config.seed, 3, self.buff.next_task])
+            free = sorted(free[i] for i in rng.choice(len(free), size=slots, replace=False))
+        return {d: self._training_task(d, self.buff.dispatch(d)) for d in free}
+
+    def _sent_weights(self, device_id: str, version: int) -> dict[str, np.ndarray]:
+        """The model of ``version`` at the device's plan (factorized once per version and plan)."""
+        if not self.global_state:
+            return {}
+        resolved = self.plan_info(device_id).resolved
+        key = (version, plan_key(resolved))
+        if key not in self._sent:
+            self._sent[key] = factorize_per_plan(self.buff.base_model(version), [resolved])[plan_key(resolved)]
+        return self._sent[key]
+
+    def resend(self, device_id: str) -> Task:
+        """The task the device has in flight, again (the same number, version and weights: a device that missed
+        it, or a resumed simulation)."""
+        return self._training_task(device_id, self.buff.in_flight[device_id], count=False)
+
+    def _training_task(self, device_id: str, flight: InFlight, count: bool = True) -> Task:
+        plan = self.plan_info(device_id)
+        weights = self._sent_weights(device_id, flight.base)
+        config = self.config
+        fit = self.algorithm.configure_fit(flight.base + 1, bool(plan.resolved.ranks))
+        if count:
+            nbytes = tensor_bytes(weights)
+            self._book.bytes_down += nbytes
+            self._book.count(tier_label(plan.ratio), "down", nbytes)
+        return Task(round=flight.task, weights=weights, lam=fit.lam, mu=fit.mu, lr=config.lr, phases=fit.phases,
+                    batch_size=config.batch_size, seed=batch_seed(config.seed, flight.task, device_id),
+                    returns=fit.returns)
+
+    def evaluation_tasks(self, device_ids: list[str]) -> dict[str, Task]:
+        """Evaluation-only tasks of the current version for ``device_ids`` (ready ones, by id): what completes the
+        version's metrics row where tasks alone would evaluate it on few devices."""
+        ready = set(self.ready_devices())
+        tasks = {}
+        for device_id in sorted(d for d in set(device_ids) if d in ready):
+            number = self.buff.next_number()
+            self._evaluating[device_id] = (number, self.version)
+            weights = self._sent_weights(device_id, self.version)
+            nbytes = tensor_bytes(weights)
+            self._book.bytes_down_eval += nbytes
+            self._book.count(tier_label(self.plan_info(device_id).ratio), EVAL_DIRECTION, nbytes)
+            tasks[device_id] = Task(round=number, weights=weights, lam=0.0, mu=0.0, lr=self.config.lr, phases=(),
+                                    batch_size=self.config.batch_size, seed=0, returns="none")
+        return tasks
+
+    # -- updates --------------------------------------------------------------------------------
+
+    def receive(self, device_id: str, msg: Message, now: float) -> Verdict:
+        """Judge an UPDATE that arrived on ``device_id``'s topic: an evaluation it was asked for, or the update of
+        its task in flight; an accepted training update goes into the buffer, and a full buffer makes a version."""
+        answer = Answer.of_message(msg)
+        record = self.coordinator.devices.get(device_id)
+        if record is None:
+            return self._refuse(device_id, "unknown device", None)
+        try:
+            check_topic_device(device_id, answer.device_id)
+        except ProtocolError as exc:
+            return Verdict(False, str(exc))
+        if answer.run_id != self.run_id:
+            return Verdict(False, f"update of run {answer.run_id}, this run is {self.run_id}")
+        evaluating = self._evaluating.get(device_id)
+        if evaluating is not None and evaluating[0] == answer.round:
+            del self._evaluating[device_id]
+            return self._evaluation(record, answer, evaluating[1])
+        judged = self.buff.judge(device_id, answer.round)
+        if isinstance(judged, str):
+            if judged.startswith(TOO_STALE):
+                self._refused[device_id] = judged
+                LOG.warning("%s: %s", device_id, judged)
+            return Verdict(False, judged)
+        problem, update, evaluation = self._body(record, answer, trains=True)
+        if problem is not None:
+            self.buff.finish(device_id)
+            return self._refuse(device_id, problem, record)
+        self._evaluations.setdefault(judged.task.base, {}).setdefault(device_id, evaluation)
+        self._book_update(device_id, update, tensor_bytes(msg.tensors))
+        full = self._accept(device_id, judged, update)
+        if full:
+            self._new_version(now)
+        return Verdict(True, update=update)
+
+    def _refuse(self, device_id: str, reason: str, record: Any) -> Verdict:
+        if record is not None:
+            self._refused[device_id] = reason
+        return Verdict(False, reason)
+
+    def _body(self, record: Any, answer: Answer, trains: bool) -> tuple[str | None, Update | None, Evaluation | None]:
+        """(why not, None, None) or (None, the update, its evaluation), under the one update rule."""
+        try:
+            plan_hash, update = answer.parse()
+        except MessageError as exc:
+            return f"malformed update: {exc}", None, None
+        asked = Asked(record.plan_hash, record.num_train if trains else 0, trains)
+        problem = body_problem(plan_hash, update, asked, self._expected_shapes(record.device_id) if trains else {},
+                               tensors_checked=False)
+        if problem is not None:
+            return problem, None, None
+        evaluation = evaluation_of(update.metrics, record.num_test)
+        if isinstance(evaluation, str):
+            return evaluation, None, None
+        return None, update, evaluation
+
+    def _evaluation(self, record: Any, answer: Answer, version: int) -> Verdict:
+        problem, update, evaluation = self._body(record, answer, trains=False)
+        if problem is not None:
+            return Verdict(False, problem)
+        self._evaluations.setdefault(version, {}).setdefault(record.device_id, evaluation)
+        return Verdict(True, update=update)
+
+    def _accept(self, device_id: str, judged: Judged, update: Update) -> bool:
+        if not self.global_state:
+            return self.buff.count_only(device_id, judged)
+        sent = self._sent_weights(device_id, judged.task.base)
+        if self.config.aggregate == "weights":  # the change from the base model itself (truncation included)
+            sent = {k: v for k, v in self.buff.base_model(judged.task.base).items()}
+        else:
+            sent = to_torch(sent)
+        returned = to_torch(update.weights)
+        return self.buff.accept(device_id, judged, update_delta(returned, sent, self.dense_shapes), update.num_samples)
+
+    def _book_update(self, device_id: str, update: Update, nbytes: int) -> None:
+        book = self._book
+        book.bytes_up += nbytes
+        book.count(tier_label(self.coordinator.devices[device_id].ratio), "up", nbytes)
+        book.samples += update.num_samples
+        book.loss_sum += update.train_loss * update.num_samples
+        book.accuracy_sum += update.train_accuracy * update.num_samples
+
+    def _new_version(self, now: float) -> None:
+        """Apply the full buffer; the previous version's record is completed, this one's waits for its evaluations."""
+        members = self.buff.flush()
+        self.global_state = self.buff.current
+        self._sent = {k: v for k, v in self._sent.items() if k[0] in self.buff.versions}
+        self._complete_version()
+        book = self._book
+        opened = book.opened_at if self._last_version_at is None else self._last_version_at
+        tiers = {d: tier_label(r.ratio) for d, r in self.coordinator.devices.items()}
+        stale = [tau for _, tau in members]
+        self._version_record = TrainingRecord(
+            self.version, len(members), len(members), dict(self._refused), bool(self.global_state),
+            self.algorithm.name, self.config.aggregate, BUFFER_FULL,
+            book.loss_sum / book.samples if book.samples else None,
+            book.accuracy_sum / book.samples if book.samples else None,
+            book.bytes_down, book.bytes_up, book.bytes_artifacts, book.bytes_down_eval, book.by_tier, now - opened,
+            tiers, sim_time=now)
+        self._version_extra = {"mode": "async", "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
+                               "too_stale": self.buff.too_stale - self._too_stale_at_last}
+        self._too_stale_at_last = self.buff.too_stale
+        self._refused = {}
+        self._last_version_at = now
+        self._book = RoundBook(now)
+        LOG.info("version %d from %d updates (staleness mean %.2f, max %d)", self.version, len(members),
+                 self._version_extra["staleness_mean"], self._version_extra["staleness_max"])
+
+    def _complete_version(self) -> dict[str, Any] | None:
+        record = self._version_record
+        if record is None:
+            return None
+        evaluations = self._evaluations.pop(record.round, {})
+        for version in [v for v in self._evaluations if v < record.round]:
+            del self._evaluations[version]  # evaluations of older versions that came too late for their row
+        row = dict(record.completed(evaluations), **self._version_extra)
+        self.records.append(row)
+        self._version_record = None
+        return row
+
+    def finish(self) -> dict[str, Any] | None:
+        """The run ends: the last version's record is completed with the evaluations that came."""
+        if self._version_record is not None:
+            self._version_record.add_evaluation_bytes(self._book)
+        return self._complete_version()
+
+    @property
+    def pending(self) -> dict[str, Any] | None:
+        return None if self._version_record is None else self._version_record.to_state()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def to_state(self) -> dict[str, Any]:
+        """The sync engine's state, plus fedbuff's (its tensors: ``state_tensors``) and the open version's."""
+        buff_state, _ = self.buff.to_state()
+        state = super().to_state()
+        state["pending"] = None
+        state["async"] = {
+            "fedbuff": buff_state, "record": self.pending, "extra": self._version_extra,
+            "evaluating": {d: list(v) for d, v in self._evaluating.items()},
+            "evaluations": {str(v): {d: [e.correct, e.total, e.loss] for d, e in sorted(evals.items())}
+                            for v, evals in self._evaluations.items()},
+            "refused": self._refused, "too_stale_at_last": self._too_stale_at_last,
+            "last_version_at": self._last_version_at, "book": asdict(self._book)}
+        return state
+
+    def state_tensors(self) -> dict[str, np.ndarray]:
+        """The stored versions and the buffer's float64 sums (saved beside the global model)."""
+        return self.buff.to_state()[1]
+
+    def restore(self, state: dict[str, Any], global_state: dict[str, np.ndarray]) -> None:
+        """``global_state``: the checkpoint's tensors (the global model and ``state_tensors``)."""
+        super().restore(state, global_state)
+        saved = state["async"]
+        self.buff.restore(saved["fedbuff"], global_state)
+        self.global_state = self.buff.current
+        self._version_record = None if saved["record"] is None else TrainingRecord.from_state(saved["record"])
+        self._version_extra = saved["extra"]
+        self._evaluating = {d: (t, v) for d, (t, v) in saved["evaluating"].items()}
+        self._evaluations = {int(v): {d: Evaluation(*e) for d, e in evals.items()}
+                             for v, evals in saved["evaluations"].items()}
+        self._refused = dict(saved["refused"])
+        self._too_stale_at_last = saved["too_stale_at_last"]
+        self._last_version_at = saved["last_version_at"]
+        self._book = RoundBook(**saved["book"])
+

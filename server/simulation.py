@@ -1,0 +1,172 @@
+"""An in-process federation: the round engine (``server.engine.round_engine``) with every device in this process and no
+transport. Each device gets its plan, answers each task with the same local round a real device runs
+(``device_runtime.local_round``), and keeps its personal tensors; a device's training time is the virtual clock's
+(``server.virtual_clock``). The async mode's run builds on it (``server.async_simulation``)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+
+from device_runtime.messages import Join, ShardInfo, update_message
+from device_runtime.profile import ResourceProfile
+from device_runtime.task import Task, Update
+from server.in_process import InProcessDevice, Trainers
+from server.parallel_devices import DevicePool, WorkerSettings
+from server.outputs.progress import Progress, print_and_log
+from server.engine.run_config import RunError
+from server.run_setup import Deployment, PlanArtifacts, RunFolder, assemble
+from server.virtual_clock import VirtualFleet
+
+
+from device_runtime.artifact_contract import PORTABLE_KIND
+from server.cli import check_args
+from server.simulator_flags import BACKENDS, DEVICE_PREFIX, NO_DEADLINE_S, check_simulate_args
+
+log = logging.getLogger("fedara.simulate")
+
+
+class Simulation:
+    """The engine and its in-process devices for one run."""
+
+    def __init__(self, args: argparse.Namespace, out: RunFolder, progress: Progress | None = None):
+        self.args, self.out = args, out
+        self.config = check_args(args)
+        check_simulate_args(args)
+        trace_keys = tuple(k for k in ("device_speed", "availability", "virtual_deadline") if getattr(args, k))
+        deployment = Deployment(devices=args.clients, min_devices=1, round_deadline_s=NO_DEADLINE_S,
+                                onnx=args.backend != "torch", budgets=False, settings_keys=("clients", *trace_keys))
+        run = assemble(args, self.config, out, deployment, emit=print_and_log)
+        self.fleet = self._fleet(args, tuple(next(iter(run.shards.values())).x_train.shape[1:]))
+        self.clock = 0.0  # virtual seconds
+        self.engine, self.settings, self.saved, self.run_id = run.engine, run.settings, run.saved, run.run_id
+        self.by_hash: dict[str, PlanArtifacts] = {}
+        self.trainers = Trainers(args.backend, self.by_hash, args.threads, args.device)
+        self.devices = {d: InProcessDevice(d, shard, self.trainers, args.threads) for d, shard in run.shards.items()}
+        self.pool: DevicePool | None = None
+        self.first_round = run.first_round()
+        if self.saved:
+            self._restore()
+        self.progress = progress or Progress(self.config.rounds)
+        self._admit()
+
+    @staticmethod
+    def _fleet(args: argparse.Namespace, input_shape: tuple[int, ...]) -> VirtualFleet | None:
+        """The virtual clock's fleet; None (no sim_time) where the cost model lacks the model and no trace flag asks
+        for one."""
+        try:
+            return VirtualFleet.from_flags(args.seed, args.device_speed, args.availability, args.model.split(",")[0],
+                                           input_shape, args.batch_size)
+        except ValueError:
+            if args.device_speed or args.availability:
+                raise
+            return None
+
+    def _task_end(self, device_id: str, task: Task) -> float:
+        """When the device, starting now on the virtual clock, has trained ``task``."""
+        record = self.engine.registry()[device_id]
+        seconds = self.fleet.task_seconds(device_id, record.ratio, task, record.num_train)
+        return self.fleet.finish(device_id, self.clock, seconds)
+
+    def _restore(self) -> None:
+        """The devices' personal tensors from the checkpoint (the engine restored its own), and the virtual clock."""
+        self.clock = self.saved.state.get("clock", {}).get("now", 0.0)
+        for key, value in self.saved.tensors.items():
+            if key.startswith(DEVICE_PREFIX):
+                device_id, name = key[len(DEVICE_PREFIX):].split("/", 1)
+                self.devices[device_id].personal[name] = value
+
+    def _admit(self) -> None:
+        """Every device joins and installs its plan (a resumed device keeps its personal tensors)."""
+        profile = ResourceProfile(None, self.args.threads, 1, "in-process", sys.platform, None, 1.0,
+                                  runtime=BACKENDS[self.args.backend] or PORTABLE_KIND)
+        for device_id, device in self.devices.items():
+            admission = self.engine.join(device_id, Join(profile, ShardInfo.of(device.shard), ()))
+            if admission.refusal:
+                raise RunError(f"{device_id}: {admission.refusal}")
+            self.by_hash[admission.plan.plan_hash] = self.engine.plan_info(device_id)
+            device.install(admission.plan)
+            self.engine.acknowledge(device_id, admission.plan.plan_hash)
+
+    def _answers(self, tasks: dict[str, Task]) -> Iterator[tuple[str, Update]]:
+        """Each device's update, in the order of ``tasks``: trained here one after another, or by the --workers
+        pool (started at the first round; the devices' personal tensors here follow the workers')."""
+        if self.args.workers == 1:
+            yield from ((device_id, self.devices[device_id].answer(task)) for device_id, task in tasks.items())
+            return
+        if self.pool is None:
+            self.pool = DevicePool(self.devices, self.by_hash,
+                                   WorkerSettings(self.args.backend, self.args.threads, self.args.device),
+                                   self.args.workers)
+        for device_id, update, personal in self.pool.answer(tasks):
+            self.devices[device_id].personal = personal
+            yield device_id, update
+
+    def close(self) -> None:
+        """Stop the --workers pool, if one runs."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def _round(self, round_index: int, train: bool = True) -> None:
+        """One round; on the virtual clock it lasts until its slowest trainer is done, or its --virtual-deadline
+        (trainers not done by then are not heard from; devices away when it opens only evaluate, which takes no
+        virtual time)."""
+        engine, fleet = self.engine, self.fleet
+        away = frozenset(d for d in self.devices if not fleet.online(d, self.clock)) if fleet else frozenset()
+        tasks = engine.open_round(round_index, time.monotonic(), train=train, away=away)
+        ends = {d: self._task_end(d, t) for d, t in tasks.items() if not t.evaluate_only} if fleet else {}
+        deadline = self.args.virtual_deadline
+        if deadline is not None and fleet is not None:
+            late = {d for d, end in ends.items() if end > self.clock + deadline}
+            tasks = {d: t for d, t in tasks.items() if d not in late}
+            ends = {d: min(end, self.clock + deadline) for d, end in ends.items()}
+        for device_id, update in self._answers(tasks):
+            msg = update_message(update, plan_hash=self.devices[device_id].plan_hash, device_id=device_id,
+                                 run_id=self.run_id)
+            verdict = engine.receive(device_id, msg, time.monotonic())
+            if not verdict.accepted:
+                log.warning("dropped %s's update (round %d): %s", device_id, round_index, verdict.reason)
+        self.clock = max(ends.values(), default=self.clock)
+        _, completed = engine.close_round(time.monotonic(), sim_time=self.clock if fleet else None)
+        self.progress.evaluated(completed)
+
+    def run(self) -> list[dict]:
+        """Rounds up to --rounds (fewer where the privacy budget ends the run first), then the evaluation of the
+        final model; a checkpoint after each round."""
+        last = self.first_round - 1
+        try:
+            for t in range(self.first_round, self.config.rounds + 1):
+                stop = self.engine.budget_refusal()
+                if stop is not None:
+                    print_and_log(stop)
+                    break
+                self._round(t)
+                self.progress.trained(self.engine.pending)
+                self._checkpoint(t, finished=False)
+                last = t
+            if self.engine.pending is not None:
+                self._round(last + 1, train=False)
+        finally:
+            self.close()
+        self._checkpoint(self.config.rounds, finished=True)
+        return self.engine.records
+
+    def _checkpoint(self, round_index: int, *, finished: bool) -> None:
+        tensors = dict(self.engine.global_arrays(), **self.engine.state_tensors())
+        for device_id, device in self.devices.items():
+            tensors.update({f"{DEVICE_PREFIX}{device_id}/{k}": v for k, v in device.personal.items()})
+        state = {"run_id": self.run_id, "settings": self.settings, "engine": self.engine.to_state(),
+                 "finished": finished, "clock": self._clock_state()}
+        self.out.save(round_index, tensors, state, self.engine.records)
+
+    def _clock_state(self) -> dict:
+        """The virtual clock, for --resume."""
+        return {"now": self.clock}
+
+    def final_global(self) -> dict[str, torch.Tensor]:
+        return self.engine.global_state
