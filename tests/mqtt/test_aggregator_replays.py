@@ -31,7 +31,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from device_runtime.framing import frame_msg_id
 from fedcore.models import build_model
-from server.algorithms import get_algorithm
+from server.engine.round_engine import algorithm_for
+from server.engine.run_config import FederationConfig
 from server.broker_loop import AGGREGATORS_DIR, SERVER_LOG
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.data.datasets import load_dataset
@@ -302,7 +303,7 @@ def test_the_attacked_runs_model_is_the_unattacked_runs(attack: Attack):
     assert attacked.round == 3 and attacked.tensors.keys() == clean.tensors.keys()
     data = load_dataset("digits")
     initial = global_state(build_model("fedavgcnn", data.input_shape, data.num_classes, seed=0),
-                           get_algorithm("fedara"))
+                           algorithm_for(FederationConfig()))
     assert clean.tensors.keys() == initial.keys()
     relative = {name: float(np.linalg.norm(attacked.tensors[name] - value)
                             / np.linalg.norm(value - initial[name].numpy()))
