@@ -215,6 +215,7 @@ class Federation:
         self.settings = settings
         self.max_inbound = max_inbound
         self.reconnects = 0
+        self.started = time.monotonic()  # reset when run() begins: sim_time counts from there
         self._wire = (0, 0)
         self.status, self._status_at = status, float("-inf")
         self.refusals: Counter[str] = Counter()  # refused inbound messages by kind (bounded: refusals.count_refusal)
@@ -432,8 +433,10 @@ class Federation:
             self._send_built_task(device_id, task)
         self.gather(round_index)
         stats = self.endpoint.stats  # a snapshot: read it again
-        _, completed = self.engine.close_round(time.monotonic(), wire=(stats["bytes_out"] - wire_before[0],
-                                                                       stats["bytes_in"] - wire_before[1]))
+        now = time.monotonic()
+        _, completed = self.engine.close_round(now, wire=(stats["bytes_out"] - wire_before[0],
+                                                          stats["bytes_in"] - wire_before[1]),
+                                               sim_time=now - self.started)
         self.clear_payloads()
         return completed
 
@@ -452,6 +455,7 @@ class Federation:
         """Rounds first_round..rounds (fewer where the privacy budget ends the run first), then the evaluation of the
         final model; checkpoint after each."""
         rounds = self.engine.config.rounds
+        self.started = time.monotonic()  # every row's sim_time: the wall clock since the run (or its resume) began
         if self.aggregators:
             self.channel.wait_for_start()
         last = first_round - 1

@@ -20,14 +20,14 @@ from device_runtime.shard import save_shard
 from export.artifacts import build_artifacts
 from fedcore.lowrank import RankPlan, resolve_plan
 from fedcore.models import build_model
-from server.mqtt.cgroups import available, create_group, popen_in_group
+from server.mqtt.cgroups import available
 from server.engine.cost_model import peak_predictor
 from server.data.datasets import load_dataset
 from server.data.partition import make_client_shards
 from server.engine.rank_assignment import choose_ratio
 from server.engine.run_config import DEFAULT_TIERS
 from tests.support.machine import missing_fmnist, needs
-from tests.support.processes import child_env
+from tests.support.confined_group import ConfinedDevice
 
 CGROUPS = available()
 pytestmark = [pytest.mark.cgroup, pytest.mark.slow,
@@ -68,39 +68,13 @@ def artifacts_at(ratio: float, cache: Path) -> str:
                                cache).directory)
 
 
-class ConfinedDevice:
-    """tests/support/confined_device.py in a fresh memory group of ``limit_mb``: its profile, then its rounds."""
-
-    def __init__(self, shard_path: Path, limit_mb: float) -> None:
-        self.group = create_group("envelope", limit_mb)
-        self.proc = popen_in_group(self.group, [sys.executable, "-m", "tests.support.confined_device", str(shard_path),
-                                                "--runtime", TRAINING_KIND],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   cwd=ROOT, env=child_env(repo_on_path=True, OMP_NUM_THREADS="1"))
-
-    def profile(self) -> ResourceProfile:
-        return ResourceProfile.from_meta(json.loads(self.proc.stdout.readline())["profile"])
-
-    def train(self, artifacts: str) -> tuple[int, dict | None, str]:
-        """Send the plan; (exit status, its result or None, stderr) once it has exited."""
-        plan = dict(artifacts=artifacts, rounds=ROUNDS, batch_size=BATCH_SIZE)
-        out, err = self.proc.communicate(json.dumps(plan) + "\n", timeout=RUN_TIMEOUT_S)
-        lines = out.strip().splitlines()
-        return self.proc.returncode, json.loads(lines[-1]) if lines else None, err
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.group.remove()
-
-
 @pytest.fixture
 def confined(shard):
     devices: list[ConfinedDevice] = []
 
     def start(limit_mb: float) -> ConfinedDevice:
-        devices.append(ConfinedDevice(shard[0], limit_mb))
+        devices.append(ConfinedDevice("envelope", shard[0], limit_mb, rounds=ROUNDS, batch_size=BATCH_SIZE,
+                                      runtime=TRAINING_KIND))
         return devices[-1]
 
     yield start

@@ -11,7 +11,6 @@ bundle installs from.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import subprocess
@@ -30,22 +29,22 @@ from server.data.partition import make_client_shards
 from server.engine.coordinator import Coordinator, CoordinatorConfig
 from server.engine.round_engine import RoundEngine, algorithm_for
 from server.engine.run_config import DEFAULT_TIERS, FederationConfig
-from server.mqtt.cgroups import available, create_group, popen_in_group
+from server.mqtt.cgroups import available
 from server.run_setup import PlanBook, global_state, initial_personal, predictor_for
 from tests.support.machine import missing_fmnist, needs
 from tests.support.scripts import load_script
+from tests.support.confined_group import ConfinedDevice
 from tests.support.processes import child_env
 
 CGROUPS = available()
 pytestmark = [pytest.mark.cgroup, pytest.mark.slow, needs(CGROUPS), needs(missing_fmnist())]
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL, INPUT_SHAPE, NUM_CLASSES = "cnn1", (1, 28, 28), 10
 BATCH_SIZE, ROUNDS = 16, 2
 SAMPLES, DEVICES = 3000, 5
 DEVICE_ID = "dev_000"
 TIER = 0.5  # the tier the limits are set around: tiers above and below it exist
-INSTALL_TIMEOUT_S, RUN_TIMEOUT_S = 300, 240
+INSTALL_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -93,39 +92,13 @@ def engine(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: Path
     return make
 
 
-class ConfinedDevice:
-    """tests/support/confined_device.py in ``python`` inside a fresh memory group of ``limit_mb``: its profile, then its
-    rounds."""
-
-    def __init__(self, python: str, shard_path: Path, limit_mb: float) -> None:
-        self.group = create_group("portable-floor", limit_mb)
-        self.proc = popen_in_group(self.group, [python, "-m", "tests.support.confined_device", str(shard_path)],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   cwd=ROOT, env=child_env(drop=("VIRTUAL_ENV",), repo_on_path=True,
-                                                                     OMP_NUM_THREADS="1"))
-
-    def profile(self) -> ResourceProfile:
-        return ResourceProfile.from_meta(json.loads(self.proc.stdout.readline())["profile"])
-
-    def train(self, artifacts: Path) -> tuple[int, dict | None, str]:
-        plan = dict(artifacts=str(artifacts), rounds=ROUNDS, batch_size=BATCH_SIZE)
-        out, err = self.proc.communicate(json.dumps(plan) + "\n", timeout=RUN_TIMEOUT_S)
-        lines = out.strip().splitlines()
-        return self.proc.returncode, json.loads(lines[-1]) if lines else None, err
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.group.remove()
-
-
 @pytest.fixture
 def confined(stock_python, shard):
     devices: list[ConfinedDevice] = []
 
     def start(limit_mb: float) -> ConfinedDevice:
-        devices.append(ConfinedDevice(stock_python, shard[0], limit_mb))
+        devices.append(ConfinedDevice("portable-floor", shard[0], limit_mb, rounds=ROUNDS, batch_size=BATCH_SIZE,
+                                      python=stock_python))
         return devices[-1]
 
     yield start

@@ -184,8 +184,9 @@ def simulate_ort(out: Path, cache: Path, *flags: str) -> tuple[list[dict], dict[
     return simulation.run(), simulation.engine.global_arrays()
 
 
-UNTIMED = ("seconds", "wire_bytes_out", "wire_bytes_in")
-"""What a record measures of the machine, not of the federation."""
+UNTIMED = ("seconds", "wire_bytes_out", "wire_bytes_in", "sim_time")
+"""What a record measures of the machine or of the driver's clock (the simulator's virtual one, the broker loop's
+wall clock), not of the federation."""
 DOWNLOADS = ("bytes_down", "bytes_down_eval")
 """What the driver sends down: each task's tensors in process, each plan's payload once over MQTT."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def child_env(drop: Iterable[str] = (), repo_on_path: bool = False, **settings: str) -> dict[str, str]:
