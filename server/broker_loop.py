@@ -31,20 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from device_runtime.broker_wait import BrokerUnreachableError, wait_for_broker
-from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers, rotate_brokers
+from device_runtime.transport import MqttEndpoint, TransportError, rotate_brokers
 from server.mqtt import cgroups
-from server.cli import (PASSWORD_ENV, STATUS_HOST, add_broker_flags, add_status_flags, check_args,
-                        check_before_loading, check_broker_connect_timeout, check_inputs, check_status_args,
-                        console_logging, fail, new_parser, parse, run_folder)
-from server.engine.run_config import dp_from_args
-from server.mqtt.enrollment import ENROLL_OPEN
+from server.broker_flags import build_parser, check_broker_args, local_budgets
+from server.cli import (PASSWORD_ENV, STATUS_HOST, check_args, check_before_loading, check_inputs, console_logging,
+                        fail, parse, run_folder)
 
 LOG = logging.getLogger("fedara.server")
 POLL_S = 0.2
-DEFAULT_ROUND_DEADLINE_S = 300.0
-DEFAULT_JOIN_TIMEOUT_S = 300.0
-DEFAULT_AGGREGATOR_TIMEOUT_S = 60.0
-"""At most this long between two messages the server sends a silent aggregator (its brief, or a partial request)."""
 AGGREGATORS_DIR = "aggregators"
 INBOUND_SLACK_BYTES = 1 << 20
 """Room for headers, metadata and the small messages (JOIN, ACK, ERROR) above the largest update."""
@@ -54,100 +48,6 @@ SHARDS_DIR, DEVICES_DIR = "shards", "devices"
 SERVER_LOG = "server.log"
 STATUS_EVERY_S = 0.5
 """How often the run loop publishes a new snapshot to --status-port while it waits (and after every round)."""
-
-
-# -- command line -----------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = new_parser("python -m server.broker_loop", __doc__.split("\n\n")[0])
-    add_broker_flags(p, "default: an embedded broker on 127.0.0.1, free port")
-    run = p.add_argument_group("devices and rounds")
-    run.add_argument("--local-devices", type=int, default=0,
-                     help="spawn this many device processes on shards of --dataset (0: devices come from outside)")
-    run.add_argument("--local-memory-limit-mb", default=None,
-                     help="start each local device in a memory cgroup of this many MiB (comma-separated, "
-                          "round-robin by device id): the device reads its limit and gets the largest tier whose "
-                          "measured memory floor fits (needs root and a writable memory controller; without them "
-                          "the devices run unconfined and the server says so)")
-    run.add_argument("--local-memory-mb", default=None,
-                     help="memory budgets the local devices report in MiB (no real limit), comma-separated, "
-                          "round-robin")
-    run.add_argument("--min-devices", type=int, default=None,
-                     help="devices a round needs ready (default: --local-devices, or 1)")
-    run.add_argument("--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
-                     help="seconds to wait for --min-devices before giving up (the time the server spends "
-                          "building their artifacts does not count)")
-    run.add_argument("--round-deadline", type=float, default=DEFAULT_ROUND_DEADLINE_S,
-                     help="seconds a round waits for answers")
-    agg = p.add_argument_group("aggregation (see server/aggregator.py)")
-    agg.add_argument("--aggregators", type=int, default=0,
-                     help="start this many aggregator processes; each device's updates go to one of them, named in "
-                          "its task (needs --broker: any MQTT 3.1.1 broker or cluster; 0: the server folds every "
-                          "update itself)")
-    agg.add_argument("--aggregator-timeout", type=float, default=DEFAULT_AGGREGATOR_TIMEOUT_S,
-                     help="seconds the server waits for the aggregators: to start, to take a round's brief, to send "
-                          "their partial sums at the round's close; a member silent this long in a round is lost: its "
-                          "devices are asked again, for the others")
-    auth = p.add_argument_group("enrollment (see server/mqtt/enrollment.py)")
-    auth.add_argument("--enroll", default=None, metavar="FILE|open",
-                      help="admit the devices of this enrollment file, or any id holding --run-key (open; lab use); "
-                           "default: only the --local-devices, enrolled in OUT/enrollment.json")
-    auth.add_argument("--run-key", default=None, metavar="FILE", help="the shared key of --enroll open")
-    add_status_flags(p)
-    return p
-
-
-def _budgets(text: str | None) -> list[float | None]:
-    if not text:
-        return [None]
-    try:
-        budgets = [float(b) for b in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--local-memory-mb wants comma-separated MiB such as 128,96, got {text!r}") from None
-    if any(not b > 0 for b in budgets):
-        raise ValueError(f"--local-memory-mb budgets must be positive, got {text!r}")
-    return budgets
-
-
-def check_broker_args(args: argparse.Namespace) -> None:
-    """Raise ValueError naming the first broker/device flag out of range (before anything heavy starts)."""
-    if args.mode == "async":
-        raise ValueError("--mode async runs in python -m server.simulate only for now (the MQTT loop keeps sync "
-                         "rounds); use --mode sync here")
-    if args.broker:
-        parse_brokers(args.broker)
-    for flag, value, low in (("--local-devices", args.local_devices, 0), ("--min-devices", args.min_devices or 1, 1)):
-        if value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
-    if not args.local_devices and not args.broker:
-        raise ValueError("--local-devices 0 with the embedded broker: no device could ever join; pass "
-                         "--local-devices N, or --broker mqtt://HOST:PORT for devices that connect from outside")
-    for flag, value in (("--join-timeout", args.join_timeout), ("--round-deadline", args.round_deadline)):
-        if not value > 0:
-            raise ValueError(f"{flag} must be positive seconds, got {value:g}")
-    _budgets(args.local_memory_mb)
-    if args.aggregators < 0:
-        raise ValueError(f"--aggregators must be >= 0, got {args.aggregators}")
-    if not args.aggregator_timeout > 0:
-        raise ValueError(f"--aggregator-timeout must be positive seconds, got {args.aggregator_timeout:g}")
-    if args.aggregators and not args.broker:
-        raise ValueError(f"--aggregators {args.aggregators} needs --broker mqtt://HOST:PORT (mosquitto, or the nodes of "
-                         "a cluster); aggregator processes are not run on the embedded broker")
-    if args.aggregators and args.enroll == ENROLL_OPEN:
-        raise ValueError(f"--aggregators {args.aggregators} needs --enroll FILE: with --enroll open every device "
-                         "holds the run key, so nothing could seal what the server and its aggregators say")
-    check_status_args(args)
-    check_broker_connect_timeout(args)
-    if args.dp_noise_multiplier is not None and not args.local_devices:
-        raise ValueError("--dp-noise-multiplier needs the devices a round samples from (its fixed denominator and δ): "
-                         "run with --local-devices N (devices from outside are not counted before they join)")
-    dp_from_args(args, args.local_devices)
-    if args.local_memory_limit_mb:
-        try:
-            cgroups.parse_limits(args.local_memory_limit_mb)
-        except ValueError as exc:
-            raise ValueError(f"--local-memory-limit-mb: {exc}") from None
 
 
 if __name__ == "__main__":  # --help and a mistake in the flags answer before torch and the data load
@@ -519,7 +419,7 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
     """Set the run up (or resume it), connect, spawn the local devices, federate, report (flags checked: ``config``
     is check_args')."""
     args.password = args.password or os.environ.get(PASSWORD_ENV)
-    budgets = _budgets(args.local_memory_mb)
+    budgets = local_budgets(args.local_memory_mb)
     assembly = assemble(args, config, out, Deployment(
         devices=args.local_devices, min_devices=args.min_devices or args.local_devices or 1,
         round_deadline_s=args.round_deadline, remote=args.aggregators > 0, shared_payloads=True,
