@@ -14,31 +14,8 @@ from device_runtime.shard import Shard, load_shard, save_shard
 from device_runtime.task import Phase, Task
 from device_runtime.topics import Topics
 from device_runtime.workdir import Workdir
-from tests.support.sealing import device_link, read, seal_down
-
-
-class AgentEndpoint:
-    """Stands in for MqttEndpoint where only what the agent publishes and follows matters."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, bytes]] = []
-        self.followed: list[str] = []
-
-    def follow(self, topic_filter: str) -> None:
-        if topic_filter not in self.followed:
-            self.followed.append(topic_filter)
-
-    def unfollow(self, topic_filter: str) -> None:
-        self.followed.remove(topic_filter)
-
-    def publish(self, topic: str, payload: bytes, msg_id: str, retain: bool = False, **kwargs: object) -> None:
-        self.sent.append((topic, payload))
-
-    def set_max_message_bytes(self, max_message_bytes: int) -> None:
-        self.max_message_bytes = max_message_bytes
-
-    def messages(self) -> list:
-        return [read(payload) for _, payload in self.sent]
+from tests.support.recording_endpoint import RecordingEndpoint
+from tests.support.sealing import device_link, seal_down
 
 
 def tiny_shard(path: Path) -> Path:
@@ -49,8 +26,8 @@ def tiny_shard(path: Path) -> Path:
     return path
 
 
-def make_agent(workdir: Path, shard_path: Path) -> tuple[DeviceAgent, AgentEndpoint]:
-    endpoint = AgentEndpoint()
+def make_agent(workdir: Path, shard_path: Path) -> tuple[DeviceAgent, RecordingEndpoint]:
+    endpoint = RecordingEndpoint()
     agent = DeviceAgent("dev_t", load_shard(shard_path), collect_profile(None, 1), endpoint, Workdir(workdir),
                         Topics(DEFAULT_TOPIC_PREFIX, "dev_t"), device_link("dev_t", workdir / "auth"))
     return agent, endpoint

@@ -11,6 +11,14 @@ class RecordingEndpoint:
 
     def __init__(self) -> None:
         self.sent: list[bytes] = []
+        self.followed: list[str] = []  # the topic filters the agent listens to beyond its own (a plan's payload)
+
+    def follow(self, topic_filter: str) -> None:
+        if topic_filter not in self.followed:
+            self.followed.append(topic_filter)
+
+    def unfollow(self, topic_filter: str) -> None:
+        self.followed.remove(topic_filter)
 
     def publish(self, topic: str, payload: bytes, msg_id: str, retain: bool = False, **kwargs: object) -> None:
         self.sent.append(payload)
