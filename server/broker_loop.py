@@ -111,7 +111,6 @@ class Federation:
                  status: StatusServer | None = None):
         self.args, self.engine, self.endpoint, self.out, self.local = args, engine, endpoint, out, local
         self.link = link
-        self.aggregators = aggregators
         self.settings = settings
         self.max_inbound = max_inbound
         self.reconnects = 0
@@ -255,7 +254,7 @@ class Federation:
             return
         LOG.info("%s is ready", device_id)
         if self.engine.awaits(device_id):
-            if self.aggregators:  # its plan may be new (it rejoined at a lower tier): the aggregators must know it
+            if self.channel.names:  # its plan may be new (it rejoined at a lower tier): the aggregators must know it
                 self.channel.send_brief()
             self._send_task(device_id)
 
@@ -326,7 +325,7 @@ class Federation:
         wire_before = (stats["bytes_out"], stats["bytes_in"])
         tasks = self.engine.open_round(round_index, time.monotonic(), train=train, wall=time.time())
         LOG.info("round %d opened: %d device(s) asked", round_index, len(tasks))
-        if self.aggregators:
+        if self.channel.names:
             self.channel.brief_members()
         for device_id, task in tasks.items():
             task.aggregator = self.engine.route(device_id)  # over the members that took the brief
@@ -345,7 +344,7 @@ class Federation:
         partial sums (and back to the answers when a member was lost meanwhile: its devices answer again)."""
         while True:
             self._pump(lambda: self.engine.closing(time.monotonic()) is not None)
-            if not self.aggregators:
+            if not self.channel.names:
                 return
             self.channel.collect_partials(round_index)
             if self.engine.closing(time.monotonic()) is not None:
@@ -356,7 +355,7 @@ class Federation:
         final model; checkpoint after each."""
         rounds = self.engine.config.rounds
         self.started = time.monotonic()  # every row's sim_time: the wall clock since the run (or its resume) began
-        if self.aggregators:
+        if self.channel.names:
             self.channel.wait_for_start()
         last = first_round - 1
         for t in range(first_round, rounds + 1):
