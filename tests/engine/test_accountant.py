@@ -58,7 +58,16 @@ def rdp_integer_reference(q: float, sigma: float, rounds: int, delta: float) -> 
 @pytest.mark.parametrize("q, z, rounds, delta", [(0.2, 1.0, 20, 1e-5), (0.1, 0.8, 30, 500 ** -1.1)])
 def test_pld_epsilon_matches_an_independent_privacy_loss_distribution(q, z, rounds, delta):
     # measured: the two agree to 2e-5 relative; the issue's tolerance is 1 %
-    assert epsilon(q, z, rounds, delta, "pld") == pytest.approx(pld_reference(q, z, rounds, delta), rel=0.01)
+    reported, reference = epsilon(q, z, rounds, delta, "pld"), pld_reference(q, z, rounds, delta)
+    assert reported == pytest.approx(reference, rel=0.01)
+
+
+@pytest.mark.parametrize("q, z, rounds, delta", [(0.2, 1.0, 20, 1e-5), (0.1, 0.8, 30, 500 ** -1.1)])
+def test_the_reported_epsilon_is_never_below_the_independent_one(q, z, rounds, delta):
+    """The run reports an upper bound: dp-accounting's PLD is a pessimistic estimate, so it may not fall below the
+    independent PLD. Measured 3.8e-7 and 3.0e-7 relative above it (2.5e-6 and 1.2e-6 in ε), six orders above the FFT's
+    float rounding."""
+    assert epsilon(q, z, rounds, delta, "pld") >= pld_reference(q, z, rounds, delta)
 
 
 def test_rdp_epsilon_matches_its_closed_form_at_integer_orders():
