@@ -35,6 +35,7 @@ from server.engine.evaluation import EVAL_DIRECTION
 
 LOG = logging.getLogger("fedara.async")
 BUFFER_FULL = "buffer full"
+TIMED_OUT = "[timed_out]"
 
 
 class AsyncEngine(RoundEngine):
@@ -56,6 +57,10 @@ class AsyncEngine(RoundEngine):
         self._version_extra: dict[str, Any] = {}
         self._too_stale_at_last = 0
         self._last_version_at: float | None = None
+        self._started: dict[str, float] = {}  # device -> when its task in flight started (--task-timeout counts from it)
+        self._timed_out: dict[str, int] = {}  # device -> its task number that --task-timeout ended
+        self._timeouts = 0  # tasks --task-timeout ended, in the run
+        self._timeouts_at_last = 0
 
     # -- what the drivers read ------------------------------------------------------------------
 
@@ -73,9 +78,10 @@ class AsyncEngine(RoundEngine):
 
     # -- tasks ----------------------------------------------------------------------------------
 
-    def dispatch(self, candidates: list[str]) -> dict[str, Task]:
+    def dispatch(self, candidates: list[str], now: float | None = None) -> dict[str, Task]:
         """Tasks at the current version for up to the free slots of ``candidates`` (online devices, as the driver
-        knows them) that are ready and not training: a seeded choice, by id, never by the order they came in."""
+        knows them) that are ready and not training: a seeded choice, by id, never by the order they came in.
+        ``now``: when they start (what --task-timeout counts from; None: from the next ``expire``)."""
         ready = set(self.ready_devices())
         free = sorted(d for d in set(candidates) if d in ready and d not in self.buff.in_flight)
         slots = self.free_slots()
@@ -84,7 +90,38 @@ class AsyncEngine(RoundEngine):
         if len(free) > slots:
             rng = np.random.default_rng([self.config.seed, 3, self.buff.next_task])
             free = sorted(free[i] for i in rng.choice(len(free), size=slots, replace=False))
+        for device_id in free:  # a start from an earlier task never counts for this one
+            self._started.pop(device_id, None)
+            if now is not None:
+                self._started[device_id] = now
         return {d: self._training_task(d, self.buff.dispatch(d)) for d in free}
+
+    def expire(self, now: float) -> list[str]:
+        """End the tasks in flight for --task-timeout seconds or more at ``now`` (their devices never answered): each
+        slot is free again, the device's late update will be refused (``[timed_out]``) and the version's row counts
+        it. Returns those devices, by id. A task whose start is unknown (restored, or dispatched without ``now``)
+        counts from this call."""
+        timeout = self.rule.task_timeout
+        if timeout is None:
+            return []
+        in_flight = self.buff.in_flight
+        self._started = {d: self._started.get(d, now) for d in in_flight}
+        expired = sorted(d for d, started in self._started.items() if now - started >= timeout)
+        for device_id in expired:
+            number = in_flight[device_id].task
+            self._timed_out[device_id] = number
+            self._refused[device_id] = f"{TIMED_OUT} task {number} not answered in --task-timeout {timeout:g} s"
+            del self._started[device_id]
+            self.buff.finish(device_id)
+            self._timeouts += 1
+            LOG.warning("%s: %s", device_id, self._refused[device_id])
+        return expired
+
+    def next_expiry(self) -> float | None:
+        """When the first task in flight reaches --task-timeout (None: no timeout, or no task with a known start)."""
+        timeout = self.rule.task_timeout
+        starts = [self._started[d] for d in self.buff.in_flight if d in self._started]
+        return None if timeout is None or not starts else min(starts) + timeout
 
     def _sent_weights(self, device_id: str, version: int) -> dict[str, np.ndarray]:
         """The model of ``version`` at the device's plan (factorized once per version and plan)."""
@@ -150,6 +187,9 @@ class AsyncEngine(RoundEngine):
             del self._evaluating[device_id]
             return self._evaluation(record, answer, evaluating[1])
         judged = self.buff.judge(device_id, answer.round)
+        if isinstance(judged, str) and self._timed_out.get(device_id) == answer.round:
+            return Verdict(False, f"{TIMED_OUT} update for task {answer.round} came after --task-timeout "
+                                  f"{self.rule.task_timeout:g} s ended it")
         if isinstance(judged, str):
             if judged.startswith(TOO_STALE):
                 self._refused[device_id] = judged
@@ -232,7 +272,9 @@ class AsyncEngine(RoundEngine):
             tiers, sim_time=now)
         self._version_extra = {"mode": "async", "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
                                "too_stale": self.buff.too_stale - self._too_stale_at_last}
-        self._too_stale_at_last = self.buff.too_stale
+        if self.rule.task_timeout is not None:
+            self._version_extra["timed_out"] = self._timeouts - self._timeouts_at_last
+        self._too_stale_at_last, self._timeouts_at_last = self.buff.too_stale, self._timeouts
         self._refused = {}
         self._last_version_at = now
         self._book = RoundBook(now)
@@ -274,7 +316,8 @@ class AsyncEngine(RoundEngine):
             "evaluations": {str(v): {d: [e.correct, e.total, e.loss] for d, e in sorted(evals.items())}
                             for v, evals in self._evaluations.items()},
             "refused": self._refused, "too_stale_at_last": self._too_stale_at_last,
-            "last_version_at": self._last_version_at, "book": asdict(self._book)}
+            "last_version_at": self._last_version_at, "book": asdict(self._book),
+            "timeouts": {"timed_out": self._timed_out, "count": self._timeouts, "at_last": self._timeouts_at_last}}
         return state
 
     def state_tensors(self) -> dict[str, np.ndarray]:
@@ -296,4 +339,8 @@ class AsyncEngine(RoundEngine):
         self._too_stale_at_last = saved["too_stale_at_last"]
         self._last_version_at = saved["last_version_at"]
         self._book = RoundBook(**saved["book"])
+        timeouts = saved.get("timeouts", {"timed_out": {}, "count": 0, "at_last": 0})  # none before --task-timeout
+        self._timed_out, self._timeouts = dict(timeouts["timed_out"]), timeouts["count"]
+        self._timeouts_at_last = timeouts["at_last"]
+        self._started = {}  # a clock of the run before: the tasks in flight count from the next expire
 

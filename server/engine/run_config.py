@@ -244,8 +244,11 @@ class BufferRule:
     server_lr: float = 1.0
     normalize: str = "staleness"  # measured better than FedBuff's "samples" (docs/async.md): +3.6 pp, 5 of 5 seeds
     concurrency: int = 20
+    task_timeout: float | None = None  # seconds a task may be in flight; None: its slot is held until it is answered
 
     def __post_init__(self) -> None:
+        if self.task_timeout is not None and not (math.isfinite(self.task_timeout) and self.task_timeout > 0):
+            raise ValueError(f"--task-timeout must be positive seconds, got {self.task_timeout:g}")
         for flag, value in (("--buffer-size", self.buffer_size), ("--concurrency", self.concurrency)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -260,7 +263,11 @@ class BufferRule:
                              f"{', '.join(NORMALIZATIONS)}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The settings a resumed run must match (no task_timeout where none is set: as runs before it had)."""
+        settings = asdict(self)
+        if self.task_timeout is None:
+            del settings["task_timeout"]
+        return settings
 
 
 def add_async_arguments(parser: argparse.ArgumentParser) -> None:
@@ -288,4 +295,5 @@ def async_rule_from_args(args: argparse.Namespace) -> BufferRule | None:
     if args.mode != "async":
         return None
     return BufferRule(args.buffer_size, args.max_staleness, args.staleness_exponent, args.server_lr,
-                      args.buffer_normalize, args.concurrency)
+                      args.buffer_normalize, args.concurrency,
+                      getattr(args, "task_timeout", None))  # a broker-loop flag: the simulator's devices all return

@@ -10,7 +10,7 @@ from device_runtime.messages import Join, ShardInfo, update_message
 from device_runtime.profile import ResourceProfile
 from device_runtime.task import Update
 from fedcore.models import build_model
-from server.engine.async_engine import AsyncEngine
+from server.engine.async_engine import TIMED_OUT, AsyncEngine
 from server.engine.coordinator import Coordinator, CoordinatorConfig
 from server.engine.fedbuff import TOO_STALE
 from server.engine.run_config import BufferRule
@@ -37,10 +37,11 @@ def parts(algo: str, tiers: tuple[float, ...]):
 
 
 def make_async(algo: str = "fedara", *, tiers=(1.0, 0.5), buffer_size: int = 2, max_staleness: int = 3,
-               concurrency: int = 4, exponent: float = 0.5, joined: bool = True) -> AsyncEngine:
+               concurrency: int = 4, exponent: float = 0.5, joined: bool = True,
+               timeout: float | None = None) -> AsyncEngine:
     args, kwargs = parts(algo, tiers)
     engine = AsyncEngine(*args, **kwargs, rule=BufferRule(buffer_size, max_staleness, exponent,
-                                                          concurrency=concurrency))
+                                                          concurrency=concurrency, task_timeout=timeout))
     if joined:
         join_all(engine)
     return engine
@@ -171,3 +172,47 @@ def test_every_algorithm_makes_versions(algo):
     assert engine.version == 2
     initial = global_state(build_model("fedavgcnn", SHAPE, CLASSES, seed=0), algorithm_for(FederationConfig(algo=algo)))
     assert any(not torch.equal(engine.global_state[k], v) for k, v in initial.items()) == (algo != "local")
+
+
+def test_a_task_not_answered_in_the_task_timeout_frees_its_slot_and_is_counted_in_the_row():
+    engine = make_async(buffer_size=1, concurrency=2, timeout=5.0)
+    tasks = engine.dispatch(DEVICES, now=0.0)
+    stuck, answering = sorted(tasks)
+    assert engine.expire(4.9) == [] and engine.next_expiry() == 5.0
+    assert engine.expire(5.0) == [stuck, answering]  # both reached it: neither answered
+    assert engine.free_slots() == 2
+    again = engine.dispatch([answering], now=6.0)
+    engine.receive(answering, reply(engine, answering, again[answering]), now=7.0)
+    engine.finish()
+    assert engine.records[-1]["timed_out"] == 2 and stuck in engine.records[-1]["dropped"]
+
+
+def test_a_late_update_of_a_timed_out_task_is_refused_with_its_reason_and_moves_nothing():
+    engine = make_async(buffer_size=2, concurrency=1, timeout=5.0)
+    device_id, task = next(iter(engine.dispatch(DEVICES, now=0.0).items()))
+    engine.expire(10.0)
+    verdict = engine.receive(device_id, reply(engine, device_id, task), now=11.0)
+    assert not verdict.accepted and verdict.reason.startswith(TIMED_OUT)
+    assert engine.buff.buffered == [] and engine.version == 0
+
+
+def test_without_a_task_timeout_a_silent_device_keeps_its_slot():
+    engine = make_async(concurrency=1)
+    engine.dispatch(DEVICES, now=0.0)
+    assert engine.expire(1e9) == [] and engine.next_expiry() is None and engine.free_slots() == 0
+
+
+def test_a_task_restored_from_a_checkpoint_times_out_counting_from_the_first_expire_after():
+    engine = make_async(concurrency=1, timeout=5.0)
+    engine.dispatch(DEVICES, now=0.0)
+    state, tensors = engine.to_state(), engine.state_tensors()
+    tensors.update(engine.global_arrays())
+    resumed = make_async(concurrency=1, timeout=5.0, joined=False)
+    resumed.restore(state, tensors)
+    training = resumed.training()
+    assert resumed.expire(100.0) == [] and resumed.expire(105.0) == training
+
+
+def test_a_non_positive_task_timeout_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--task-timeout"):
+        BufferRule(task_timeout=0.0)
