@@ -55,6 +55,7 @@ class AsyncEngine(RoundEngine):
         self._refused: dict[str, str] = {}  # device -> why its update did not count, since the last version
         self._version_record: TrainingRecord | None = None  # the last version's record, awaiting its evaluations
         self._version_extra: dict[str, Any] = {}
+        self._held: list[tuple[TrainingRecord, dict[str, Any]]] = []  # older versions' rows awaiting evaluations asked
         self._too_stale_at_last = 0
         self._last_version_at: float | None = None
         self._started: dict[str, float] = {}  # device -> when its task in flight started (--task-timeout counts from it)
@@ -185,7 +186,9 @@ class AsyncEngine(RoundEngine):
         evaluating = self._evaluating.get(device_id)
         if evaluating is not None and evaluating[0] == answer.round:
             del self._evaluating[device_id]
-            return self._evaluation(record, answer, evaluating[1])
+            verdict = self._evaluation(record, answer, evaluating[1])
+            self._complete_held()  # the row it was asked for may wait for nothing else
+            return verdict
         judged = self.buff.judge(device_id, answer.round)
         if isinstance(judged, str) and self._timed_out.get(device_id) == answer.round:
             return Verdict(False, f"{TIMED_OUT} update for task {answer.round} came after --task-timeout "
@@ -258,7 +261,10 @@ class AsyncEngine(RoundEngine):
         members = self.buff.flush()
         self.global_state = self.buff.current
         self._sent = {k: v for k, v in self._sent.items() if k[0] in self.buff.versions}
-        self._complete_version()
+        if self._version_record is not None:
+            self._held.append((self._version_record, self._version_extra))
+            self._version_record = None
+        self._complete_held()
         book = self._book
         opened = book.opened_at if self._last_version_at is None else self._last_version_at
         tiers = {d: tier_label(r.ratio) for d, r in self.coordinator.devices.items()}
@@ -281,23 +287,34 @@ class AsyncEngine(RoundEngine):
         LOG.info("version %d from %d updates (staleness mean %.2f, max %d)", self.version, len(members),
                  self._version_extra["staleness_mean"], self._version_extra["staleness_max"])
 
-    def _complete_version(self) -> dict[str, Any] | None:
-        record = self._version_record
-        if record is None:
-            return None
+    def _complete_held(self, final: bool = False) -> None:
+        """Write the rows of older versions, in order: a version's row waits for the evaluations asked of it
+        (``evaluation_tasks``) until the version after the next is made (a device that never answers holds no row
+        longer); with ``final``, every row is written."""
+        while self._held:
+            record, extra = self._held[0]
+            awaited = any(version == record.round for _, version in self._evaluating.values())
+            if awaited and not final and record.round >= self.version - 1:
+                return
+            self._held.pop(0)
+            self._complete_version(record, extra)
+
+    def _complete_version(self, record: TrainingRecord, extra: dict[str, Any]) -> dict[str, Any]:
         evaluations = self._evaluations.pop(record.round, {})
         for version in [v for v in self._evaluations if v < record.round]:
             del self._evaluations[version]  # evaluations of older versions that came too late for their row
-        row = dict(record.completed(evaluations), **self._version_extra)
+        row = dict(record.completed(evaluations), **extra)
         self.records.append(row)
-        self._version_record = None
         return row
 
     def finish(self) -> dict[str, Any] | None:
-        """The run ends: the last version's record is completed with the evaluations that came."""
-        if self._version_record is not None:
-            self._version_record.add_evaluation_bytes(self._book)
-        return self._complete_version()
+        """The run ends: the versions' records are completed with the evaluations that came; returns the last."""
+        self._complete_held(final=True)
+        record, self._version_record = self._version_record, None
+        if record is None:
+            return None
+        record.add_evaluation_bytes(self._book)
+        return self._complete_version(record, self._version_extra)
 
     @property
     def pending(self) -> dict[str, Any] | None:
@@ -312,6 +329,7 @@ class AsyncEngine(RoundEngine):
         state["pending"] = None
         state["async"] = {
             "fedbuff": buff_state, "record": self.pending, "extra": self._version_extra,
+            "held": [[r.to_state(), extra] for r, extra in self._held],
             "evaluating": {d: list(v) for d, v in self._evaluating.items()},
             "evaluations": {str(v): {d: [e.correct, e.total, e.loss] for d, e in sorted(evals.items())}
                             for v, evals in self._evaluations.items()},
@@ -332,6 +350,7 @@ class AsyncEngine(RoundEngine):
         self.global_state = self.buff.current
         self._version_record = None if saved["record"] is None else TrainingRecord.from_state(saved["record"])
         self._version_extra = saved["extra"]
+        self._held = [(TrainingRecord.from_state(r), extra) for r, extra in saved.get("held", [])]
         self._evaluating = {d: (t, v) for d, (t, v) in saved["evaluating"].items()}
         self._evaluations = {int(v): {d: Evaluation(*e) for d, e in evals.items()}
                              for v, evals in saved["evaluations"].items()}

@@ -216,3 +216,20 @@ def test_a_task_restored_from_a_checkpoint_times_out_counting_from_the_first_exp
 def test_a_non_positive_task_timeout_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--task-timeout"):
         BufferRule(task_timeout=0.0)
+
+
+def test_a_versions_row_waits_for_the_evaluations_asked_of_it_until_the_version_after_next():
+    engine = make_async(buffer_size=1, concurrency=2)
+    trainer, evaluator, silent = DEVICES[0], DEVICES[1], DEVICES[2]
+    task = engine.dispatch([trainer])[trainer]
+    engine.receive(trainer, reply(engine, trainer, task), now=1.0)  # version 1
+    asked = engine.evaluation_tasks([evaluator, silent])
+    task = engine.dispatch([trainer])[trainer]
+    engine.receive(trainer, reply(engine, trainer, task), now=2.0)  # version 2: version 1's row still waits
+    assert [r["round"] for r in engine.records] == []
+    engine.receive(evaluator, reply(engine, evaluator, asked[evaluator]), now=2.5)
+    assert [r["round"] for r in engine.records] == []  # the silent device is still asked
+    task = engine.dispatch([trainer])[trainer]
+    engine.receive(trainer, reply(engine, trainer, task), now=3.0)  # version 3: rows 1 and 2 are written
+    # version 1: the evaluator and the trainer's task of version 1 (every task evaluates what it carries first)
+    assert [(r["round"], r["evaluated"]) for r in engine.records] == [(1, 2), (2, 1)]
