@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "round-robin by device id): the device reads its limit and gets the largest tier whose "
                           "measured memory floor fits (needs root and a writable memory controller; without them "
                           "the devices run unconfined and the server says so)")
+    run.add_argument("--local-cpu-limit", default=None, metavar="CORES[,CORES...]",
+                     help="start each local device in a CPU cgroup of this many cores (cpu.max; comma-separated, "
+                          "round-robin by device id, e.g. 1,0.5,0.1): slow boards, really slow (needs root and a "
+                          "writable cpu controller; without them the devices run unconfined and the server says so)")
     run.add_argument("--local-memory-mb", default=None,
                      help="memory budgets the local devices report in MiB (no real limit), comma-separated, "
                           "round-robin")
@@ -37,7 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds to wait for --min-devices before giving up (the time the server spends "
                           "building their artifacts does not count)")
     run.add_argument("--round-deadline", type=float, default=DEFAULT_ROUND_DEADLINE_S,
-                     help="seconds a round waits for answers")
+                     help="seconds a round waits for answers (--mode async: the longest wait for the final "
+                          "version's evaluations)")
+    run.add_argument("--task-timeout", type=float, default=None, metavar="SECONDS",
+                     help="--mode async: a task not answered in this many seconds ends, its slot goes to another "
+                          "device and its late update is refused ([timed_out]); default: a silent device holds its "
+                          "slot")
     agg = p.add_argument_group("aggregation (see server/aggregator.py)")
     agg.add_argument("--aggregators", type=int, default=0,
                      help="start this many aggregator processes; each device's updates go to one of them, named in "
@@ -70,9 +79,12 @@ def local_budgets(text: str | None) -> list[float | None]:
 
 def check_broker_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first broker/device flag out of range (before anything heavy starts)."""
-    if args.mode == "async":
-        raise ValueError("--mode async runs in python -m server.simulate only for now (the MQTT loop keeps sync "
-                         "rounds); use --mode sync here")
+    if args.mode == "async" and args.aggregators:
+        raise ValueError(f"--mode async with --aggregators {args.aggregators}: aggregator processes fold sync rounds; "
+                         "leave --aggregators out, or use --mode sync")
+    if args.task_timeout is not None and args.mode != "async":
+        raise ValueError(f"--task-timeout {args.task_timeout:g} ends async tasks; a sync round has --round-deadline "
+                         "(use --mode async, or leave --task-timeout out)")
     if args.broker:
         parse_brokers(args.broker)
     for flag, value, low in (("--local-devices", args.local_devices, 0), ("--min-devices", args.min_devices or 1, 1)):
@@ -106,3 +118,10 @@ def check_broker_args(args: argparse.Namespace) -> None:
             cgroups.parse_limits(args.local_memory_limit_mb)
         except ValueError as exc:
             raise ValueError(f"--local-memory-limit-mb: {exc}") from None
+    if args.local_cpu_limit:
+        try:
+            cgroups.parse_cpu_limits(args.local_cpu_limit)
+        except ValueError as exc:
+            raise ValueError(f"--local-cpu-limit: {exc}") from None
+        if not args.local_devices:
+            raise ValueError(f"--local-cpu-limit {args.local_cpu_limit} confines local devices: pass --local-devices N")

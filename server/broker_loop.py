@@ -68,6 +68,7 @@ from device_runtime.status import Status
 from device_runtime.task import Task
 from server.outputs.checkpoint import CheckpointError
 from server.mqtt.embedded_broker import EmbeddedBroker
+from server.engine.async_engine import AsyncEngine
 from server.engine.round_engine import RoundEngine
 from server.outputs.refusals import count_refusal, update_refusal
 from server.outputs.status_server import StatusServer
@@ -377,7 +378,135 @@ class Federation:
     def checkpoint(self, round_index: int, *, finished: bool) -> None:
         state = {"run_id": self.engine.run_id, "settings": self.settings, "engine": self.engine.to_state(),
                  "finished": finished}
-        self.out.save(round_index, self.engine.global_arrays(), state, self.engine.records)
+        self.out.save(round_index, dict(self.engine.global_arrays(), **self.engine.state_tensors()), state,
+                      self.engine.records)
+
+
+class AsyncFederation(Federation):
+    """``--mode async`` over MQTT: the same loop and messages, tasks given on device events instead of round opens.
+
+    A ready device (joined, online) that is not training gets a task at the current version as soon as a slot is
+    free (``AsyncEngine.dispatch``: up to --concurrency, a seeded choice): when it acknowledges its plan, comes
+    online, or any update comes in. Every update goes to ``AsyncEngine.receive``; each new version is evaluated by
+    the ready devices not training then (evaluation tasks: a device that trains evaluates the version its task
+    carries first, so every device counts in the rows, none waits), checkpointed and published on --status-port.
+    --task-timeout ends tasks whose devices went silent (``AsyncEngine.expire``, from the run's clock). After the
+    last version the devices' tasks in flight are awaited (at most --round-deadline seconds), then every ready
+    device evaluates it. The engine's clock here is the wall clock since the run (or its resume) began: every
+    row's sim_time."""
+
+    engine: AsyncEngine
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._evaluations_asked: dict[str, int] = {}  # device -> the evaluation task it was sent last, unanswered
+        self._acknowledged: set[str] = set()  # devices that acknowledged their plan to this process (a resumed
+        # run's registry says ready for devices whose new processes have not loaded their plans yet)
+
+    def clock(self) -> float:
+        """Seconds since the run (or its resume) began: the async engine's ``now``."""
+        return time.monotonic() - self.started
+
+    def _dispatch(self) -> None:
+        engine = self.engine
+        if engine.version >= engine.config.rounds:
+            return
+        for device_id, task in engine.dispatch(self._ready(), now=self.clock()).items():
+            self._send_built_task(device_id, task)
+
+    def _resend(self, device_id: str) -> None:
+        LOG.info("sending %s its task in flight again", device_id)
+        self._send_built_task(device_id, self.engine.resend(device_id))
+
+    def _evaluate(self, device_ids: list[str]) -> None:
+        for device_id, task in self.engine.evaluation_tasks(device_ids).items():
+            self._evaluations_asked[device_id] = task.round
+            self._send_built_task(device_id, task)
+
+    def _ready(self) -> list[str]:
+        return [d for d in self.engine.ready_devices() if d in self._acknowledged]
+
+    def _idle(self) -> list[str]:
+        training = set(self.engine.training())
+        return [d for d in self._ready() if d not in training]
+
+    def _after_reconnect(self) -> None:
+        """Tasks in flight may have been lost with the broker: re-send them."""
+        reconnects = self.endpoint.stats["reconnects"]
+        if reconnects == self.reconnects:
+            return
+        self.reconnects = reconnects
+        for device_id in self.engine.training():
+            self._resend(device_id)
+
+    def _on_status(self, device_id: str, status: Status) -> None:
+        change = self.engine.status(device_id, status.online, status.nonce, time.monotonic())
+        if change.ignored:
+            return
+        if change.known:
+            LOG.info("%s is %s", device_id, "online" if status.online else "offline")
+        if status.online and device_id in self.engine.training() and device_id in self._ready():
+            self._resend(device_id)  # it may have missed its task while away
+        self._dispatch()
+
+    def _on_ack(self, device_id: str, msg: Message) -> None:
+        problem = self.engine.acknowledge(device_id, parse_ack(msg))
+        if problem is not None:
+            LOG.warning("ignored an ACK from %s: %s", device_id, problem)
+            return
+        LOG.info("%s is ready", device_id)
+        self._acknowledged.add(device_id)
+        if device_id in self.engine.training():  # a resumed run's task, or one it lost restarting
+            self._resend(device_id)
+        self._dispatch()
+
+    def _on_update(self, device_id: str, msg: Message) -> None:
+        if self._evaluations_asked.get(device_id) == msg.round:
+            del self._evaluations_asked[device_id]
+        verdict = self.engine.receive(device_id, msg, self.clock())
+        if not verdict.accepted:
+            LOG.warning("dropped an update from %s (task %d): %s", device_id, msg.round, verdict.reason)
+            count_refusal(self.refusals, update_refusal(verdict.reason))
+        self._dispatch()
+
+    def _wait(self, until: Callable[[], bool], deadline: float | None) -> bool:
+        """Pump until ``until()`` or ``deadline`` (monotonic), ending the tasks --task-timeout ends on the way."""
+        engine = self.engine
+        while True:
+            expiry = engine.next_expiry()
+            stops = [t for t in (deadline, None if expiry is None else self.started + expiry) if t is not None]
+            if self._pump(until, min(stops) if stops else None):
+                return True
+            if engine.expire(self.clock()):
+                self._dispatch()
+            if deadline is not None and time.monotonic() >= deadline:
+                return until()
+
+    def run(self, first_round: int, progress: Progress) -> None:
+        """Versions up to --rounds (``first_round``: the next version to make), each checkpointed; then the final
+        version's evaluations."""
+        engine = self.engine
+        rounds = engine.config.rounds
+        self.started = time.monotonic()
+        self.wait_for_devices()
+        self._dispatch()
+        while engine.version < rounds:
+            before = engine.version
+            self._wait(lambda: engine.version > before, None)
+            progress.evaluated(engine.records[-1] if engine.records and engine.records[-1]["round"] == before
+                               else None)
+            progress.trained(engine.pending)
+            if engine.version < rounds:  # the last version: below, once the tasks in flight are in
+                self._evaluate(self._idle())
+            self.checkpoint(engine.version, finished=False)
+            self.publish_status(force=True)
+        deadline = time.monotonic() + self.args.round_deadline
+        self._wait(lambda: not engine.training(), deadline)
+        self._evaluate(self._idle())
+        self._wait(lambda: not self._evaluations_asked, deadline)
+        progress.evaluated(engine.finish())
+        self.checkpoint(rounds, finished=True)
+        self.publish_status(force=True, finished=True)
 
 
 # -- wiring ------------------------------------------------------------------------------------
@@ -404,6 +533,17 @@ def local_limits(args: argparse.Namespace) -> list[float]:
     return cgroups.parse_limits(args.local_memory_limit_mb)
 
 
+def local_cpu_limits(args: argparse.Namespace) -> list[float]:
+    """--local-cpu-limit where CPU cgroups can be made here, else [] and one line saying why not."""
+    if not args.local_cpu_limit:
+        return []
+    why = cgroups.cpu_available()
+    if why is not None:
+        print(f"--local-cpu-limit ignored: {why}; the local devices run without a CPU limit", flush=True)
+        return []
+    return cgroups.parse_cpu_limits(args.local_cpu_limit)
+
+
 def linger(status: StatusServer, seconds: float) -> None:
     """Keep the status page up ``seconds`` after the run (its last snapshot, marked finished); Ctrl-C ends it."""
     print(f"status: the run has ended; {status.url} stays up {seconds:g} s (--status-linger; Ctrl-C ends it)",
@@ -421,7 +561,8 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
     budgets = local_budgets(args.local_memory_mb)
     assembly = assemble(args, config, out, Deployment(
         devices=args.local_devices, min_devices=args.min_devices or args.local_devices or 1,
-        round_deadline_s=args.round_deadline, remote=args.aggregators > 0, shared_payloads=True,
+        round_deadline_s=args.round_deadline, remote=args.aggregators > 0,
+        shared_payloads=args.mode == "sync",  # an async task carries its version's weights (versions, not rounds)
         settings_keys=BROKER_SETTINGS),
         emit=print_and_log)
     engine, shards, settings, saved = assembly.engine, assembly.shards, assembly.settings, assembly.saved
@@ -470,19 +611,21 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
             if shards:
                 shard_paths = write_shards(list(shards.values()), out.path / SHARDS_DIR, filename=DEVICE_SHARD_FILENAME)
                 stack.callback(local.stop)
-                limits = local_limits(args)
+                limits, cores = local_limits(args), local_cpu_limits(args)
                 for i, (device_id, shard_path) in enumerate(zip(shards, shard_paths)):
                     workdir = out.path / DEVICES_DIR / device_id
                     workdir.mkdir(parents=True, exist_ok=True)
                     group = cgroups.create_group(device_id, limits[i % len(limits)]) if limits else None
+                    cpu_group = cgroups.create_cpu_group(device_id, cores[i % len(cores)]) if cores else None
                     budget = None if group is not None else budgets[i % len(budgets)]
                     # device i starts on node i of a --broker list: a local run spreads over every node
                     local.spawn(device_id, device_command(args, rotate_brokers(url, i), device_id, shard_path, workdir,
                                                           budget, out.path / LOCAL_KEYS_DIR / f"{device_id}.key",
                                                           args.max_message_bytes),
-                                out.path / DEVICES_DIR / f"{device_id}.log", group)
-            federation = Federation(args, engine, endpoint, out, local, settings, max_inbound, link, aggregators,
-                                    aggregator_link, status)
+                                out.path / DEVICES_DIR / f"{device_id}.log", group, cpu_group=cpu_group)
+            kind = AsyncFederation if isinstance(engine, AsyncEngine) else Federation
+            federation = kind(args, engine, endpoint, out, local, settings, max_inbound, link, aggregators,
+                              aggregator_link, status)
             if saved and saved.state["finished"] and saved.round >= config.rounds:
                 LOG.info("the run in %s is finished; rewriting its report", out.path)
                 federation.publish_status(force=True, finished=True)

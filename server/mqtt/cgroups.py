@@ -57,7 +57,7 @@ class MemoryEvidence:
         return self.oom_kills > 0
 
 
-def _own_path(proc_root: Path, v2: bool) -> str | None:
+def _own_path(proc_root: Path, v2: bool, controller: str = "memory") -> str | None:
     try:
         lines = (proc_root / "self" / "cgroup").read_text().splitlines()
     except OSError:
@@ -65,7 +65,7 @@ def _own_path(proc_root: Path, v2: bool) -> str | None:
     for line in lines:
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
-        if (v2 and hierarchy == "0" and controllers == "") or (not v2 and "memory" in controllers.split(",")):
+        if (v2 and hierarchy == "0" and controllers == "") or (not v2 and controller in controllers.split(",")):
             return path
     return None
 
@@ -208,7 +208,7 @@ def available(hierarchy: Hierarchy | None = None) -> str | None:
     return None
 
 
-def enter_hook(group: MemoryGroup, then: Callable[[], object] | None = None) -> Callable[[], None]:
+def enter_hook(group: MemoryGroup | CpuGroup, then: Callable[[], object] | None = None) -> Callable[[], None]:
     """A ``preexec_fn`` for subprocess.Popen that moves the child into ``group`` before it execs, then calls
     ``then`` (another preexec hook, e.g. a parent-death signal). Only os-level calls: it runs in a forked child."""
     procs = os.fsencode(group.procs_file)
@@ -240,4 +240,114 @@ def parse_limits(text: str) -> list[float]:
         raise ValueError(f"memory limits must be comma-separated MiB such as 128,192,256, got {text!r}") from None
     if not all(limit > 0 for limit in limits):
         raise ValueError(f"memory limits must be positive MiB, got {text!r}")
+    return limits
+
+
+# -- CPU groups: a board's cores ---------------------------------------------------------------
+# A device process in a CPU group of c cores gets at most c·period of CPU time per period (the kernel's CFS
+# bandwidth limit: cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), so a slow board is
+# really slow, not slept. Made like the memory groups: under this process's own group, entered before exec.
+
+CPU_PERIOD_US = 100_000
+MIN_CPU_CORES = 0.01
+"""The kernel's smallest quota is 1 ms a period: 0.01 core at a 100 ms period."""
+
+
+@dataclass(frozen=True)
+class CpuGroup:
+    """One CPU cgroup limited to ``cores`` cores (``quota_us`` µs of CPU time per ``CPU_PERIOD_US``)."""
+
+    path: Path
+    version: int
+    cores: float
+
+    @property
+    def procs_file(self) -> Path:
+        return self.path / "cgroup.procs"
+
+    @property
+    def quota_us(self) -> int:
+        return cpu_quota_us(self.cores)
+
+    def limit(self) -> tuple[int, int]:
+        """(quota µs, period µs) as the kernel reads them now (v2 ``cpu.max``, v1 the cfs files); quota −1: none."""
+        if self.version == 2:
+            quota, period = _read(self.path / "cpu.max").split()
+            return (-1 if quota == "max" else int(quota)), int(period)
+        return int(_read(self.path / "cpu.cfs_quota_us")), int(_read(self.path / "cpu.cfs_period_us"))
+
+    def remove(self, timeout: float = REMOVE_TIMEOUT_S) -> None:
+        """Remove the group once its processes have exited (as MemoryGroup.remove)."""
+        MemoryGroup(self.path, self.version, 0.0).remove(timeout)
+
+
+def cpu_quota_us(cores: float, period_us: int = CPU_PERIOD_US) -> int:
+    """CPU time per period of a limit of ``cores`` cores, in µs."""
+    return int(round(cores * period_us))
+
+
+def find_cpu_hierarchy(cgroup_root: Path = CGROUP_ROOT, proc_root: Path = Path("/proc")) -> Hierarchy | None:
+    """This machine's CPU-cgroup hierarchy and this process's group in it (v2 with ``cpu`` in the unified
+    hierarchy's controllers, else v1's cpu controller); None where it has none."""
+    if "cpu" in _read(cgroup_root / "cgroup.controllers").split():
+        path = _own_path(proc_root, v2=True)
+        if path is not None:
+            return Hierarchy(2, cgroup_root / path.lstrip("/"))
+    mount = cgroup_root / "cpu"
+    path = _own_path(proc_root, v2=False, controller="cpu")
+    if (mount / "cpu.cfs_quota_us").exists() and path is not None:
+        own = mount / path.lstrip("/")
+        return Hierarchy(1, own if own.is_dir() else mount)
+    return None
+
+
+def create_cpu_group(name: str, cores: float, hierarchy: Hierarchy | None = None) -> CpuGroup:
+    """A new CPU group ``fedara-<pid>-<name>`` of ``cores`` cores under ``hierarchy`` (None: this machine's).
+    Raises CgroupError saying what to change."""
+    if not cores >= MIN_CPU_CORES:
+        raise CgroupError(f"a CPU limit must be at least {MIN_CPU_CORES:g} core, got {cores}")
+    found = hierarchy or find_cpu_hierarchy()
+    if found is None:
+        raise CgroupError("this machine has no CPU cgroup controller (neither cgroup v2 with 'cpu' in "
+                          f"{CGROUP_ROOT}/cgroup.controllers nor v1 at {CGROUP_ROOT}/cpu)")
+    if found.version == 2 and "cpu" not in _read(found.parent / "cgroup.subtree_control").split():
+        _write(found.parent / "cgroup.subtree_control", "+cpu")
+    path = found.parent / f"{GROUP_PREFIX}-{os.getpid()}-{name}"
+    try:
+        path.mkdir()
+    except OSError as exc:
+        raise CgroupError(f"cannot create CPU cgroup {path}: {exc.strerror or exc} (needs root and a writable "
+                          "cpu controller)") from None
+    group = CpuGroup(path, found.version, float(cores))
+    try:
+        if found.version == 2:
+            _write(path / "cpu.max", f"{group.quota_us} {CPU_PERIOD_US}")
+        else:
+            _write(path / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+            _write(path / "cpu.cfs_quota_us", str(group.quota_us))
+    except CgroupError:
+        group.remove()
+        raise
+    return group
+
+
+def cpu_available(hierarchy: Hierarchy | None = None) -> str | None:
+    """None where this process can put processes in CPU groups; else why not. Tries it."""
+    if os.geteuid() != 0:
+        return "CPU cgroups need root (run the server as root, or pass no CPU limits)"
+    try:
+        create_cpu_group("probe", 1.0, hierarchy).remove()
+    except CgroupError as exc:
+        return str(exc)
+    return None
+
+
+def parse_cpu_limits(text: str) -> list[float]:
+    """``"1,0.5,0.1"`` -> [1.0, 0.5, 0.1] (cores); ValueError names the bad value."""
+    try:
+        limits = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"CPU limits must be comma-separated cores such as 1,0.5,0.1, got {text!r}") from None
+    if not all(limit >= MIN_CPU_CORES for limit in limits):  # also NaN
+        raise ValueError(f"CPU limits must be at least {MIN_CPU_CORES:g} core each, got {text!r}")
     return limits

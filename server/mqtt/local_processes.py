@@ -1,5 +1,5 @@
 """Device and aggregator processes the broker loop starts on this machine (``--local-devices``, ``--aggregators``):
-their command lines, each device in its memory cgroup where it has one, a device killed for memory started again
+their command lines, each device in its memory and CPU cgroups where it has them, a device killed for memory started again
 at a lower tier, and every child stopped (SIGTERM, then SIGKILL) with the server, even when it dies by SIGKILL."""
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _parent_death_signal() -> Callable[[], None] | None:
 
 
 class LocalDevices:
-    """Device processes spawned on this machine, one per shard, each in its memory cgroup where it has one
+    """Device processes spawned on this machine, one per shard, each in its memory and CPU cgroups where it has them
     (``what="aggregator"``: the local aggregator processes, no cgroups).
 
     A device the kernel killed for memory is started again (as systemd's Restart= would on a board), at most
@@ -48,20 +48,26 @@ class LocalDevices:
         self.processes: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
         self.groups: dict[str, cgroups.MemoryGroup] = {}
+        self.cpu_groups: dict[str, cgroups.CpuGroup] = {}
         self._commands: dict[str, list[str]] = {}
         self._restarts: dict[str, int] = {}
         self._reported: set[str] = set()
         self._pre_exec = _parent_death_signal()
 
     def spawn(self, device_id: str, command: list[str], log_path: Path,
-              group: cgroups.MemoryGroup | None = None, env: dict[str, str] | None = None) -> None:
+              group: cgroups.MemoryGroup | None = None, env: dict[str, str] | None = None,
+              cpu_group: cgroups.CpuGroup | None = None) -> None:
         repo = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, **(env or {}),
                "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
         if group is not None:
             self.groups[device_id] = group
-        group = self.groups.get(device_id)
-        pre_exec = self._pre_exec if group is None else cgroups.enter_hook(group, self._pre_exec)
+        if cpu_group is not None:
+            self.cpu_groups[device_id] = cpu_group
+        pre_exec = self._pre_exec
+        for entered in (self.cpu_groups.get(device_id), self.groups.get(device_id)):  # memory first, then CPU
+            if entered is not None:
+                pre_exec = cgroups.enter_hook(entered, pre_exec)
         with open(log_path, "ab") as log:
             self.processes[device_id] = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=pre_exec)
@@ -94,6 +100,7 @@ class LocalDevices:
         for proc in self.processes.values():
             if proc.poll() is None:
                 proc.terminate()
+                proc.send_signal(signal.SIGCONT)  # a stopped device (SIGSTOP: a board that hangs) takes its SIGTERM
         deadline = time.monotonic() + timeout
         for device_id, proc in self.processes.items():
             try:
@@ -102,7 +109,7 @@ class LocalDevices:
                 LOG.warning("local %s %s ignored SIGTERM; killing it", self.what, device_id)
                 proc.kill()
                 proc.wait()
-        for group in self.groups.values():
+        for group in [*self.groups.values(), *self.cpu_groups.values()]:
             try:
                 group.remove()
             except cgroups.CgroupError as exc:

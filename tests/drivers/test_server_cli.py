@@ -87,3 +87,16 @@ def test_console_logging_writes_to_the_current_stderr_after_the_old_one_is_close
     logging.getLogger("fedara.test").warning("a warning after the swap")
     assert "fedara.test WARNING a warning after the swap" in second.getvalue()
     assert "Logging error" not in second.getvalue()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--local-cpu-limit", "1,x"], "--local-cpu-limit: CPU limits must be comma-separated cores"),
+    (["--local-cpu-limit", "1,0"], "--local-cpu-limit: CPU limits must be at least 0.01 core each"),
+    (["--mode", "async", "--task-timeout", "0"], "--task-timeout must be positive seconds, got 0"),
+    (["--task-timeout", "5"], "--task-timeout 5 ends async tasks"),
+    (["--mode", "async", "--aggregators", "2", "--broker", "mqtt://127.0.0.1:1"], "--mode async with --aggregators 2"),
+])
+def test_a_bad_cpu_limit_or_async_combination_is_named_in_one_line_and_exits_2(flags, named, tmp_path):
+    done = run("server.broker_loop", "--local-devices", "2", "--out", str(tmp_path / "run"), *flags)
+    assert done.returncode == 2 and done.stderr.count(named) == 1, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -1,17 +1,21 @@
-"""server.mqtt.cgroups: memory groups a device process is started in, what they report, and their removal.
+"""server.mqtt.cgroups: memory and CPU groups a device process is started in, what they report, and their removal.
 
-The tests marked ``cgroup`` need root and a writable memory controller (``tests.conftest.needs``); the others read
+The tests marked ``cgroup`` need root and a writable memory (or cpu) controller (``tests.conftest.needs``); the others read
 fake cgroup trees."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from device_runtime.memory_limit import SOURCE_V1, SOURCE_V2
-from server.mqtt.cgroups import (CgroupError, Hierarchy, MemoryEvidence, MemoryGroup, available, create_group,
-                            find_hierarchy, parse_limits, popen_in_group)
+from server.mqtt.cgroups import (CgroupError, Hierarchy, MemoryEvidence, MemoryGroup, available, cpu_available,
+                                 create_cpu_group, create_group, find_cpu_hierarchy, find_hierarchy, parse_cpu_limits,
+                                 parse_limits, popen_in_group)
+from server.mqtt.local_processes import LocalDevices
 from tests.support.machine import needs
 
 MIB = 1024 * 1024
@@ -146,3 +150,47 @@ def test_limits_parse_as_comma_separated_mib():
 def test_bad_limits_are_refused_naming_the_text(text):
     with pytest.raises(ValueError, match=text):
         parse_limits(text)
+
+
+# -- CPU groups ----------------------------------------------------------------------------------
+
+CPU_CGROUPS = cpu_available()
+
+
+def test_v1_cpu_hierarchy_is_found_at_the_cpu_controller_mount(tmp_path):
+    (tmp_path / "cg" / "cpu" / "job").mkdir(parents=True)
+    (tmp_path / "cg" / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "self" / "cgroup").write_text("4:memory:/other\n3:cpu,cpuacct:/job\n0::/\n")
+    assert find_cpu_hierarchy(tmp_path / "cg", tmp_path / "proc") == Hierarchy(1, tmp_path / "cg" / "cpu" / "job")
+
+
+def test_a_cpu_group_is_made_with_its_quota_in_cpu_max_on_a_v2_tree(tmp_path):
+    (tmp_path / "cgroup.subtree_control").write_text("cpu memory\n")
+    group = create_cpu_group("dev", 0.5, Hierarchy(2, tmp_path))
+    assert (group.path / "cpu.max").read_text() == "50000 100000" and group.limit() == (50_000, 100_000)
+
+
+@pytest.mark.parametrize("text", ["1,,0.5", "fast", "1,0", "0.001", "nan"])
+def test_bad_cpu_limits_are_refused_naming_the_text(text):
+    with pytest.raises(ValueError, match=re.escape(repr(text))):
+        parse_cpu_limits(text)
+
+
+@pytest.mark.cgroup
+@needs(CPU_CGROUPS)
+def test_a_local_device_process_runs_in_its_cpu_group_with_that_quota(tmp_path):
+    group = create_cpu_group("test-dev", 0.25)
+    devices = LocalDevices()
+    devices.spawn("dev_000", [sys.executable, "-c", "import sys; sys.stdin.read()"], tmp_path / "dev.log",
+                  cpu_group=group)  # the path --local-cpu-limit's devices take; it runs until stopped
+    pid = devices.processes["dev_000"].pid
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        cpu_line = next(line for line in lines if "cpu" in line.split(":")[1].split(",") or line.startswith("0::"))
+        assert group.path.as_posix().endswith(cpu_line.split(":", 2)[2])
+        assert pid in [int(p) for p in group.procs_file.read_text().split()]
+        assert group.limit() == (25_000, 100_000)
+    finally:
+        devices.stop()
+    assert not group.path.exists()
