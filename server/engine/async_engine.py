@@ -116,7 +116,17 @@ class AsyncEngine(RoundEngine):
             self.buff.finish(device_id)
             self._timeouts += 1
             LOG.warning("%s: %s", device_id, self._refused[device_id])
+        self._complete_held()
         return expired
+
+    def abandon(self) -> list[str]:
+        """End every task in flight without its update (a driver's run is over: what the devices still train is not
+        awaited, and a resumed run gives them fresh tasks); returns their devices, by id."""
+        devices = self.training()
+        for device_id in devices:
+            self.buff.finish(device_id)
+        self._started = {}
+        return devices
 
     def next_expiry(self) -> float | None:
         """When the first task in flight reaches --task-timeout (None: no timeout, or no task with a known start)."""
@@ -173,6 +183,11 @@ class AsyncEngine(RoundEngine):
     def receive(self, device_id: str, msg: Message, now: float) -> Verdict:
         """Judge an UPDATE that arrived on ``device_id``'s topic: an evaluation it was asked for, or the update of
         its task in flight; an accepted training update goes into the buffer, and a full buffer makes a version."""
+        verdict = self._receive(device_id, msg, now)
+        self._complete_held()  # a row may wait for nothing else now
+        return verdict
+
+    def _receive(self, device_id: str, msg: Message, now: float) -> Verdict:
         answer = Answer.of_message(msg)
         record = self.coordinator.devices.get(device_id)
         if record is None:
@@ -186,9 +201,7 @@ class AsyncEngine(RoundEngine):
         evaluating = self._evaluating.get(device_id)
         if evaluating is not None and evaluating[0] == answer.round:
             del self._evaluating[device_id]
-            verdict = self._evaluation(record, answer, evaluating[1])
-            self._complete_held()  # the row it was asked for may wait for nothing else
-            return verdict
+            return self._evaluation(record, answer, evaluating[1])
         judged = self.buff.judge(device_id, answer.round)
         if isinstance(judged, str) and self._timed_out.get(device_id) == answer.round:
             return Verdict(False, f"{TIMED_OUT} update for task {answer.round} came after --task-timeout "
@@ -289,11 +302,12 @@ class AsyncEngine(RoundEngine):
 
     def _complete_held(self, final: bool = False) -> None:
         """Write the rows of older versions, in order: a version's row waits for the evaluations asked of it
-        (``evaluation_tasks``) until the version after the next is made (a device that never answers holds no row
-        longer); with ``final``, every row is written."""
+        (``evaluation_tasks``) and those that lead the tasks in flight based on it, until the version after the next
+        is made (a device that never answers holds no row longer); with ``final``, every row is written."""
         while self._held:
             record, extra = self._held[0]
-            awaited = any(version == record.round for _, version in self._evaluating.values())
+            awaited = any(version == record.round for _, version in self._evaluating.values()) or \
+                any(flight.base == record.round for flight in self.buff.in_flight.values())
             if awaited and not final and record.round >= self.version - 1:
                 return
             self._held.pop(0)
