@@ -389,10 +389,10 @@ class AsyncFederation(Federation):
     free (``AsyncEngine.dispatch``: up to --concurrency, a seeded choice): when it acknowledges its plan, comes
     online, or any update comes in. Every update goes to ``AsyncEngine.receive``; each new version is evaluated by
     the ready devices not training then (evaluation tasks: a device that trains evaluates the version its task
-    carries first, so every device counts in the rows, none waits), checkpointed and published on --status-port.
+    carries first: a row waits for those until the version after next), checkpointed and published on --status-port.
     --task-timeout ends tasks whose devices went silent (``AsyncEngine.expire``, from the run's clock). After the
-    last version the devices' tasks in flight are awaited (at most --round-deadline seconds), then every ready
-    device evaluates it. The engine's clock here is the wall clock since the run (or its resume) began: every
+    last version every ready device evaluates it (at most --task-timeout, else --round-deadline, seconds); the
+    tasks still in flight are abandoned (a resumed run gives fresh ones). The engine's clock here is the wall clock since the run (or its resume) began: every
     row's sim_time."""
 
     engine: AsyncEngine
@@ -461,8 +461,12 @@ class AsyncFederation(Federation):
         self._dispatch()
 
     def _on_update(self, device_id: str, msg: Message) -> None:
-        if self._evaluations_asked.get(device_id) == msg.round:
+        asked = self._evaluations_asked.get(device_id) == msg.round
+        if asked:
             del self._evaluations_asked[device_id]
+        elif self.engine.version >= self.engine.config.rounds:
+            LOG.info("%s's update of task %d came after the last version: not counted", device_id, msg.round)
+            return
         verdict = self.engine.receive(device_id, msg, self.clock())
         if not verdict.accepted:
             LOG.warning("dropped an update from %s (task %d): %s", device_id, msg.round, verdict.reason)
@@ -500,10 +504,12 @@ class AsyncFederation(Federation):
                 self._evaluate(self._idle())
             self.checkpoint(engine.version, finished=False)
             self.publish_status(force=True)
-        deadline = time.monotonic() + self.args.round_deadline
-        self._wait(lambda: not engine.training(), deadline)
-        self._evaluate(self._idle())
-        self._wait(lambda: not self._evaluations_asked, deadline)
+        # Every ready device evaluates the last version (one still training, after its task: what it trains is not
+        # counted); a device silent for --task-timeout (or --round-deadline) is not waited for.
+        self._evaluate(self._ready())
+        self._wait(lambda: not self._evaluations_asked,
+                   time.monotonic() + (self.args.task_timeout or self.args.round_deadline))
+        engine.abandon()
         progress.evaluated(engine.finish())
         self.checkpoint(rounds, finished=True)
         self.publish_status(force=True, finished=True)
