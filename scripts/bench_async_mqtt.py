@@ -1,12 +1,12 @@
 """Sync rounds against buffered async (FedBuff) over MQTT, on the wall clock: real device processes, really slow.
 
-    nice -n 10 .venv/bin/python scripts/bench_async_mqtt.py                  # docs/async_mqtt.json
-    .venv/bin/python scripts/bench_async_mqtt.py --rounds 2 --out /tmp/a.json  # a smoke run
+    nice -n 10 .venv/bin/python scripts/bench_async_mqtt.py                             # docs/async_mqtt.json
+    .venv/bin/python scripts/bench_async_mqtt.py --seeds 1 --rounds 2 --out /tmp/a.json  # a smoke run
 
 ``python -m server.broker_loop`` with ``--local-devices 6`` on digits, each device process in a CPU cgroup of
 ``--cpu-limits`` cores (round-robin by device id: 1, 1, 0.5, 0.5, 0.1, 0.1), FedARA at rank tiers 1/0.5/0.25
 (round-robin by device id) under ``--aggregate updates``, the same seed, partition and initial model for both
-modes. Sync runs ``--rounds`` R rounds (every device trains each round; a round waits for its slowest device);
+modes, for each of ``--seeds`` seeds. Sync runs ``--rounds`` R rounds (every device trains each round; a round waits for its slowest device);
 async runs m·R·N/K versions with ``--buffer-size`` K and ``--concurrency`` N, once per m of ``--async-multiples``
 (m = 1: the same number of device tasks as sync). The arms run one after the other, never together. Each row's
 ``sim_time`` is the wall clock since the run began. Reported per arm:
@@ -51,11 +51,11 @@ def cpu_name() -> str:
                 "unknown")
 
 
-def common_flags(args: argparse.Namespace) -> list[str]:
+def common_flags(args: argparse.Namespace, seed: int) -> list[str]:
     return ["--dataset", "digits", "--alpha", "0.5", "--min-samples", "20", "--algo", "fedara",
             "--rank-tiers", "1.0,0.5,0.25", "--aggregate", "updates", "--local-epochs", str(args.local_epochs),
             "--batch-size", "16", "--lr", "0.05", "--lam", "1", "--lam-warmup", "1", "--threads", "1",
-            "--seed", str(args.seed), "--local-devices", str(DEVICES), "--local-cpu-limit", args.cpu_limits,
+            "--seed", str(seed), "--local-devices", str(DEVICES), "--local-cpu-limit", args.cpu_limits,
             "--join-timeout", "900", "--round-deadline", "900"]
 
 
@@ -92,32 +92,21 @@ def per_minute(records: list[dict[str, Any]]) -> float | None:
     return 60.0 * (len(records) - 1) / (records[-1]["sim_time"] - records[0]["sim_time"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=10, help="sync rounds R (async: R·6/K versions)")
-    p.add_argument("--buffer-size", type=int, default=3, help="async K")
-    p.add_argument("--async-multiples", default="1,2", help="async arms: this many times sync's device tasks")
-    p.add_argument("--cpu-limits", default="1,1,0.5,0.5,0.1,0.1", help="cores of local device i, round-robin")
-    p.add_argument("--local-epochs", type=int, default=1)
-    p.add_argument("--task-timeout", type=float, default=600.0, help="async --task-timeout (a bound, not a tuning)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(REPO / "docs" / "async_mqtt.json"))
-    args = p.parse_args(argv)
+def run_seed(args: argparse.Namespace, seed: int, tmp: Path) -> dict[str, Any]:
+    """Every arm on one seed (a partition, an initial model), one after the other; the seed's arms and summary."""
     results: dict[str, Any] = {}
-    load_start = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="bench-async-mqtt-") as tmp:
-        for name, extra in arms(args).items():
-            flags = [*common_flags(args), *extra]
-            load = os.getloadavg()
-            records, wall, _ = run(flags, Path(tmp) / name)
-            results[name] = {"command": "python -m server.broker_loop " + shlex.join(flags), "wall_s": wall,
-                             "loadavg_before": list(load), "loadavg_after": list(os.getloadavg()),
-                             "curve": [{k: r.get(k) for k in ("round", "sim_time", "accuracy", "evaluated",
-                                                              "participants", "staleness_mean", "timed_out")}
-                                       for r in records]}
-            print(f"{name}: {len(records)} rows in {wall:.0f} s, load {load[0]:.1f} -> {os.getloadavg()[0]:.1f}",
-                  flush=True)
-    sync_final = next(r["accuracy"] for r in reversed(results["sync"]["curve"]) if r["accuracy"] is not None)
+    for name, extra in arms(args).items():
+        flags = [*common_flags(args, seed), *extra]
+        load = os.getloadavg()
+        records, wall, _ = run(flags, tmp / f"{seed}-{name.replace(' ', '')}")
+        results[name] = {"command": "python -m server.broker_loop " + shlex.join(flags), "wall_s": wall,
+                         "loadavg_before": list(load), "loadavg_after": list(os.getloadavg()),
+                         "curve": [{k: r.get(k) for k in ("round", "sim_time", "accuracy", "evaluated",
+                                                          "participants", "staleness_mean", "timed_out")}
+                                   for r in records]}
+        print(f"seed {seed} {name}: {len(records)} rows in {wall:.0f} s, load {load[0]:.1f} -> "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
+    sync_final = results["sync"]["curve"][-1]["accuracy"]
     target = sync_final - TARGET_GAP
     for name, result in results.items():
         curve = result["curve"]
@@ -136,19 +125,42 @@ def main(argv: list[str] | None = None) -> int:
                "sync_time_to_target_s": sync_to_target, "async_time_to_target_s": async_to_target,
                "time_to_target_ratio": (async_to_target / sync_to_target
                                         if async_to_target is not None and sync_to_target else None)}
-    print(f"\n{'arm':10} {'versions':>8} {'per wall min':>12} {'final acc (evaluators)':>22} {'last row (s)':>12} "
-          f"{'any row to target (s)':>21}")
+    print(f"\n{'seed ' + str(seed):10} {'versions':>8} {'per wall min':>12} {'final acc (evaluators)':>22} "
+          f"{'last row (s)':>12} {'any row to target (s)':>21}")
     for name, r in results.items():
         to = "never" if r["time_to_target_any_row_s"] is None else f"{r['time_to_target_any_row_s']:.1f}"
         print(f"{name:10} {r['versions']:8d} {r['versions_per_minute']:12.2f} "
               f"{r['final_accuracy']:16.3f} ({r['final_evaluated']}) {r['last_sim_time_s']:12.1f} {to:>21}")
     print(f"target {target:.3f} (sync final − 1 pp): sync reaches it at {sync_to_target} s, async (a whole-fleet "
           f"evaluation) at {async_to_target} s; async/sync versions per wall minute "
-          f"{summary['versions_per_minute_ratio']:.2f}")
+          f"{summary['versions_per_minute_ratio']:.2f}\n", flush=True)
+    return {"summary": summary, "arms": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=10, help="sync rounds R (async: R·6/K versions)")
+    p.add_argument("--buffer-size", type=int, default=3, help="async K")
+    p.add_argument("--async-multiples", default="1,2", help="async arms: this many times sync's device tasks")
+    p.add_argument("--cpu-limits", default="1,1,0.5,0.5,0.1,0.1", help="cores of local device i, round-robin")
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--task-timeout", type=float, default=600.0, help="async --task-timeout (a bound, not a tuning)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..S-1, each its own partition and initial model")
+    p.add_argument("--out", default=str(REPO / "docs" / "async_mqtt.json"))
+    args = p.parse_args(argv)
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bench-async-mqtt-") as tmp:
+        seeds = {seed: run_seed(args, seed, Path(tmp)) for seed in range(args.seeds)}
+    rates = [s["summary"]["versions_per_minute_ratio"] for s in seeds.values()]
+    times = [s["summary"]["time_to_target_ratio"] for s in seeds.values()]
+    overall = {"versions_per_minute_ratio_by_seed": rates, "time_to_target_ratio_by_seed": times,
+               "async_sooner_on": sum(1 for t in times if t is not None and t < 1), "seeds": args.seeds}
+    print(f"async/sync versions per wall minute by seed: {', '.join(f'{r:.2f}' for r in rates)}; time to target "
+          f"async/sync: {', '.join('never' if t is None else f'{t:.2f}' for t in times)}")
     document = {"benchmark": "scripts/bench_async_mqtt.py", "argv": sys.argv[1:] if argv is None else argv,
                 "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "loadavg_at_start": list(load_start),
                             "loadavg_at_end": list(os.getloadavg())},
-                "summary": summary, "arms": results}
+                "overall": overall, "seeds": {str(k): v for k, v in seeds.items()}}
     Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
