@@ -6,9 +6,9 @@
 ``python -m server.broker_loop`` with ``--local-devices 6`` on digits, each device process in a CPU cgroup of
 ``--cpu-limits`` cores (round-robin by device id: 1, 1, 0.5, 0.5, 0.1, 0.1), FedARA at rank tiers 1/0.5/0.25
 (round-robin by device id) under ``--aggregate updates``, the same seed, partition and initial model for both
-modes, for each of ``--seeds`` seeds. Sync runs ``--rounds`` R rounds (every device trains each round; a round waits for its slowest device);
-async runs m·R·N/K versions with ``--buffer-size`` K and ``--concurrency`` N, once per m of ``--async-multiples``
-(m = 1: the same number of device tasks as sync). The arms run one after the other, never together. Each row's
+modes, for each of ``--seeds`` seeds. Sync runs ``--rounds`` R rounds (every device trains each round; a round
+waits for its slowest device); async runs m·R·N/K versions with ``--buffer-size`` K and ``--concurrency`` N,
+once per m of ``--async-multiples`` (m = 1: the same number of device tasks as sync). The arms run one after the other, never together. Each row's
 ``sim_time`` is the wall clock since the run began. Reported per arm:
 - versions per wall minute, between the first version's row and the last (device start-up excluded);
 - wall time to (sync's final accuracy − 1 pp).

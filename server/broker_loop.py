@@ -392,8 +392,8 @@ class AsyncFederation(Federation):
     carries first: a row waits for those until the version after next), checkpointed and published on --status-port.
     --task-timeout ends tasks whose devices went silent (``AsyncEngine.expire``, from the run's clock). After the
     last version every ready device evaluates it (at most --task-timeout, else --round-deadline, seconds); the
-    tasks still in flight are abandoned (a resumed run gives fresh ones). The engine's clock here is the wall clock since the run (or its resume) began: every
-    row's sim_time."""
+    tasks still in flight are abandoned (a resumed run gives fresh ones). The engine's clock here is the wall
+    clock since the run (or its resume) began: every row's sim_time."""
 
     engine: AsyncEngine
 

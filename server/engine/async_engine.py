@@ -58,7 +58,7 @@ class AsyncEngine(RoundEngine):
         self._held: list[tuple[TrainingRecord, dict[str, Any]]] = []  # older versions' rows awaiting evaluations asked
         self._too_stale_at_last = 0
         self._last_version_at: float | None = None
-        self._started: dict[str, float] = {}  # device -> when its task in flight started (--task-timeout counts from it)
+        self._started: dict[str, float] = {}  # device -> when its task in flight began (--task-timeout counts from it)
         self._timed_out: dict[str, int] = {}  # device -> its task number that --task-timeout ended
         self._timeouts = 0  # tasks --task-timeout ended, in the run
         self._timeouts_at_last = 0

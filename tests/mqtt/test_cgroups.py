@@ -1,7 +1,7 @@
 """server.mqtt.cgroups: memory and CPU groups a device process is started in, what they report, and their removal.
 
-The tests marked ``cgroup`` need root and a writable memory (or cpu) controller (``tests.conftest.needs``); the others read
-fake cgroup trees."""
+The tests marked ``cgroup`` need root and a writable memory (or cpu) controller (``tests.conftest.needs``); the
+others read fake cgroup trees."""
 from __future__ import annotations
 
 import re
