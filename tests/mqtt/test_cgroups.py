@@ -182,10 +182,11 @@ def test_bad_cpu_limits_are_refused_naming_the_text(text):
 def test_a_local_device_process_runs_in_its_cpu_group_with_that_quota(tmp_path):
     group = create_cpu_group("test-dev", 0.25)
     devices = LocalDevices()
-    devices.spawn("dev_000", [sys.executable, "-c", "import sys; sys.stdin.read()"], tmp_path / "dev.log",
+    devices.spawn("dev_000", [sys.executable, "-c", "import signal\nwhile True: signal.pause()"], tmp_path / "dev.log",
                   cpu_group=group)  # the path --local-cpu-limit's devices take; it runs until stopped
     pid = devices.processes["dev_000"].pid
     try:
+        assert devices.processes["dev_000"].poll() is None
         lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
         cpu_line = next(line for line in lines if "cpu" in line.split(":")[1].split(",") or line.startswith("0::"))
         assert group.path.as_posix().endswith(cpu_line.split(":", 2)[2])
