@@ -14,6 +14,8 @@ moves to the next on a lost connection, and local device i starts on node i. ``-
 aggregator processes (``server.aggregator``): each round the engine routes every device's update to one of them by
 topic, and they send the engine their partial sums; without it the server reads every update itself.
 The flags are the simulator's (``server.cli``), plus the broker's, the local devices' and the aggregators'.
+``--mode async`` drives the async engine instead (``AsyncFederation``: tasks as devices come free, a version every
+--buffer-size updates; docs/async.md); ``--local-cpu-limit`` puts local device i in a CPU cgroup of that many cores.
 """
 from __future__ import annotations
 
@@ -509,7 +511,7 @@ class AsyncFederation(Federation):
         self._evaluate(self._ready())
         self._wait(lambda: not self._evaluations_asked,
                    time.monotonic() + (self.args.task_timeout or self.args.round_deadline))
-        engine.abandon()
+        LOG.info("the run is over: %d task(s) in flight abandoned", len(engine.abandon()))
         progress.evaluated(engine.finish())
         self.checkpoint(rounds, finished=True)
         self.publish_status(force=True, finished=True)

@@ -9,7 +9,9 @@ an earlier one as a replay). An update is judged like a sync round's (its device
 tensors and declared samples, its evaluation's fit) plus fedbuff's rules (the device's task in flight, staleness).
 Every ``--buffer-size`` accepted updates make a new version; a version's metrics row is written when the next one
 is made (or at the end), with the evaluations of that version that came in: the evaluation that leads every task
-(the model received) and evaluation-only tasks a driver asks for.
+(the model received) and evaluation-only tasks a driver asks for. A row still awaiting those (asked, or leading a
+task in flight) waits until the version after next. ``--task-timeout`` ends tasks not answered in time (``expire``,
+from the ``now`` a driver passes).
 """
 from __future__ import annotations
 
