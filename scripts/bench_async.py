@@ -3,7 +3,8 @@
     nice -n 5 .venv/bin/python scripts/bench_async.py                 # docs/async.json, docs/async.png
     .venv/bin/python scripts/bench_async.py --seeds 1 --rounds 3      # a smoke run
 
-Heterogeneous FedARA (rank tiers round-robin by device id) under ``--aggregate updates`` on sklearn's digits, with
+Heterogeneous FedARA (rank tiers round-robin by device id) under ``--aggregate updates`` on sklearn's digits
+(``--dataset fmnist --max-samples M``: Fashion-MNIST), with
 ``--clients`` in-process devices whose speeds are log-normal (σ = ``--sigma``) and which are away ``--away`` of the
 time. Each seed (a partition, an initial model and a fleet trace) runs ``python -m server.simulate`` once in sync
 mode for ``--rounds`` rounds and once per async arm for R·N/K versions (the same number of device tasks as N
@@ -49,8 +50,9 @@ def cpu_name() -> str:
 
 
 def common_flags(args: argparse.Namespace, seed: int) -> list[str]:
-    return ["--dataset", "digits", "--clients", str(args.clients), "--alpha", str(args.alpha), "--min-samples",
-            str(args.min_samples), "--algo", "fedara", "--rank-tiers", args.tiers, "--aggregate", "updates",
+    return ["--dataset", args.dataset, "--max-samples", str(args.max_samples), "--clients", str(args.clients),
+            "--alpha", str(args.alpha), "--min-samples", str(args.min_samples), "--algo", "fedara", "--rank-tiers",
+            args.tiers, "--aggregate", "updates",
             "--local-epochs", "1", "--batch-size", "16", "--lr", str(args.lr), "--lam", "1", "--lam-warmup", "1",
             "--seed", str(seed), "--device-speed", f"lognormal:{args.sigma:g}",
             "--availability", f"{1 - args.away:g},{args.mean_online_s:g}"]
@@ -124,7 +126,7 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+def plot(results: dict[str, dict[str, Any]], path: Path, dataset: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     figure = Figure(figsize=(8, 4.5))
@@ -140,7 +142,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("virtual time (s), log scale")
     ax.set_ylabel("accuracy (all devices)")
-    ax.set_title("digits, FedARA tiers 1/0.5/0.25, log-normal speeds, devices away (a line per seed)")
+    ax.set_title(f"{dataset}, FedARA tiers 1/0.5/0.25, log-normal speeds, devices away (a line per seed)")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     figure.tight_layout()
@@ -150,6 +152,8 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--dataset", default="digits", help="digits, or fmnist (Debian's dataset-fashion-mnist)")
+    p.add_argument("--max-samples", type=int, default=0, help="a seeded subset of the dataset (0: all of it)")
     p.add_argument("--clients", type=int, default=50)
     p.add_argument("--rounds", type=int, default=20, help="sync rounds (async: rounds x clients / buffer size)")
     p.add_argument("--tiers", default="1.0,0.5,0.25")
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 "wall_s": time.perf_counter() - started}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=1) + "\n")
-    plot(results, out.with_suffix(".png"))
+    plot(results, out.with_suffix(".png"), args.dataset)
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 

@@ -87,22 +87,28 @@ def _save(figure: Figure, path: Path) -> None:
     figure.savefig(path, dpi=PLOT_DPI)
 
 
+def _accuracy_axes(title: str, xlabel: str) -> tuple[Figure, Any]:
+    """A figure whose one axes plot accuracy (0 to 1) against ``xlabel``."""
+    figure = Figure(figsize=PLOT_SIZE_IN)
+    ax = figure.add_subplot()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0.0, 1.0)
+    ax.grid(alpha=0.3)
+    return figure, ax
+
+
 def accuracy_figure(records: Sequence[Mapping[str, Any]]) -> Figure:
     """Accuracy against the round, with its std over devices as a band; both named in the legend."""
     points = [(r["round"], r["accuracy"], r["accuracy_std"] or 0.0) for r in records if r.get("accuracy") is not None]
-    figure = Figure(figsize=PLOT_SIZE_IN)
-    ax = figure.add_subplot()
+    figure, ax = _accuracy_axes("Personalized accuracy after each round (all devices)", "round")
     if points:
         rounds, acc, std = zip(*points)
         ax.plot(rounds, acc, marker="o", label="accuracy: Σ correct / Σ test samples")
         ax.fill_between(rounds, [a - s for a, s in zip(acc, std)], [a + s for a, s in zip(acc, std)], alpha=0.2,
                         label="± 1 std of the devices' accuracies")
         ax.legend(loc="lower right")
-    ax.set_title("Personalized accuracy after each round (all devices)")
-    ax.set_xlabel("round")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(0.0, 1.0)
-    ax.grid(alpha=0.3)
     return figure
 
 
@@ -120,15 +126,9 @@ def privacy_figure(records: Sequence[Mapping[str, Any]]) -> Figure:
     """Accuracy against the ε spent up to each round: what each unit of privacy bought."""
     points = [(r["epsilon"], r["accuracy"]) for r in records
               if r.get("epsilon") is not None and r.get("accuracy") is not None]
-    figure = Figure(figsize=PLOT_SIZE_IN)
-    ax = figure.add_subplot()
+    figure, ax = _accuracy_axes("Accuracy against the privacy spent (user-level ε, upper bound)", "ε spent so far")
     if points:
         ax.plot(*zip(*points), marker="o")
-    ax.set_title("Accuracy against the privacy spent (user-level ε, upper bound)")
-    ax.set_xlabel("ε spent so far")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(0.0, 1.0)
-    ax.grid(alpha=0.3)
     return figure
 
 

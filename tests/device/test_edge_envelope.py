@@ -27,7 +27,7 @@ from server.data.partition import make_client_shards
 from server.engine.rank_assignment import choose_ratio
 from server.engine.run_config import DEFAULT_TIERS
 from tests.support.machine import missing_fmnist, needs
-from tests.support.confined_group import ConfinedDevice
+from tests.support.confined_group import confined_devices
 
 CGROUPS = available()
 pytestmark = [pytest.mark.cgroup, pytest.mark.slow,
@@ -70,16 +70,8 @@ def artifacts_at(ratio: float, cache: Path) -> str:
 
 @pytest.fixture
 def confined(shard):
-    devices: list[ConfinedDevice] = []
-
-    def start(limit_mb: float) -> ConfinedDevice:
-        devices.append(ConfinedDevice("envelope", shard[0], limit_mb, rounds=ROUNDS, batch_size=BATCH_SIZE,
-                                      runtime=TRAINING_KIND))
-        return devices[-1]
-
-    yield start
-    for device in devices:
-        device.close()
+    with confined_devices("envelope", shard[0], rounds=ROUNDS, batch_size=BATCH_SIZE, runtime=TRAINING_KIND) as start:
+        yield start
 
 
 def tier_for(profile: ResourceProfile, shard_samples: int, overrides: dict[str, float]) -> tuple[float, float]:

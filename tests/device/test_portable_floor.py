@@ -33,7 +33,7 @@ from server.mqtt.cgroups import available
 from server.run_setup import PlanBook, global_state, initial_personal, predictor_for
 from tests.support.machine import missing_fmnist, needs
 from tests.support.scripts import load_script
-from tests.support.confined_group import ConfinedDevice
+from tests.support.confined_group import confined_devices
 from tests.support.processes import child_env
 
 CGROUPS = available()
@@ -94,16 +94,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: Path
 
 @pytest.fixture
 def confined(stock_python, shard):
-    devices: list[ConfinedDevice] = []
-
-    def start(limit_mb: float) -> ConfinedDevice:
-        devices.append(ConfinedDevice("portable-floor", shard[0], limit_mb, rounds=ROUNDS, batch_size=BATCH_SIZE,
-                                      python=stock_python))
-        return devices[-1]
-
-    yield start
-    for device in devices:
-        device.close()
+    with confined_devices("portable-floor", shard[0], rounds=ROUNDS, batch_size=BATCH_SIZE,
+                          python=stock_python) as start:
+        yield start
 
 
 def needs(engine, shard) -> dict[float, float]:

@@ -2,10 +2,13 @@
 given interpreter inside a group of ``limit_mb``, which reports its profile, then does the rounds it is handed."""
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from device_runtime.profile import ResourceProfile
 from server.mqtt.cgroups import create_group, popen_in_group
@@ -43,3 +46,20 @@ class ConfinedDevice:
             self.proc.kill()
             self.proc.wait()
         self.group.remove()
+
+
+@contextlib.contextmanager
+def confined_devices(group_name: str, shard_path: Path, **options: Any) -> Iterator[Callable[[float], ConfinedDevice]]:
+    """``start(limit_mb)`` starts a ConfinedDevice of these options in a group of that limit; all are closed at the end
+    (a test's fixture yields ``start``)."""
+    devices: list[ConfinedDevice] = []
+
+    def start(limit_mb: float) -> ConfinedDevice:
+        devices.append(ConfinedDevice(group_name, shard_path, limit_mb, **options))
+        return devices[-1]
+
+    try:
+        yield start
+    finally:
+        for device in devices:
+            device.close()
