@@ -182,7 +182,8 @@ class Reassembler:
         self._pending: dict[tuple[str, str], _Pending] = {}
         self._delivered: dict[tuple[str, str], float] = {}
         self._held = 0
-        self.evicted: list[str] = []  # msg_ids of incomplete messages pushed out for room, until the caller takes them
+        self.evicted: list[tuple[str, str]] = []  # (stream, msg_id) of incomplete messages pushed out for room, until
+        # the caller takes them
 
     @property
     def pending_ids(self) -> tuple[str, ...]:
@@ -263,7 +264,7 @@ class Reassembler:
             self._evict(oldest)
 
     def _evict(self, key: tuple[str, str]) -> None:
-        self.evicted.append(key[1])
+        self.evicted.append(key)
         self._drop(key)
 
     def _drop(self, key: tuple[str, str]) -> None:

@@ -87,7 +87,8 @@ def start_broker(folder: Path) -> tuple[subprocess.Popen, str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     conf = write_mosquitto_conf(folder / "mosquitto.conf", port, BROKER_LIMIT)
-    proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    with open(folder / "mosquitto.log", "wb") as log:  # its warnings (a client's queue dropping messages) stay readable
+        proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
     for _ in range(200):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()

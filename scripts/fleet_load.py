@@ -116,7 +116,10 @@ class Forward:
     """A device endpoint's inbox that hands every complete message to its process's one queue."""
 
     def __init__(self, device_id: str, sink: queue.Queue) -> None:
-        self.device_id, self.sink, self.dropped = device_id, sink, 0
+        self.device_id, self.sink, self.dropped, self.peak_bytes = device_id, sink, 0, 0
+
+    def release(self) -> None:
+        """Nothing waits here (Inbox.release's counterpart)."""
 
     def put(self, topic: str, payload: bytes) -> bool:
         self.sink.put((self.device_id, topic, payload))
