@@ -46,6 +46,9 @@ PENDING_UPDATES_BUDGETED = 16
 """Total reassembly budget of the server, in largest inbound messages (over all topics together). Hundreds of devices
 answering at once have that many updates half-received (the broker interleaves their frames): one pushed out is
 asked for again (``Federation._ask_again_lost``), so the budget trades memory for re-sends, never for updates."""
+ASKED_AGAIN_AT_ONCE = 8
+"""Devices asked again for a lost update whose answer is still awaited, at most: the re-sends come at the server's
+pace, so they do not push each other out as the first burst did."""
 PENDING_MESSAGES = 512
 """Incomplete inbound messages the server holds at once, at most (within the budget above)."""
 QUEUED_UPDATES_BUDGETED = 2
@@ -130,6 +133,8 @@ class Federation:
                                          max_inbound=max_inbound, logs=out.path / AGGREGATORS_DIR, pump=self._pump,
                                          send_task=self._send_task, refusals=self.refusals)
         self.retained: dict[str, int] = {}  # payload topic -> frames retained there, this round
+        self._lost: dict[str, None] = {}  # devices whose update was pushed out half-received, to ask again in turn
+        self._asked_again: set[str] = set()  # of those, the ones asked whose answer has not come yet
 
     def publish_status(self, *, force: bool = False, finished: bool = False) -> None:
         """Hand --status-port a fresh snapshot of the run (at most every STATUS_EVERY_S unless ``force``; ``finished``:
@@ -183,14 +188,23 @@ class Federation:
 
     def _ask_again_lost(self) -> None:
         """An update pushed out of the reassembly budget half-received is lost (nothing else brings it back): the
-        device, while the round awaits it, gets its task again and re-sends its saved answer."""
+        device, while the round awaits it, gets its task again and re-sends its saved answer; at most
+        ASKED_AGAIN_AT_ONCE such answers are awaited at once, in the order they were lost."""
         for topic in self.endpoint.take_lost():
             try:
                 device_id, _ = device_id_from_topic(self.args.prefix, topic)
             except ProtocolError:
                 continue  # an aggregator's message: its channel asks again on its own clock
+            self._asked_again.discard(device_id)
+            self._lost[device_id] = None
+        self._asked_again = {d for d in self._asked_again if self.engine.awaits(d)}
+        for device_id in list(self._lost):
+            if len(self._asked_again) >= ASKED_AGAIN_AT_ONCE:
+                return
+            del self._lost[device_id]
             if self.engine.awaits(device_id):
                 LOG.info("%s: its update was pushed out half-received; sending its task again", device_id)
+                self._asked_again.add(device_id)
                 self._send_task(device_id)
 
     def _ask_unjoined_to_join(self, now: float) -> None:
