@@ -46,9 +46,6 @@ PENDING_UPDATES_BUDGETED = 16
 """Total reassembly budget of the server, in largest inbound messages (over all topics together). Hundreds of devices
 answering at once have that many updates half-received (the broker interleaves their frames): one pushed out is
 asked for again (``Federation._ask_again_lost``), so the budget trades memory for re-sends, never for updates."""
-ASKED_AGAIN_AT_ONCE = 8
-"""Devices asked again for a lost update whose answer is still awaited, at most: the re-sends come at the server's
-pace, so they do not push each other out as the first burst did."""
 PENDING_MESSAGES = 512
 """Incomplete inbound messages the server holds at once, at most (within the budget above)."""
 QUEUED_UPDATES_BUDGETED = 2
@@ -91,6 +88,7 @@ from server.engine.run_config import FederationConfig, RunError
 from server.run_setup import Deployment, RunFolder, assemble
 from server.data.shards import DEVICE_SHARD_FILENAME
 from server.mqtt.aggregator_channel import AggregatorChannel
+from server.mqtt.lost_updates import LostUpdates
 from server.mqtt.local_processes import LocalDevices, aggregator_command, device_command
 
 FederationError = RunError
@@ -133,8 +131,7 @@ class Federation:
                                          max_inbound=max_inbound, logs=out.path / AGGREGATORS_DIR, pump=self._pump,
                                          send_task=self._send_task, refusals=self.refusals)
         self.retained: dict[str, int] = {}  # payload topic -> frames retained there, this round
-        self._lost: dict[str, None] = {}  # devices whose update was pushed out half-received, to ask again in turn
-        self._asked_again: set[str] = set()  # of those, the ones asked whose answer has not come yet
+        self.lost_updates = LostUpdates()  # updates pushed out half-received: their devices are asked again
 
     def publish_status(self, *, force: bool = False, finished: bool = False) -> None:
         """Hand --status-port a fresh snapshot of the run (at most every STATUS_EVERY_S unless ``force``; ``finished``:
@@ -188,24 +185,18 @@ class Federation:
 
     def _ask_again_lost(self) -> None:
         """An update pushed out of the reassembly budget half-received is lost (nothing else brings it back): the
-        device, while the round awaits it, gets its task again and re-sends its saved answer; at most
-        ASKED_AGAIN_AT_ONCE such answers are awaited at once, in the order they were lost."""
+        device, while the round awaits it, gets its task again and re-sends its saved answer, a few at a time
+        (server/mqtt/lost_updates.py)."""
+        lost = []
         for topic in self.endpoint.take_lost():
             try:
-                device_id, _ = device_id_from_topic(self.args.prefix, topic)
+                lost.append(device_id_from_topic(self.args.prefix, topic)[0])
             except ProtocolError:
                 continue  # an aggregator's message: its channel asks again on its own clock
-            self._asked_again.discard(device_id)
-            self._lost[device_id] = None
-        self._asked_again = {d for d in self._asked_again if self.engine.awaits(d)}
-        for device_id in list(self._lost):
-            if len(self._asked_again) >= ASKED_AGAIN_AT_ONCE:
-                return
-            del self._lost[device_id]
-            if self.engine.awaits(device_id):
-                LOG.info("%s: its update was pushed out half-received; sending its task again", device_id)
-                self._asked_again.add(device_id)
-                self._send_task(device_id)
+        self.lost_updates.lost(lost)
+        for device_id in self.lost_updates.to_ask(self.engine.awaits):
+            LOG.info("%s: its update was pushed out half-received; sending its task again", device_id)
+            self._send_task(device_id)
 
     def _ask_unjoined_to_join(self, now: float) -> None:
         for device_id in self.engine.to_ask_to_join(now):
