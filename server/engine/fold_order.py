@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
-MAX_HELD_BYTES = 256 << 20
-"""Accepted updates that may wait for a slower, lower-id device before being folded (order-independence)."""
+MAX_HELD_BYTES = 128 << 20
+"""Accepted updates that may wait for a slower, lower-id device before being folded (order-independence): a bound on
+the server's memory too (at K = 1,000 it is reached in every round; docs/scale.md)."""
 
 Item = TypeVar("Item")
 
