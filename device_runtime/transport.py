@@ -44,6 +44,8 @@ DEFAULT_MAX_PENDING_MESSAGES = 64
 DEFAULT_PUBLISH_TIMEOUT_S = 30.0
 STOP_STATUS_TIMEOUT_S = 2.0
 EXPIRE_INTERVAL_S = 1.0
+MAX_LOST_TOPICS = 4096
+"""Topics of pushed-out messages an endpoint keeps for ``take_lost``, at most."""
 StatusFrames = Callable[[bool, str], bytes]
 """(online, connection nonce) -> the sealed status payload (status.StatusSigner)."""
 STAT_KEYS = ("frames_in", "frames_rejected", "frames_repeated", "messages_in", "messages_expired",
@@ -187,7 +189,7 @@ class MqttEndpoint:
                                         max_pending_bytes)
         self._next_expiry = 0.0
         self._inbox = inbox if inbox is not None else Inbox(max_queued_bytes, screen, wait=backpressure)
-        self._lost: list[str] = []  # topics of incomplete messages pushed out, until the owner takes them
+        self._lost: dict[str, None] = {}  # topics of incomplete messages pushed out, until the owner takes them
         self._stats = dict.fromkeys(STAT_KEYS, 0)
         self._stats_lock = threading.Lock()
         self._acks = threading.Condition()
@@ -400,7 +402,7 @@ class MqttEndpoint:
         """The topics of the incomplete messages pushed out of the reassembly budget since the last call (their
         senders are to be asked again: nothing else brings them back)."""
         with self._stats_lock:
-            lost, self._lost = self._lost, []
+            lost, self._lost = list(self._lost), {}
         return lost
 
     def _bump(self, key: str, amount: int = 1) -> None:
@@ -512,8 +514,10 @@ class MqttEndpoint:
                         self._reassembler.max_pending, self._reassembler.pending_bytes,
                         self._reassembler.max_pending_bytes, ", ".join(msg_id for _, msg_id in evicted[:3]))
             self._bump("messages_evicted", len(evicted))
-            with self._stats_lock:
-                self._lost.extend(stream for stream, _ in evicted)
+            with self._stats_lock:  # each topic once, the newest MAX_LOST_TOPICS (an owner that never asks stays bounded)
+                self._lost.update(dict.fromkeys(stream for stream, _ in evicted))
+                for stale in list(self._lost)[:-MAX_LOST_TOPICS]:
+                    del self._lost[stale]
         if payload is not None:
             self._bump("messages_in")
             self._inbox.put(topic, payload)
