@@ -77,7 +77,7 @@ class _Frame:
     total: int
     digest: bytes
     step: int  # length of every chunk but the last, implied by this frame alone
-    data: bytes
+    data: memoryview  # the chunk, a view into the frame: no copy until the payload is joined
 
 
 def _implied_step(index: int, count: int, total: int, size: int) -> int | None:
@@ -121,7 +121,7 @@ def _parse_frame(frame: object) -> _Frame:
         msg_id = check_id(id_field[:id_len].decode("ascii"), "msg_id")
     except UnicodeDecodeError:
         raise ProtocolError(Reason.BAD_ID, "frame msg_id is not ASCII") from None
-    data = raw[FRAME_HEADER_BYTES:]
+    data = memoryview(raw)[FRAME_HEADER_BYTES:]
     if count == 0 or index >= count:
         raise ProtocolError(Reason.BAD_INDEX, f"frame index {index} outside count {count}")
     step = _implied_step(index, count, total, len(data))
@@ -141,7 +141,7 @@ class _Pending:
     total: int
     digest: bytes
     step: int
-    pieces: dict[int, bytes] = field(default_factory=dict)
+    pieces: dict[int, memoryview] = field(default_factory=dict)
     held: int = 0  # bytes in pieces
 
 
@@ -182,7 +182,8 @@ class Reassembler:
         self._pending: dict[tuple[str, str], _Pending] = {}
         self._delivered: dict[tuple[str, str], float] = {}
         self._held = 0
-        self.evicted: list[str] = []  # msg_ids of incomplete messages pushed out for room, until the caller takes them
+        self.evicted: list[tuple[str, str]] = []  # (stream, msg_id) of incomplete messages pushed out for room, until
+        # the caller takes them
 
     @property
     def pending_ids(self) -> tuple[str, ...]:
@@ -263,7 +264,7 @@ class Reassembler:
             self._evict(oldest)
 
     def _evict(self, key: tuple[str, str]) -> None:
-        self.evicted.append(key[1])
+        self.evicted.append(key)
         self._drop(key)
 
     def _drop(self, key: tuple[str, str]) -> None:

@@ -6,6 +6,11 @@ device checks tag, counter and session without changing its state, and drops at 
 what it would refuse anyway). What passes is queued under its kind: a newer message of a kind replaces the one
 queued (a device uses only the newest PLAN, TASK or ERROR). The queue also holds at most ``budget_bytes``; past
 that, the oldest queued messages are dropped. Every drop is counted (``dropped``) and logged.
+
+A server must lose no update, so its queue (``wait=True``) drops nothing: a message that does not fit waits in
+``put`` (on the MQTT network thread) until the reader took enough. paho then reads no more from the socket and
+acknowledges nothing more, so the broker holds the rest: backpressure instead of an unbounded queue. One message
+larger than the budget still passes once the queue is empty; ``release`` ends every wait for good (on stop).
 """
 from __future__ import annotations
 
@@ -23,9 +28,13 @@ class Inbox:
     """A FIFO of (topic, payload), at most one per kind and at most ``budget_bytes`` in all (see the module
     docstring); without a screen every payload is its own kind."""
 
-    def __init__(self, budget_bytes: int | None = None, screen: Screen | None = None) -> None:
-        self.budget_bytes, self.screen = budget_bytes, screen
+    def __init__(self, budget_bytes: int | None = None, screen: Screen | None = None, *, wait: bool = False) -> None:
+        if wait and screen is not None:
+            raise ValueError("an Inbox that waits keeps every message: it takes no screen")
+        self.budget_bytes, self.screen, self.wait = budget_bytes, screen, wait
         self.dropped = 0
+        self.peak_bytes = 0  # the most the queue held at once
+        self._released = False
         self._queue: list[tuple[Hashable, str, bytes]] = []
         self._held = 0
         self._ready = threading.Condition()
@@ -36,7 +45,8 @@ class Inbox:
         return self._held
 
     def put(self, topic: str, payload: bytes) -> bool:
-        """Queue ``payload`` unless the screen drops it (False), dropping what it supersedes or pushes out."""
+        """Queue ``payload`` unless the screen drops it (False), dropping what it supersedes or pushes out; with
+        ``wait``, once it fits (see the module docstring)."""
         if self.screen is None:
             kind: Hashable = object()  # a kind of its own: nothing supersedes it
         else:
@@ -45,19 +55,32 @@ class Inbox:
                 self.dropped += 1
                 return False
         with self._ready:
-            if self.budget_bytes is not None and len(payload) > self.budget_bytes:
+            if self.wait:
+                self._ready.wait_for(lambda: self._fits(len(payload)))
+            elif self.budget_bytes is not None and len(payload) > self.budget_bytes:
                 self.dropped += 1
                 LOG.warning("dropped a %d-byte message on %s before it was handled: over the %d-byte queue",
                             len(payload), topic, self.budget_bytes)
                 return False
             for entry in [e for e in self._queue if e[0] == kind]:
                 self._drop(entry, "a newer one of its kind arrived")
-            while self.budget_bytes is not None and self._held + len(payload) > self.budget_bytes:
+            while not self.wait and self.budget_bytes is not None and self._held + len(payload) > self.budget_bytes:
                 self._drop(self._queue[0], f"the queue holds {self.budget_bytes} bytes at most")
             self._queue.append((kind, topic, payload))
             self._held += len(payload)
-            self._ready.notify()
+            self.peak_bytes = max(self.peak_bytes, self._held)
+            self._ready.notify_all()
         return True
+
+    def _fits(self, size: int) -> bool:
+        """Whether a waiting ``put`` of ``size`` bytes may queue now."""
+        return self._released or not self._queue or self.budget_bytes is None or self._held + size <= self.budget_bytes
+
+    def release(self) -> None:
+        """End every wait in ``put`` for good (the endpoint stops: its network thread must not hang)."""
+        with self._ready:
+            self._released = True
+            self._ready.notify_all()
 
     def _drop(self, entry: tuple[Hashable, str, bytes], why: str) -> None:
         self._queue.remove(entry)
@@ -73,4 +96,5 @@ class Inbox:
                 return None
             _, topic, payload = self._queue.pop(0)
             self._held -= len(payload)
+            self._ready.notify_all()  # a put waiting for room
             return topic, payload

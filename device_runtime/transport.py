@@ -44,6 +44,8 @@ DEFAULT_MAX_PENDING_MESSAGES = 64
 DEFAULT_PUBLISH_TIMEOUT_S = 30.0
 STOP_STATUS_TIMEOUT_S = 2.0
 EXPIRE_INTERVAL_S = 1.0
+MAX_LOST_TOPICS = 4096
+"""Topics of pushed-out messages an endpoint keeps for ``take_lost``, at most."""
 StatusFrames = Callable[[bool, str], bytes]
 """(online, connection nonce) -> the sealed status payload (status.StatusSigner)."""
 STAT_KEYS = ("frames_in", "frames_rejected", "frames_repeated", "messages_in", "messages_expired",
@@ -137,9 +139,13 @@ class MqttEndpoint:
     stop()). `max_pending_bytes` bounds the chunks held for incomplete messages over all topics together
     (default: `max_message_bytes`). Complete messages wait in an Inbox (device_runtime/inbox.py): with `screen`, what
     it drops never queues and the queue keeps the newest message per kind, within `max_queued_bytes` (None: no bound).
+    With `backpressure` the queue drops nothing: past `max_queued_bytes` the network thread waits for the reader, so
+    the broker holds what this process has no room for (a server's updates: none may be lost).
     `inbox` replaces that queue (a process hosting many simulated devices hands all their messages to one).
     `unsubscriptions` are filters this endpoint must not hold: each CONNECT drops them first, since a persistent
     session (same client id, clean_session False) keeps an earlier run's subscriptions.
+    An incomplete message pushed out of the reassembly budget is lost: its topic waits in ``take_lost`` for the owner
+    to ask its sender again.
     `broker_url` may list several brokers (``parse_brokers``): a lost connection or a failed attempt moves to the next.
     Credentials given as arguments take precedence over those in the URL. `connected` is set
     while the broker has accepted the connection and acknowledged the subscriptions.
@@ -154,8 +160,8 @@ class MqttEndpoint:
                  reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
                  max_pending_messages: int = DEFAULT_MAX_PENDING_MESSAGES,
                  max_pending_bytes: int | None = None, clean_session: bool = False, qos: int = 1,
-                 screen: Screen | None = None, max_queued_bytes: int | None = None, inbox: Inbox | None = None
-                 ) -> None:
+                 screen: Screen | None = None, max_queued_bytes: int | None = None, backpressure: bool = False,
+                 inbox: Inbox | None = None) -> None:
         if not client_id:
             raise ValueError("client_id must not be empty (persistent sessions are keyed by it)")
         if qos not in (0, 1):
@@ -182,7 +188,8 @@ class MqttEndpoint:
         self._reassembler = Reassembler(max_message_bytes, reassembly_timeout_s, max_pending_messages,
                                         max_pending_bytes)
         self._next_expiry = 0.0
-        self._inbox = inbox if inbox is not None else Inbox(max_queued_bytes, screen)
+        self._inbox = inbox if inbox is not None else Inbox(max_queued_bytes, screen, wait=backpressure)
+        self._lost: dict[str, None] = {}  # topics of incomplete messages pushed out, until the owner takes them
         self._stats = dict.fromkeys(STAT_KEYS, 0)
         self._stats_lock = threading.Lock()
         self._acks = threading.Condition()
@@ -256,6 +263,7 @@ class MqttEndpoint:
         if not self._started:
             return
         self._started = False
+        self._inbox.release()  # the network thread may wait for room: it must see the disconnect through
         if self._status is not None and self._nonce is not None and self.connected.is_set():
             topic, frames = self._status
             try:
@@ -388,7 +396,14 @@ class MqttEndpoint:
     def stats(self) -> dict[str, int]:
         """Snapshot of the traffic counters (frames, messages, bytes, reconnects)."""
         with self._stats_lock:
-            return dict(self._stats, messages_dropped=self._inbox.dropped)
+            return dict(self._stats, messages_dropped=self._inbox.dropped, inbox_peak_bytes=self._inbox.peak_bytes)
+
+    def take_lost(self) -> list[str]:
+        """The topics of the incomplete messages pushed out of the reassembly budget since the last call (their
+        senders are to be asked again: nothing else brings them back)."""
+        with self._stats_lock:
+            lost, self._lost = list(self._lost), {}
+        return lost
 
     def _bump(self, key: str, amount: int = 1) -> None:
         with self._stats_lock:
@@ -497,8 +512,12 @@ class MqttEndpoint:
             LOG.warning("%s: %d incomplete message(s) pushed out to make room (%d pending, at most %d; %d bytes held, "
                         "at most %d): %s lost", self.client_id, len(evicted), len(self._reassembler.pending_ids),
                         self._reassembler.max_pending, self._reassembler.pending_bytes,
-                        self._reassembler.max_pending_bytes, ", ".join(evicted[:3]))
+                        self._reassembler.max_pending_bytes, ", ".join(msg_id for _, msg_id in evicted[:3]))
             self._bump("messages_evicted", len(evicted))
+            with self._stats_lock:  # each topic once, the newest MAX_LOST_TOPICS (an owner that never asks stays bounded)
+                self._lost.update(dict.fromkeys(stream for stream, _ in evicted))
+                for stale in list(self._lost)[:-MAX_LOST_TOPICS]:
+                    del self._lost[stale]
         if payload is not None:
             self._bump("messages_in")
             self._inbox.put(topic, payload)

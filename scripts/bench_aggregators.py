@@ -51,7 +51,8 @@ from device_runtime.transport import MqttEndpoint, rotate_brokers  # noqa: E402
 from fedcore.models import build_model  # noqa: E402
 from server.engine import folding_records as folding  # noqa: E402
 from server.mqtt import aggregation_wire as wire  # noqa: E402
-from server.broker_loop import AGGREGATORS_DIR, Federation, inbound_limit  # noqa: E402
+from server.broker_loop import (AGGREGATORS_DIR, PENDING_MESSAGES, PENDING_UPDATES_BUDGETED,  # noqa: E402
+                                QUEUED_UPDATES_BUDGETED, Federation, inbound_limit)
 from server.mqtt.local_processes import LocalDevices, aggregator_command  # noqa: E402
 from server.engine.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
 from server.engine.round_engine import RoundEngine, algorithm_for  # noqa: E402
@@ -87,7 +88,8 @@ def start_broker(folder: Path) -> tuple[subprocess.Popen, str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     conf = write_mosquitto_conf(folder / "mosquitto.conf", port, BROKER_LIMIT)
-    proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    with open(folder / "mosquitto.log", "wb") as log:  # its warnings (a client's queue dropping messages) stay readable
+        proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
     for _ in range(200):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
@@ -233,9 +235,12 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
     args = SimpleNamespace(prefix=PREFIX, join_timeout=120.0, aggregator_timeout=TIMEOUT_S, username=None,
                            tls_ca=None, tls_cert=None, tls_key=None, max_message_bytes=FRAME_BYTES)
     subscriptions = server_subscriptions(PREFIX) + ([wire.engine_filter(PREFIX)] if names else [])
-    endpoint = MqttEndpoint(f"bench-engine-{aggregators}", url, subscriptions=subscriptions,
+    endpoint = MqttEndpoint(f"bench-engine-{aggregators}", url, subscriptions=subscriptions,  # broker_loop's limits
                             max_frame_bytes=FRAME_BYTES, max_message_bytes=max_inbound,
-                            max_pending_bytes=4 * max_inbound, clean_session=True)
+                            max_pending_bytes=PENDING_UPDATES_BUDGETED * max_inbound,
+                            max_pending_messages=PENDING_MESSAGES,
+                            max_queued_bytes=QUEUED_UPDATES_BUDGETED * max_inbound, backpressure=True,
+                            clean_session=True)
     link = Link.server(KeyRing(keys), folder / "server-state", max_inbound)
     aggregator_link = wire.engine_link(load_server_key(enrollment), folder / "engine-state", max_inbound)
     federation = Federation(args, engine, endpoint, RunFolder(folder), LocalDevices(), {}, max_inbound, link, names,

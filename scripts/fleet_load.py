@@ -12,7 +12,9 @@ payload once per round and checks its SHA-256 against its sealed TASK, and answe
 exponential distribution (``--delay-mean``) with a synthetic update of its plan's exact tensors (random, small),
 sealed under its key, in frames of ``--max-message-bytes``. It trains nothing. With ``--churn F`` a share F of the
 devices drops its connection after its task came, each round, and comes back 1–3 s later (the server sends its task
-again; the payload comes from the broker's retained copy).
+again; the payload comes from the broker's retained copy). Device i starts on node i of a cluster's broker list (the
+server on node 0); with ``--broker nats --kill-node-mid-round R`` node 1 of the 3-node cluster is SIGKILLed a few
+seconds after round R opened, so a third of the devices lose their connection mid-round and move to the next node.
 
 Why threads, not asyncio: every device uses the project's own MqttEndpoint (paho-mqtt, one network thread per
 connection), the code a real board runs, so the harness measures the real framing, reassembly and inbox; one handler
@@ -34,6 +36,7 @@ server prints each round).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import heapq
 import json
@@ -49,6 +52,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -68,13 +72,17 @@ from device_runtime.profile import ResourceProfile  # noqa: E402
 from device_runtime.protocol import ProtocolError  # noqa: E402
 from device_runtime.task import Update  # noqa: E402
 from device_runtime.topics import Topics, payload_filter, payload_topic  # noqa: E402
-from device_runtime.transport import MqttEndpoint  # noqa: E402
+from device_runtime.transport import MqttEndpoint, rotate_brokers  # noqa: E402
 
 TIERS = (1.0, 0.75, 0.5, 0.25, 0.125)
 SHAPE, CLASSES, SAMPLES = (3, 32, 32), 10, 100
 PREFIX = "fleet"
 DEVICES_PER_PROCESS = 250
 CEILING_UPDATES = 200
+KILLED_NODE = 1
+"""--kill-node-mid-round: the cluster node killed (the server is on node 0; device i starts on node i mod 3)."""
+KILL_AFTER_S = 3.0
+"""Seconds after the round opened that the node is killed (its devices are answering by then)."""
 MB = 1e6
 LOG = logging.getLogger("fleet")
 
@@ -98,6 +106,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-message-bytes", type=int, default=1 << 20, help="frame size of every process")
     p.add_argument("--round-deadline", type=float, default=600.0)
     p.add_argument("--workdir", default=None, help="keep the run here (default: a temporary folder)")
+    p.add_argument("--kill-node-mid-round", type=int, default=0, metavar="R",
+                   help=f"with --broker nats: SIGKILL node {KILLED_NODE} of the cluster {KILL_AFTER_S:g} s after round R "
+                        "opened (0: never)")
     p.add_argument("--profile-server", default=None, metavar="FILE.prof",
                    help="run the server under cProfile and write its profile here (read it with pstats)")
     args = p.parse_args(argv)
@@ -106,6 +117,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise SystemExit(fail(f"{flag} must be >= 1, got {value}"))
     if args.aggregators < 0 or not 0 <= args.churn <= 1 or args.delay_mean < 0:
         raise SystemExit(fail("--aggregators >= 0, --churn in [0, 1] and --delay-mean >= 0, please"))
+    if args.kill_node_mid_round and (args.broker != "nats" or not 1 <= args.kill_node_mid_round <= args.rounds):
+        raise SystemExit(fail(f"--kill-node-mid-round {args.kill_node_mid_round}: needs --broker nats and a round in "
+                              f"1..--rounds ({args.rounds}); drop it or use --broker nats"))
     return args
 
 
@@ -116,7 +130,10 @@ class Forward:
     """A device endpoint's inbox that hands every complete message to its process's one queue."""
 
     def __init__(self, device_id: str, sink: queue.Queue) -> None:
-        self.device_id, self.sink, self.dropped = device_id, sink, 0
+        self.device_id, self.sink, self.dropped, self.peak_bytes = device_id, sink, 0, 0
+
+    def release(self) -> None:
+        """Nothing waits here (Inbox.release's counterpart)."""
 
     def put(self, topic: str, payload: bytes) -> bool:
         self.sink.put((self.device_id, topic, payload))
@@ -140,7 +157,8 @@ class SimDevice:
         self.stats = {"payload_bytes": 0, "payloads_refused": 0, "updates": 0, "tasks": 0, "reconnects": 0}
 
     def _endpoint(self) -> MqttEndpoint:
-        return MqttEndpoint(self.device_id, self.host.url, subscriptions=[self.topics.down],
+        node = int(self.device_id.rsplit("_", 1)[1])  # device i starts on node i of a cluster's list
+        return MqttEndpoint(self.device_id, rotate_brokers(self.host.url, node), subscriptions=[self.topics.down],
                             status=(self.topics.status, self.link.status_signer(self.device_id)),
                             max_frame_bytes=self.host.frame_bytes, max_message_bytes=self.host.max_inbound,
                             clean_session=False, inbox=Forward(self.device_id, self.host.inbox))
@@ -399,6 +417,31 @@ def server_command(args: argparse.Namespace, url: str, enrollment: Path, data: P
             "--aggregators", str(args.aggregators), "--threads", "1", "--out", str(out)]
 
 
+@contextlib.contextmanager
+def broker_of(kind: str, folder: Path) -> Iterator[tuple[str, Callable[[int], None] | None]]:
+    """The --broker value of a fresh broker of ``kind``, and a function that kills node i of it (None: one node)."""
+    bench = bench_aggregators()
+    if kind == "nats":
+        with bench.nats_cluster_module().NatsCluster(folder / "nats", bench.NATS_NODES) as cluster:
+            yield cluster.broker, cluster.kill
+        return
+    with bench.broker_of(kind, folder) as url:
+        yield url, None
+
+
+def kill_mid_round(kill: Callable[[int], None], round_index: int, opened: dict[int, float], stop: threading.Event,
+                   killed: dict) -> None:
+    """Kill node KILLED_NODE KILL_AFTER_S seconds after round ``round_index`` opened (watched in ``opened``)."""
+    while round_index not in opened:
+        if stop.wait(0.1):
+            return
+    if stop.wait(KILL_AFTER_S):
+        return
+    kill(KILLED_NODE)
+    killed.update(node=KILLED_NODE, round=round_index, after_open_s=KILL_AFTER_S)
+    print(f"killed node {KILLED_NODE} of the cluster in round {round_index}", flush=True)
+
+
 def bench_aggregators():
     import importlib.util
     spec = importlib.util.spec_from_file_location("bench_aggregators", Path(__file__).with_name("bench_aggregators.py"))
@@ -416,7 +459,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
     overrides = folder / "overrides.json"
     overrides.write_text(json.dumps({d: TIERS[i % len(TIERS)] for i, d in enumerate(devices)}))
     data = fake_cifar(folder / "data")
-    with bench.broker_of(args.broker, folder / "broker") as url:
+    with broker_of(args.broker, folder / "broker") as (url, kill):
         print(f"broker {args.broker} at {url}; measuring the broker-only ceiling", flush=True)
         bench.FRAME_BYTES = args.max_message_bytes
         ceiling = bench.measure_broker(url, min(args.devices, CEILING_UPDATES), args.rounds)
@@ -428,6 +471,11 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
         closed: dict[int, tuple[float, float]] = {}
         watcher = threading.Thread(target=watch, args=(server, out / "server.log", opened, closed), daemon=True)
         watcher.start()
+        killed: dict = {}
+        done_killing = threading.Event()
+        if args.kill_node_mid_round:
+            threading.Thread(target=kill_mid_round, args=(kill, args.kill_node_mid_round, opened, done_killing, killed),
+                             daemon=True).start()
         processes = args.processes or -(-args.devices // DEVICES_PER_PROCESS)
         spawn = mp.get_context("spawn")  # not fork: a lock another thread held at fork time stays held in the child
         stop = spawn.Event()
@@ -442,6 +490,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             proc.start()
             procs.append(proc)
         code = server.wait()
+        done_killing.set()
         watcher.join(10)
         stop.set()
         for proc in procs:
@@ -468,7 +517,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             "server_peak_rss_mb": peak, "server_cpu_s": cpu - opened.get(r, float("nan"))})
     return {"devices": args.devices, "broker": args.broker, "aggregators": args.aggregators, "churn": args.churn,
             "delay_mean_s": args.delay_mean, "max_message_bytes": args.max_message_bytes, "processes": processes,
-            "cpu": bench.cpu_name(), "load_average": os.getloadavg(), "rounds": rounds,
+            "cpu": bench.cpu_name(), "load_average": os.getloadavg(), "rounds": rounds, "killed": killed or None,
             "device_totals": {k: sum(s[k] for s in stats.values()) for k in
                               ("payload_bytes", "payloads_refused", "updates", "tasks", "reconnects")},
             "devices_reporting": len(stats)}

@@ -42,7 +42,7 @@ from server.mqtt import aggregation_wire as wire
 from server.engine.aggregate import StreamingAverage
 from server.cli import PASSWORD_ENV, add_broker_flags, check_broker_connect_timeout, fail
 from server.mqtt.enrollment import EnrollmentError, load_enrollment, load_server_key
-from server.engine.sampling import to_torch
+from server.engine.sampling import as_torch
 from server.engine.update_rule import Answer, body_problem, header_problem
 
 LOG = logging.getLogger("fedara.aggregator")
@@ -131,7 +131,7 @@ class Aggregator:
                 LOG.warning("%s holds no update of %s to fold", self.name, device_id)
             return
         weights, num_samples = held
-        self.average.add(to_torch(weights), num_samples)
+        self.average.add(as_torch(weights), num_samples)
         self.folded.append(device_id)
         LOG.info("%s folded %s's update of round %d", self.name, device_id, round_index)
 

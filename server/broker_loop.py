@@ -44,8 +44,15 @@ POLL_S = 0.2
 AGGREGATORS_DIR = "aggregators"
 INBOUND_SLACK_BYTES = 1 << 20
 """Room for headers, metadata and the small messages (JOIN, ACK, ERROR) above the largest update."""
-PENDING_UPDATES_BUDGETED = 4
-"""Total reassembly budget of the server, in largest inbound messages (over all topics together)."""
+PENDING_UPDATES_BUDGETED = 16
+"""Total reassembly budget of the server, in largest inbound messages (over all topics together). Hundreds of devices
+answering at once have that many updates half-received (the broker interleaves their frames): one pushed out is
+asked for again (``Federation._ask_again_lost``), so the budget trades memory for re-sends, never for updates."""
+PENDING_MESSAGES = 512
+"""Incomplete inbound messages the server holds at once, at most (within the budget above)."""
+QUEUED_UPDATES_BUDGETED = 2
+"""Complete messages waiting for the main loop, in largest inbound messages: past that the broker holds them
+(backpressure, ``inbox.Inbox(wait=True)``): the server's memory does not grow with the fleet."""
 SHARDS_DIR, DEVICES_DIR = "shards", "devices"
 SERVER_LOG = "server.log"
 STATUS_EVERY_S = 0.5
@@ -84,6 +91,7 @@ from server.engine.run_config import FederationConfig, RunError
 from server.run_setup import Deployment, RunFolder, assemble
 from server.data.shards import DEVICE_SHARD_FILENAME
 from server.mqtt.aggregator_channel import AggregatorChannel
+from server.mqtt.lost_updates import LostUpdates
 from server.mqtt.local_processes import LocalDevices, aggregator_command, device_command
 
 FederationError = RunError
@@ -126,6 +134,7 @@ class Federation:
                                          max_inbound=max_inbound, logs=out.path / AGGREGATORS_DIR, pump=self._pump,
                                          send_task=self._send_task, refusals=self.refusals)
         self.retained: dict[str, int] = {}  # payload topic -> frames retained there, this round
+        self.lost_updates = LostUpdates()  # updates pushed out half-received: their devices are asked again
 
     def publish_status(self, *, force: bool = False, finished: bool = False) -> None:
         """Hand --status-port a fresh snapshot of the run (at most every STATUS_EVERY_S unless ``force``; ``finished``:
@@ -158,6 +167,7 @@ class Federation:
                 if deadline is not None and not handling_counts:
                     deadline += time.monotonic() - started
             self._after_reconnect()
+            self._ask_again_lost()
             self.channel.tend(time.monotonic())
             self._ask_unjoined_to_join(time.monotonic())
             self.publish_status()
@@ -174,6 +184,21 @@ class Federation:
         awaited = self.engine.awaited()
         LOG.info("reconnected to the broker; re-sending the open round's task to %d device(s)", len(awaited))
         for device_id in awaited:
+            self._send_task(device_id)
+
+    def _ask_again_lost(self) -> None:
+        """An update pushed out of the reassembly budget half-received is lost (nothing else brings it back): the
+        device, while the round awaits it, gets its task again and re-sends its saved answer, a few at a time
+        (server/mqtt/lost_updates.py)."""
+        lost = []
+        for topic in self.endpoint.take_lost():
+            try:
+                lost.append(device_id_from_topic(self.args.prefix, topic)[0])
+            except ProtocolError:
+                continue  # an aggregator's message: its channel asks again on its own clock
+        self.lost_updates.lost(lost)
+        for device_id in self.lost_updates.to_ask(self.engine.awaits):
+            LOG.info("%s: its update was pushed out half-received; sending its task again", device_id)
             self._send_task(device_id)
 
     def _ask_unjoined_to_join(self, now: float) -> None:
@@ -599,7 +624,10 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
                                     username=args.username, password=args.password, tls_ca=args.tls_ca,
                                     tls_cert=args.tls_cert, tls_key=args.tls_key,
                                     max_frame_bytes=args.max_message_bytes, max_message_bytes=max_inbound,
-                                    max_pending_bytes=PENDING_UPDATES_BUDGETED * max_inbound, clean_session=False)
+                                    max_pending_bytes=PENDING_UPDATES_BUDGETED * max_inbound,
+                                    max_pending_messages=PENDING_MESSAGES,
+                                    max_queued_bytes=QUEUED_UPDATES_BUDGETED * max_inbound, backpressure=True,
+                                    clean_session=False)
             endpoint.start()
             stack.callback(endpoint.stop)
             wait_for_broker(endpoint, threading.Event(), args.broker_connect_timeout, flag="--broker-connect-timeout",

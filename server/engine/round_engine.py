@@ -47,7 +47,7 @@ from server.engine.evaluation import EVAL_DIRECTION
 from server.engine.robust import bound_update, rejection_reason
 from server.engine.round_record import RoundBook, TrainingRecord, tier_label
 from server.engine.run_config import DpSettings, FederationConfig, NormBound
-from server.engine.sampling import batch_seed, factorize_per_plan, plan_key, to_numpy, to_torch
+from server.engine.sampling import as_torch, batch_seed, factorize_per_plan, plan_key, to_numpy, to_torch
 from server.engine.update_rule import Answer, Asked
 
 LOG = logging.getLogger("fedara.engine")
@@ -439,7 +439,7 @@ class RoundEngine:
 
     def _fold(self, device_id: str, update: Update, nbytes: int) -> None:
         if self._average is not None:
-            self._average.add(to_torch(update.weights), update.num_samples)
+            self._average.add(as_torch(update.weights), update.num_samples)
         elif self.dp is not None:
             norm = self.dp.add(to_torch(update.weights), to_torch(self._weights(device_id)),
                                plan_key(self.plan_info(device_id).resolved))

@@ -35,6 +35,13 @@ def to_torch(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in arrays.items()}
 
 
+def as_torch(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """``to_torch`` without the copy where an array already is writable contiguous float32 (an update's decoded
+    tensors, which nothing else writes): the tensors share its memory. The read path folds every update through it."""
+    return {k: torch.from_numpy(v if v.dtype == np.float32 and v.flags.c_contiguous and v.flags.writeable
+                                else np.array(v, dtype=np.float32)) for k, v in arrays.items()}
+
+
 def plan_key(plan: ResolvedPlan) -> tuple[tuple[str, int], ...]:
     """Clients with equal keys receive identical factors."""
     return tuple(sorted(plan.ranks.items()))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import threading
 from pathlib import Path
 
 import psutil
@@ -65,6 +66,47 @@ def test_without_a_screen_every_message_queues():
     for payload in (b"1", b"1", b"2"):
         inbox.put("t", payload)
     assert [inbox.get(0) for _ in range(4)] == [("t", b"1"), ("t", b"1"), ("t", b"2"), None]
+
+
+def test_an_inbox_that_waits_never_holds_more_than_its_budget_and_drops_nothing():
+    """The server's queue (backpressure): a writer faster than the reader waits for room instead of dropping."""
+    inbox, sent = Inbox(10, wait=True), [bytes([i]) * 4 for i in range(20)]
+    writer = threading.Thread(target=lambda: [inbox.put("t", payload) for payload in sent], daemon=True)
+    writer.start()
+    taken = []
+    while len(taken) < len(sent):
+        assert inbox.held_bytes <= 10
+        item = inbox.get(WAIT_S)
+        assert item is not None, f"{len(taken)} of {len(sent)} messages taken, then none came"
+        taken.append(item[1])
+    writer.join(WAIT_S)
+    assert taken == sent and inbox.dropped == 0 and inbox.peak_bytes <= 10
+
+
+def test_a_message_larger_than_a_waiting_inbox_queues_once_the_queue_is_empty():
+    inbox = Inbox(10, wait=True)
+    inbox.put("t", b"a" * 8)
+    writer = threading.Thread(target=inbox.put, args=("t", b"b" * 30), daemon=True)
+    writer.start()
+    assert inbox.get(WAIT_S) == ("t", b"a" * 8)
+    assert inbox.get(WAIT_S) == ("t", b"b" * 30)
+    writer.join(WAIT_S)
+    assert not writer.is_alive()
+
+
+def test_release_ends_a_wait_for_room():
+    inbox = Inbox(10, wait=True)
+    inbox.put("t", b"a" * 8)
+    writer = threading.Thread(target=inbox.put, args=("t", b"b" * 8), daemon=True)
+    writer.start()
+    inbox.release()
+    writer.join(WAIT_S)
+    assert not writer.is_alive() and inbox.held_bytes == 16
+
+
+def test_an_inbox_that_waits_takes_no_screen():
+    with pytest.raises(ValueError, match="no screen"):
+        Inbox(10, kinds({}), wait=True)
 
 
 @pytest.mark.slow

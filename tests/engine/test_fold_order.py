@@ -43,3 +43,13 @@ def test_past_the_held_bytes_bound_waiting_updates_are_folded_at_once():
     assert folds.overflowing
     assert folds.ready(lambda d: True) == [("dev_1", "u1"), ("dev_2", "u2")]
     assert not folds.overflowing
+
+
+def test_an_update_arriving_after_its_turn_was_passed_over_is_folded_at_once():
+    """Past the bound the order moves on without dev_0; its update, when it comes, is folded, not held for good."""
+    folds = FoldOrder(["dev_0", "dev_1", "dev_2"], max_held_bytes=5)
+    folds.hold("dev_1", "u1", 10)
+    assert folds.ready(lambda d: True) == [("dev_1", "u1")]
+    folds.hold("dev_0", "u0", 10)
+    assert folds.ready(lambda d: True) == [("dev_0", "u0")]
+    assert folds.held == {} and folds.held_bytes == 0

@@ -839,9 +839,9 @@ def test_message_limit_cannot_rise_above_the_budget():
         new_reassembler().set_max_message_bytes(MAX_BYTES + 1)
 
 
-def test_an_incomplete_message_pushed_out_for_room_is_named_for_the_log():
+def test_an_incomplete_message_pushed_out_for_room_is_named_with_its_stream():
     reassembler = Reassembler(4096, 60.0, max_pending=1)
     first, second = chunk(payload_of(2000), FRAME_1K, "m1"), chunk(payload_of(2001), FRAME_1K, "m2")
-    reassembler.feed(first[0], 0.0)
-    reassembler.feed(second[0], 0.0)
-    assert reassembler.evicted == ["m1"] and reassembler.pending_ids == ("m2",)
+    reassembler.feed(first[0], 0.0, stream="dev/a/update")
+    reassembler.feed(second[0], 0.0, stream="dev/b/update")
+    assert reassembler.evicted == [("dev/a/update", "m1")] and reassembler.pending_ids == ("m2",)

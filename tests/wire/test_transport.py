@@ -400,3 +400,31 @@ def test_first_frames_on_1000_topics_hold_at_most_the_pending_budget(broker_url:
     wait_for(lambda: server.stats["frames_in"] >= 1000, WAIT_S, "1000 frames in")
     assert server.stats["frames_in"] == 1000
     assert server.pending_bytes <= budget
+
+
+def test_an_update_pushed_out_half_received_is_named_for_asking_its_sender_again(mosquitto_broker, connect) -> None:
+    """Two multi-frame messages half-received with room for one: the first is pushed out, and its topic waits in
+    take_lost (the server sends that device its task again: nothing else brings the update back)."""
+    server = connect("server", mosquitto_broker.url, subscriptions=server_subscriptions(PREFIX),
+                     max_frame_bytes=SMALL_FRAME, max_message_bytes=4 * SMALL_FRAME, max_pending_messages=1)
+    first, second = (chunk(bytes([i]) * 2 * SMALL_FRAME, SMALL_FRAME, f"up-{i}")[0] for i in (1, 2))
+    for topic, frame in ((DEV1.update, first), (DEV2.update, second)):
+        paho.mqtt.publish.single(topic, frame, qos=1, hostname="127.0.0.1", port=mosquitto_broker.port)
+    wait_for(lambda: server.stats["frames_in"] == 2, WAIT_S, "both first frames in")
+    assert server.take_lost() == [DEV1.update] and server.take_lost() == []
+    assert server.stats["messages_evicted"] == 1
+
+
+def test_with_backpressure_the_queue_never_holds_more_than_its_budget_and_loses_nothing(mosquitto_broker,
+                                                                                       connect) -> None:
+    """A reader slower than the broker: past max_queued_bytes the network thread waits (the broker holds the rest)."""
+    budget = 3 * SMALL_FRAME
+    server = connect("server", mosquitto_broker.url, subscriptions=[DEV1.up], max_frame_bytes=2 * SMALL_FRAME,
+                     max_queued_bytes=budget, backpressure=True)
+    sent = [bytes([i]) * SMALL_FRAME for i in range(12)]
+    paho.mqtt.publish.multiple([(DEV1.up, chunk(p, 2 * SMALL_FRAME, f"up-{i}")[0], 1, False)
+                                for i, p in enumerate(sent)], hostname="127.0.0.1", port=mosquitto_broker.port)
+    wait_for(lambda: server.stats["inbox_peak_bytes"] == budget, WAIT_S, "the queue full")
+    taken = [server.get(WAIT_S) for _ in sent]
+    assert taken == [(DEV1.up, p) for p in sent]
+    assert server.stats["inbox_peak_bytes"] == budget and server.stats["messages_dropped"] == 0
