@@ -19,8 +19,13 @@ def write_atomic(path: str | os.PathLike, data: bytes, mode: int = 0o666) -> Non
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Make a rename or a new file in ``path`` durable (where the file system opens directories at all)."""
     try:
-        directory = os.open(path.parent, os.O_RDONLY)
+        directory = os.open(path, os.O_RDONLY)
     except OSError:  # some file systems do not open directories; the rename is still atomic
         return
     try:

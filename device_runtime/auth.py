@@ -58,7 +58,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Protocol
 
-from device_runtime.atomic_file import write_atomic
+from device_runtime.atomic_file import fsync_directory, write_atomic
 
 KEY_BYTES = 32
 TAG_BYTES = 32
@@ -330,6 +330,18 @@ class Verifier:
         return {"counters": dict(self._last), "nonces": dict(self._nonce), "closed": sorted(self._closed),
                 "sessions": {d: list(v) for d, v in self._sessions.items()}}
 
+    def entry(self, device_id: str) -> dict[str, object]:
+        """All the state holds of ``device_id``, as JSON-ready data: a journal line, which ``apply_entry`` puts in
+        place of that device's part of a saved state."""
+        counters = {d.value: self._last[_slot(device_id, d)] for d in Direction if _slot(device_id, d) in self._last}
+        session = self._sessions.get(device_id)
+        return {"device": device_id, "counters": counters, "nonce": self._nonce.get(device_id),
+                "closed": device_id in self._closed, "session": None if session is None else list(session)}
+
+    def senders(self) -> int:
+        """How many senders the state holds anything of."""
+        return len({slot.rsplit("/", 1)[0] for slot in self._last} | set(self._nonce) | set(self._sessions))
+
 
 def _slot(device_id: str, direction: Direction) -> str:
     return f"{device_id}/{direction.value}"
@@ -350,13 +362,96 @@ def start_counters(state_dir: str | os.PathLike[str], now_unix: float | None = N
     return CounterSource(epoch)
 
 
+JOURNAL_FILE = "verifier_state.journal"
+COMPACT_MIN_LINES = 256
+"""The journal is folded into a new snapshot once it holds more lines than this and than twice the senders."""
+
+
+def apply_entry(state: dict[str, object], entry: object) -> None:
+    """Put a journal line (``Verifier.entry``) in place of its device's part of ``state`` (``to_state``'s form)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("device"), str):
+        raise ValueError("a journal line must be an object naming its 'device'")
+    device_id = entry["device"]
+    counters, nonces = state.setdefault("counters", {}), state.setdefault("nonces", {})
+    closed, sessions = set(state.get("closed", [])), state.setdefault("sessions", {})
+    assert isinstance(counters, dict) and isinstance(nonces, dict) and isinstance(sessions, dict)
+    for direction, counter in dict(entry.get("counters") or {}).items():
+        counters[f"{device_id}/{direction}"] = counter
+    for table, value in ((nonces, entry.get("nonce")), (sessions, entry.get("session"))):
+        if value is None:
+            table.pop(device_id, None)
+        else:
+            table[device_id] = value
+    (closed.add if entry.get("closed") else closed.discard)(device_id)
+    state["closed"] = sorted(closed)
+
+
+class VerifierStore:
+    """A Verifier's state under ``state_dir``: a snapshot (``VERIFIER_FILE``, written atomically) and a journal of
+    what changed since (``JOURNAL_FILE``: one line per accepted message, the sender's whole entry, appended and
+    fsynced before the message is acted on). An accept costs one short append, not a rewrite of every sender's
+    counters (which grew with the fleet: the server's largest cost at 100 devices); the journal is folded into the
+    snapshot once it is longer than ``COMPACT_MIN_LINES`` and twice the senders, so both stay bounded. A crash
+    between the snapshot and the journal's truncation leaves entries the snapshot already holds: applying them
+    again changes nothing. A torn last line (a crash mid-append, before the message was acted on) is ignored."""
+
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+        self.dir = Path(state_dir)
+        self._lines = 0
+
+    @property
+    def journal(self) -> Path:
+        return self.dir / JOURNAL_FILE
+
+    def load(self) -> dict[str, object]:
+        """The saved state (snapshot, then the journal's entries in order), or an empty one."""
+        state = _read_json(self.dir / VERIFIER_FILE, {})
+        try:
+            lines = self.journal.read_bytes().split(b"\n")
+        except FileNotFoundError:
+            return state
+        complete, torn = lines[:-1], lines[-1]  # a whole line ends with a newline; the rest was cut mid-append
+        for number, line in enumerate(complete, 1):
+            try:
+                apply_entry(state, json.loads(line))
+            except ValueError as exc:
+                raise ValueError(f"{self.journal}: line {number} unreadable ({exc}); restore it from a backup or "
+                                 "remove it and the snapshot beside it (counters then restart from the clock)") from None
+        self._lines = len(complete) + bool(torn)
+        return state
+
+    def record(self, verifier: Verifier, device_id: str) -> None:
+        """Journal ``device_id``'s entry after an accept; fold the journal into a snapshot when it is long."""
+        if self._lines > max(COMPACT_MIN_LINES, 2 * verifier.senders()):
+            self.compact(verifier)
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        created = not self.journal.exists()
+        fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, json.dumps(verifier.entry(device_id), separators=(",", ":")).encode() + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if created:
+            fsync_directory(self.dir)
+        self._lines += 1
+
+    def compact(self, verifier: Verifier) -> None:
+        """The whole state as the snapshot, then an empty journal."""
+        write_json_atomic(self.dir / VERIFIER_FILE, verifier.to_state())
+        write_atomic(self.journal, b"", mode=0o600)
+        self._lines = 0
+
+
 def load_verifier_state(state_dir: str | os.PathLike[str]) -> dict[str, object]:
     """The Verifier state saved under ``state_dir``, or an empty one."""
-    return _read_json(Path(state_dir) / VERIFIER_FILE, {})
+    return VerifierStore(state_dir).load()
 
 
 def save_verifier_state(state_dir: str | os.PathLike[str], verifier: Verifier) -> None:
-    write_json_atomic(Path(state_dir) / VERIFIER_FILE, verifier.to_state())
+    """The whole state as the snapshot under ``state_dir`` (and an empty journal)."""
+    VerifierStore(state_dir).compact(verifier)
 
 
 def _read_json(path: Path, default: dict[str, object]) -> dict[str, object]:

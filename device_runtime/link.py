@@ -2,8 +2,9 @@
 
 This is the thin shell around auth.Verifier that the server loop and the device agent call: ``seal`` on every
 outbound message, ``open`` on every inbound payload before anything else looks at it. ``open`` raises Refused
-for anything not to be believed, and only an accepted message advances the Verifier's counters (saved under
-``state_dir`` after each accept, so a restarted receiver still refuses what it accepted before).
+for anything not to be believed, and only an accepted message advances the Verifier's counters (journaled under
+``state_dir`` after each accept by auth.VerifierStore, so a restarted receiver still refuses what it accepted
+before).
 
 Sessions (auth module docstring): a device's link has a session nonce fresh at every process start, names it in
 everything it seals and opens only what names it; the server's link names, in what it seals for a device, the
@@ -20,10 +21,9 @@ from __future__ import annotations
 import os
 from collections.abc import Collection
 from dataclasses import replace
-from pathlib import Path
 
-from device_runtime.auth import (SESSION_KEY, CounterSource, Direction, KeyRing, Refusal, Verifier, load_verifier_state,
-                                 new_nonce, save_verifier_state, start_counters)
+from device_runtime.auth import (SESSION_KEY, CounterSource, Direction, KeyRing, Refusal, Verifier, VerifierStore,
+                                 new_nonce, start_counters)
 from device_runtime.envelope import Message, MessageType, decode, seal
 from device_runtime.protocol import ProtocolError, Reason
 from device_runtime.status import Status, StatusError, StatusSigner, parse_status
@@ -48,11 +48,11 @@ class Link:
     """Seals with this side's counters and opens with its Verifier (see the module docstring)."""
 
     def __init__(self, keys: KeyRing, counters: CounterSource, sends: Direction, verifier: Verifier,
-                 run_free: Collection[MessageType], max_inbound: int, *, state_dir: str | os.PathLike[str] | None = None,
+                 run_free: Collection[MessageType], max_inbound: int, *, store: VerifierStore | None = None,
                  allow_nonfinite: bool = False) -> None:
         self.keys, self.counters, self.sends, self.verifier = keys, counters, sends, verifier
         self.run_free, self.max_inbound, self.allow_nonfinite = frozenset(run_free), max_inbound, allow_nonfinite
-        self.state_dir = None if state_dir is None else Path(state_dir)
+        self.store = store  # where each accept is journaled; None: in memory only
 
     @classmethod
     def on_disk(cls, keys: KeyRing, sends: Direction, takes: Collection[Direction],
@@ -61,8 +61,9 @@ class Link:
         """A link whose counters and last accepted counters live in ``state_dir``: a fresh epoch for this start,
         and whatever an earlier start there accepted stays refused. ``session``: this side's own session nonce
         (see the module docstring), None on a side that learns its peers' sessions."""
-        verifier = Verifier(keys, takes, load_verifier_state(state_dir), session=session)
-        return cls(keys, start_counters(state_dir), sends, verifier, run_free, max_inbound, state_dir=state_dir,
+        store = VerifierStore(state_dir)
+        verifier = Verifier(keys, takes, store.load(), session=session)
+        return cls(keys, start_counters(state_dir), sends, verifier, run_free, max_inbound, store=store,
                    allow_nonfinite=allow_nonfinite)
 
     @classmethod
@@ -141,6 +142,6 @@ class Link:
         if not verdict.accepted:
             raise Refused(verdict.reason or Refusal.BAD_TAG, f"{msg.type.value} {msg.msg_id}: {verdict.detail}",
                           device_id)
-        if self.state_dir is not None and commit:
-            save_verifier_state(self.state_dir, self.verifier)
+        if self.store is not None and commit:
+            self.store.record(self.verifier, msg.device_id)
         return msg, status

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from device_runtime.artifact_contract import EVAL_INPUTS, INPUT, LOGITS
-from device_runtime.atomic_file import TMP_PREFIX, write_atomic
+from device_runtime.atomic_file import TMP_PREFIX, fsync_directory, write_atomic
 from device_runtime.baseline import describe, majority, one_class, predicted_classes
 from device_runtime.help_format import CommandParser, DefaultsHelpFormatter
 from device_runtime.onnx_bake import bake
@@ -90,17 +90,6 @@ def inference_graph(eval_graph: bytes, weights: dict[str, np.ndarray]) -> bytes:
     return bake(eval_graph, weights, logits=LOGITS, probabilities=PROBABILITIES, keep_outputs=(LOGITS,))
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class ModelStore:
@@ -143,7 +132,7 @@ class ModelStore:
             os.rename(tmp, self.history / name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        _fsync_dir(self.history)
+        fsync_directory(self.history)
         self._point_at(name)
         self._prune()
         return self.history / name
@@ -156,7 +145,7 @@ class ModelStore:
             os.replace(tmp_link, self.link)
         finally:
             tmp_link.unlink(missing_ok=True)
-        _fsync_dir(self.root)
+        fsync_directory(self.root)
 
     def _prune(self) -> None:
         """Keep the newest ``keep`` histories (and whatever ``model`` points at); drop leftovers of a crash."""
