@@ -391,13 +391,15 @@ class VerifierStore:
     what changed since (``JOURNAL_FILE``: one line per accepted message, the sender's whole entry, appended and
     fsynced before the message is acted on). An accept costs one short append, not a rewrite of every sender's
     counters (which grew with the fleet: the server's largest cost at 100 devices); the journal is folded into the
-    snapshot once it is longer than ``COMPACT_MIN_LINES`` and twice the senders, so both stay bounded. A crash
+    snapshot once it is longer than ``COMPACT_MIN_LINES`` and twice the senders (counted at the last load or fold, so
+    an accept costs O(1)), so both stay bounded. A crash
     between the snapshot and the journal's truncation leaves entries the snapshot already holds: applying them
     again changes nothing. A torn last line (a crash mid-append, before the message was acted on) is ignored."""
 
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.dir = Path(state_dir)
         self._lines = 0
+        self._limit = COMPACT_MIN_LINES  # lines before the next fold: set from the senders at each load and fold
 
     @property
     def journal(self) -> Path:
@@ -418,11 +420,12 @@ class VerifierStore:
                 raise ValueError(f"{self.journal}: line {number} unreadable ({exc}); restore it from a backup or "
                                  "remove it and the snapshot beside it (counters then restart from the clock)") from None
         self._lines = len(complete) + bool(torn)
+        self._limit = max(COMPACT_MIN_LINES, 2 * Verifier(KeyRing({}), (), state).senders())
         return state
 
     def record(self, verifier: Verifier, device_id: str) -> None:
         """Journal ``device_id``'s entry after an accept; fold the journal into a snapshot when it is long."""
-        if self._lines > max(COMPACT_MIN_LINES, 2 * verifier.senders()):
+        if self._lines > self._limit:
             self.compact(verifier)
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -442,6 +445,7 @@ class VerifierStore:
         write_json_atomic(self.dir / VERIFIER_FILE, verifier.to_state())
         write_atomic(self.journal, b"", mode=0o600)
         self._lines = 0
+        self._limit = max(COMPACT_MIN_LINES, 2 * verifier.senders())
 
 
 def load_verifier_state(state_dir: str | os.PathLike[str]) -> dict[str, object]:
