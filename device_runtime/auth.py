@@ -388,18 +388,24 @@ def apply_entry(state: dict[str, object], entry: object) -> None:
 
 class VerifierStore:
     """A Verifier's state under ``state_dir``: a snapshot (``VERIFIER_FILE``, written atomically) and a journal of
-    what changed since (``JOURNAL_FILE``: one line per accepted message, the sender's whole entry, appended and
-    fsynced before the message is acted on). An accept costs one short append, not a rewrite of every sender's
-    counters (which grew with the fleet: the server's largest cost at 100 devices); the journal is folded into the
-    snapshot once it is longer than ``COMPACT_MIN_LINES`` and twice the senders (counted at the last load or fold, so
-    an accept costs O(1)), so both stay bounded. A crash
-    between the snapshot and the journal's truncation leaves entries the snapshot already holds: applying them
-    again changes nothing. A torn last line (a crash mid-append, before the message was acted on) is ignored."""
+    what changed since (``JOURNAL_FILE``: one line per accepted message, the sender's whole entry). An accept costs
+    one short append, not a rewrite of every sender's counters (the server's largest cost at 100 devices); the
+    journal is folded into the snapshot once it is longer than ``COMPACT_MIN_LINES`` and twice the senders (counted
+    at the last load or fold, so an accept costs O(1)), so both stay bounded.
+
+    Durability is group-committed: ``record`` appends, ``sync`` fsyncs what was appended since the last ``sync``.
+    The owner calls ``sync`` before anything that depends on an accept leaves the process or lands on disk (Link
+    does it before it seals a message; a server before it writes a checkpoint): an accept lost in a crash before
+    that had no effect that survived the crash, so taking its message again after a restart is its first taking.
+    A crash between the snapshot and the journal's truncation leaves entries the snapshot already holds: applying
+    them again changes nothing. A torn last line (a crash mid-append) is ignored."""
 
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.dir = Path(state_dir)
         self._lines = 0
         self._limit = COMPACT_MIN_LINES  # lines before the next fold: set from the senders at each load and fold
+        self._fd: int | None = None  # the journal, open for appends
+        self._unsynced = False
 
     @property
     def journal(self) -> Path:
@@ -424,28 +430,41 @@ class VerifierStore:
         return state
 
     def record(self, verifier: Verifier, device_id: str) -> None:
-        """Journal ``device_id``'s entry after an accept; fold the journal into a snapshot when it is long."""
+        """Journal ``device_id``'s entry after an accept (durable at the next ``sync``); fold the journal into a
+        snapshot when it is long."""
         if self._lines > self._limit:
             self.compact(verifier)
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        created = not self.journal.exists()
-        fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            os.write(fd, json.dumps(verifier.entry(device_id), separators=(",", ":")).encode() + b"\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if created:
-            fsync_directory(self.dir)
+        if self._fd is None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            created = not self.journal.exists()
+            self._fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            if created:
+                fsync_directory(self.dir)
+        os.write(self._fd, json.dumps(verifier.entry(device_id), separators=(",", ":")).encode() + b"\n")
+        self._unsynced = True
         self._lines += 1
 
+    def sync(self) -> None:
+        """Make every accept recorded so far durable (one fsync for all of them; nothing to do when none is new)."""
+        if self._unsynced and self._fd is not None:
+            os.fsync(self._fd)
+        self._unsynced = False
+
     def compact(self, verifier: Verifier) -> None:
-        """The whole state as the snapshot, then an empty journal."""
+        """The whole state as the snapshot, then an empty journal (both durable)."""
         write_json_atomic(self.dir / VERIFIER_FILE, verifier.to_state())
         write_atomic(self.journal, b"", mode=0o600)
+        self.close()
         self._lines = 0
         self._limit = max(COMPACT_MIN_LINES, 2 * verifier.senders())
+
+    def close(self) -> None:
+        """Sync and let go of the journal's file (the next ``record`` opens it again)."""
+        self.sync()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def load_verifier_state(state_dir: str | os.PathLike[str]) -> dict[str, object]:

@@ -3,8 +3,8 @@
 This is the thin shell around auth.Verifier that the server loop and the device agent call: ``seal`` on every
 outbound message, ``open`` on every inbound payload before anything else looks at it. ``open`` raises Refused
 for anything not to be believed, and only an accepted message advances the Verifier's counters (journaled under
-``state_dir`` after each accept by auth.VerifierStore, so a restarted receiver still refuses what it accepted
-before).
+``state_dir`` after each accept by auth.VerifierStore and made durable before anything is sealed or ``persist``
+is called, so a restarted receiver still refuses what it accepted and acted on before).
 
 Sessions (auth module docstring): a device's link has a session nonce fresh at every process start, names it in
 everything it seals and opens only what names it; the server's link names, in what it seals for a device, the
@@ -85,9 +85,17 @@ class Link:
         """This side's own session nonce (a device's), or None."""
         return self.verifier.session
 
+    def persist(self) -> None:
+        """Make every accept so far durable (the store's group commit): before a checkpoint that folds what was
+        accepted, and, by ``seal``, before anything is sent."""
+        if self.store is not None:
+            self.store.sync()
+
     def seal(self, msg: Message) -> bytes:
         """``msg`` as an envelope under its device's key with this side's next counter, bound to the session (this
-        side's own, else the one its peer last named; none before the peer named one)."""
+        side's own, else the one its peer last named; none before the peer named one). What was accepted before
+        is durable first: nothing sent can rest on an accept a crash would forget."""
+        self.persist()
         key = self.keys.key_for(msg.device_id)
         if key is None:
             raise ValueError(f"no key for device {msg.device_id!r}: enroll it before sending to it")

@@ -403,6 +403,8 @@ class Federation:
         self.publish_status(force=True, finished=True)
 
     def checkpoint(self, round_index: int, *, finished: bool) -> None:
+        self.link.persist()  # what the checkpoint folds was accepted: durable first, so no resume takes it twice
+        self.channel.persist()
         state = {"run_id": self.engine.run_id, "settings": self.settings, "engine": self.engine.to_state(),
                  "finished": finished}
         self.out.save(round_index, dict(self.engine.global_arrays(), **self.engine.state_tensors()), state,

@@ -44,6 +44,11 @@ class AggregatorChannel:
         self.merged: set[tuple[str, int]] = set()  # (aggregator, round) of every partial taken
         self.probe_s = min(PROBE_MAX_S, timeout_s / 4)
 
+    def persist(self) -> None:
+        """Make the partials accepted so far durable on the aggregators' link (before a checkpoint folds them)."""
+        if self.link is not None:
+            self.link.persist()
+
     def sender(self, topic: str) -> str | None:
         """The aggregator that ``topic`` is the up topic of, None for any other topic (or without aggregators)."""
         return wire.aggregator_from_topic(self.prefix, topic) if self.names else None

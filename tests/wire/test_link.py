@@ -176,3 +176,22 @@ def test_a_devices_status_frames_name_its_session(pair):
     server, device = pair
     server.open(device.status_signer("dev_a")(True, new_nonce()), RUN, device_id="dev_a", kind=TopicKind.STATUS)
     assert device.open(server.seal(message(MessageType.ERROR)), RUN, device_id="dev_a").type == MessageType.ERROR
+
+
+def test_what_was_accepted_is_durable_before_anything_is_sealed(pair, monkeypatch):
+    server, device = pair
+    events: list[str] = []
+    monkeypatch.setattr(server.store, "sync", lambda: events.append("sync"))
+    server.open(device.seal(message(MessageType.JOIN, run_id="none")), RUN, device_id="dev_a")
+    assert events == []  # accepts are group-committed: one fsync for all of them, when it matters
+    sealed = server.seal(message(MessageType.PLAN))
+    assert events == ["sync"] and sealed
+
+
+def test_a_restarted_server_refuses_what_it_accepted_and_acted_on(pair, tmp_path):
+    server, device = pair
+    join = device.seal(message(MessageType.JOIN, run_id="none"))
+    server.open(join, RUN, device_id="dev_a")
+    server.persist()
+    restarted = Link.server(KeyRing({"dev_a": KEY}), tmp_path / "server", MAX)
+    assert refusal(restarted, join) == Refusal.REPLAY
