@@ -1,7 +1,8 @@
 """Privacy benchmark: accuracy against the user-level ε of DP-FedAvg on Fashion-MNIST with many simulated devices.
 
-    nice -n 5 .venv/bin/python scripts/bench_privacy.py                       # the full grid (hours on 2 cores)
+    nice -n 5 .venv/bin/python scripts/bench_privacy.py --jobs 2              # the full grid (30 runs: hours)
     .venv/bin/python scripts/bench_privacy.py --seeds 1 --epsilons inf,8,1    # a slice, in this order
+    .venv/bin/python scripts/bench_privacy.py --first-seed 1 --seeds 2 --out part.json   # more seeds elsewhere
     .venv/bin/python scripts/bench_privacy.py --render-only                   # the table again from the JSON
     .venv/bin/python scripts/bench_privacy.py --keep-runs                     # finish an interrupted run
 
@@ -43,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epsilons", default="1,2,4,8,inf", help="comma-separated targets; inf: without DP")
     p.add_argument("--settings", default="hetero,homog", help=f"comma-separated, of {', '.join(SETTINGS)}")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds --first-seed .. --first-seed + --seeds - 1")
     p.add_argument("--clients", type=int, default=3000)
     p.add_argument("--join-ratio", type=float, default=0.1)
     p.add_argument("--rounds", type=int, default=10)
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"N = {a.clients}, q = {a.join_ratio}, {a.rounds} rounds, δ = {delta:.3g}: noise multipliers "
           + ", ".join(f"ε {t}: {'-' if z is None else f'{z:.3f}'}" for t, z in z_for.items()), flush=True)
     # seed by seed, the ε's in the order asked, both settings each: a cut-short grid keeps paired cells
-    cells = [(target, seed, setting) for seed in range(a.seeds) for target in targets for setting in settings]
+    seeds = range(a.first_seed, a.first_seed + a.seeds)
+    cells = [(target, seed, setting) for seed in seeds for target in targets for setting in settings]
     with ThreadPoolExecutor(a.jobs) as pool:
         futures = {}
         for target, seed, setting in cells:
