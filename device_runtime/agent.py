@@ -28,7 +28,7 @@ from device_runtime.payload_wait import PayloadWait
 from device_runtime.profile import ResourceProfile
 from device_runtime.runtimes import open_trainer
 from device_runtime.shard import Shard
-from device_runtime.task import Task, Update
+from device_runtime.task import Task, Update, non_finite
 from device_runtime.protocol import ProtocolError
 from device_runtime.topics import Topics, payload_filter, payload_topic
 from device_runtime.trainer import LocalTrainer
@@ -253,6 +253,11 @@ class DeviceAgent:
             update = self._compute(task)
         except ValueError as exc:  # tensors that do not fit the plan (TensorMismatchError) or unknown names
             self._send_error(ErrorCode.BAD_TASK, str(exc), task.round)
+            return
+        problem = non_finite(update)
+        if problem is not None:  # diverged: the wire cannot carry it; keep the head it had, answer nothing
+            load_weights(self.trainer, kept)
+            self._send_error(ErrorCode.NON_FINITE, f"round {task.round}: {problem}: no update sent", task.round)
             return
         if not task.evaluate_only:
             held = {**self.trainer.get_fe(), **self.trainer.get_head()}

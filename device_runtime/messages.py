@@ -61,6 +61,7 @@ class ErrorCode(str, Enum):
     UNKNOWN_PLAN = "unknown_plan"  # device: TASK for a plan or run I was not given
     BAD_TASK = "bad_task"  # device: TASK tensors do not fit my plan's artifacts
     PAYLOAD_WANTED = "payload_wanted"  # device: publish the payload my TASK names again (it did not come, or not whole)
+    NON_FINITE = "non_finite"  # device: my round gave a NaN or inf (the model diverged): no update this round
 
 
 @dataclass(frozen=True)

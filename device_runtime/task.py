@@ -6,6 +6,7 @@ algorithm: an empty phase list asks only for an evaluation of the received model
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,6 +70,21 @@ class Update:
     train_loss: float
     train_accuracy: float
     metrics: dict = field(default_factory=dict)
+
+
+def non_finite(update: Update) -> str | None:
+    """What in ``update`` is not a finite number (its loss, accuracy, a metric, a tensor), or None: a model that
+    diverged (large DP noise on a small federation, a too large learning rate) gives NaN or inf, which the wire
+    cannot carry and no aggregate may take; the device says so instead of answering."""
+    numbers = {"train_loss": update.train_loss, "train_accuracy": update.train_accuracy,
+               **{f"metrics[{k!r}]": v for k, v in update.metrics.items()}}
+    for name, value in numbers.items():
+        if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+            return f"{name} is {value}"
+    for name, tensor in update.weights.items():
+        if not np.isfinite(tensor).all():
+            return f"tensor {name!r} has {int(np.count_nonzero(~np.isfinite(tensor)))} non-finite value(s)"
+    return None
 
 
 def tensor_bytes(tensors: dict[str, np.ndarray]) -> int:

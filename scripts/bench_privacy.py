@@ -1,7 +1,8 @@
 """Privacy benchmark: accuracy against the user-level ε of DP-FedAvg on Fashion-MNIST with many simulated devices.
 
-    nice -n 5 .venv/bin/python scripts/bench_privacy.py                       # the full grid (hours on 2 cores)
+    nice -n 5 .venv/bin/python scripts/bench_privacy.py --jobs 2              # the full grid (30 runs: hours)
     .venv/bin/python scripts/bench_privacy.py --seeds 1 --epsilons inf,8,1    # a slice, in this order
+    .venv/bin/python scripts/bench_privacy.py --first-seed 1 --seeds 2 --out part.json   # more seeds elsewhere
     .venv/bin/python scripts/bench_privacy.py --render-only                   # the table again from the JSON
     .venv/bin/python scripts/bench_privacy.py --keep-runs                     # finish an interrupted run
 
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -42,19 +44,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epsilons", default="1,2,4,8,inf", help="comma-separated targets; inf: without DP")
     p.add_argument("--settings", default="hetero,homog", help=f"comma-separated, of {', '.join(SETTINGS)}")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--clients", type=int, default=500)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds --first-seed .. --first-seed + --seeds - 1")
+    p.add_argument("--clients", type=int, default=3000)
     p.add_argument("--join-ratio", type=float, default=0.1)
     p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--local-epochs", type=int, default=1)
-    p.add_argument("--max-samples", type=int, default=30000, help="a seeded subset of Fashion-MNIST (60 per device)")
-    p.add_argument("--min-samples", type=int, default=20)
+    p.add_argument("--local-epochs", type=int, default=3)
+    p.add_argument("--max-samples", type=int, default=0, help="0: all of Fashion-MNIST (20 per device)")
+    p.add_argument("--min-samples", type=int, default=2)
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label skew")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--lam", type=float, default=1.0)
-    p.add_argument("--clip", type=float, default=0.1, help="--dp-clip (the adaptive clip's start)")
-    p.add_argument("--clip-quantile", type=float, default=0.5, help="--dp-clip-quantile (0: a fixed --clip)")
+    p.add_argument("--clip", type=float, default=0.5, help="--dp-clip (the adaptive clip's start with --clip-quantile)")
+    p.add_argument("--clip-quantile", type=float, default=0.0, help="--dp-clip-quantile (0: a fixed --clip)")
     p.add_argument("--accountant", default="pld")
     p.add_argument("--out", default="docs/privacy.json")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (child processes, one thread each)")
     p.add_argument("--render-only", action="store_true")
     p.add_argument("--keep-runs", action="store_true", help="reuse the runs --out already holds (same commands)")
     return p.parse_args(argv)
@@ -133,19 +137,24 @@ def main(argv: list[str] | None = None) -> int:
     kept = {r["command"]: r for r in json.loads(out.read_text())["runs"]} if a.keep_runs and out.exists() else {}
     print(f"N = {a.clients}, q = {a.join_ratio}, {a.rounds} rounds, δ = {delta:.3g}: noise multipliers "
           + ", ".join(f"ε {t}: {'-' if z is None else f'{z:.3f}'}" for t, z in z_for.items()), flush=True)
-    for seed in range(a.seeds):  # cells in the order asked, both settings each: a cut-short run keeps pairs
-        for target in targets:
-            for setting in settings:
-                argv_ = run_argv(a, setting, seed, z_for[target], math.inf if target == "inf" else float(target))
-                command = shlex.join(["python", "-m", "server.simulate", *argv_])
-                result = kept.get(command) or dict(execute(argv_), setting=setting, target=target, seed=seed,
-                                                   z=z_for[target])
-                doc["runs"].append(result)
-                print(f"{setting} ε {target} seed {seed}: accuracy {result['final_accuracy']:.4f}, ε spent "
-                      f"{result['epsilon']}, {result['wall_s']:.0f} s", flush=True)
-                doc["load_after"] = os.getloadavg()
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(doc, indent=1))
+    # seed by seed, the ε's in the order asked, both settings each: a cut-short grid keeps paired cells
+    seeds = range(a.first_seed, a.first_seed + a.seeds)
+    cells = [(target, seed, setting) for seed in seeds for target in targets for setting in settings]
+    with ThreadPoolExecutor(a.jobs) as pool:
+        futures = {}
+        for target, seed, setting in cells:
+            argv_ = run_argv(a, setting, seed, z_for[target], math.inf if target == "inf" else float(target))
+            kept_run = kept.get(shlex.join(["python", "-m", "server.simulate", *argv_]))
+            futures[target, seed, setting] = pool.submit(lambda k=kept_run, v=argv_: k or execute(v))
+        for target, seed, setting in cells:
+            result = dict(futures[target, seed, setting].result(), setting=setting, target=target, seed=seed,
+                          z=z_for[target])
+            doc["runs"].append(result)
+            print(f"{setting} ε {target} seed {seed}: accuracy {result['final_accuracy']:.4f}, ε spent "
+                  f"{result['epsilon']}, {result['wall_s']:.0f} s", flush=True)
+            doc["load_after"] = os.getloadavg()
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(doc, indent=1))
     print(table(doc))
     return 0
 

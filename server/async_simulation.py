@@ -11,6 +11,7 @@ import logging
 from device_runtime.messages import update_message
 from device_runtime.task import Task
 from server.engine.run_config import RunError
+from server.outputs.progress import print_and_log
 from server.simulation import Simulation
 
 log = logging.getLogger("fedara.simulate")
@@ -65,10 +66,14 @@ class AsyncSimulation(Simulation):
             self._deliver(device_id, task)
 
     def run(self) -> list[dict]:
-        """Versions up to --rounds; a checkpoint after each."""
+        """Versions up to --rounds (fewer where the privacy budget ends the run first); a checkpoint after each."""
         engine = self.engine
         try:
             while engine.version < self.config.rounds:
+                stop = engine.budget_refusal()  # DP: the next version would overspend; what is buffered stays unsent
+                if stop is not None:
+                    print_and_log(stop)
+                    break
                 self._dispatch()
                 wake = self._next_wake()
                 if not self._ends and wake is None:

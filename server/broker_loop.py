@@ -297,6 +297,11 @@ class Federation:
                 self._publish_payload(ref, data)
             return
         LOG.warning("%s reports %s: %s", device_id, report.code.value, report.detail)
+        if report.code == ErrorCode.NON_FINITE:
+            verdict = self.engine.decline(device_id, msg.round, report.detail)
+            LOG.warning("%s's answer to round %d is refused: %s", device_id, msg.round, verdict.reason)
+            count_refusal(self.refusals, update_refusal(verdict.reason))
+            return
         if report.code in (ErrorCode.ARTIFACTS_MISSING, ErrorCode.ARTIFACTS_CORRUPT):
             plan = self.engine.artifacts_lost(device_id)
             if plan is not None:

@@ -11,7 +11,7 @@ from device_runtime.local_round import Trainer, load_weights, run_task
 from device_runtime.messages import Plan
 from device_runtime.runtimes import open_trainer
 from device_runtime.shard import Shard
-from device_runtime.task import Task, Update
+from device_runtime.task import Task, Update, non_finite
 from fedcore.lowrank import factorize_model
 from server.compute_threads import device_blas_threads
 from server.run_setup import PlanArtifacts
@@ -38,7 +38,7 @@ class InProcessDevice:
         load_weights(trainer, self.personal)
         with device_blas_threads(self.threads):  # a device process's BLAS threads: the same kernels, the same bits
             update = run_task(trainer, self.shard, task)
-        if not task.evaluate_only:
+        if not task.evaluate_only and non_finite(update) is None:  # a diverged round keeps the tensors it had
             held = {**trainer.get_fe(), **trainer.get_head()}
             self.personal = {k: held[k] for k in self.personal}
         return update

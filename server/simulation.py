@@ -14,7 +14,7 @@ import torch
 
 from device_runtime.messages import Join, ShardInfo, update_message
 from device_runtime.profile import ResourceProfile
-from device_runtime.task import Task, Update
+from device_runtime.task import Task, Update, non_finite
 from server.in_process import InProcessDevice, Trainers
 from server.parallel_devices import DevicePool, WorkerSettings
 from server.outputs.progress import Progress, print_and_log
@@ -126,6 +126,11 @@ class Simulation:
             tasks = {d: t for d, t in tasks.items() if d not in late}
             ends = {d: min(end, self.clock + deadline) for d, end in ends.items()}
         for device_id, update in self._answers(tasks):
+            problem = non_finite(update)
+            if problem is not None:  # the device says so instead of answering, as a device process does
+                verdict = engine.decline(device_id, round_index, problem)
+                log.warning("%s has no answer to round %d: %s", device_id, round_index, verdict.reason)
+                continue
             msg = update_message(update, plan_hash=self.devices[device_id].plan_hash, device_id=device_id,
                                  run_id=self.run_id)
             verdict = engine.receive(device_id, msg, time.monotonic())

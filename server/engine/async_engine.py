@@ -27,6 +27,7 @@ from device_runtime.task import Task, Update, tensor_bytes
 from device_runtime.topics import check_topic_device
 from device_runtime.protocol import ProtocolError
 from server.engine.coordinator import Evaluation, Verdict, evaluation_of
+from server.engine.privacy import BufferDp
 from server.engine.fedbuff import TOO_STALE, FedBuff, InFlight, Judged, update_delta
 from server.engine.run_config import BufferRule
 from server.engine.round_engine import RoundEngine
@@ -38,6 +39,7 @@ from server.engine.evaluation import EVAL_DIRECTION
 LOG = logging.getLogger("fedara.async")
 BUFFER_FULL = "buffer full"
 TIMED_OUT = "[timed_out]"
+DP_BUFFER_PREFIX = "dp_buffer/"
 
 
 class AsyncEngine(RoundEngine):
@@ -51,6 +53,8 @@ class AsyncEngine(RoundEngine):
             raise ValueError("--mode async does not take --update-norm-bound (it bounds a sync round's updates)")
         self.rule = rule
         self.buff = FedBuff(rule, self.global_state)
+        if self.dp is not None:  # each flush a Gaussian mechanism on ≤ K clipped changes (privacy.BufferDp)
+            self.dp = BufferDp(self.dp.settings, self.dense_shapes)
         self._sent: dict[tuple[int, tuple], dict[str, np.ndarray]] = {}  # (version, plan) -> the weights sent
         self._evaluating: dict[str, tuple[int, int]] = {}  # device -> (task number, version) of its evaluation
         self._evaluations: dict[int, dict[str, Evaluation]] = {}  # version -> device -> its evaluation
@@ -86,7 +90,8 @@ class AsyncEngine(RoundEngine):
         knows them) that are ready and not training: a seeded choice, by id, never by the order they came in.
         ``now``: when they start (what --task-timeout counts from; None: from the next ``expire``)."""
         ready = set(self.ready_devices())
-        free = sorted(d for d in set(candidates) if d in ready and d not in self.buff.in_flight)
+        free = sorted(d for d in set(candidates) if d in ready and d not in self.buff.in_flight
+                      and not (self.dp is not None and self.dp.holds(d)))  # with DP: once per buffer
         slots = self.free_slots()
         if not free or not slots:
             return {}
@@ -261,7 +266,12 @@ class AsyncEngine(RoundEngine):
         else:
             sent = to_torch(sent)
         returned = to_torch(update.weights)
-        return self.buff.accept(device_id, judged, update_delta(returned, sent, self.dense_shapes), update.num_samples)
+        delta = update_delta(returned, sent, self.dense_shapes)
+        if self.dp is not None:  # clipped into DP's own sum; fedbuff only counts it toward K
+            norm = self.dp.add(device_id, delta)
+            LOG.info("%s: update norm %.6g (DP clip %g)", device_id, norm, self.dp.mechanism.clip)
+            return self.buff.count_only(device_id, judged)
+        return self.buff.accept(device_id, judged, delta, update.num_samples)
 
     def _book_update(self, device_id: str, update: Update, nbytes: int) -> None:
         book = self._book
@@ -273,7 +283,7 @@ class AsyncEngine(RoundEngine):
 
     def _new_version(self, now: float) -> None:
         """Apply the full buffer; the previous version's record is completed, this one's waits for its evaluations."""
-        members = self.buff.flush()
+        members = self.buff.flush(None if self.dp is None else self.dp.release())
         self.global_state = self.buff.current
         self._sent = {k: v for k, v in self._sent.items() if k[0] in self.buff.versions}
         if self._version_record is not None:
@@ -290,7 +300,7 @@ class AsyncEngine(RoundEngine):
             book.loss_sum / book.samples if book.samples else None,
             book.accuracy_sum / book.samples if book.samples else None,
             book.bytes_down, book.bytes_up, book.bytes_artifacts, book.bytes_down_eval, book.by_tier, now - opened,
-            tiers, sim_time=now)
+            tiers, epsilon=None if self.dp is None else self.dp.epsilon, sim_time=now)
         self._version_extra = {"mode": "async", "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
                                "too_stale": self.buff.too_stale - self._too_stale_at_last}
         if self.rule.task_timeout is not None:
@@ -355,14 +365,19 @@ class AsyncEngine(RoundEngine):
         return state
 
     def state_tensors(self) -> dict[str, np.ndarray]:
-        """The stored versions and the buffer's float64 sums (saved beside the global model)."""
-        return self.buff.to_state()[1]
+        """The stored versions and the buffer's float64 sums (saved beside the global model), DP's too."""
+        tensors = self.buff.to_state()[1]
+        if self.dp is not None:
+            tensors.update({f"{DP_BUFFER_PREFIX}{k}": v for k, v in self.dp.sum_tensors().items()})
+        return tensors
 
     def restore(self, state: dict[str, Any], global_state: dict[str, np.ndarray]) -> None:
         """``global_state``: the checkpoint's tensors (the global model and ``state_tensors``)."""
         super().restore(state, global_state)
         saved = state["async"]
         self.buff.restore(saved["fedbuff"], global_state)
+        if self.dp is not None:
+            self.dp.restore(state["privacy"], {k: global_state[f"{DP_BUFFER_PREFIX}{k}"] for k in self.dense_shapes})
         self.global_state = self.buff.current
         self._version_record = None if saved["record"] is None else TrainingRecord.from_state(saved["record"])
         self._version_extra = saved["extra"]

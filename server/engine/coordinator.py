@@ -23,6 +23,8 @@ from server.engine.update_rule import Answer, Asked, body_problem, header_proble
 ALL_ANSWERED = "all answered"
 DEADLINE = "deadline"
 NO_ANSWER = "no answer by the deadline"
+NON_FINITE = "non-finite"
+"""The reason's prefix of a device that declined its round: its loss or update was NaN or inf."""
 EVAL_KEYS = ("eval_correct", "eval_total", "eval_loss")
 BASELINE_KEYS = ("eval_majority", "eval_classes")
 """What an evaluation is read beside (device_runtime.baseline): the test split's majority-class count and how many
@@ -302,6 +304,16 @@ class Coordinator:
         if training:
             rnd.accepted.append(record.device_id)
         return Verdict(True, update=update)
+
+    def decline(self, device_id: str, round_index: int, reason: str) -> Verdict:
+        """A device that the open round awaits says it has no answer for it (its model diverged to a non-finite
+        loss or update): that is its answer, a rejection for ``reason``; nothing of it is aggregated. A device not
+        awaited, or another round's, changes nothing."""
+        rnd = self._round
+        if rnd is None or rnd.plan.round != round_index or not self.awaits(device_id):
+            return _reject(f"not asked: no open round {round_index} awaits {device_id}")
+        rnd.answered[device_id] = reason
+        return _reject(reason)
 
     def withdraw(self, device_id: str, reason: str) -> None:
         """An accepted training update was lost before it was aggregated (the aggregator holding it sent no partial

@@ -166,14 +166,17 @@ class FedBuff:
         self.in_flight.pop(device_id)
         return len(self._buffer.members) >= self.rule.buffer_size
 
-    def flush(self) -> list[tuple[str, int]]:
-        """Apply the buffer as one step: version v+1 = v + η_g · Σ s(τ_i) n_i Δ_i / D. Returns the buffer's
-        (device, staleness) members."""
+    def flush(self, step: dict[str, torch.Tensor] | None = None) -> list[tuple[str, int]]:
+        """Apply the buffer as one step: version v+1 = v + η_g · Σ s(τ_i) n_i Δ_i / D, or v + η_g · ``step`` where
+        the caller aggregated the buffer itself (DP's noised mean of clipped changes, ``privacy.BufferDp``).
+        Returns the buffer's (device, staleness) members."""
         buffer = self._buffer
         if not buffer.members:
             raise ValueError("the buffer is empty: nothing to apply")
         old = self.current
-        if self.dense_shapes and buffer.samples > 0:
+        if step is not None:
+            new = {k: (old[k].double() + self.rule.server_lr * step[k]).to(old[k].dtype) for k in old}
+        elif self.dense_shapes and buffer.samples > 0:
             denominator = buffer.samples if self.rule.normalize == "samples" else buffer.weighted
             step = self.rule.server_lr / denominator
             new = {k: (old[k].double() + step * buffer.sums[k]).to(old[k].dtype) for k in old}

@@ -186,3 +186,74 @@ class DpFedAvg:
     def restore(self, state: dict[str, Any]) -> None:
         self.accountant.restore(state["accountant"])
         self.mechanism.restore(state["mechanism"])
+
+
+class BufferDp:
+    """DP in the asynchronous mode (``server.engine.async_engine``): each buffer flush is one Gaussian mechanism.
+
+    A version releases v + η_g·(Σ_{i in buffer} clip_C(Δ_i) + N(0, (z·C)²·I)) / K: at most K clipped changes, each
+    device at most once per buffer (``add`` refuses a second; the engine gives no task to a device whose update
+    waits in the buffer), a fixed denominator K (``settings.expected``: the engine builds the settings with rate 1
+    and population K), noise once per flush. There is no sampling to amplify with: which devices fill a buffer
+    depends on who is online and how fast they train, not on a random draw the accountant could charge, so each
+    flush is charged as a plain Gaussian mechanism of multiplier z (``settings.join_ratio`` = 1) and ε composes over
+    the versions released. The neighbouring relation is zero-out (one device's data replaced by data whose updates
+    are zero, its participation unchanged; Kairouz et al. 2021): who trains when, and how often, is outside the
+    guarantee. The clip is fixed (the adaptive clip's count assumes a sampled round)."""
+
+    def __init__(self, settings: DpSettings, shapes: dict[str, tuple[int, ...]]):
+        if settings.clip_quantile is not None:
+            raise ValueError("--dp-clip-quantile with --mode async: the adaptive clip learns from a sampled round's "
+                             "count; use a fixed --dp-clip")
+        self.settings = settings
+        self.mechanism = Privacy.of(settings, shapes)
+        self.accountant = Accountant(settings.join_ratio, settings.noise_multiplier, settings.run_delta,
+                                     settings.accountant, settings.target_epsilon)
+        self._sum = self.mechanism.open_round()
+        self.members: list[str] = []
+
+    def refusal(self) -> str | None:
+        """Why the next version may not be released (the budget), or None."""
+        return self.accountant.refusal()
+
+    def holds(self, device_id: str) -> bool:
+        """Whether the device's update waits in the buffer (it may not add another before the flush)."""
+        return device_id in self.members
+
+    def add(self, device_id: str, delta: dict[str, torch.Tensor]) -> float:
+        """Add one device's change Δ, clipped to C; returns ‖Δ‖ before clipping. A device counts once per buffer."""
+        if self.holds(device_id):
+            raise ValueError(f"{device_id} has an update in this buffer already: a device counts once per flush")
+        norm = self._sum.add(delta)
+        self.members.append(device_id)
+        return norm
+
+    def release(self) -> dict[str, torch.Tensor]:
+        """The flush: (Σ clip(Δ_i) + N(0, (z·C)²)) / K, charged to the budget; the buffer starts empty again."""
+        refusal = self.accountant.refusal()
+        if refusal is not None:
+            raise RuntimeError(refusal)
+        self.accountant.charge()
+        step = self.mechanism.release(self._sum).delta
+        self._sum, self.members = self.mechanism.open_round(), []
+        return step
+
+    @property
+    def epsilon(self) -> float:
+        """ε spent so far (by the versions released), at the run's δ."""
+        return self.accountant.spent
+
+    def to_state(self) -> dict[str, Any]:
+        return {"accountant": self.accountant.to_state(), "members": list(self.members), "count": self._sum.count,
+                "within": self._sum.within}
+
+    def sum_tensors(self) -> dict[str, np.ndarray]:
+        """The buffer's clipped sum (float64), saved beside the model so a run resumed mid-buffer continues it."""
+        return {k: v.numpy() for k, v in self._sum.sums.items()}
+
+    def restore(self, state: dict[str, Any], sums: dict[str, np.ndarray] | None = None) -> None:
+        self.accountant.restore(state["accountant"])
+        self.members = list(state.get("members", []))
+        self._sum.count, self._sum.within = state.get("count", 0), state.get("within", 0)
+        for key, value in (sums or {}).items():
+            self._sum.sums[key] = torch.from_numpy(np.array(value, dtype=np.float64))

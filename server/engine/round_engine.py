@@ -37,7 +37,7 @@ from server.engine.folding_records import Brief, Partial, Receipt
 from server.algorithms import get_algorithm
 from server.algorithms.base import Algorithm, Settings
 from fedcore.lowrank import ResolvedPlan
-from server.engine.coordinator import NO_ANSWER, Coordinator, DeviceRecord, RoundOpen, RoundResult, Verdict
+from server.engine.coordinator import NO_ANSWER, NON_FINITE, Coordinator, DeviceRecord, RoundOpen, RoundResult, Verdict
 from server.engine.plan_payloads import PlanPayloads
 from server.engine.presence import Presence
 from server.engine.privacy import DpFedAvg
@@ -426,6 +426,14 @@ class RoundEngine:
             return verdict
         nbytes = tensor_bytes(msg.tensors)  # as sent: a clipped update is aggregated dense
         self._folds.hold(device_id, (verdict.update, nbytes), tensor_bytes(verdict.update.weights))
+        self._fold_ready()
+        return verdict
+
+    def decline(self, device_id: str, round_index: int, problem: str) -> Verdict:
+        """The device has no answer for ``round_index``: its round gave a non-finite loss or update
+        (``device_runtime.task.non_finite``). Its answer counts as refused for that reason and nothing of it is
+        aggregated; the updates waiting for its turn are folded."""
+        verdict = self.coordinator.decline(device_id, round_index, f"{NON_FINITE}: {problem}")
         self._fold_ready()
         return verdict
 

@@ -122,7 +122,8 @@ class DpSettings:
     """User-level DP-FedAvg (``server.engine.privacy``) and its budget (``server.engine.accountant``).
 
     ``noise_multiplier`` is z, what the accountant charges per round; ``population`` N the devices a round samples
-    from (rate ``join_ratio``), so E = q·N participants are expected; ``delta`` defaults to 1/N^1.1."""
+    from (rate ``join_ratio``), so E = q·N participants are expected; ``delta`` defaults to 1/N^1.1. In the async
+    mode a version is a round: rate 1 (no sampling) and population K (the buffer), so E = K, and δ is given."""
 
     noise_multiplier: float
     join_ratio: float
@@ -222,9 +223,10 @@ def dp_from_args(args: argparse.Namespace, population: int) -> DpSettings | None
                          "choose fedara, fedavg or fedrep")
     if args.update_norm_bound is not None:
         raise ValueError("--dp-noise-multiplier clips every update already: leave --update-norm-bound out")
-    if getattr(args, "mode", "sync") != "sync":
-        raise ValueError(f"--dp-noise-multiplier with --mode {args.mode}: the privacy accounting charges sync rounds "
-                         "(a sampled round each); run DP with --mode sync")
+    if getattr(args, "mode", "sync") == "async":  # a flush: ≤ K clipped changes over K, unsampled (privacy.BufferDp)
+        delta = args.dp_delta if args.dp_delta is not None else population ** -1.1
+        return DpSettings(args.dp_noise_multiplier, 1.0, args.buffer_size, args.dp_clip, args.dp_clip_quantile,
+                          args.dp_clip_lr, delta, args.dp_target_epsilon, args.dp_accountant, args.dp_test_seed)
     return DpSettings(args.dp_noise_multiplier, args.join_ratio, population, args.dp_clip, args.dp_clip_quantile,
                       args.dp_clip_lr, args.dp_delta, args.dp_target_epsilon, args.dp_accountant, args.dp_test_seed)
 MODES = ("sync", "async")

@@ -15,7 +15,8 @@ UPDATE_REFUSALS = (("stale", "stale"), ("late", "late"), ("duplicate", "duplicat
                    ("not asked", "not asked"), ("malformed", "malformed"), ("unknown device", "unknown device"),
                    ("a message of", "wrong topic"), ("update of run", "wrong run"),
                    ("update for plan", "wrong plan"), ("tensor", "bad tensors"), ("num_samples", "sample count"),
-                   ("metrics lack", "bad evaluation"), ("eval", "bad evaluation"), ("update is", "norm bound"))
+                   ("metrics lack", "bad evaluation"), ("eval", "bad evaluation"), ("update is", "norm bound"),
+                   ("non-finite", "non-finite"))
 """Prefixes of the engine's update verdicts (server.engine.coordinator, server.engine.robust) and their refusal label."""
 
 

@@ -97,6 +97,37 @@ def test_a_resumed_run_continues_the_accounting(tmp_path):
     assert records[-1]["epsilon"] == pytest.approx(eps_after(3))
 
 
+ASYNC = ["--mode", "async", "--buffer-size", "2", "--concurrency", "3", "--rank-tiers", "1.0,0.25",
+         "--device-speed", "lognormal:1", "--availability", "0.7,0.2", "--dp-clip", "0.01"]
+
+
+def versions_eps(versions: int) -> float:
+    """ε after this many async versions: unsampled Gaussian mechanisms (rate 1) at the default δ."""
+    return epsilon(1.0, 1.0, versions, DELTA, "rdp")
+
+
+def test_an_async_run_charges_each_version_as_an_unsampled_gaussian(tmp_path):
+    records = run(tmp_path / "run", *ASYNC, "--rounds", "3")
+    assert [r["round"] for r in records] == [1, 2, 3]
+    assert [r["epsilon"] for r in records] == pytest.approx([versions_eps(1), versions_eps(2), versions_eps(3)])
+
+
+def test_an_async_run_stops_before_the_version_that_would_exceed_the_budget(tmp_path, capsys):
+    target = (versions_eps(2) + versions_eps(3)) / 2
+    records = run(tmp_path / "run", *ASYNC, "--rounds", "5", "--dp-target-epsilon", f"{target:.6f}")
+    assert [r["round"] for r in records] == [1, 2] and records[-1]["epsilon"] <= target
+    assert "privacy budget: round 3 would spend" in capsys.readouterr().out
+    assert load_checkpoint(tmp_path / "run" / CHECKPOINT_NAME).state["finished"]
+
+
+@pytest.mark.slow  # three async runs
+def test_an_async_run_resumed_mid_run_continues_the_accounting(tmp_path):
+    run(tmp_path / "run", *ASYNC, "--rounds", "2")
+    records = run(tmp_path / "run", *ASYNC, "--rounds", "3", "--resume")
+    assert [r["round"] for r in records] == [1, 2, 3]
+    assert records[-1]["epsilon"] == pytest.approx(versions_eps(3))
+
+
 @pytest.mark.slow  # four runs: ~15 s
 def test_the_noise_is_not_fixed_by_the_seed(tmp_path):
     def final(name: str, *flags: str) -> dict[str, np.ndarray]:

@@ -296,6 +296,27 @@ def test_rejected_answer_does_not_keep_the_round_open():
     assert "num_samples" in coordinator.close_round(now=1.0).dropped["dev_000"]
 
 
+def test_a_device_that_declines_its_round_is_refused_and_does_not_keep_the_round_open():
+    coordinator = make_coordinator(2)
+    coordinator.open_round(1, now=0.0)
+    coordinator.judge("dev_000", update(), now=1.0)
+    verdict = coordinator.decline("dev_001", 1, "non-finite: train_loss is nan")
+    assert not verdict.accepted and verdict.reason == "non-finite: train_loss is nan"
+    assert coordinator.closing(now=2.0) == ALL_ANSWERED
+    result = coordinator.close_round(now=2.0)
+    assert result.accepted == ("dev_000",) and result.dropped == {"dev_001": "non-finite: train_loss is nan"}
+
+
+@pytest.mark.parametrize("device_id, round_index", [("dev_000", 1), ("dev_001", 2)], ids=["answered", "other-round"])
+def test_declining_a_round_that_does_not_await_the_device_changes_nothing(device_id: str, round_index: int):
+    coordinator = make_coordinator(2)
+    coordinator.open_round(1, now=0.0)
+    coordinator.judge("dev_000", update(), now=1.0)
+    verdict = coordinator.decline(device_id, round_index, "non-finite: train_loss is nan")
+    assert not verdict.accepted and verdict.reason.startswith("not asked")
+    assert coordinator.awaits("dev_001") and coordinator.close_round(now=2.0).accepted == ("dev_000",)
+
+
 def test_silent_device_is_dropped_at_the_deadline():
     coordinator = make_coordinator(2)
     coordinator.open_round(1, now=0.0)

@@ -209,6 +209,28 @@ def test_an_update_from_a_device_not_asked_this_round_is_refused_and_changes_not
     assert not all(torch.equal(clean.global_state[k], v) for k, v in round_1.items())  # round 2 moved the model
 
 
+def test_a_device_that_declines_its_round_as_non_finite_is_counted_and_nothing_of_it_is_aggregated():
+    """The device whose round diverged (device_runtime.task.non_finite) says so: the round closes without waiting
+    for it, its reason is in the record, and the new model is the one its fellow trainer alone makes."""
+    def run(decline: bool):
+        engine = make_engine("fedavg")
+        for device_id in ("dev_000", "dev_001"):
+            join(engine, device_id)
+        tasks = engine.open_round(1, 0.0)
+        assert answer(engine, "dev_000", tasks["dev_000"], scale=2.0).accepted
+        if decline:
+            verdict = engine.decline("dev_001", 1, "train_loss is nan")
+            assert (verdict.accepted, verdict.reason) == (False, "non-finite: train_loss is nan")
+        return engine, engine.close_round(1.0)[0]
+
+    declined, result = run(decline=True)
+    silent, _ = run(decline=False)  # dev_001 never answers: the round closes at its deadline without it
+    assert result.closed_by == "all answered" and result.accepted == ("dev_000",)
+    assert result.dropped == {"dev_001": "non-finite: train_loss is nan"}
+    assert declined.pending["dropped"] == {"dev_001": "non-finite: train_loss is nan"}
+    assert all(torch.equal(declined.global_state[k], v) for k, v in silent.global_state.items())
+
+
 def test_the_new_model_is_bit_identical_whatever_order_the_updates_arrive_in():
     def run(order: list[str]) -> dict[str, torch.Tensor]:
         engine = make_engine("fedavg")

@@ -61,6 +61,20 @@ def test_genuine_updates_of_both_plans_are_averaged(world: World):
     assert result.accepted == (TRAINER, FACTORED) and result.enough
 
 
+def test_a_device_reporting_a_non_finite_round_is_dropped_with_its_reason_and_counted(world: World):
+    """The device whose model diverged sends ERROR non_finite (it cannot send a NaN loss): the broker loop refuses
+    its answer for that reason, counts it, and aggregates only the genuine update."""
+    server = open_server(world)
+    server._handle(update_topic(TRAINER), encode(genuine_update(world, TRAINER)))
+    report = error_message(ErrorCode.NON_FINITE, "round 1: train_loss is nan: no update sent", device_id=FACTORED,
+                           run_id=RUN, round_index=ROUND)
+    server._handle(up(FACTORED), encode(report))
+    assert aggregated(server) == 1 and server.refusals == {"update non-finite": 1}
+    result = close(server)
+    assert result.accepted == (TRAINER,)
+    assert result.dropped[FACTORED] == "non-finite: round 1: train_loss is nan: no update sent"
+
+
 # -- tensors ---------------------------------------------------------------------------------------
 
 

@@ -188,6 +188,7 @@ def test_the_aggregators_figures_show_what_the_engine_knows_of_them():
 def test_refusal_labels_stay_a_bounded_set_whatever_a_sender_writes():
     assert update_refusal("stale: update for round 1, round 2 is open") == "update stale"
     assert update_refusal("tensor fe.evil_name_0001: shape (3,), expected (4,)") == "update bad tensors"
+    assert update_refusal("non-finite: round 3: train_loss is nan: no update sent") == "update non-finite"
     assert update_refusal("anything else 1234") == "update other"
     counts: Counter = Counter()
     for i in range(10 * MAX_REFUSAL_KINDS):
