@@ -25,6 +25,7 @@ from device_runtime.envelope import Message, MessageType
 from device_runtime.framing import FRAME_HEADER_BYTES, chunk
 from device_runtime.messages import ErrorCode, error_message
 from device_runtime.topics import Topics
+from server.broker_loop import PENDING_UPDATES_BUDGETED
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.mqtt.enrollment import enroll, save_enrollment
 from tests.support.broker import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub
@@ -38,9 +39,11 @@ QUICK = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "1", "
 ROUNDS = 8
 """Rounds of the attacked and the clean run (the attack lands in round 2, while the devices are paused)."""
 FLOOD_TOPICS = 1000
-RSS_BOUND_MIB = 64
-"""The server's RSS may grow by at most this much during the flood: its reassembly budget
-(4 largest inbound messages, ~21 MiB here) plus allocator slack."""
+LARGEST_INBOUND_MIB = 5.3
+"""The largest message this run's server takes (its inbound limit: the dense plan's update and slack)."""
+RSS_BOUND_MIB = PENDING_UPDATES_BUDGETED * LARGEST_INBOUND_MIB + 43
+"""The server's RSS may grow by at most this much during the flood: its reassembly budget (PENDING_UPDATES_BUDGETED
+largest inbound messages, ~85 MiB here) plus allocator slack."""
 WRONG_KEY = bytes([0xEE]) * 32
 ATTACK_TIMEOUT_S = 30  # well inside the broker's keep-alive (1.5 x 30 s): paused devices stay connected
 SERVER_REFUSALS = 5
