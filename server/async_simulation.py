@@ -15,6 +15,9 @@ from server.outputs.progress import print_and_log
 from server.simulation import Simulation
 
 log = logging.getLogger("fedara.simulate")
+REFUSALS_PER_DEVICE = 10
+"""The run stops after this many refused updates in a row per device: none is accepted, so no version can come
+(every device's training diverged, say), and without this it would hand out tasks forever."""
 
 
 class AsyncSimulation(Simulation):
@@ -23,6 +26,7 @@ class AsyncSimulation(Simulation):
     def __init__(self, *args, **kwargs):
         self._ends: list[tuple[float, int, str]] = []  # (virtual end, task number, device) of the tasks in flight
         self._tasks: dict[str, Task] = {}
+        self._refused_in_a_row = 0
         super().__init__(*args, **kwargs)
         if self.fleet is None:
             raise RunError(f"--mode async needs the virtual clock: the cost model has no step time for "
@@ -57,8 +61,14 @@ class AsyncSimulation(Simulation):
         msg = update_message(update, plan_hash=self.devices[device_id].plan_hash, device_id=device_id,
                              run_id=self.run_id)
         verdict = self.engine.receive(device_id, msg, self.clock)
-        if not verdict.accepted:
-            log.warning("dropped %s's update (task %d): %s", device_id, task.round, verdict.reason)
+        if verdict.accepted:
+            self._refused_in_a_row = 0
+            return
+        log.warning("dropped %s's update (task %d): %s", device_id, task.round, verdict.reason)
+        self._refused_in_a_row += 1
+        if self._refused_in_a_row > REFUSALS_PER_DEVICE * len(self.devices):
+            raise RunError(f"--mode async: {self._refused_in_a_row} updates in a row were refused, none accepted "
+                           f"(the last: {verdict.reason}); no version can be made: lower --lr (or the DP noise)")
 
     def _evaluate_version(self) -> None:
         """Every device evaluates the new version (no virtual time: a measurement, as sync's away devices do)."""

@@ -62,3 +62,11 @@ def test_a_sync_round_lasts_until_its_slowest_trainer_is_done(tmp_path):
         ends.append(fleet.finish(device_id, 0.0, steps * fleet.step_seconds(ratio) * fleet.trace.factor(device_id)))
     assert record["participants"] == len(trainers) > 0 and record["evaluated"] == 4
     assert record["sim_time"] == max(ends)
+
+
+def test_an_async_run_whose_every_update_is_refused_stops_in_one_line(tmp_path, capsys):
+    flags = list(QUICK)
+    flags[flags.index("--lr") + 1] = "1e30"  # every device's training diverges: each update is refused
+    assert main([*flags, "--out", str(tmp_path / "run"), *ASYNC, "--rounds", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "updates in a row were refused, none accepted" in err and "lower --lr" in err
