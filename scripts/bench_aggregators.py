@@ -50,6 +50,7 @@ from device_runtime.topics import Topics, server_subscriptions, update_filter  #
 from device_runtime.transport import MqttEndpoint, rotate_brokers  # noqa: E402
 from fedcore.models import build_model  # noqa: E402
 from server.engine import folding_records as folding  # noqa: E402
+from server.outputs.machine import cpu_name  # noqa: E402
 from server.mqtt import aggregation_wire as wire  # noqa: E402
 from server.broker_loop import (AGGREGATORS_DIR, PENDING_MESSAGES, PENDING_UPDATES_BUDGETED,  # noqa: E402
                                 QUEUED_UPDATES_BUDGETED, Federation, inbound_limit)
@@ -115,17 +116,6 @@ def broker_of(kind: str, folder: Path) -> Iterator[str]:
         proc.terminate()
         proc.wait()
 
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), or the platform's word for it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine()
 
 
 def make_engine(devices: list[str], remote: bool, rounds: int) -> RoundEngine:

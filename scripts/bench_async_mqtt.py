@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -37,18 +36,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from server.outputs.report import METRICS_FILE, read_metrics  # noqa: E402
+from server.outputs.machine import cpu_name  # noqa: E402
 
 TARGET_GAP = 0.01
 DEVICES = 6
 
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown"
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
-                "unknown")
 
 
 def common_flags(args: argparse.Namespace, seed: int) -> list[str]:

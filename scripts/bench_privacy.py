@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from server.engine.accountant import noise_multiplier_for  # noqa: E402
+from server.outputs.machine import cpu_name  # noqa: E402
 
 SETTINGS = {"hetero": ["--rank-tiers", "1.0,0.5,0.25"], "homog": ["--rank-ratio", "1.0"]}
 
@@ -130,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = a.settings.split(",")
     z_for = {t: None if t == "inf" else noise_multiplier_for(float(t), a.rounds, a.join_ratio, delta, a.accountant)
              for t in targets}
-    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True)
-                .stdout.splitlines() if line.startswith("Model name")), platform.processor())
+    cpu = cpu_name()
     doc = {"config": dict(vars(a), epsilons=targets, settings=settings, delta=delta), "cpu": cpu,
            "load_before": os.getloadavg(), "noise_multipliers": z_for, "runs": []}
     kept = {r["command"]: r for r in json.loads(out.read_text())["runs"]} if a.keep_runs and out.exists() else {}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from device_runtime.messages import Join, ShardInfo  # noqa: E402
 from device_runtime.profile import ResourceProfile  # noqa: E402
 from fedcore.models import build_model  # noqa: E402
 from server.engine.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
+from server.outputs.machine import cpu_name  # noqa: E402
 from server.engine.round_engine import RoundEngine, algorithm_for  # noqa: E402
 from server.outputs.prometheus_metrics import SnapshotCollector  # noqa: E402
 from server.outputs.status_snapshot import fleet_snapshot  # noqa: E402
@@ -55,14 +55,6 @@ def fleet(devices: int, records: int) -> RoundEngine:
             "wire_bytes_out": 1, "wire_bytes_in": 1})
     return engine
 
-
-def cpu_name() -> str:
-    """The CPU's model name where Linux tells it, else the machine type."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine()
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
 
 
 def best_of(fn, repeats: int = 5) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ import numpy as np  # noqa: E402
 
 from device_runtime.auth import VERIFIER_FILE, Direction, KeyRing, Verifier, VerifierStore, write_json_atomic  # noqa: E402
 from device_runtime.envelope import Message, MessageType, decode, seal  # noqa: E402
+from server.outputs.machine import cpu_name  # noqa: E402
 
 RUN = "bench"
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "accepts": args.accepts, "batch": args.batch, "machine": {
-        "cpu": platform.processor() or platform.machine(), "loadavg": list(os.getloadavg())}}, indent=1) + "\n")
+        "cpu": cpu_name(), "loadavg": list(os.getloadavg())}}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -564,24 +564,26 @@ def broker_url(args: argparse.Namespace) -> Iterator[str]:
 
 def local_limits(args: argparse.Namespace) -> list[float]:
     """--local-memory-limit-mb where memory cgroups can be made here, else [] and one line saying why not."""
-    if not args.local_memory_limit_mb:
-        return []
-    why = cgroups.available()
-    if why is not None:
-        print(f"--local-memory-limit-mb ignored: {why}; the local devices run without a memory limit", flush=True)
-        return []
-    return cgroups.parse_limits(args.local_memory_limit_mb)
+    return _limits_here("--local-memory-limit-mb", args.local_memory_limit_mb, cgroups.available,
+                        cgroups.parse_limits, "memory")
 
 
 def local_cpu_limits(args: argparse.Namespace) -> list[float]:
     """--local-cpu-limit where CPU cgroups can be made here, else [] and one line saying why not."""
-    if not args.local_cpu_limit:
+    return _limits_here("--local-cpu-limit", args.local_cpu_limit, cgroups.cpu_available, cgroups.parse_cpu_limits,
+                        "CPU")
+
+
+def _limits_here(flag: str, value: str | None, available: Callable[[], str | None],
+                 parse: Callable[[str], list[float]], what: str) -> list[float]:
+    """``flag``'s limits where such cgroups can be made here, else [] and one line saying why not."""
+    if not value:
         return []
-    why = cgroups.cpu_available()
+    why = available()
     if why is not None:
-        print(f"--local-cpu-limit ignored: {why}; the local devices run without a CPU limit", flush=True)
+        print(f"{flag} ignored: {why}; the local devices run without a {what} limit", flush=True)
         return []
-    return cgroups.parse_cpu_limits(args.local_cpu_limit)
+    return parse(value)
 
 
 def linger(status: StatusServer, seconds: float) -> None:

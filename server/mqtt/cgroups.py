@@ -109,12 +109,11 @@ def _counter(text: str, key: str) -> int:
 
 
 @dataclass(frozen=True)
-class MemoryGroup:
-    """One memory cgroup with a limit of ``limit_mb`` MiB."""
+class Group:
+    """One cgroup (v1 or v2) at ``path``: its processes, and its removal."""
 
     path: Path
     version: int
-    limit_mb: float
 
     @property
     def procs_file(self) -> Path:
@@ -126,19 +125,6 @@ class MemoryGroup:
 
     def pids(self) -> list[int]:
         return [int(p) for p in _read(self.procs_file).split()]
-
-    def evidence(self) -> MemoryEvidence:
-        """OOM kills, limit hits and peak usage so far (v1: memory.oom_control, memory.failcnt or, with swap
-        accounting, memory.memsw.failcnt, memory.max_usage_in_bytes; v2: memory.events oom_kill and max,
-        memory.peak where the kernel has it)."""
-        if self.version == 1:
-            peak = _read(self.path / "memory.max_usage_in_bytes").strip()
-            hits = max(int(_read(self.path / name).strip() or 0) for name in ("memory.failcnt", "memory.memsw.failcnt"))
-            return MemoryEvidence(_counter(_read(self.path / "memory.oom_control"), "oom_kill"), hits,
-                                  int(peak) / MIB if peak else None)
-        events = _read(self.path / "memory.events")
-        peak = _read(self.path / "memory.peak").strip()
-        return MemoryEvidence(_counter(events, "oom_kill"), _counter(events, "max"), int(peak) / MIB if peak else None)
 
     def remove(self, timeout: float = REMOVE_TIMEOUT_S) -> None:
         """Remove the group once its processes have exited (waits up to ``timeout`` s for the kernel to let them
@@ -157,6 +143,37 @@ class MemoryGroup:
             time.sleep(REMOVE_POLL_S)
 
 
+@dataclass(frozen=True)
+class MemoryGroup(Group):
+    """One memory cgroup with a limit of ``limit_mb`` MiB."""
+
+    limit_mb: float
+
+    def evidence(self) -> MemoryEvidence:
+        """OOM kills, limit hits and peak usage so far (v1: memory.oom_control, memory.failcnt or, with swap
+        accounting, memory.memsw.failcnt, memory.max_usage_in_bytes; v2: memory.events oom_kill and max,
+        memory.peak where the kernel has it)."""
+        if self.version == 1:
+            peak = _read(self.path / "memory.max_usage_in_bytes").strip()
+            hits = max(int(_read(self.path / name).strip() or 0) for name in ("memory.failcnt", "memory.memsw.failcnt"))
+            return MemoryEvidence(_counter(_read(self.path / "memory.oom_control"), "oom_kill"), hits,
+                                  int(peak) / MIB if peak else None)
+        events = _read(self.path / "memory.events")
+        peak = _read(self.path / "memory.peak").strip()
+        return MemoryEvidence(_counter(events, "oom_kill"), _counter(events, "max"), int(peak) / MIB if peak else None)
+
+
+def _new_group_dir(found: Hierarchy, name: str, controller: str) -> Path:
+    """The directory of a new group ``fedara-<pid>-<name>`` under ``found``; CgroupError saying what it needs."""
+    path = found.parent / f"{GROUP_PREFIX}-{os.getpid()}-{name}"
+    try:
+        path.mkdir()
+    except OSError as exc:
+        raise CgroupError(f"cannot create {controller} cgroup {path}: {exc.strerror or exc} (needs root and a "
+                          f"writable {controller} controller)") from None
+    return path
+
+
 def create_group(name: str, limit_mb: float, hierarchy: Hierarchy | None = None) -> MemoryGroup:
     """A new memory group ``fedara-<pid>-<name>`` limited to ``limit_mb`` MiB (swap included: none allowed)
     under ``hierarchy`` (None: this machine's, find_hierarchy()). Raises CgroupError saying what to change."""
@@ -173,12 +190,7 @@ def create_group(name: str, limit_mb: float, hierarchy: Hierarchy | None = None)
             raise CgroupError(f"{exc} (cgroup v2 lets a group hand controllers to child groups only while it holds no "
                               "process: run the server in a delegated group of its own, e.g. "
                               "systemd-run --scope -p Delegate=yes ...)") from None
-    path = found.parent / f"{GROUP_PREFIX}-{os.getpid()}-{name}"
-    try:
-        path.mkdir()
-    except OSError as exc:
-        raise CgroupError(f"cannot create memory cgroup {path}: {exc.strerror or exc} (needs root and a writable "
-                          "memory controller)") from None
+    path = _new_group_dir(found, name, "memory")
     group = MemoryGroup(path, found.version, float(limit_mb))
     limit = str(int(limit_mb * MIB))
     try:
@@ -208,7 +220,7 @@ def available(hierarchy: Hierarchy | None = None) -> str | None:
     return None
 
 
-def enter_hook(group: MemoryGroup | CpuGroup, then: Callable[[], object] | None = None) -> Callable[[], None]:
+def enter_hook(group: Group, then: Callable[[], object] | None = None) -> Callable[[], None]:
     """A ``preexec_fn`` for subprocess.Popen that moves the child into ``group`` before it execs, then calls
     ``then`` (another preexec hook, e.g. a parent-death signal). Only os-level calls: it runs in a forked child."""
     procs = os.fsencode(group.procs_file)
@@ -225,7 +237,7 @@ def enter_hook(group: MemoryGroup | CpuGroup, then: Callable[[], object] | None 
     return hook
 
 
-def popen_in_group(group: MemoryGroup, command: Sequence[str], *, preexec_fn: Callable[[], object] | None = None,
+def popen_in_group(group: Group, command: Sequence[str], *, preexec_fn: Callable[[], object] | None = None,
                    **popen_kwargs) -> subprocess.Popen:
     """subprocess.Popen(command, ...) with the child inside ``group`` from before its exec; ``preexec_fn`` runs
     after it has entered. A child that cannot enter fails to start (SubprocessError), nothing runs unconfined."""
@@ -254,16 +266,10 @@ MIN_CPU_CORES = 0.01
 
 
 @dataclass(frozen=True)
-class CpuGroup:
+class CpuGroup(Group):
     """One CPU cgroup limited to ``cores`` cores (``quota_us`` µs of CPU time per ``CPU_PERIOD_US``)."""
 
-    path: Path
-    version: int
     cores: float
-
-    @property
-    def procs_file(self) -> Path:
-        return self.path / "cgroup.procs"
 
     @property
     def quota_us(self) -> int:
@@ -275,10 +281,6 @@ class CpuGroup:
             quota, period = _read(self.path / "cpu.max").split()
             return (-1 if quota == "max" else int(quota)), int(period)
         return int(_read(self.path / "cpu.cfs_quota_us")), int(_read(self.path / "cpu.cfs_period_us"))
-
-    def remove(self, timeout: float = REMOVE_TIMEOUT_S) -> None:
-        """Remove the group once its processes have exited (as MemoryGroup.remove)."""
-        MemoryGroup(self.path, self.version, 0.0).remove(timeout)
 
 
 def cpu_quota_us(cores: float, period_us: int = CPU_PERIOD_US) -> int:
@@ -312,12 +314,7 @@ def create_cpu_group(name: str, cores: float, hierarchy: Hierarchy | None = None
                           f"{CGROUP_ROOT}/cgroup.controllers nor v1 at {CGROUP_ROOT}/cpu)")
     if found.version == 2 and "cpu" not in _read(found.parent / "cgroup.subtree_control").split():
         _write(found.parent / "cgroup.subtree_control", "+cpu")
-    path = found.parent / f"{GROUP_PREFIX}-{os.getpid()}-{name}"
-    try:
-        path.mkdir()
-    except OSError as exc:
-        raise CgroupError(f"cannot create CPU cgroup {path}: {exc.strerror or exc} (needs root and a writable "
-                          "cpu controller)") from None
+    path = _new_group_dir(found, name, "cpu")
     group = CpuGroup(path, found.version, float(cores))
     try:
         if found.version == 2:
