@@ -164,7 +164,15 @@ class MemoryGroup(Group):
 
 
 def _new_group_dir(found: Hierarchy, name: str, controller: str) -> Path:
-    """The directory of a new group ``fedara-<pid>-<name>`` under ``found``; CgroupError saying what it needs."""
+    """The directory of a new group ``fedara-<pid>-<name>`` under ``found``, ``controller`` handed down to it (v2);
+    CgroupError saying what it needs."""
+    if found.version == 2 and controller not in _read(found.parent / "cgroup.subtree_control").split():
+        try:
+            _write(found.parent / "cgroup.subtree_control", f"+{controller}")
+        except CgroupError as exc:
+            raise CgroupError(f"{exc} (cgroup v2 lets a group hand controllers to child groups only while it holds no "
+                              "process: run the server in a delegated group of its own, e.g. "
+                              "systemd-run --scope -p Delegate=yes ...)") from None
     path = found.parent / f"{GROUP_PREFIX}-{os.getpid()}-{name}"
     try:
         path.mkdir()
@@ -183,13 +191,6 @@ def create_group(name: str, limit_mb: float, hierarchy: Hierarchy | None = None)
     if found is None:
         raise CgroupError("this machine has no memory cgroup controller (neither cgroup v2 with 'memory' in "
                           f"{CGROUP_ROOT}/cgroup.controllers nor v1 at {CGROUP_ROOT}/memory)")
-    if found.version == 2 and "memory" not in _read(found.parent / "cgroup.subtree_control").split():
-        try:
-            _write(found.parent / "cgroup.subtree_control", "+memory")
-        except CgroupError as exc:
-            raise CgroupError(f"{exc} (cgroup v2 lets a group hand controllers to child groups only while it holds no "
-                              "process: run the server in a delegated group of its own, e.g. "
-                              "systemd-run --scope -p Delegate=yes ...)") from None
     path = _new_group_dir(found, name, "memory")
     group = MemoryGroup(path, found.version, float(limit_mb))
     limit = str(int(limit_mb * MIB))
@@ -312,8 +313,6 @@ def create_cpu_group(name: str, cores: float, hierarchy: Hierarchy | None = None
     if found is None:
         raise CgroupError("this machine has no CPU cgroup controller (neither cgroup v2 with 'cpu' in "
                           f"{CGROUP_ROOT}/cgroup.controllers nor v1 at {CGROUP_ROOT}/cpu)")
-    if found.version == 2 and "cpu" not in _read(found.parent / "cgroup.subtree_control").split():
-        _write(found.parent / "cgroup.subtree_control", "+cpu")
     path = _new_group_dir(found, name, "cpu")
     group = CpuGroup(path, found.version, float(cores))
     try:
