@@ -275,12 +275,18 @@ class Federation:
         self._send(device_id, error_message(ErrorCode.REFUSED, reason, device_id=device_id,
                                             run_id=self.engine.run_id))
 
-    def _on_ack(self, device_id: str, msg: Message) -> None:
+    def _acknowledge(self, device_id: str, msg: Message) -> bool:
+        """Whether the engine takes ``device_id``'s ACK (the device is ready); logged either way."""
         problem = self.engine.acknowledge(device_id, parse_ack(msg))
         if problem is not None:
             LOG.warning("ignored an ACK from %s: %s", device_id, problem)
-            return
+            return False
         LOG.info("%s is ready", device_id)
+        return True
+
+    def _on_ack(self, device_id: str, msg: Message) -> None:
+        if not self._acknowledge(device_id, msg):
+            return
         if self.engine.awaits(device_id):
             if self.channel.names:  # its plan may be new (it rejoined at a lower tier): the aggregators must know it
                 self.channel.send_brief()
@@ -484,11 +490,8 @@ class AsyncFederation(Federation):
         self._dispatch()
 
     def _on_ack(self, device_id: str, msg: Message) -> None:
-        problem = self.engine.acknowledge(device_id, parse_ack(msg))
-        if problem is not None:
-            LOG.warning("ignored an ACK from %s: %s", device_id, problem)
+        if not self._acknowledge(device_id, msg):
             return
-        LOG.info("%s is ready", device_id)
         self._acknowledged.add(device_id)
         if device_id in self.engine.training():  # a resumed run's task, or one it lost restarting
             self._resend(device_id)
