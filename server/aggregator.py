@@ -7,10 +7,11 @@ TASK); member ``NAME`` subscribes only to ``PREFIX/dev/+/update/NAME``, so every
 it, on any MQTT broker, and an outsider subscribing there gets a copy and takes nothing. The member authenticates it
 (the device's key from ``--enroll``, the same file the server reads), checks it against the round's brief (run,
 round, asked, plan, tensors, sample count) and sends the engine a sealed receipt; it folds the update into its
-own float64 ``StreamingAverage`` only when the engine answers "fold". The engine stays the one authority on what
-counts (one update per device and round, the deadline, freshness), so an update replayed to two members is
-folded once. At the round's close the member sends its partial sums and the devices behind them
-(``server.mqtt.aggregation_wire``).
+own float64 ``StreamingAverage`` only when the engine answers "fold" (with DP, by the brief's clip C and sent
+weights: Σ clip_C(reconstruct(returned) − reconstruct(sent)), the engine's own rule, ``privacy.RoundChanges``).
+The engine stays the one authority on what counts (one update per device and round, the deadline, freshness), so
+an update replayed to two members is folded once. At the round's close the member sends its partial sums and the
+devices behind them (``server.mqtt.aggregation_wire``).
 
 ``Aggregator`` is the pure core (no I/O, no clock: deadlines are the engine's); ``main`` is the thin shell.
 """
@@ -40,6 +41,7 @@ from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers
 from server.engine import folding_records as folding
 from server.mqtt import aggregation_wire as wire
 from server.engine.aggregate import StreamingAverage
+from server.engine.privacy import RoundChanges
 from server.cli import PASSWORD_ENV, add_broker_flags, check_broker_connect_timeout, fail
 from server.mqtt.enrollment import EnrollmentError, load_enrollment, load_server_key
 from server.engine.sampling import as_torch
@@ -61,6 +63,7 @@ class Aggregator:
         self.verifier = Verifier(device_keys, {Direction.UP})
         self.brief: folding.Brief | None = None
         self.average: StreamingAverage | None = None
+        self.changes: RoundChanges | None = None  # with DP: the round's Σ clip_C(Δ_i), instead of the average
         self.forwarded: set[str] = set()  # devices of this round whose update this member sent a receipt for
         self.awaiting: dict[str, tuple[dict[str, np.ndarray], int]] = {}  # device -> training update, until verdict
         self.folded: list[str] = []
@@ -73,7 +76,9 @@ class Aggregator:
         self.brief = brief
         if same_round:
             return
-        self.average = StreamingAverage(brief.dense_shapes)
+        # with DP the engine's own per-device rule: each Δ against what its device was sent, clipped to the round's C
+        self.average = None if brief.dp_clip is not None else StreamingAverage(brief.dense_shapes)
+        self.changes = None if brief.dp_clip is None else RoundChanges(brief.dp_clip, brief.dense_shapes)
         self.forwarded, self.awaiting, self.folded = set(), {}, []
 
     def on_update(self, topic_device: str, msg: Message) -> folding.Receipt | str:
@@ -131,7 +136,12 @@ class Aggregator:
                 LOG.warning("%s holds no update of %s to fold", self.name, device_id)
             return
         weights, num_samples = held
-        self.average.add(as_torch(weights), num_samples)
+        if self.changes is not None:
+            plan = self.brief.devices[device_id].plan_hash
+            norm = self.changes.add(as_torch(weights), as_torch(self.brief.sent[plan]), plan)
+            LOG.info("%s: %s's update norm %.6g (DP clip %g)", self.name, device_id, norm, self.changes.total.clip)
+        else:
+            self.average.add(as_torch(weights), num_samples)
         self.folded.append(device_id)
         LOG.info("%s folded %s's update of round %d", self.name, device_id, round_index)
 
@@ -155,7 +165,8 @@ class Aggregator:
         if self.awaiting:
             LOG.warning("%s: round %d closed without folding %s (the engine did not name them)", self.name,
                         round_index, sorted(self.awaiting))
-        self.last_partial = folding.Partial(round_index, self.average.partial(), tuple(self.folded))
+        total = self.changes.total if self.changes is not None else self.average.partial()
+        self.last_partial = folding.Partial(round_index, total, tuple(self.folded))
         LOG.info("%s: round %d partial over %d update(s): %s", self.name, round_index, len(self.folded),
                  ",".join(self.folded))
         return self.last_partial

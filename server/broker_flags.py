@@ -82,10 +82,6 @@ def check_broker_args(args: argparse.Namespace) -> None:
     if args.mode == "async" and args.aggregators:
         raise ValueError(f"--mode async with --aggregators {args.aggregators}: aggregator processes fold sync rounds; "
                          "leave --aggregators out, or use --mode sync")
-    if args.mode == "async" and args.dp_noise_multiplier is not None:
-        raise ValueError(f"--mode async with --dp-noise-multiplier {args.dp_noise_multiplier:g}: DP buffers run in "
-                         "python -m server.simulate --mode async only (the MQTT loop does not stop at the budget yet); "
-                         "use --mode sync here, or the simulator")
     if args.task_timeout is not None and args.mode != "async":
         raise ValueError(f"--task-timeout {args.task_timeout:g} ends async tasks; a sync round has --round-deadline "
                          "(use --mode async, or leave --task-timeout out)")

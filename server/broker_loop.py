@@ -432,8 +432,10 @@ class AsyncFederation(Federation):
     carries first: a row waits for those until the version after next), checkpointed and published on --status-port.
     --task-timeout ends tasks whose devices went silent (``AsyncEngine.expire``, from the run's clock). After the
     last version every ready device evaluates it (at most --task-timeout, else --round-deadline, seconds); the
-    tasks still in flight are abandoned (a resumed run gives fresh ones). The engine's clock here is the wall
-    clock since the run (or its resume) began: every row's sim_time."""
+    tasks still in flight are abandoned (a resumed run gives fresh ones). With DP the run ends early, as the
+    simulator's does, once the next version would pass --dp-target-epsilon (``engine.budget_refusal``): one line,
+    no further task or update taken (``AsyncEngine.makes_no_more``), the last version evaluated and checkpointed.
+    The engine's clock here is the wall clock since the run (or its resume) began: every row's sim_time."""
 
     engine: AsyncEngine
 
@@ -449,8 +451,6 @@ class AsyncFederation(Federation):
 
     def _dispatch(self) -> None:
         engine = self.engine
-        if engine.version >= engine.config.rounds:
-            return
         for device_id, task in engine.dispatch(self._ready(), now=self.clock()).items():
             self._send_built_task(device_id, task)
 
@@ -501,7 +501,7 @@ class AsyncFederation(Federation):
         asked = self._evaluations_asked.get(device_id) == msg.round
         if asked:
             del self._evaluations_asked[device_id]
-        elif self.engine.version >= self.engine.config.rounds:
+        elif self.engine.makes_no_more():  # --rounds reached, or the privacy budget
             LOG.info("%s's update of task %d came after the last version: not counted", device_id, msg.round)
             return
         verdict = self.engine.receive(device_id, msg, self.clock())
@@ -524,20 +524,24 @@ class AsyncFederation(Federation):
                 return until()
 
     def run(self, first_round: int, progress: Progress) -> None:
-        """Versions up to --rounds (``first_round``: the next version to make), each checkpointed; then the final
-        version's evaluations."""
+        """Versions up to --rounds (fewer where the privacy budget ends the run first; ``first_round``: the next
+        version to make), each checkpointed; then the final version's evaluations."""
         engine = self.engine
         rounds = engine.config.rounds
         self.started = time.monotonic()
         self.wait_for_devices()
         self._dispatch()
         while engine.version < rounds:
+            stop = engine.budget_refusal()  # DP: the next version would overspend; what is buffered stays unsent
+            if stop is not None:
+                print_and_log(stop)
+                break
             before = engine.version
             self._wait(lambda: engine.version > before, None)
             progress.evaluated(engine.records[-1] if engine.records and engine.records[-1]["round"] == before
                                else None)
             progress.trained(engine.pending)
-            if engine.version < rounds:  # the last version: below, once the tasks in flight are in
+            if not engine.makes_no_more():  # the last version: below, once the tasks in flight are in
                 self._evaluate(self._idle())
             self.checkpoint(engine.version, finished=False)
             self.publish_status(force=True)

@@ -83,12 +83,21 @@ class AsyncEngine(RoundEngine):
     def free_slots(self) -> int:
         return max(0, self.rule.concurrency - self.buff.busy())
 
+    def makes_no_more(self) -> bool:
+        """Whether no further version will be made: --rounds versions exist, or (DP) the next one would overspend
+        the budget (``budget_refusal``). Then no task is given out and no training update is taken: what is
+        buffered is never released."""
+        return self.version >= self.config.rounds or self.budget_refusal() is not None
+
     # -- tasks ----------------------------------------------------------------------------------
 
     def dispatch(self, candidates: list[str], now: float | None = None) -> dict[str, Task]:
         """Tasks at the current version for up to the free slots of ``candidates`` (online devices, as the driver
         knows them) that are ready and not training: a seeded choice, by id, never by the order they came in.
-        ``now``: when they start (what --task-timeout counts from; None: from the next ``expire``)."""
+        ``now``: when they start (what --task-timeout counts from; None: from the next ``expire``). None once the
+        run makes no more versions (``makes_no_more``)."""
+        if self.makes_no_more():
+            return {}
         ready = set(self.ready_devices())
         free = sorted(d for d in set(candidates) if d in ready and d not in self.buff.in_flight
                       and not (self.dp is not None and self.dp.holds(d)))  # with DP: once per buffer
@@ -209,6 +218,9 @@ class AsyncEngine(RoundEngine):
         if evaluating is not None and evaluating[0] == answer.round:
             del self._evaluating[device_id]
             return self._evaluation(record, answer, evaluating[1])
+        if self.makes_no_more():  # a flush past --rounds or past the privacy budget is never made
+            return Verdict(False, f"no further version after version {self.version}: "
+                                  + (self.budget_refusal() or f"--rounds {self.config.rounds} reached"))
         judged = self.buff.judge(device_id, answer.round)
         if isinstance(judged, str) and self._timed_out.get(device_id) == answer.round:
             return Verdict(False, f"{TIMED_OUT} update for task {answer.round} came after --task-timeout "

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from server.engine.aggregate import PartialSum
+from server.engine.privacy import ClippedSum
 from server.engine.update_rule import Answer, Asked
 
 
@@ -33,6 +36,10 @@ class Brief:
     plan_shapes: dict[str, dict[str, tuple[int, ...]]]  # plan hash -> tensors of a training update
     devices: dict[str, Asked]
     max_inbound: int
+    dp_clip: float | None = None
+    """With DP: the round's clip C; the member then folds Σ clip_C(Δ_i) (``privacy.RoundChanges``), not a mean."""
+    sent: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    """With DP: plan hash -> the weights its devices were sent (each Δ_i is taken against them)."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +62,8 @@ class Receipt:
 
 @dataclass(frozen=True)
 class Partial:
-    """One aggregator's share of a round: its PartialSum and the devices behind it."""
+    """One aggregator's share of a round: its PartialSum (with DP: its ClippedSum) and the devices behind it."""
 
     round: int
-    sum: PartialSum
+    sum: PartialSum | ClippedSum
     devices: tuple[str, ...]

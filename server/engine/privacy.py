@@ -83,6 +83,35 @@ class ClippedSum:
         self.within += norm <= self.clip
         return norm
 
+    def merge(self, other: ClippedSum) -> None:
+        """Add another sum of the same round (an aggregator's partial: other participants, the same clip)."""
+        if other.clip != self.clip or other.sums.keys() != self.sums.keys():
+            raise ValueError(f"a clipped sum at clip {other.clip:g} over {sorted(other.sums)} cannot merge into one at "
+                             f"clip {self.clip:g} over {sorted(self.sums)}")
+        for key, value in other.sums.items():
+            self.sums[key].add_(value.double())
+        self.count += other.count
+        self.within += other.within
+
+
+class RoundChanges:
+    """One round's Σ clip_C(Δ_i) with Δ_i = reconstruct(returned) − reconstruct(sent): the one per-device rule, run
+    by the engine (``DpFedAvg``) and by each aggregator process over its share of the round (its partial)."""
+
+    def __init__(self, clip: float, shapes: dict[str, tuple[int, ...]]):
+        self.shapes = dict(shapes)
+        self.total = ClippedSum.zeros(clip, self.shapes)
+        self._sent: dict[Any, dict[str, torch.Tensor]] = {}
+
+    def add(self, returned: dict[str, torch.Tensor], sent: dict[str, torch.Tensor], plan: Any) -> float:
+        """Add one accepted update: Δ = reconstruct(returned) − reconstruct(sent) (``sent`` reconstructed once per
+        ``plan``), clipped; returns ‖Δ‖ before clipping."""
+        if plan not in self._sent:
+            self._sent[plan] = reconstruct_state(sent, self.shapes)
+        before = self._sent[plan]
+        dense = reconstruct_state(returned, self.shapes)
+        return self.total.add({k: dense[k].double() - before[k].double() for k in self.shapes})
+
 
 @dataclass(frozen=True)
 class Release:
@@ -145,8 +174,7 @@ class DpFedAvg:
         self.mechanism = Privacy.of(settings, shapes)
         self.accountant = Accountant(settings.join_ratio, settings.noise_multiplier, settings.run_delta,
                                      settings.accountant, settings.target_epsilon)
-        self._sum: ClippedSum | None = None
-        self._sent: dict[Any, dict[str, torch.Tensor]] = {}
+        self._changes: RoundChanges | None = None
 
     def refusal(self) -> str | None:
         """Why the next training round may not open (the budget), or None."""
@@ -157,22 +185,24 @@ class DpFedAvg:
 
     def open_round(self) -> None:
         self.accountant.charge()
-        self._sum = self.mechanism.open_round()
-        self._sent = {}
+        self._changes = RoundChanges(self.mechanism.clip, self.mechanism.shapes)
+
+    @property
+    def round_clip(self) -> float:
+        """The open round's clip C (what aggregator processes clip to, in their brief)."""
+        return self._changes.total.clip
 
     def add(self, returned: dict[str, torch.Tensor], sent: dict[str, torch.Tensor], plan: Any) -> float:
-        """Add one accepted update: Δ = reconstruct(returned) − reconstruct(sent) (``sent`` reconstructed once per
-        ``plan``), clipped; returns ‖Δ‖ before clipping."""
-        shapes = self.mechanism.shapes
-        if plan not in self._sent:
-            self._sent[plan] = reconstruct_state(sent, shapes)
-        before = self._sent[plan]
-        dense = reconstruct_state(returned, shapes)
-        return self._sum.add({k: dense[k].double() - before[k].double() for k in shapes})
+        """Add one accepted update (``RoundChanges.add``); returns ‖Δ‖ before clipping."""
+        return self._changes.add(returned, sent, plan)
+
+    def merge(self, partial: ClippedSum) -> None:
+        """Add an aggregator's partial Σ clip_C(Δ_i) over its share of the round's updates."""
+        self._changes.total.merge(partial)
 
     def aggregate(self, global_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The next global model: ω + the round's noised mean update."""
-        release = self.mechanism.release(self._sum)
+        release = self.mechanism.release(self._changes.total)
         return {k: (v.double() + release.delta[k]).to(v.dtype) for k, v in global_state.items()}
 
     @property

@@ -8,9 +8,10 @@ import logging
 from collections.abc import Callable
 
 from device_runtime.task import Update
-from server.engine.aggregate import StreamingAverage
+from server.engine.aggregate import PartialSum
 from server.engine.folding_records import Partial, Receipt, route
 from server.engine.coordinator import Verdict
+from server.engine.privacy import ClippedSum
 
 LOG = logging.getLogger("fedara.engine")
 
@@ -71,9 +72,11 @@ class RemoteFolding:
         """Aggregator -> how many of the open round's updates it was told to fold."""
         return {aggregator: len(told) for aggregator, told in self._told.items()}
 
-    def receive_partial(self, aggregator: str, partial: Partial, open_round: int | None) -> str | None:
+    def receive_partial(self, aggregator: str, partial: Partial, open_round: int | None,
+                        dp_clip: float | None = None) -> str | None:
         """Take ``aggregator``'s partial sums of the open round; returns why they do not count, or None. They count
-        only over exactly the updates it was told to fold, with their sample counts and the model's tensors."""
+        only over exactly the updates it was told to fold, with their sample counts (with DP, ``dp_clip``: a
+        clipped sum at the round's clip, within ≤ count) and the model's tensors."""
         if open_round is None or partial.round != open_round:
             open_now = "no round" if open_round is None else f"round {open_round}"
             return f"partial of round {partial.round}, {open_now} is open"
@@ -82,21 +85,28 @@ class RemoteFolding:
         told = self._told.get(aggregator, {})
         if sorted(partial.devices) != sorted(told):
             return f"it folded {sorted(partial.devices)}, it was told to fold {sorted(told)}"
-        weight = sum(update.num_samples for update, _ in told.values())
-        if partial.sum.count != len(told) or partial.sum.total_weight != weight:
-            return (f"{partial.sum.count} updates of weight {partial.sum.total_weight:g}, expected {len(told)} of "
-                    f"weight {weight:g}")
+        if dp_clip is not None:
+            total = partial.sum
+            if not isinstance(total, ClippedSum) or total.clip != dp_clip or total.count != len(told) \
+                    or not 0 <= total.within <= total.count:
+                return f"expected a clipped sum at the round's clip {dp_clip:g} over {len(told)} updates"
+        else:
+            weight = sum(update.num_samples for update, _ in told.values())
+            if isinstance(partial.sum, ClippedSum) or partial.sum.count != len(told) \
+                    or partial.sum.total_weight != weight:
+                return (f"a sum of {partial.sum.count} updates, expected {len(told)} of weight {weight:g} (no clip: "
+                        "this run has no DP)")
         shapes = {k: tuple(v.shape) for k, v in partial.sum.sums.items()}
         if shapes != self.dense_shapes or not all(bool(v.isfinite().all()) for v in partial.sum.sums.values()):
             return "its sums do not have the model's tensors, or hold NaN or infinity"
         self._partials[aggregator] = partial
         return None
 
-    def merge(self, round_index: int, average: StreamingAverage
+    def merge(self, round_index: int, fold: Callable[[PartialSum | ClippedSum], None]
               ) -> tuple[dict[str, tuple[Update, int]], dict[str, str]]:
-        """Merge the partials that came into ``average`` (in aggregator order). Returns the updates behind them
-        (device -> (update, bytes)) and the devices whose member sent no partial, with why they count as not
-        delivered."""
+        """Merge the partials that came with ``fold`` (the round's ``StreamingAverage.merge``, with DP
+        ``DpFedAvg.merge``; in aggregator order). Returns the updates behind them (device -> (update, bytes)) and
+        the devices whose member sent no partial, with why they count as not delivered."""
         merged: dict[str, tuple[Update, int]] = {}
         lost: dict[str, str] = {}
         for aggregator in sorted(self._told):
@@ -107,6 +117,6 @@ class RemoteFolding:
                             "delivered", round_index, aggregator, len(told), ", ".join(sorted(told)))
                 lost.update(dict.fromkeys(sorted(told), f"aggregator {aggregator} sent no partial sums"))
                 continue
-            average.merge(partial.sum)
+            fold(partial.sum)
             merged.update(told)
         return merged, lost

@@ -120,9 +120,9 @@ class RoundEngine:
             raise ValueError("--aggregators: aggregator processes fold the updates of an algorithm with a global model "
                              f"({algorithm.name} {'has none' if not global_state else 'has one'}), without "
                              "--update-norm-bound (the engine never sees their tensors)")
-        if privacy is not None and (remote or not global_state):
-            raise ValueError("--dp-noise-multiplier clips each update in the engine: it needs an algorithm with a global "
-                             "model and no --aggregators (aggregator processes fold updates the engine never sees)")
+        if privacy is not None and not global_state:
+            raise ValueError("--dp-noise-multiplier clips each update's change to the shared model: it needs an "
+                             "algorithm with a global model")
         self.dense_shapes = {k: tuple(v.shape) for k, v in global_state.items()}
         self.dp = DpFedAvg(privacy, self.dense_shapes) if privacy is not None else None  # DP-FedAvg, its budget
         self._private_round = False  # the open round is a DP training round
@@ -520,7 +520,13 @@ class RoundEngine:
             devices[device_id] = Asked(record.plan_hash, record.num_train if trains else 0, trains)
             if trains:
                 plans[record.plan_hash] = self._expected_shapes(device_id)
-        return Brief(self.coordinator.run_id, opened.round, self.dense_shapes, plans, devices, max_inbound)
+        if not self._private_round:
+            return Brief(self.coordinator.run_id, opened.round, self.dense_shapes, plans, devices, max_inbound)
+        # DP: the members apply the engine's own per-device rule (privacy.RoundChanges) at the round's clip, each Δ
+        # against the weights its device was sent; the engine adds the noise once, over the merged sum
+        sent = {devices[d].plan_hash: self._weights(d) for d in opened.train}
+        return Brief(self.coordinator.run_id, opened.round, self.dense_shapes, plans, devices, max_inbound,
+                     dp_clip=self.dp.round_clip, sent=sent)
 
     def receive_receipt(self, aggregator: str, receipt: Receipt, now: float) -> Verdict:
         """Judge an update ``aggregator`` verified and holds, from its receipt: every rule of :meth:`receive` but
@@ -546,12 +552,14 @@ class RoundEngine:
     def receive_partial(self, aggregator: str, partial: Partial) -> str | None:
         """Take ``aggregator``'s partial sums of the open round; returns why they do not count, or None."""
         opened = self.coordinator.open
-        return self.remote.receive_partial(aggregator, partial, None if opened is None else opened.round)
+        return self.remote.receive_partial(aggregator, partial, None if opened is None else opened.round,
+                                           dp_clip=self.dp.round_clip if self._private_round else None)
 
     def _merge_partials(self, round_index: int) -> None:
         """Merge the partials that came and book their updates (in device-id order); an aggregator's updates
         without its partial count as not delivered."""
-        merged, lost = self.remote.merge(round_index, self._average)
+        merged, lost = self.remote.merge(round_index, lambda partial: (
+            self.dp if self._private_round else self._average).merge(partial))  # DP: into the round's clipped sum
         for device_id, reason in lost.items():
             self.coordinator.withdraw(device_id, reason)
         for device_id in sorted(merged):

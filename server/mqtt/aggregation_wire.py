@@ -21,7 +21,8 @@ message is of type AGGREGATION with ``meta["kind"]`` one of:
 - ``verdict`` engine -> A: fold that update, or why not (the engine alone decides what counts);
 - ``close``   engine -> A: round r closed, send your partial over these updates (every one it was told to
               fold: a lost verdict is made good here);
-- ``partial`` A -> engine: float64 Σ n_k·W_k, Σ n_k and the devices folded.
+- ``partial`` A -> engine: float64 Σ n_k·W_k, Σ n_k and the devices folded (with DP: Σ clip_C(Δ_k), C and the
+              count within C; the brief then carries C and each plan's sent weights).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from device_runtime.protocol import ProtocolError, Reason, check_id
 from device_runtime.topics import TopicKind, check_topic_prefix, device_id_from_topic, update_filter
 from server.engine.aggregate import PartialSum
 from server.engine.folding_records import Brief, Partial, Receipt
+from server.engine.privacy import ClippedSum
 from server.engine.update_rule import Asked
 
 READY, ROUND, RECEIPT, VERDICT, CLOSE, PARTIAL = "ready", "round", "receipt", "verdict", "close", "partial"
@@ -124,11 +126,15 @@ def kind_of(msg: Message) -> str:
 
 
 def brief_message(brief: Brief, aggregator: str) -> Message:
-    return message(ROUND, aggregator, run_id=brief.run_id, round_index=brief.round,
+    """The brief; with DP also the round's clip and each plan's sent weights (tensors ``p<i>.<name>``, plan i of
+    ``sent_plans``)."""
+    sent_plans = sorted(brief.sent)
+    tensors = {f"p{i}.{k}": v for i, h in enumerate(sent_plans) for k, v in brief.sent[h].items()}
+    return message(ROUND, aggregator, run_id=brief.run_id, round_index=brief.round, tensors=tensors,
                    dense={k: list(v) for k, v in brief.dense_shapes.items()},
                    plans={h: {k: list(v) for k, v in s.items()} for h, s in brief.plan_shapes.items()},
                    devices={d: [a.plan_hash, a.num_samples, a.trains] for d, a in brief.devices.items()},
-                   max_inbound=brief.max_inbound)
+                   max_inbound=brief.max_inbound, dp_clip=brief.dp_clip, sent_plans=sent_plans)
 
 
 def parse_brief(msg: Message) -> Brief:
@@ -137,8 +143,19 @@ def parse_brief(msg: Message) -> Brief:
         devices = {check_id(d, "device id"): Asked(str(h), int(n), bool(t)) for d, (h, n, t) in meta["devices"].items()}
         plans = {str(h): {str(k): tuple(int(x) for x in v) for k, v in s.items()} for h, s in meta["plans"].items()}
         dense = {str(k): tuple(int(x) for x in v) for k, v in meta["dense"].items()}
-        return Brief(msg.run_id, msg.round, dense, plans, devices, int(meta["max_inbound"]))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        clip = meta.get("dp_clip")
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+            raise ValueError(f"dp_clip {clip!r:.20}")
+        sent_plans = [str(h) for h in meta.get("sent_plans", [])]
+        sent: dict[str, dict[str, np.ndarray]] = {h: {} for h in sent_plans}
+        for name, value in msg.tensors.items():
+            index, _, key = name.partition(".")
+            sent[sent_plans[int(index.removeprefix("p"))]][key] = value
+        if clip is not None and any(sent.get(devices[d].plan_hash) is None for d in devices if devices[d].trains):
+            raise ValueError("a training device's plan has no sent weights")
+        return Brief(msg.run_id, msg.round, dense, plans, devices, int(meta["max_inbound"]),
+                     dp_clip=None if clip is None else float(clip), sent=sent)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         raise WireError(f"malformed round brief: {exc!r:.200}") from None
 
 
@@ -199,18 +216,27 @@ def parse_close(msg: Message) -> tuple[str, ...]:
 
 
 def partial_message(partial: Partial, aggregator: str) -> Message:
+    """Σ n_k·W_k with Σ n_k, or with DP Σ clip_C(Δ_k) with its clip and the count within it."""
+    total = partial.sum
+    fields = ({"clip": total.clip, "within": total.within} if isinstance(total, ClippedSum)
+              else {"total_weight": total.total_weight})
     return message(PARTIAL, aggregator, round_index=partial.round,
-                   tensors={k: v.numpy() for k, v in partial.sum.sums.items()}, devices=list(partial.devices),
-                   total_weight=partial.sum.total_weight, count=partial.sum.count)
+                   tensors={k: v.numpy() for k, v in total.sums.items()}, devices=list(partial.devices),
+                   count=total.count, **fields)
 
 
 def parse_partial(msg: Message) -> Partial:
     meta = msg.meta
-    devices, weight, count = meta.get("devices"), meta.get("total_weight"), meta.get("count")
-    if (not isinstance(devices, list) or not all(isinstance(d, str) for d in devices)
-            or not isinstance(weight, (int, float)) or isinstance(weight, bool) or not isinstance(count, int)):
-        raise WireError("malformed partial: needs devices (strings), total_weight and count")
+    devices, count = meta.get("devices"), meta.get("count")
+    clipped = "clip" in meta
+    numbers = [meta.get(k) for k in (("clip",) if clipped else ("total_weight",))]
+    if (not isinstance(devices, list) or not all(isinstance(d, str) for d in devices) or not isinstance(count, int)
+            or any(not isinstance(n, (int, float)) or isinstance(n, bool) for n in numbers)
+            or (clipped and not isinstance(meta.get("within"), int))):
+        raise WireError("malformed partial: needs devices (strings), count, and total_weight (or clip and within)")
     if any(t.dtype != np.float64 for t in msg.tensors.values()):
         raise WireError("malformed partial: sums travel as float64")
     sums = {k: torch.from_numpy(np.array(v)) for k, v in msg.tensors.items()}
-    return Partial(msg.round, PartialSum(sums, float(weight), count), tuple(devices))
+    total = (ClippedSum(float(meta["clip"]), sums, count, meta["within"]) if clipped
+             else PartialSum(sums, float(meta["total_weight"]), count))
+    return Partial(msg.round, total, tuple(devices))

@@ -8,6 +8,7 @@ that are not sealed under the server key.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +25,11 @@ from device_runtime.topics import Topics
 from server.engine import folding_records as folding
 from server.mqtt import aggregation_wire as wire
 from server.engine.aggregate import PartialSum
+from server.engine.privacy import ClippedSum
+from server.engine.run_config import DpSettings
 from server import aggregator
 from server.aggregator import Aggregator
-from tests.support.sealing import KEY, OPEN_MAX, read, seal_up
+from tests.support.sealing import KEY, OPEN_MAX, read, seal_down, seal_up
 from tests.support.engine import RUN, join, make_engine
 
 DEVICES = ("dev_000", "dev_001", "dev_002")
@@ -68,9 +71,9 @@ def deliver(engine, member: Aggregator, msg: Message):
     return verdict
 
 
-def close(engine, member: Aggregator) -> folding.Partial:
-    """The member's answer to the engine's CLOSE of round 1 (naming what the engine told it to fold)."""
-    partial = member.on_close(1, tuple(engine.fold_list(member.name)))
+def close(engine, member: Aggregator, round_index: int = 1) -> folding.Partial:
+    """The member's answer to the engine's CLOSE of the round (naming what the engine told it to fold)."""
+    partial = member.on_close(round_index, tuple(engine.fold_list(member.name)))
     assert not isinstance(partial, str), partial
     return partial
 
@@ -296,3 +299,88 @@ def test_a_lost_members_told_updates_are_awaited_again_and_its_devices_routed_to
 def test_a_member_reads_a_device_only_from_an_update_topic_routed_to_it(topic):
     with pytest.raises(ProtocolError):
         wire.device_from_member_topic("fedara", "agg-0", topic)
+
+
+# -- DP through aggregators: each member clips by the engine's rule, the engine adds the noise once ------------------
+
+FLOAT32_ULP = 2.0 ** -23
+"""The models with and without aggregators differ only in how float64 sums of the same clipped changes are grouped
+(~1e-16 relative), then both are rounded to the float32 model: at most one float32 ulp apart, i.e. within
+2^-23 of the value relatively."""
+
+
+def dp(**kw) -> DpSettings:
+    """Every device sampled (rate 1 of 3, E = 3); the test seed fixes sampling and noise, so two engines draw alike."""
+    return DpSettings(**{"noise_multiplier": 0.2, "join_ratio": 1.0, "population": len(DEVICES), "clip": 0.05,
+                         "delta": 1e-5, "test_seed": 11, **kw})
+
+
+def dp_round(settings: DpSettings, scales: dict[str, float], remote: bool, tiers=(1.0,)):
+    """Round 1 of a private engine, each device returning its task's weights times its scale (through two members
+    when ``remote``, to the engine itself otherwise), closed; returns the engine and the model before the round."""
+    engine = make_engine(tiers=tiers, remote=remote, privacy=settings,
+                         predictor=(lambda profile, n: (lambda ratio: 100.0 * ratio)) if len(tiers) > 1 else None)
+    for i, device_id in enumerate(DEVICES):
+        join(engine, device_id, budget=(500.0, 50.0)[i % 2] if len(tiers) > 1 else None)
+    before = {k: v.clone() for k, v in engine.global_state.items()}
+    tasks = engine.open_round(1, 0.0)
+    assert sorted(engine.opened.train) == list(DEVICES)
+    if not remote:
+        for device_id in DEVICES:
+            assert engine.receive(device_id, device_update(engine, device_id, tasks[device_id], scales[device_id]),
+                                  1.0).accepted
+        engine.close_round(2.0)
+        return engine, before
+    members = [Aggregator(f"agg-{i}", KeyRing(dict.fromkeys(DEVICES, KEY))) for i in range(2)]
+    engine.set_members([m.name for m in members])
+    brief = wire.parse_brief(read(seal_down(wire.brief_message(engine.brief(OPEN_MAX), "agg-0"))))  # over the wire
+    for member in members:
+        member.on_brief(brief)
+    by_name = {m.name: m for m in members}
+    for device_id in DEVICES:
+        member = by_name[engine.route(device_id)]
+        assert deliver(engine, member, device_update(engine, device_id, tasks[device_id], scales[device_id])).accepted
+    for member in members:
+        partial = wire.parse_partial(read(seal_up(wire.partial_message(close(engine, member), member.name), KEY)))
+        assert engine.receive_partial(member.name, partial) is None
+    engine.close_round(2.0)
+    return engine, before
+
+
+def test_dp_through_two_aggregators_gives_the_engines_own_model_within_a_float32_ulp():
+    """The adaptive clip too: its next clip, learned from the count within C, is the same."""
+    scales = {"dev_000": 1.0001, "dev_001": 1.5, "dev_002": 0.9}  # within the clip, and far beyond it
+    settings = dp(clip_quantile=0.5, clip=0.01)
+    alone, _ = dp_round(settings, scales, remote=False, tiers=(1.0, 0.25))
+    routed, _ = dp_round(settings, scales, remote=True, tiers=(1.0, 0.25))
+    for name, value in alone.global_state.items():
+        torch.testing.assert_close(routed.global_state[name], value, rtol=FLOAT32_ULP, atol=0.0)
+    assert routed.dp.mechanism.clip == pytest.approx(alone.dp.mechanism.clip, rel=1e-12)
+    assert routed.dp.mechanism.clip != settings.clip and routed.pending["epsilon"] == alone.pending["epsilon"]
+
+
+def test_an_update_1000x_too_large_through_an_aggregator_moves_the_model_by_at_most_clip_over_expected():
+    """Noise negligible, the others return what they were sent (Δ = 0): the model moves by C/E exactly, E = 3."""
+    settings = dp(noise_multiplier=1e-9)
+    engine, before = dp_round(settings, {"dev_000": 1000.0, "dev_001": 1.0, "dev_002": 1.0}, remote=True,
+                              tiers=(1.0, 0.25))
+    moved = math.sqrt(sum(float((engine.global_state[k].double() - v.double()).square().sum())
+                          for k, v in before.items()))
+    assert moved == pytest.approx(settings.clip / settings.expected, rel=1e-4)  # float32 model: ~1e-7 relative
+
+
+def test_a_partial_that_is_not_clipped_at_the_rounds_clip_is_refused_in_a_private_round():
+    engine = make_engine(remote=True, privacy=dp())
+    for device_id in DEVICES:
+        join(engine, device_id)
+    tasks = engine.open_round(1, 0.0)
+    member = Aggregator("agg-0", KeyRing(dict.fromkeys(DEVICES, KEY)))
+    engine.set_members([member.name])
+    member.on_brief(engine.brief(OPEN_MAX))
+    deliver(engine, member, device_update(engine, "dev_000", tasks["dev_000"], 2.0))
+    honest = close(engine, member)
+    unclipped = folding.Partial(1, PartialSum(honest.sum.sums, 50.0, 1), honest.devices)
+    wider = folding.Partial(1, ClippedSum(1.0, honest.sum.sums, 1, 1), honest.devices)
+    for partial in (unclipped, wider):
+        assert "expected a clipped sum at the round's clip 0.05" in engine.receive_partial(member.name, partial)
+    assert engine.receive_partial(member.name, honest) is None

@@ -19,6 +19,7 @@ from server.engine.coordinator import Coordinator, CoordinatorConfig
 from server.engine.privacy import BufferDp, l2_norm
 from server.engine.round_engine import algorithm_for
 from server.engine.run_config import BufferRule, DpSettings, FederationConfig
+from server.outputs.status_snapshot import fleet_snapshot
 from server.run_setup import PlanBook, global_state, initial_personal
 
 K = 4
@@ -117,7 +118,7 @@ SHAPE, CLASSES, RUN = (1, 28, 28), 10, "run0"
 DEVICES = [f"dev_{i:03d}" for i in range(4)]
 
 
-def private_engine(buffer_size: int = 2) -> AsyncEngine:
+def private_engine(buffer_size: int = 2, target_epsilon: float | None = None) -> AsyncEngine:
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
     config = FederationConfig(algo="fedavg", rounds=3, local_epochs=1, aggregate="updates")
     algorithm = algorithm_for(config)
@@ -125,7 +126,8 @@ def private_engine(buffer_size: int = 2) -> AsyncEngine:
                          PlanBook(model, SHAPE, None, onnx=False), global_state(model, algorithm),
                          initial_personal([model], algorithm), tiers=(1.0,),
                          rule=BufferRule(buffer_size, 3, 0.5, concurrency=4),
-                         privacy=DpSettings(1.0, 1.0, buffer_size, 0.01, delta=1e-5, test_seed=3))
+                         privacy=DpSettings(1.0, 1.0, buffer_size, 0.01, delta=1e-5, target_epsilon=target_epsilon,
+                                            test_seed=3))
     for device_id in DEVICES:
         admission = engine.join(device_id, Join(ResourceProfile(None, 1, 1, "x86_64", "Linux", None, 1.0),
                                                 ShardInfo(50, 10, SHAPE, CLASSES), ()))
@@ -161,3 +163,27 @@ def test_each_version_moves_the_model_by_the_noised_mean_and_charges_one_gaussia
     noise = 1.0 * 0.01 / 2 * math.sqrt(sum(v.numel() for v in before.values()))  # ‖N(0, (zC/K)²·I)‖ ≈ zC/K·√d
     assert engine.version == 1 and engine.dp.epsilon == pytest.approx(epsilon(1.0, 1.0, 1, 1e-5))
     assert abs(moved - noise) < 2 * 0.01 / 2 + 0.05 * noise  # the clipped mean (≤ C) beside the noise
+
+
+def test_once_the_next_version_would_pass_the_target_no_task_is_given_and_no_update_is_taken():
+    """What the MQTT loop relies on: updates keep arriving after the last version the budget allows, and none of
+    them may fill a buffer that would then be released past the target."""
+    engine = private_engine(target_epsilon=(epsilon(1.0, 1.0, 1, 1e-5) + epsilon(1.0, 1.0, 2, 1e-5)) / 2)
+    tasks = engine.dispatch(DEVICES)
+    for device_id in DEVICES[:2]:
+        assert reply(engine, device_id, tasks[device_id]).accepted
+    assert engine.version == 1 and engine.budget_refusal().startswith("privacy budget: round 2 would spend")
+    assert engine.makes_no_more() and engine.dispatch(DEVICES) == {}
+    late = [reply(engine, device_id, tasks[device_id]) for device_id in DEVICES[2:]]  # a full buffer's worth
+    assert not any(v.accepted for v in late) and "privacy budget: round 2" in late[0].reason
+    assert engine.version == 1 and engine.dp.accountant.rounds == 1
+
+
+def test_the_status_page_and_metrics_snapshot_show_the_versions_budget():
+    engine = private_engine(target_epsilon=5.0)
+    tasks = engine.dispatch(DEVICES[:2])
+    for device_id in DEVICES[:2]:
+        assert reply(engine, device_id, tasks[device_id]).accepted
+    privacy = fleet_snapshot(engine, now=0.0, wall=0.0)["privacy"]
+    assert privacy["epsilon"] == pytest.approx(epsilon(1.0, 1.0, 1, 1e-5)) and privacy["rounds_charged"] == 1
+    assert privacy["target_epsilon"] == 5.0 and privacy["delta"] == 1e-5

@@ -1,6 +1,7 @@
 """``python -m server.broker_loop --mode async`` end to end: real device processes over the embedded broker, the async
 engine deciding (tasks as devices come free, a version every --buffer-size updates), a run resumed from its
-checkpoint, and a device stopped with SIGSTOP that does not hold the fleet back.
+checkpoint, a device stopped with SIGSTOP that does not hold the fleet back, and DP buffers that stop at the privacy
+budget and keep their accounting across a resume.
 
 Small on purpose (digits, 600 samples, 3 devices, 1 epoch, batch 32, one thread each)."""
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from server import broker_loop
+from server.engine.accountant import epsilon
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.outputs.report import METRICS_FILE, read_metrics
 from tests.support.waiting import wait_for
@@ -105,3 +107,28 @@ def test_a_device_stopped_with_sigstop_does_not_hold_the_fleet_back(tmp_path: Pa
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     assert fedbuff_state(run)["timeouts"]["count"] >= 1  # its task ended by --task-timeout
     assert "dev_002: [timed_out]" in (run / broker_loop.SERVER_LOG).read_text()
+
+
+DP = ["--aggregate", "updates", "--dp-noise-multiplier", "1", "--dp-clip", "0.01", "--dp-accountant", "rdp"]
+
+
+def versions_eps(versions: int) -> float:
+    """ε after this many versions: unsampled Gaussian mechanisms, at the default δ of 3 devices."""
+    return epsilon(1.0, 1.0, versions, 3 ** -1.1, "rdp")
+
+
+@pytest.mark.slow
+def test_dp_buffers_over_mqtt_stop_before_the_version_that_would_pass_the_target_and_resume_keeps_the_budget(
+        tmp_path: Path, shared_artifact_cache: Path, capsys: pytest.CaptureFixture[str]):
+    """One version, then a resume that may make 5: it makes the second and stops before the third (over the target),
+    charging on from the first."""
+    run, target = tmp_path / "run", (versions_eps(2) + versions_eps(3)) / 2
+    budget = [*DP, "--dp-target-epsilon", f"{target:.6f}"]
+    first = federate(run, shared_artifact_cache, "--rounds", "1", *budget)
+    assert [r["epsilon"] for r in first] == pytest.approx([versions_eps(1)])
+    rows = federate(run, shared_artifact_cache, "--rounds", "5", "--resume", *budget)
+    assert [r["round"] for r in rows] == [1, 2]
+    assert [r["epsilon"] for r in rows] == pytest.approx([versions_eps(1), versions_eps(2)])
+    assert rows[-1]["epsilon"] <= target and "privacy budget: round 3 would spend" in capsys.readouterr().out
+    saved = load_checkpoint(run / CHECKPOINT_NAME)
+    assert saved.state["finished"] and saved.state["engine"]["privacy"]["accountant"]["rounds"] == 2

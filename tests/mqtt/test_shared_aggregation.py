@@ -99,6 +99,29 @@ def test_chunked_updates_routed_to_two_members_fold_once_while_outsiders_subscri
         assert len(update_frames) > DEVICES * ROUNDS, (name, len(update_frames))
 
 
+DP = ["--aggregate", "updates", "--join-ratio", "1", "--dp-noise-multiplier", "0.05", "--dp-clip", "0.5",
+      "--dp-accountant", "rdp", "--dp-test-seed", "5"]
+"""Every device sampled (E = 4); the test seed makes both runs draw the same noise."""
+
+
+@pytest.mark.slow
+def test_dp_through_two_members_gives_the_server_only_runs_model(start_mosquitto, tmp_path: Path, cache: Path):
+    """Each member clips its devices' changes by the engine's rule (the brief carries C and the weights sent), the
+    engine adds the noise once: the same model as without aggregators, to float32 rounding grown by round 2."""
+    broker = start_mosquitto(max_frame_bytes=FRAME_BYTES)
+    alone = federate(tmp_path / "alone", cache, broker.url, 0, *DP)
+    routed = federate(tmp_path / "routed", cache, broker.url, 2, *DP)
+    expected, got = load_checkpoint(alone / CHECKPOINT_NAME), load_checkpoint(routed / CHECKPOINT_NAME)
+    for name, value in expected.tensors.items():
+        np.testing.assert_allclose(got.tensors[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    records, reference = read_metrics(routed / METRICS_FILE), read_metrics(alone / METRICS_FILE)
+    assert [r["epsilon"] for r in records] == [r["epsilon"] for r in reference] and records[-1]["epsilon"] > 0
+    assert [r["participants"] for r in records] == [DEVICES] * ROUNDS
+    clipped = [log.name for log in sorted((routed / broker_loop.AGGREGATORS_DIR).glob("*.log"))
+               if "(DP clip 0.5)" in log.read_text()]
+    assert clipped == ["agg-0.log", "agg-1.log"]  # both members applied the clip
+
+
 def kill_member_mid_round_2(run: Path, victim: str, killed: list[str], stop: threading.Event) -> None:
     """SIGKILL aggregator ``victim`` once it folded a round-2 update (its share of the round is half done)."""
     log = run / broker_loop.AGGREGATORS_DIR / f"{victim}.log"

@@ -11,7 +11,7 @@ from device_runtime.task import Update
 from fedcore.models import build_model
 from server.engine.coordinator import Coordinator, CoordinatorConfig
 from server.engine.round_engine import RoundEngine, algorithm_for
-from server.engine.run_config import FederationConfig
+from server.engine.run_config import DpSettings, FederationConfig
 from server.run_setup import PlanBook, global_state, initial_personal
 
 SHAPE = (1, 28, 28)
@@ -21,7 +21,8 @@ RUN = "run0"
 
 
 def make_engine(algo: str = "fedara", *, tiers=(1.0,), predictor=None, min_completion: float = 0.5,
-                rounds: int = 3, join_ratio: float = 1.0, remote: bool = False) -> RoundEngine:
+                rounds: int = 3, join_ratio: float = 1.0, remote: bool = False,
+                privacy: DpSettings | None = None) -> RoundEngine:
     torch.manual_seed(0)
     model = build_model("fedavgcnn", SHAPE, CLASSES, seed=0)
     config = FederationConfig(algo=algo, rounds=rounds, local_epochs=2, join_ratio=join_ratio)
@@ -30,7 +31,7 @@ def make_engine(algo: str = "fedara", *, tiers=(1.0,), predictor=None, min_compl
                                                 min_completion=min_completion), RUN)
     return RoundEngine(algorithm, config, coordinator, PlanBook(model, SHAPE, None, onnx=False),
                        global_state(model, algorithm), initial_personal([model], algorithm), tiers=tiers,
-                       predictor=predictor, remote=remote)
+                       predictor=predictor, remote=remote, privacy=privacy)
 
 
 def join(engine: RoundEngine, device_id: str, num_train: int = 50, budget: float | None = None):
