@@ -229,12 +229,9 @@ class BufferDp:
     flush is charged as a plain Gaussian mechanism of multiplier z (``settings.join_ratio`` = 1) and ε composes over
     the versions released. The neighbouring relation is zero-out (one device's data replaced by data whose updates
     are zero, its participation unchanged; Kairouz et al. 2021): who trains when, and how often, is outside the
-    guarantee. The clip is fixed (the adaptive clip's count assumes a sampled round)."""
+    guarantee. The clip is fixed (the flags refuse the adaptive one: its count assumes a sampled round)."""
 
     def __init__(self, settings: DpSettings, shapes: dict[str, tuple[int, ...]]):
-        if settings.clip_quantile is not None:
-            raise ValueError("--dp-clip-quantile with --mode async: the adaptive clip learns from a sampled round's "
-                             "count; use a fixed --dp-clip")
         self.settings = settings
         self.mechanism = Privacy.of(settings, shapes)
         self.accountant = Accountant(settings.join_ratio, settings.noise_multiplier, settings.run_delta,

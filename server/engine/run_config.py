@@ -224,6 +224,9 @@ def dp_from_args(args: argparse.Namespace, population: int) -> DpSettings | None
     if args.update_norm_bound is not None:
         raise ValueError("--dp-noise-multiplier clips every update already: leave --update-norm-bound out")
     if getattr(args, "mode", "sync") == "async":  # a flush: ≤ K clipped changes over K, unsampled (privacy.BufferDp)
+        if args.dp_clip_quantile is not None:
+            raise ValueError(f"--dp-clip-quantile {args.dp_clip_quantile:g} with --mode async: the adaptive clip learns "
+                             "from a sampled round's count; use a fixed --dp-clip")
         delta = args.dp_delta if args.dp_delta is not None else population ** -1.1
         return DpSettings(args.dp_noise_multiplier, 1.0, args.buffer_size, args.dp_clip, args.dp_clip_quantile,
                           args.dp_clip_lr, delta, args.dp_target_epsilon, args.dp_accountant, args.dp_test_seed)

@@ -96,6 +96,8 @@ def test_console_logging_writes_to_the_current_stderr_after_the_old_one_is_close
     (["--mode", "async", "--task-timeout", "0"], "--task-timeout must be positive seconds, got 0"),
     (["--task-timeout", "5"], "--task-timeout 5 ends async tasks"),
     (["--mode", "async", "--aggregators", "2", "--broker", "mqtt://127.0.0.1:1"], "--mode async with --aggregators 2"),
+    (["--mode", "async", "--aggregate", "updates", "--dp-noise-multiplier", "1", "--dp-clip-quantile", "0.5"],
+     "--dp-clip-quantile 0.5 with --mode async"),
 ])
 def test_a_bad_cpu_limit_or_async_combination_is_named_in_one_line_and_exits_2(flags, named, tmp_path):
     done = run("server.broker_loop", "--local-devices", "2", "--out", str(tmp_path / "run"), *flags)

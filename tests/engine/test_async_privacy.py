@@ -67,11 +67,6 @@ def test_a_device_counts_once_per_buffer_and_again_after_the_flush():
     dp.add("dev_000", change(0.1))
 
 
-def test_the_adaptive_clip_is_refused_in_the_async_mode():
-    with pytest.raises(ValueError, match="--dp-clip-quantile with --mode async"):
-        buffer_dp(z=0.1, clip_quantile=0.5)
-
-
 def exact_gaussian_epsilon(z: float, versions: int, delta: float) -> float:
     """ε of ``versions`` Gaussian mechanisms of multiplier z (sensitivity 1): μ-GDP with μ = √T/z, whose exact
     δ(ε) = Φ(−ε/μ + μ/2) − e^ε·Φ(−ε/μ − μ/2) (Dong, Roth & Su 2019; Balle & Wang 2018), solved by bisection."""
