@@ -530,7 +530,8 @@ def measure_precision(launcher: Callable[[list[str]], list[str]], work: Path, ta
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from device_runtime.help_format import CommandParser
+    parser = CommandParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path)
     parser.add_argument("--python", default=sys.executable,
                         help="interpreter with stock onnxruntime and numpy that times the graphs (default: this one)")
