@@ -22,9 +22,10 @@
    scripts/arm64_emulation.sh, in the stock onnxruntime of the device bundle installed there (ARM64_PYTHON), beside
    the same measures in ``--python`` here: whether each float16 op has a kernel there (the profile names the ops
    that ran: a Cast around it means onnxruntime inserted casts to float32), whether the float16-weights step loads
-   and runs, the share of its updates lost, its float32 outputs against this machine's, and VmHWM (under qemu-user: the emulator process's peak, i.e. the
-   guest's memory plus the translator's; compare the two graphs, not the figure with a board). Emulated times say
-   nothing about a board's speed (fewer repeats there). Writes bench_step_forms_arm64.{json,md}.
+   and runs, the share of its updates lost, its outputs against this machine's, and VmHWM (under qemu-user: the
+   emulator process's peak, i.e. the guest's memory plus the translator's; compare the two graphs, not the figure
+   with a board). Emulated times say nothing about a board's speed (fewer repeats there). Writes
+   bench_step_forms_arm64.{json,md}.
 The parent builds the graphs (onnx) and the update shares (torch); a worker in ``--python`` (an environment with
 stock onnxruntime and numpy, e.g. a venv of the device bundle's requirements-device.txt) times them at 1 thread,
 forms in interleaved blocks, in thread-CPU time (the calling thread's CPU: onnxruntime runs a 1-thread session on
@@ -403,9 +404,9 @@ def _loss_table(report: dict) -> list[str]:
              "every parameter (a zero update counts as lost) / of the nonzero updates", "",
              "| model | parameters | nonzero updates | float16 weights | int8 weights |", "|---|---:|---:|---:|---:|"]
     for name, share in report["update_losses"].items():
-        lines.append(f"| {name} | {share['params']} | {100 * share['updated']:.1f} % | {100 * share['fp16_lost']:.1f} % / "
-                     f"{100 * share['fp16_lost_of_updated']:.1f} % | {100 * share['int8_lost']:.1f} % / "
-                     f"{100 * share['int8_lost_of_updated']:.1f} % |")
+        lines.append(f"| {name} | {share['params']} | {100 * share['updated']:.1f} % | "
+                     f"{100 * share['fp16_lost']:.1f} % / {100 * share['fp16_lost_of_updated']:.1f} % | "
+                     f"{100 * share['int8_lost']:.1f} % / {100 * share['int8_lost_of_updated']:.1f} % |")
     return lines
 
 

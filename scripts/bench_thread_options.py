@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ratios: {exc}")
     import onnxruntime as ort
     from profile_step import compile_graphs, synthetic_feeds
-    command = " ".join([".venv/bin/python", "scripts/bench_thread_options.py", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join([".venv/bin/python", "scripts/bench_thread_options.py",
+                        *(argv if argv is not None else sys.argv[1:])])
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as work:
         graphs = {}
