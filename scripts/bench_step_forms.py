@@ -1,6 +1,6 @@
 """Two questions about the step graph's form, answered by measurement on this CPU (stock onnxruntime's kernels).
 
-    .venv/bin/python scripts/bench_step_forms.py --python STOCK_PYTHON --out-dir DIR
+    .venv/bin/python scripts/bench_step_forms.py --python STOCK_PYTHON --out-dir DIR [--arm64]
 
 1. The few-channel first convolution (FedAvgCNN's conv1: 3 or 1 input channels, 5×5, 32 outputs): its forward and
    weight gradient as the step compiler emits them (a Conv, and a Conv of the batch/channel-swapped input by the
@@ -15,7 +15,17 @@
 3. The whole step with float16 weights: the shipped FedAvgCNN 3×32×32 dense step graph with its parameter inputs
    and updated-parameter outputs in float16 (a Cast to float32 after each input, one to float16 before each output:
    the weights stored and sent in half the bytes, the arithmetic unchanged), against the graph as shipped: step
-   time and the peak RSS (VmHWM) of a fresh process that runs STEP_RUNS steps, each feeding its outputs back.
+   time, the peak RSS (VmHWM) of a fresh process that runs STEP_RUNS steps, each feeding its outputs back, and the
+   share of the first step's nonzero float32 updates that the float16 outputs lose (p.next == p), both graphs
+   started from the seed-0 weights rounded to float16 (so their arithmetic is the same until the last Cast).
+4. With ``--arm64``: questions 2 and 3 (not the convolution forms) on the emulated arm64 Debian of
+   scripts/arm64_emulation.sh, in the stock onnxruntime of the device bundle installed there (ARM64_PYTHON), beside
+   the same measures in ``--python`` here: whether each float16 op has a kernel there (the profile names the ops
+   that ran: a Cast around it means onnxruntime inserted casts to float32), whether the float16-weights step loads
+   and runs, the share of its updates lost, its outputs against this machine's, and VmHWM (under qemu-user: the
+   emulator process's peak, i.e. the guest's memory plus the translator's; compare the two graphs, not the figure
+   with a board). Emulated times say nothing about a board's speed (fewer repeats there). Writes
+   bench_step_forms_arm64.{json,md}.
 The parent builds the graphs (onnx) and the update shares (torch); a worker in ``--python`` (an environment with
 stock onnxruntime and numpy, e.g. a venv of the device bundle's requirements-device.txt) times them at 1 thread,
 forms in interleaved blocks, in thread-CPU time (the calling thread's CPU: onnxruntime runs a 1-thread session on
@@ -27,10 +37,12 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +66,11 @@ STEP_MODEL, STEP_SHAPE, STEP_RUNS = "fedavgcnn", (3, 32, 32), 60
 BLOCKS, PER_BLOCK = 12, 5
 FORM_TOLERANCE = 1e-5  # max |Δ| / max |reference| of a form's outputs: float32 sums in another order (~1e-7 seen)
 LR, LAM = 5e-3, 10.0
+ARM64_PYTHON = "/opt/fedara-device/venv/bin/python"  # inside the emulated root: the device bundle's install.sh puts it
+ARM64_ROOT = Path(os.environ.get("FEDARA_ARM64_ROOT", ROOT / ".arm64" / "rootfs"))  # scripts/arm64_emulation.sh's
+EMULATION = ROOT / "scripts" / "arm64_emulation.sh"
+ARM64_OP_RUNS, ARM64_STEP_RUNS, ARM64_STEP_REPEATS = 3, 4, 3  # emulated float work is ~100x slower
+AT_HWCAP, HWCAP_FPHP, HWCAP_ASIMDHP = 16, 1 << 9, 1 << 10  # aarch64 auxv: float16 scalar and vector arithmetic
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -180,7 +197,7 @@ def half_weight_step(step_path: str) -> bytes:
 
 def update_losses() -> dict:
     """Per model: the share of one SGD step's updates that float16 weights, and int8 weights (per-tensor symmetric,
-    scale max|w|/127), cannot hold."""
+    scale max|w|/127), cannot hold: of every parameter (a zero update counts as lost) and of the nonzero updates."""
     import torch
     from fedcore.models import build_model
     from fedcore.objective import local_loss
@@ -191,15 +208,20 @@ def update_losses() -> dict:
         anchors = torch.randn(10, model.feature_dim) * 0.1
         loss, _ = local_loss(model, torch.randn(16, *shape), torch.randint(0, 10, (16,)), anchors, torch.ones(10), LAM)
         loss.backward()
-        total = lost16 = lost8 = 0
+        total = updated = lost16 = lost8 = updated_lost16 = updated_lost8 = 0
         for p in model.parameters():
             w, delta = p.detach().numpy(), -LR * p.grad.numpy()
             w16 = w.astype(np.float16)
-            lost16 += int(((w16 + delta.astype(np.float16)).astype(np.float16) == w16).sum())
             scale = float(np.abs(w).max()) / 127
-            lost8 += int((np.round((w + delta) / scale) == np.round(w / scale)).sum())
-            total += w.size
-        shares[name] = dict(params=total, fp16_lost=lost16 / total, int8_lost=lost8 / total)
+            held16 = (w16 + delta.astype(np.float16)).astype(np.float16) == w16
+            held8 = np.round((w + delta) / scale) == np.round(w / scale)
+            nonzero = delta != 0
+            total, updated = total + w.size, updated + int(nonzero.sum())
+            lost16, lost8 = lost16 + int(held16.sum()), lost8 + int(held8.sum())
+            updated_lost16 += int((held16 & nonzero).sum())
+            updated_lost8 += int((held8 & nonzero).sum())
+        shares[name] = dict(params=total, fp16_lost=lost16 / total, int8_lost=lost8 / total, updated=updated / total,
+                            fp16_lost_of_updated=updated_lost16 / updated, int8_lost_of_updated=updated_lost8 / updated)
     return shares
 
 
@@ -213,6 +235,28 @@ def _session(ort, path: str):
     return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
+def _ops_run(ort, path: str, feeds: dict, profile_dir: str) -> list[str]:
+    """The op types a 1-thread session of the graph at ``path`` ran for ``feeds``, from onnxruntime's profile: a
+    Cast beside a float16 op is one onnxruntime inserted because its CPU provider has no float16 kernel for it."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = 1, 1
+    options.enable_profiling, options.profile_file_prefix = True, str(Path(profile_dir) / "profile")
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    session.run(None, feeds)
+    events = json.loads(Path(session.end_profiling()).read_text())
+    return sorted({e["args"]["op_name"] for e in events if e.get("cat") == "Node" and "op_name" in e.get("args", {})})
+
+
+def float16_hwcaps() -> dict | None:
+    """On aarch64, whether the (possibly emulated) CPU advertises float16 scalar (fphp) and vector (asimdhp)
+    arithmetic in its auxiliary vector (what onnxruntime's MLAS checks before its float16 kernels); None elsewhere."""
+    if platform.machine() != "aarch64":
+        return None
+    words = np.frombuffer(Path("/proc/self/auxv").read_bytes(), np.uint64).reshape(-1, 2)
+    hwcap = int(next(value for key, value in words if key == AT_HWCAP))
+    return dict(fphp=bool(hwcap & HWCAP_FPHP), asimdhp=bool(hwcap & HWCAP_ASIMDHP))
+
+
 def _timed(session, feeds: dict) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.thread_time()
     session.run(None, feeds)
@@ -220,44 +264,50 @@ def _timed(session, feeds: dict) -> tuple[float, float]:
 
 
 def step_worker(spec: dict) -> dict:
-    """STEP_RUNS steps of the step graph at ``spec["path"]`` on synthetic feeds (parameters in the graph's own
-    dtype), each step's updated parameters fed to the next: thread-CPU and wall p50 of the steps after the first,
-    and the process's peak RSS."""
+    """``spec["runs"]`` steps of the step graph at ``spec["path"]`` from the weights in ``spec["weights"]`` (.npz,
+    cast to the graph's parameter dtype) on a synthetic batch (input N(0, 1), anchors 0.1·N(0, 1)), each step's
+    updated parameters fed to the next: thread-CPU and wall p50 of the steps after the first, and the process's peak
+    RSS; the first step's updated parameters go to ``spec["first_step"]`` (.npz)."""
     import onnxruntime as ort
-    from device_runtime.artifact_contract import ANCHOR_MASK, LAM as LAM_INPUT, LR as LR_INPUT
+    from device_runtime.artifact_contract import ANCHOR_MASK, ANCHORS, INPUT, LABELS, LAM as LAM_INPUT, LR as LR_INPUT
     rng = np.random.default_rng(0)
     session = _session(ort, spec["path"])
-    dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
-    feeds = {}
-    for value in session.get_inputs():
-        shape = [spec["batch"] if not isinstance(d, int) else d for d in value.shape]
-        if value.type == "tensor(int64)":
-            feeds[value.name] = np.asarray(rng.integers(0, 10, shape), np.int64)
-        else:
-            feeds[value.name] = np.asarray(rng.standard_normal(shape) * 0.05, dtypes[value.type])
-    feeds.update({LR_INPUT: np.asarray(LR, np.float32), LAM_INPUT: np.asarray(LAM, np.float32),
-                  ANCHOR_MASK: np.ones_like(feeds[ANCHOR_MASK])})
+    weights = np.load(spec["weights"])
+    dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+    feeds = {value.name: weights[value.name].astype(dtypes[value.type]) for value in session.get_inputs()
+             if value.name in weights.files}
+    feeds.update({INPUT: rng.standard_normal((spec["batch"], *STEP_SHAPE)).astype(np.float32),
+                  LABELS: rng.integers(0, 10, spec["batch"]).astype(np.int64),
+                  ANCHORS: (0.1 * rng.standard_normal(weights["anchors"].shape)).astype(np.float32),
+                  ANCHOR_MASK: np.ones(len(weights["anchors"]), np.float32),
+                  LR_INPUT: np.asarray(LR, np.float32), LAM_INPUT: np.asarray(LAM, np.float32)})
     names = [o.name for o in session.get_outputs()]
     walls, cpus = [], []
-    for _ in range(STEP_RUNS):
+    for _ in range(spec["runs"]):
         wall, cpu = time.perf_counter(), time.thread_time()
         out = dict(zip(names, session.run(None, feeds)))
         walls.append(time.perf_counter() - wall)
         cpus.append(time.thread_time() - cpu)
-        feeds.update({name[:-len(".next")]: value for name, value in out.items() if name.endswith(".next")})
+        nexts = {name[:-len(".next")]: value for name, value in out.items() if name.endswith(".next")}
+        if len(walls) == 1:
+            np.savez(spec["first_step"], **nexts)
+        feeds.update(nexts)
     with open("/proc/self/status") as status:
         peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
     return dict(wall_ms=1e3 * float(np.median(walls[1:])), cpu_ms=1e3 * float(np.median(cpus[1:])),
-                peak_rss_mb=peak / 2**20, weight_bytes=int(sum(feeds[v.name].nbytes for v in session.get_inputs()
-                                                              if v.name.startswith(("fe.", "head.")))))
+                peak_rss_mb=peak / 2**20, machine=platform.machine(), onnxruntime=ort.__version__,
+                weight_bytes=int(sum(feeds[v.name].nbytes for v in session.get_inputs()
+                                     if v.name.startswith(("fe.", "head.")))))
 
 
 def time_graphs(spec: dict) -> dict:
     """Times of every graph in ``spec``: conv forms per config (interleaved blocks, outputs checked against the
-    first form), and each precision case in float32 and float16 (or why float16 does not load)."""
+    first form), and each precision case in float32 and float16 (or why float16 does not load; ``spec["op_runs"]``
+    timed runs each) with the ops the float16 graph ran."""
     import onnxruntime as ort
     rng = np.random.default_rng(0)
-    result = dict(onnxruntime=ort.__version__, conv={}, precision=[])
+    result = dict(onnxruntime=ort.__version__, machine=platform.machine(), float16_hwcaps=float16_hwcaps(), conv={},
+                  precision=[])
     for config, paths in spec["conv"].items():
         batch, channels, side = (int(v) for v in config.split("x"))
         out = side - KERNEL + 1
@@ -292,13 +342,41 @@ def time_graphs(spec: dict) -> dict:
                 continue
             feeds = {f"x{i}": (rng.standard_normal(shape) * 0.1).astype(dtype) for i, shape in enumerate(case["shapes"])}
             s.run(None, feeds)
-            row[tag] = 1e3 * float(np.median([_timed(s, feeds)[1] for _ in range(BLOCKS * PER_BLOCK)]))
+            row[tag] = 1e3 * float(np.median([_timed(s, feeds)[1] for _ in range(spec["op_runs"])]))
+            if tag == "f16":
+                with tempfile.TemporaryDirectory() as profile_dir:
+                    row["f16_ops"] = _ops_run(ort, case[tag], feeds, profile_dir)
         result["precision"].append(row)
     return result
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Parent
+
+def _precision_rows(timings: dict) -> list[str]:
+    rows = []
+    for row in timings["precision"]:
+        half = row["f16"]
+        cells = ([f"{half:.3f}", f"{half / row['f32']:.2f}", ", ".join(row["f16_ops"])] if isinstance(half, float)
+                 else [f"not run: {half}", "", ""])
+        rows.append(f"| {row['op']} | {row['shapes']} | {row['f32']:.3f} | " + " | ".join(cells) + " |")
+    return rows
+
+
+PRECISION_HEADER = ["| op | input shapes | float32 | float16 | float16/float32 | ops the float16 graph ran |",
+                    "|---|---|---:|---:|---:|---|"]
+
+
+def _step_rows(label: str, steps: dict, lost: dict) -> list[str]:
+    changes = [f"changes {100 * lost['changed']:.1f} % of the parameters",
+               f"loses {100 * lost['float16_lost_of_changed']:.1f} % of those changes"]
+    return [f"| {label} | {graph} | {row['cpu_ms']:.2f} / {row['wall_ms']:.2f} | {row['peak_rss_mb']:.1f} | "
+            f"{row['weight_bytes'] / 1024:.0f} | {change} |" for (graph, row), change in zip(steps.items(), changes)]
+
+
+STEP_HEADER = ["| where | graph | step thread-CPU / wall ms | peak RSS (VmHWM) MiB | weights KiB | first step |",
+               "|---|---|---:|---:|---:|---|"]
+
 
 def tables(report: dict) -> str:
     lines = [f"First convolution, forward + weight gradient, 1 thread, onnxruntime {report['timings']['onnxruntime']} "
@@ -313,36 +391,68 @@ def tables(report: dict) -> str:
             cells.append(f"{row['cpu_ms']:.2f} / {row['wall_ms']:.2f} ({row['cpu_ms'] / base['cpu_ms']:.2f})")
         lines.append(f"| {form} | " + " | ".join(cells) + " |")
     lines += ["", "One op at its step shape in float16 against float32, thread-CPU p50 ms, 1 thread", "",
-              "| op | input shapes | float32 | float16 | float16/float32 |", "|---|---|---:|---:|---:|"]
-    for row in report["timings"]["precision"]:
-        half = row["f16"]
-        cells = [f"{half:.3f}", f"{half / row['f32']:.2f}"] if isinstance(half, float) else [f"not run: {half}", ""]
-        lines.append(f"| {row['op']} | {row['shapes']} | {row['f32']:.3f} | " + " | ".join(cells) + " |")
-    lines += ["", "Share of one SGD step's updates (lr 5e-3, batch 16) lost to the weights' precision", "",
-              "| model | parameters | float16 weights | int8 weights |", "|---|---:|---:|---:|"]
-    for name, share in report["update_losses"].items():
-        lines.append(f"| {name} | {share['params']} | {100 * share['fp16_lost']:.1f} % | {100 * share['int8_lost']:.1f} % |")
+              *PRECISION_HEADER, *_precision_rows(report["timings"])]
+    lines += _loss_table(report)
     lines += ["", f"The {STEP_MODEL} {'x'.join(map(str, STEP_SHAPE))} dense step with float16 weights, batch 16, 1 thread "
-              f"(medians of {STEP_REPEATS} fresh processes of {STEP_RUNS} steps)", "",
-              "| graph | step thread-CPU / wall ms | peak RSS MiB | weights KiB |", "|---|---:|---:|---:|"]
-    for label, row in report["half_weights"].items():
-        lines.append(f"| {label} | {row['cpu_ms']:.2f} / {row['wall_ms']:.2f} | {row['peak_rss_mb']:.1f} | "
-                     f"{row['weight_bytes'] / 1024:.0f} |")
+              f"(medians of {STEP_REPEATS} fresh processes of {STEP_RUNS} steps)", "", *STEP_HEADER,
+              *_step_rows(platform.machine(), report["half_weights"], report["lost_updates"])]
+    return "\n".join(lines) + "\n"
+
+
+def _loss_table(report: dict) -> list[str]:
+    lines = ["", "Share of one SGD step's updates (lr 5e-3, batch 16) lost to the weights' precision (PyTorch): of "
+             "every parameter (a zero update counts as lost) / of the nonzero updates", "",
+             "| model | parameters | nonzero updates | float16 weights | int8 weights |", "|---|---:|---:|---:|---:|"]
+    for name, share in report["update_losses"].items():
+        lines.append(f"| {name} | {share['params']} | {100 * share['updated']:.1f} % | "
+                     f"{100 * share['fp16_lost']:.1f} % / {100 * share['fp16_lost_of_updated']:.1f} % | "
+                     f"{100 * share['int8_lost']:.1f} % / {100 * share['int8_lost_of_updated']:.1f} % |")
+    return lines
+
+
+def arm64_tables(report: dict) -> str:
+    """--arm64: the float16 ops and the float16-weights step here and in the emulated arm64 Debian."""
+    lines = []
+    for label, where in report["platforms"].items():
+        t = where["timings"]
+        caps = t["float16_hwcaps"]
+        lines += [f"{label}: onnxruntime {t['onnxruntime']} on {t['machine']}"
+                  + (f", CPU float16 features (auxv): fphp {caps['fphp']}, asimdhp {caps['asimdhp']}" if caps else "")
+                  + f"; one op at its step shape, thread-CPU p50 ms of {where['op_runs']} runs", "",
+                  *PRECISION_HEADER, *_precision_rows(t), ""]
+    lines += [f"The {STEP_MODEL} {'x'.join(map(str, STEP_SHAPE))} dense step with float16 weights, batch 16, 1 thread, "
+              "from the seed-0 weights (medians over fresh processes; emulated times and peaks are qemu-user's, not "
+              "a board's)", "", *STEP_HEADER]
+    for label, where in report["platforms"].items():
+        lines += _step_rows(label, where["half_weights"], where["lost_updates"])
+    lines += ["", "First step's updated parameters, aarch64 against x86_64 (max |Δ| / max |x86_64|): "
+              + ", ".join(f"{graph} {d:.1e}" for graph, d in report["first_step_difference_across_platforms"].items())]
+    lines += _loss_table(report)
     return "\n".join(lines) + "\n"
 
 
 STEP_REPEATS = 3
 
 
-def _run(python: str, flag: str, spec: dict, spec_path: Path) -> dict:
-    """A worker (``flag``) in ``python`` on ``spec``; its JSON answer."""
+def host_launcher(python: str) -> Callable[[list[str]], list[str]]:
+    """A worker's command line in ``python`` here."""
+    return lambda args: [python, *args]
+
+
+def emulated_launcher(args: list[str]) -> list[str]:
+    """A worker's command line in ARM64_PYTHON inside the emulated arm64 Debian, the repository bound at its path."""
+    return [str(EMULATION), "run", "--bind", str(ROOT), shlex.join([ARM64_PYTHON, *args])]
+
+
+def _run(launcher: Callable[[list[str]], list[str]], flag: str, spec: dict, spec_path: Path) -> dict:
+    """A worker (``flag``) started by ``launcher`` on ``spec``; its JSON answer."""
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTHONPATH", None)
-    done = subprocess.run([python, str(Path(__file__).resolve()), flag, str(spec_path)], capture_output=True,
+    done = subprocess.run(launcher([str(Path(__file__).resolve()), flag, str(spec_path)]), capture_output=True,
                           text=True, env=env)
     if done.returncode != 0:
-        raise RuntimeError(f"the worker {flag} in {python} failed:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"the worker {flag} ({launcher([])}) failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -356,13 +466,81 @@ def shipped_step(cache_dir: Path) -> Path:
     return Path(artifacts.directory) / "step_model.onnx"
 
 
+def seed_weights(path: Path) -> str:
+    """STEP_MODEL's seed-0 parameters rounded to float16 (the shipped step's inputs by name, float32) and an
+    ``anchors`` array of its shape, as .npz at ``path``: both step graphs then start from the same values."""
+    from fedcore.models import build_model
+    model = build_model(STEP_MODEL, STEP_SHAPE, 10, seed=0)
+    np.savez(path, anchors=np.zeros((10, model.feature_dim), np.float32),
+             **{name: value.detach().numpy().astype(np.float16).astype(np.float32)
+                for name, value in model.state_dict().items()})
+    return str(path)
+
+
+def lost_updates(weights: str, float32_step: str, float16_step: str) -> dict:
+    """From the first step of both graphs on the same (float16-representable) weights: the share of parameters the
+    float32 step changes, and the share of those changes the float16 outputs lose (p.next == p)."""
+    start, wide, half = np.load(weights), np.load(float32_step), np.load(float16_step)
+    changed = lost = total = 0
+    for name in wide.files:
+        moved = wide[name] != start[name]
+        changed, total = changed + int(moved.sum()), total + moved.size
+        lost += int((moved & (half[name].astype(np.float32) == start[name])).sum())
+    return dict(changed=changed / total, float16_lost_of_changed=lost / changed)
+
+
+def max_relative_difference(first: str, second: str) -> float:
+    """max |a - b| / max |b| over the parameters of two first-step outputs (.npz)."""
+    a, b = np.load(first), np.load(second)
+    return max(float(np.abs(a[k] - b[k]).max() / np.abs(b[k]).max()) for k in b.files)
+
+
+def arm64_missing(cache_dir: Path) -> str | None:
+    """Why --arm64 cannot run here, in one line a user can act on; None: it can."""
+    if os.geteuid() != 0:
+        return "the emulation needs root (chroot, mounts): run as root"
+    if not (ARM64_ROOT / ".fedara-ready").exists():
+        return (f"no emulated arm64 root at {ARM64_ROOT}: run scripts/arm64_emulation.sh setup (FEDARA_ARM64_ROOT "
+                "picks another)")
+    if not (ARM64_ROOT / ARM64_PYTHON.lstrip("/")).exists():
+        return (f"no device bundle at {ARM64_PYTHON} in {ARM64_ROOT}: install it there with .venv/bin/python -m "
+                "pytest -m arm64 tests/device/test_arm64.py")
+    if not cache_dir.resolve().is_relative_to(ROOT):
+        return f"--cache-dir {cache_dir} is outside {ROOT}, the folder bound into the emulation: pick one inside"
+    return None
+
+
+def measure_precision(launcher: Callable[[list[str]], list[str]], work: Path, tag: str, spec: dict,
+                      graphs: dict[str, str], weights: str, runs: int, repeats: int) -> tuple[dict, dict, dict]:
+    """The op timings of ``spec`` and the step graphs (``graphs``: label -> path, the float32 one first, ``repeats``
+    fresh processes of ``runs`` steps each, in turn) in workers started by ``launcher``; the lost updates; the
+    first-step outputs' paths (``work``/``tag``-…)."""
+    timings = _run(launcher, "--worker", spec, work / "spec.json")
+    steps = {label: [] for label in graphs}
+    first = {label: str(work / f"{tag}-{i}.npz") for i, label in enumerate(graphs)}
+    for _ in range(repeats):  # fresh processes in turn: each one's peak is its own
+        for label, path in graphs.items():
+            steps[label].append(_run(launcher, "--step-worker", dict(path=path, batch=16, weights=weights, runs=runs,
+                                                                    first_step=first[label]), work / "step.json"))
+    summary = {label: dict(cpu_ms=float(np.median([r["cpu_ms"] for r in rows])),
+                           wall_ms=float(np.median([r["wall_ms"] for r in rows])),
+                           peak_rss_mb=float(np.median([r["peak_rss_mb"] for r in rows])),
+                           weight_bytes=rows[0]["weight_bytes"], runs=rows)
+               for label, rows in steps.items()}
+    return timings, summary, dict(lost_updates(weights, *first.values()), first_step=first)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from device_runtime.help_format import CommandParser
+    parser = CommandParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path)
     parser.add_argument("--python", default=sys.executable,
                         help="interpreter with stock onnxruntime and numpy that times the graphs (default: this one)")
     parser.add_argument("--cache-dir", type=Path, default=ROOT / "artifacts_cache" / "bench_step_forms",
                         help="artifact cache for the compiled step graph (built once)")
+    parser.add_argument("--arm64", action="store_true",
+                        help="reduced precision only (not the convolution forms), here in --python and in the emulated "
+                             "arm64 Debian of scripts/arm64_emulation.sh: bench_step_forms_arm64.{json,md}")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--step-worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -374,39 +552,61 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out_dir is None:
         parser.error("--out-dir is required")
+    why_not = arm64_missing(args.cache_dir) if args.arm64 else None
+    if why_not:
+        print(f"error: --arm64: {why_not}", file=sys.stderr)
+        return 2
     command = " ".join([".venv/bin/python", "scripts/bench_step_forms.py", *(argv if argv is not None else sys.argv[1:])])
     load = os.getloadavg()
-    with tempfile.TemporaryDirectory() as work:
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.cache_dir if args.arm64 else None) as work_dir:
+        work = Path(work_dir)
+
         def write(name: str, data: bytes) -> str:
-            path = Path(work) / name
-            path.write_bytes(data)
-            return str(path)
-        spec = dict(conv={f"{b}x{c}x{s}": {form: write(f"conv{i}_{b}_{c}_{s}.onnx", _conv_graph(form, b, c, s))
-                                           for i, form in enumerate(FORMS)} for b, c, s in CONV_CONFIGS},
-                    precision=[dict(op=op, shapes=shapes, f32=write(f"op{i}_f32.onnx", _op_graph(op, shapes, attrs, False)),
-                                    f16=write(f"op{i}_f16.onnx", _op_graph(op, shapes, attrs, True)))
-                               for i, (op, shapes, attrs) in enumerate(PRECISION_CASES)])
-        (Path(work) / "spec.json").write_text(json.dumps(spec))
-        timings = _run(args.python, "--worker", spec, Path(work) / "spec.json")
+            (work / name).write_bytes(data)
+            return str(work / name)
+        precision = [dict(op=op, shapes=shapes, f32=write(f"op{i}_f32.onnx", _op_graph(op, shapes, attrs, False)),
+                          f16=write(f"op{i}_f16.onnx", _op_graph(op, shapes, attrs, True)))
+                     for i, (op, shapes, attrs) in enumerate(PRECISION_CASES)]
+        conv = {} if args.arm64 else {
+            f"{b}x{c}x{s}": {form: write(f"conv{i}_{b}_{c}_{s}.onnx", _conv_graph(form, b, c, s))
+                             for i, form in enumerate(FORMS)} for b, c, s in CONV_CONFIGS}
         shipped = shipped_step(args.cache_dir)
         graphs = {"float32 (shipped)": str(shipped), "float16 weights": write("half.onnx", half_weight_step(str(shipped)))}
-        steps = {label: [] for label in graphs}
-        for _ in range(STEP_REPEATS):  # fresh processes in turn: each one's peak is its own
-            for label, path in graphs.items():
-                steps[label].append(_run(args.python, "--step-worker", dict(path=path, batch=16),
-                                         Path(work) / "step.json"))
-    report = dict(command=command, machine=dict(platform=platform.platform(), cpus=os.cpu_count(),
-                                                loadavg_at_start=list(load), loadavg_at_end=list(os.getloadavg())),
-                  timings=timings, update_losses=update_losses(),
-                  half_weights={label: dict(cpu_ms=float(np.median([r["cpu_ms"] for r in runs])),
-                                            wall_ms=float(np.median([r["wall_ms"] for r in runs])),
-                                            peak_rss_mb=float(np.median([r["peak_rss_mb"] for r in runs])),
-                                            weight_bytes=runs[0]["weight_bytes"], runs=runs)
-                                for label, runs in steps.items()})
+        weights = seed_weights(work / "weights.npz")
+        host = dict(spec=dict(conv=conv, precision=precision, op_runs=BLOCKS * PER_BLOCK), runs=STEP_RUNS,
+                    repeats=STEP_REPEATS)
+        places = {f"{platform.machine()} (here)": (host_launcher(args.python), host)}
+        if args.arm64:
+            places["aarch64 (qemu-user)"] = (emulated_launcher, dict(spec=dict(conv={}, precision=precision,
+                                                                               op_runs=ARM64_OP_RUNS),
+                                                                     runs=ARM64_STEP_RUNS, repeats=ARM64_STEP_REPEATS))
+        measured = {label: measure_precision(launcher, work, f"place{i}", how["spec"], graphs, weights, how["runs"],
+                                             how["repeats"])
+                    for i, (label, (launcher, how)) in enumerate(places.items())}
+        outputs = [lost.pop("first_step") for _, _, lost in measured.values()]
+        across = {graph: max_relative_difference(outputs[-1][graph], outputs[0][graph]) for graph in graphs}
+    from server.outputs.machine import cpu_name
+    machine = dict(platform=platform.platform(), cpu=cpu_name(), cpus=os.cpu_count(), loadavg_at_start=list(load),
+                   loadavg_at_end=list(os.getloadavg()))
+    if args.arm64:
+        name = "bench_step_forms_arm64"
+        report = dict(command=command, machine=machine, update_losses=update_losses(),
+                      first_step_difference_across_platforms=across,
+                      platforms={label: dict(timings=timings, half_weights=steps, lost_updates=lost,
+                                             op_runs=places[label][1]["spec"]["op_runs"],
+                                             step_runs=places[label][1]["runs"], repeats=places[label][1]["repeats"])
+                                 for label, (timings, steps, lost) in measured.items()})
+        text = arm64_tables(report)
+    else:
+        name = "bench_step_forms"
+        timings, steps, lost = next(iter(measured.values()))
+        report = dict(command=command, machine=machine, timings=timings, update_losses=update_losses(),
+                      half_weights=steps, lost_updates=lost)
+        text = tables(report)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "bench_step_forms.json").write_text(json.dumps(report, indent=1) + "\n")
-    text = tables(report)
-    (args.out_dir / "bench_step_forms.md").write_text(text)
+    (args.out_dir / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out_dir / f"{name}.md").write_text(text)
     print(text)
     return 0
 

@@ -20,8 +20,8 @@ misses nothing the kernel enforces, so a floor is the measured answer to "does i
 measured batch sizes the floor is linear; above them it grows as the peak does; given the device's shard size, it
 grows by the bytes of the samples beyond those of the shard it was measured with (float32 images, resident for the
 whole run). Floors are kept per runtime (the artifact kind a device names in its profile: the portable step graph
-on stock onnxruntime and onnxruntime-training differ by up to 16 MiB, docs/edge_envelope.md): a device is predicted with its own runtime's floors,
-a device that names none with the larger of the runtimes' floors. A runtime's floors are used only where every
+on stock onnxruntime and onnxruntime-training differ by up to 20 MiB, either way, docs/edge_envelope.md): a device
+is predicted with its own runtime's floors, a device that names none with the larger of the runtimes' floors. A runtime's floors are used only where every
 ratio of the model has one (a mix would compare unlike quantities); without them the need is the predicted peak.
 """
 from __future__ import annotations

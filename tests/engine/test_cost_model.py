@@ -130,10 +130,10 @@ def test_the_shipped_cost_model_covers_the_benchmarked_models():
     assert all(len(entries) == 5 for entries in shipped.entries.values())
 
 
-def test_the_shipped_cost_model_has_portable_floors_at_batch_16_and_64_for_every_tier_of_every_model():
+def test_the_shipped_cost_model_has_floors_of_both_runtimes_at_batch_16_and_64_for_every_tier_of_every_model():
     shipped = load_cost_model()
     for entries in shipped.entries.values():
-        assert all({16, 64} <= set(e.floors[PORTABLE_KIND].floor_mb) for e in entries)
+        assert all({16, 64} <= set(e.floors[kind].floor_mb) for e in entries for kind in (PORTABLE_KIND, TRAINING_KIND))
 
 
 def test_every_shipped_floor_was_measured_on_the_build_of_the_runtime_it_is_filed_under():
