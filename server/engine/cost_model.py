@@ -44,7 +44,7 @@ COST_MODEL_PACKAGE = "device_runtime"
 COST_MODEL_FILE = "cost_model.json"
 FLOOR_MARGIN_MB = 8.0
 """Added to a measured floor: it is resolved to 4 MiB, and a device's MQTT session and longer run add a little
-(measured: docs/memory_floor.md, "Margin")."""
+(measured: docs/edge_envelope.md, "The tier choice and its margin")."""
 BYTES_PER_SAMPLE_VALUE = 4  # float32 images
 MIB = 1024 * 1024
 
