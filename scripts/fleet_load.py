@@ -154,7 +154,8 @@ class SimDevice:
         self.answered: dict[tuple[int, bool], bytes] = {}  # (round, evaluation) -> the sealed answer
         self.planned = threading.Event()
         self.endpoint = self._endpoint()
-        self.stats = {"payload_bytes": 0, "payloads_refused": 0, "updates": 0, "tasks": 0, "reconnects": 0}
+        self.stats = {"payload_bytes": 0, "payloads_refused": 0, "payload_asks": 0, "updates": 0, "tasks": 0,
+                      "reconnects": 0}
 
     def _endpoint(self) -> MqttEndpoint:
         node = int(self.device_id.rsplit("_", 1)[1])  # device i starts on node i of a cluster's list
@@ -236,10 +237,18 @@ class SimDevice:
         self.on_task(wait.task)
 
     def tend(self, now: float) -> None:
-        if self.waiting is not None and self.waiting.ask_now(now):
-            self.send(payload_request_message(self.waiting.ref, "asked again", device_id=self.device_id,
-                                              run_id=self.run_id, round_index=self.waiting.task.round))
-            self.endpoint.follow(payload_filter(PREFIX, self.waiting.ref.sha256))
+        """Ask for the awaited payload again when the device's rule says so (PayloadWait), and subscribe again."""
+        wait = self.waiting
+        if wait is None:
+            return
+        topic_filter = payload_filter(PREFIX, wait.ref.sha256)
+        refused = wait.refused
+        if wait.ask_now(now, self.endpoint.granted_at(topic_filter)):
+            self.stats["payload_asks"] += 1
+            detail = "refused one" if refused else f"not whole after {now - wait.since:.0f} s"
+            self.send(payload_request_message(wait.ref, detail, device_id=self.device_id, run_id=self.run_id,
+                                              round_index=wait.task.round))
+            self.endpoint.follow(topic_filter)
 
     def answer(self, msg: Message) -> None:
         """The synthetic update of the task ``msg``: the plan's tensors (the payload's), random and small."""
@@ -519,7 +528,8 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             "delay_mean_s": args.delay_mean, "max_message_bytes": args.max_message_bytes, "processes": processes,
             "cpu": bench.cpu_name(), "load_average": os.getloadavg(), "rounds": rounds, "killed": killed or None,
             "device_totals": {k: sum(s[k] for s in stats.values()) for k in
-                              ("payload_bytes", "payloads_refused", "updates", "tasks", "reconnects")},
+                              ("payload_bytes", "payloads_refused", "payload_asks", "updates", "tasks",
+                               "reconnects")},
             "devices_reporting": len(stats)}
 
 
