@@ -29,7 +29,8 @@ a rate, not a round).
 
 Writes ``{"rounds": [...], ...}``: per round ``round``, ``devices`` (that answered), ``updates_folded``, ``lost``,
 ``seconds`` (the server's round, open to close), ``server_bytes_out``/``in`` (the server's MQTT bytes in the round),
-``plan_payload_bytes`` (Σ over the round's plans of one payload), ``update_mb_per_s`` (update tensor bytes over the
+``plan_payload_bytes`` (Σ over the round's plans of one payload), ``payload_publishes`` (the server's payload
+publishes in the round, once per plan and again on request: from its log), ``update_mb_per_s`` (update tensor bytes over the
 round's seconds), ``broker_only_mb_per_s``, ``server_peak_rss_mb`` and ``server_cpu_s`` (from /proc, sampled as the
 server prints each round).
 """
@@ -415,6 +416,22 @@ def watch(server: subprocess.Popen, log: Path, opened: dict[int, float], closed:
                 continue
 
 
+def payload_publishes(log: Path) -> dict[int, list[tuple[str, int]]]:
+    """Per round, every payload the server published (its SHA-256 prefix and bytes, once per publish), from its log:
+    a round's distinct payloads are its plans' (``plan_payload_bytes``), the rest were published again on request."""
+    rounds: dict[int, list[tuple[str, int]]] = {}
+    current = 0
+    for line in log.read_text(errors="replace").splitlines():
+        words = line.split()
+        if "fedara.server" not in words:
+            continue
+        if words[-2:] == ["device(s)", "asked"] and words[-4] == "opened:":
+            current = int(words[-5])
+        elif words[4:6] == ["published", "payload"] and current:
+            rounds.setdefault(current, []).append((words[6], int(words[7].lstrip("("))))
+    return rounds
+
+
 def server_command(args: argparse.Namespace, url: str, enrollment: Path, data: Path, overrides: Path,
                    out: Path) -> list[str]:
     profile = ["-m", "cProfile", "-o", str(Path(args.profile_server).resolve())] if args.profile_server else []
@@ -510,17 +527,18 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
     stats = {}
     for path in results:
         stats.update(json.loads(path.read_text()) if path.exists() else {})
+    published = payload_publishes(out / "server.log")
     rounds = []
     for record, broker in zip(records, ceiling["rounds"]):
         r = record["round"]
         cpu, peak = closed.get(r, (float("nan"), float("nan")))
-        down = record["bytes_by_tier"]
         update_bytes = record["bytes_up"]
         rounds.append({
             "round": r, "devices": record["participants"], "updates_folded": record["participants"],
             "lost": record["selected"] - record["participants"], "seconds": record["seconds"],
             "server_bytes_out": record.get("wire_bytes_out"), "server_bytes_in": record.get("wire_bytes_in"),
-            "plan_payload_bytes": sum(t.get("down", 0) for t in down.values()),
+            "plan_payload_bytes": sum(dict(published.get(r, [])).values()),
+            "payload_publishes": len(published.get(r, [])),
             "update_mb_per_s": update_bytes / MB / record["seconds"],
             "broker_only_mb_per_s": broker["mb_per_s"],
             "server_peak_rss_mb": peak, "server_cpu_s": cpu - opened.get(r, float("nan"))})
@@ -534,11 +552,11 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
 
 
 def table(result: dict) -> str:
-    head = ("| round | devices | folded | lost | s | server out MB | server in MB | plan payloads MB | update MB/s | "
-            "broker-only MB/s | server peak RSS MiB | server CPU s |\n|" + "---:|" * 12)
+    head = ("| round | devices | folded | lost | s | server out MB | server in MB | plan payloads MB | payload "
+            "publishes | update MB/s | broker-only MB/s | server peak RSS MiB | server CPU s |\n|" + "---:|" * 13)
     rows = [f"| {r['round']} | {r['devices']} | {r['updates_folded']} | {r['lost']} | {r['seconds']:.1f} | "
             f"{(r['server_bytes_out'] or 0) / MB:.1f} | {(r['server_bytes_in'] or 0) / MB:.1f} | "
-            f"{r['plan_payload_bytes'] / MB:.1f} | {r['update_mb_per_s']:.1f} | {r['broker_only_mb_per_s']:.1f} | "
+            f"{r['plan_payload_bytes'] / MB:.1f} | {r['payload_publishes']} | {r['update_mb_per_s']:.1f} | {r['broker_only_mb_per_s']:.1f} | "
             f"{r['server_peak_rss_mb']:.0f} | {r['server_cpu_s']:.1f} |" for r in result["rounds"]]
     return "\n".join([head, *rows])
 
