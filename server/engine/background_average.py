@@ -57,8 +57,7 @@ class BackgroundAverage:
             self._jobs.append(update)
             self._queued_bytes += update.nbytes
             if self._worker is None:
-                self._worker = threading.Thread(target=self._work, args=(torch.get_num_threads(),), name="fold",
-                                                daemon=True)
+                self._worker = threading.Thread(target=self._work, name="fold", daemon=True)
                 self._worker.start()
 
     def drain(self) -> None:
@@ -98,10 +97,7 @@ class BackgroundAverage:
                 continue
             self._cond.wait(WAIT_POLL_S)
 
-    def _work(self, threads: int) -> None:
-        # The caller's intra-op threads, set again in this thread: without it MKL's products here took ~30 % more CPU
-        # than in the thread that set them (measured with torch's single-threaded matmul, same bits).
-        torch.set_num_threads(threads)
+    def _work(self) -> None:
         while True:
             with self._cond:
                 if not self._jobs:
