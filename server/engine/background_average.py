@@ -6,8 +6,8 @@ server it is most of a round's CPU; opening an update (SHA-256, JSON, checks) is
 turns; here ``add`` checks the update at once (a malformed one raises ValueError in the caller, as
 ``StreamingAverage.add`` does, and nothing of it counts) and hands the arithmetic to one worker thread, which adds
 the updates in the order ``add`` was called. One thread, one order, the same operations: the sums are the in-line
-average's bit for bit (the fold order stays the caller's: ``server.engine.fold_order``). Every read (``count``,
-``partial``, ``result``, ``merge``) waits for the updates handed over so far. At most ``max_queued_bytes`` of tensors wait for the
+average's bit for bit (the fold order stays the caller's: ``server.engine.fold_order``). Every read (``partial``,
+``result``, ``merge``) waits for the updates handed over so far. At most ``max_queued_bytes`` of tensors wait for the
 worker (``add`` blocks past it): the server's memory stays bounded. An error in the worker (a bug, or memory) is
 kept and raised as FoldFailed by the next ``add`` or read, never a hang; the average is unusable from then on.
 The worker thread exists only while updates wait: it ends when the queue is empty, so nothing needs closing.
@@ -64,12 +64,6 @@ class BackgroundAverage:
         """Wait until every update handed over so far is added; FoldFailed if the worker failed."""
         with self._cond:
             self._wait(lambda: self._worker is None)
-
-    @property
-    def count(self) -> int:
-        """Updates added (after those handed over so far)."""
-        self.drain()
-        return self.average.count
 
     def partial(self) -> PartialSum:
         self.drain()
