@@ -40,7 +40,6 @@ from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers
 from server.engine import folding_records as folding
 from server.mqtt import aggregation_wire as wire
 from server.engine.aggregate import StreamingAverage
-from server.engine.background_average import BackgroundAverage
 from server.cli import PASSWORD_ENV, add_broker_flags, check_broker_connect_timeout, fail
 from server.mqtt.enrollment import EnrollmentError, load_enrollment, load_server_key
 from server.engine.sampling import as_torch
@@ -61,7 +60,7 @@ class Aggregator:
         self.name = name
         self.verifier = Verifier(device_keys, {Direction.UP})
         self.brief: folding.Brief | None = None
-        self.average: BackgroundAverage | None = None  # folded on a worker thread while the next update is opened
+        self.average: StreamingAverage | None = None
         self.forwarded: set[str] = set()  # devices of this round whose update this member sent a receipt for
         self.awaiting: dict[str, tuple[dict[str, np.ndarray], int]] = {}  # device -> training update, until verdict
         self.folded: list[str] = []
@@ -74,7 +73,7 @@ class Aggregator:
         self.brief = brief
         if same_round:
             return
-        self.average = BackgroundAverage(StreamingAverage(brief.dense_shapes))
+        self.average = StreamingAverage(brief.dense_shapes)
         self.forwarded, self.awaiting, self.folded = set(), {}, []
 
     def on_update(self, topic_device: str, msg: Message) -> folding.Receipt | str:

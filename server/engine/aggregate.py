@@ -32,16 +32,6 @@ class PartialSum:
     count: int
 
 
-@dataclass(frozen=True)
-class CheckedUpdate:
-    """One client's FE split and checked against the average's shapes, ready to add (``StreamingAverage.check``)."""
-
-    dense: dict[str, torch.Tensor]
-    factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    weight: float
-    nbytes: int
-
-
 class _FactorFold:
     """One factorized layer's pending clients and its float64 Σ n_k U_k V_kᵀ (matrix view).
 
@@ -134,23 +124,15 @@ class StreamingAverage:
         The whole update is checked before any of it counts, so a malformed update leaves the sums as they were.
         Factors are read when their fold runs (at most ``fold_columns`` later): do not modify them after ``add``.
         """
-        self.accumulate(self.check(client_fe, num_samples))
-
-    def check(self, client_fe: dict[str, torch.Tensor], num_samples: int) -> CheckedUpdate:
-        """``add``'s checks alone (ValueError for a malformed update): what ``accumulate`` then adds."""
         if num_samples <= 0:
             raise ValueError(f"a client update needs a positive sample count, got {num_samples}")
         dense, factors = self._split(client_fe)
-        nbytes = sum(t.numel() * t.element_size() for t in client_fe.values())
-        return CheckedUpdate(dense, factors, float(num_samples), nbytes)
-
-    def accumulate(self, update: CheckedUpdate) -> None:
-        """Add an update ``check`` accepted: the arithmetic of ``add``, nothing that can refuse it."""
-        for key, value in update.dense.items():
-            self._dense[key].add(value, update.weight)
-        for key, (u, v) in update.factors.items():
-            self._fold_for(key).add(u, v, update.weight)
-        self.total_weight += update.weight
+        weight = float(num_samples)
+        for key, value in dense.items():
+            self._dense[key].add(value, weight)
+        for key, (u, v) in factors.items():
+            self._fold_for(key).add(u, v, weight)
+        self.total_weight += weight
         self.count += 1
 
     def partial(self) -> PartialSum:

@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 from device_runtime.task import Update
 from server.engine.aggregate import StreamingAverage
-from server.engine.background_average import BackgroundAverage
 from server.engine.folding_records import Partial, Receipt, route
 from server.engine.coordinator import Verdict
 
@@ -93,7 +92,7 @@ class RemoteFolding:
         self._partials[aggregator] = partial
         return None
 
-    def merge(self, round_index: int, average: StreamingAverage | BackgroundAverage
+    def merge(self, round_index: int, average: StreamingAverage
               ) -> tuple[dict[str, tuple[Update, int]], dict[str, str]]:
         """Merge the partials that came into ``average`` (in aggregator order). Returns the updates behind them
         (device -> (update, bytes)) and the devices whose member sent no partial, with why they count as not

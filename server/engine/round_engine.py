@@ -32,7 +32,6 @@ from device_runtime.envelope import Message
 from device_runtime.payload import PayloadRef
 from device_runtime.task import Task, Update, tensor_bytes
 from server.engine.aggregate import StreamingAverage
-from server.engine.background_average import BackgroundAverage
 from server.engine.fold_order import FoldOrder
 from server.engine.folding_records import Brief, Partial, Receipt
 from server.algorithms import get_algorithm
@@ -139,7 +138,7 @@ class RoundEngine:
         self._resends: dict[str, int] = {}
         self._files_sent: dict[str, str] = {}  # device -> plan hash whose files it was last sent
         self._round_weights: dict[tuple, dict[str, np.ndarray]] = {}
-        self._average: BackgroundAverage | None = None  # the round's sums, folded on a worker thread
+        self._average: StreamingAverage | None = None
         self._sent_weight: dict[tuple, float] = {}  # plan -> Σ samples of its accepted updates (the updates rule)
         self._folds: FoldOrder[tuple[Update, int]] = FoldOrder()  # accepted updates, folded in device-id order
         self._book = RoundBook(0.0)
@@ -329,8 +328,7 @@ class RoundEngine:
         self._book.opened_at = now  # artifacts sent since the last round closed count in this one
         plans = [self.plan_info(d).resolved for d in opened.train + opened.evaluate]
         self._round_weights = factorize_per_plan(self.global_state, plans) if self.global_state else {}
-        self._average = (BackgroundAverage(StreamingAverage(self.dense_shapes)) if self.global_state and self.dp is None
-                         else None)
+        self._average = StreamingAverage(self.dense_shapes) if self.global_state and self.dp is None else None
         self._private_round = private
         if private:
             self.dp.open_round()
