@@ -571,7 +571,8 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             rounds[-1].update(read_seconds=read, read_mb_per_s=update_bytes / MB / read,
                               read_to_broker=update_bytes / MB / read / broker["mb_per_s"])
     return {"devices": args.devices, "broker": args.broker, "aggregators": args.aggregators, "churn": args.churn,
-            "delay_mean_s": args.delay_mean, "together": args.together, "max_message_bytes": args.max_message_bytes, "processes": processes,
+            "delay_mean_s": args.delay_mean, "together": args.together, "max_message_bytes": args.max_message_bytes,
+            "processes": processes,
             "cpu": bench.cpu_name(), "load_average": os.getloadavg(), "rounds": rounds, "killed": killed or None,
             "device_totals": {k: sum(s[k] for s in stats.values()) for k in
                               ("payload_bytes", "payloads_refused", "updates", "tasks", "reconnects")},
