@@ -155,8 +155,10 @@ class Reassembler:
     chunk beyond ``max_pending_bytes``, evicts the oldest incomplete messages (of any stream) first.
     A frame flood on many topics thus costs a bounded amount of memory; it can still push out a
     genuine message in flight, which is then lost like any message on a lossy link; the frames of a
-    pushed-out message that still come are dropped (it cannot complete), so they push out nothing more. A frame that
-    contradicts earlier frames of its msg_id is rejected and ignored; a completed payload whose
+    pushed-out message that still come are dropped (it cannot complete), so they push out nothing more; that
+    msg_id stays refused for ``timeout_s`` even if re-delivered whole (a QoS 1 re-delivery, a retained copy fetched
+    again): every re-send of this protocol (a saved answer resealed, a payload published again) has a new
+    msg_id. A frame that contradicts earlier frames of its msg_id is rejected and ignored; a completed payload whose
     hash fails is dropped. A frame of a recently delivered msg_id (an MQTT QoS 1 re-delivery, or an
     exact replay) raises RepeatedFrame: nothing is delivered twice, and the caller can say why."""
 
