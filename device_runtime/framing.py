@@ -154,8 +154,11 @@ class Reassembler:
     holding at most ``max_pending_bytes`` of chunks. A new message beyond ``max_pending``, or a
     chunk beyond ``max_pending_bytes``, evicts the oldest incomplete messages (of any stream) first.
     A frame flood on many topics thus costs a bounded amount of memory; it can still push out a
-    genuine message in flight, which is then lost like any message on a lossy link. A frame that
-    contradicts earlier frames of its msg_id is rejected and ignored; a completed payload whose
+    genuine message in flight, which is then lost like any message on a lossy link; the frames of a
+    pushed-out message that still come are dropped (it cannot complete), so they push out nothing more; that
+    msg_id stays refused for ``timeout_s`` even if re-delivered whole (a QoS 1 re-delivery, a retained copy fetched
+    again): every re-send of this protocol (a saved answer resealed, a payload published again) has a new
+    msg_id. A frame that contradicts earlier frames of its msg_id is rejected and ignored; a completed payload whose
     hash fails is dropped. A frame of a recently delivered msg_id (an MQTT QoS 1 re-delivery, or an
     exact replay) raises RepeatedFrame: nothing is delivered twice, and the caller can say why."""
 
@@ -181,6 +184,7 @@ class Reassembler:
         self.max_pending_bytes = budget
         self._pending: dict[tuple[str, str], _Pending] = {}
         self._delivered: dict[tuple[str, str], float] = {}
+        self._pushed_out: dict[tuple[str, str], float] = {}  # (stream, msg_id) evicted for room -> when
         self._held = 0
         self.evicted: list[tuple[str, str]] = []  # (stream, msg_id) of incomplete messages pushed out for room, until
         # the caller takes them
@@ -217,6 +221,8 @@ class Reassembler:
         key = (stream, f.msg_id)
         if key in self._delivered:
             raise RepeatedFrame(f.msg_id)
+        if key in self._pushed_out:
+            return None  # the rest of a message pushed out for room: it cannot complete any more, so it takes none
         pending = self._pending.get(key)
         if pending is None:
             pending = self._admit(key, f, now)
@@ -237,7 +243,7 @@ class Reassembler:
                     f"message {f.msg_id!r}: chunk {f.index} re-sent with other bytes",
                 )
             return None
-        self._make_room(len(f.data), keep=key)
+        self._make_room(len(f.data), keep=key, now=now)
         pending.pieces[f.index] = f.data
         pending.held += len(f.data)
         self._held += len(f.data)
@@ -252,20 +258,26 @@ class Reassembler:
 
     def _admit(self, key: tuple[str, str], f: _Frame, now: float) -> _Pending:
         while len(self._pending) >= self.max_pending:
-            self._evict(next(iter(self._pending)))
+            self._evict(next(iter(self._pending)), now)
         pending = _Pending(now, f.count, f.total, f.digest, f.step)
         self._pending[key] = pending
         return pending
 
-    def _make_room(self, size: int, keep: tuple[str, str]) -> None:
+    def _make_room(self, size: int, keep: tuple[str, str], now: float) -> None:
         """Evict the oldest incomplete messages but ``keep`` until ``size`` more bytes fit."""
         while self._held + size > self.max_pending_bytes:
             oldest = next(k for k in self._pending if k != keep)
-            self._evict(oldest)
+            self._evict(oldest, now)
 
-    def _evict(self, key: tuple[str, str]) -> None:
+    def _evict(self, key: tuple[str, str], now: float) -> None:
+        """Push out an incomplete message; its frames still to come are dropped (remembered like delivered ids),
+        so they hold no room that complete-able messages need (under a burst of interleaved messages they did, and
+        pushed out more)."""
         self.evicted.append(key)
         self._drop(key)
+        self._pushed_out[key] = now
+        while len(self._pushed_out) > COMPLETED_IDS_REMEMBERED:
+            del self._pushed_out[next(iter(self._pushed_out))]
 
     def _drop(self, key: tuple[str, str]) -> None:
         self._held -= self._pending.pop(key).held
@@ -282,4 +294,5 @@ class Reassembler:
         for key in expired:
             self._drop(key)
         self._delivered = {k: t for k, t in self._delivered.items() if now - t <= self.timeout_s}
+        self._pushed_out = {k: t for k, t in self._pushed_out.items() if now - t <= self.timeout_s}
         return [msg_id for _, msg_id in expired]

@@ -27,12 +27,19 @@ of updates of the same plans published by one process as fast as the broker take
 subscriber that opens none of them (scripts/bench_aggregators.py's ``measure_broker``, at most 200 updates a round:
 a rate, not a round).
 
+A round's ``seconds`` include the devices' answer delays, so ``update_mb_per_s`` is the fleet's rate, not the
+server's. ``--together`` measures the server's read path against that ceiling: every device seals its answer when
+its task comes and holds it; once every device of every process holds its answer (a barrier between the device
+processes) they all publish at once, as the ceiling's publisher does. ``read_seconds`` is the time from that
+release to the round's close (the server's log line of the closed round), ``read_mb_per_s`` the round's update bytes
+over it and ``read_to_broker`` its ratio to ``broker_only_mb_per_s``.
+
 Writes ``{"rounds": [...], ...}``: per round ``round``, ``devices`` (that answered), ``updates_folded``, ``lost``,
 ``seconds`` (the server's round, open to close), ``server_bytes_out``/``in`` (the server's MQTT bytes in the round),
 ``plan_payload_bytes`` (Σ over the round's plans of one payload), ``payload_publishes`` (the server's payload
-publishes in the round, once per plan and again on request: from its log), ``update_mb_per_s`` (update tensor bytes over the
-round's seconds), ``broker_only_mb_per_s``, ``server_peak_rss_mb`` and ``server_cpu_s`` (from /proc, sampled as the
-server prints each round).
+publishes in the round, once per plan and again on request: from its log), ``update_mb_per_s`` (update tensor bytes
+over the round's seconds), ``broker_only_mb_per_s``, ``server_peak_rss_mb`` and ``server_cpu_s`` (from /proc,
+sampled as the server prints each round).
 """
 from __future__ import annotations
 
@@ -80,6 +87,8 @@ SHAPE, CLASSES, SAMPLES = (3, 32, 32), 10, 100
 PREFIX = "fleet"
 DEVICES_PER_PROCESS = 250
 CEILING_UPDATES = 200
+RELEASE_TIMEOUT_S = 600.0
+"""--together: how long a device process waits at the barrier for the others (then it publishes anyway)."""
 KILLED_NODE = 1
 """--kill-node-mid-round: the cluster node killed (the server is on node 0; device i starts on node i mod 3)."""
 KILL_AFTER_S = 3.0
@@ -104,6 +113,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                                 f"{DEVICES_PER_PROCESS} devices)")
     p.add_argument("--delay-mean", type=float, default=1.0, help="mean seconds a device takes to answer")
     p.add_argument("--churn", type=float, default=0.0, help="share of devices that drop and rejoin each round")
+    p.add_argument("--together", action="store_true",
+                   help="devices hold their sealed answers and publish them all at once: the server's read rate")
     p.add_argument("--max-message-bytes", type=int, default=1 << 20, help="frame size of every process")
     p.add_argument("--round-deadline", type=float, default=600.0)
     p.add_argument("--workdir", default=None, help="keep the run here (default: a temporary folder)")
@@ -118,6 +129,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise SystemExit(fail(f"{flag} must be >= 1, got {value}"))
     if args.aggregators < 0 or not 0 <= args.churn <= 1 or args.delay_mean < 0:
         raise SystemExit(fail("--aggregators >= 0, --churn in [0, 1] and --delay-mean >= 0, please"))
+    if args.together and (args.churn or args.kill_node_mid_round):
+        raise SystemExit(fail("--together: every device answers at one release; drop --churn and "
+                              "--kill-node-mid-round"))
     if args.kill_node_mid_round and (args.broker != "nats" or not 1 <= args.kill_node_mid_round <= args.rounds):
         raise SystemExit(fail(f"--kill-node-mid-round {args.kill_node_mid_round}: needs --broker nats and a round in "
                               f"1..--rounds ({args.rounds}); drop it or use --broker nats"))
@@ -262,8 +276,12 @@ class SimDevice:
         sealed = self.link.seal(update_message(update, plan_hash=self.plan_hash, device_id=self.device_id,
                                                run_id=self.run_id))
         self.answered = {(task.round, task.evaluate_only): sealed}
-        self.endpoint.publish(self.topics.update_via(task.aggregator), sealed, new_msg_id(MessageType.UPDATE))
         self.stats["updates"] += 1
+        publish = (self.endpoint, self.topics.update_via(task.aggregator), sealed, new_msg_id(MessageType.UPDATE))
+        if self.host.together is not None and not task.evaluate_only:
+            self.host.hold(task.round, publish)
+        else:
+            self.endpoint.publish(*publish[1:])
 
     def reconnect(self) -> None:
         """Churn: drop the connection (its will says offline) and connect again as a new connection."""
@@ -279,8 +297,11 @@ class DeviceHost:
     """One process's simulated devices and the one thread that does their protocol work."""
 
     def __init__(self, url: str, frame_bytes: int, max_inbound: int, delay_mean: float, churn: float,
-                 seed: int) -> None:
+                 seed: int, together: "threading.Barrier | None" = None) -> None:
         self.url, self.frame_bytes, self.max_inbound = url, frame_bytes, max_inbound
+        self.together = together  # --together: the barrier every device process meets before a round's release
+        self.held: dict[int, list[tuple[MqttEndpoint, str, bytes, str]]] = {}  # round -> sealed answers held
+        self.released: dict[int, float] = {}  # round -> wall time this process published its held answers
         self.delay_mean, self.churn = delay_mean, churn
         self.rng = np.random.default_rng(seed)
         self.inbox: queue.Queue = queue.Queue()
@@ -303,6 +324,21 @@ class DeviceHost:
                 while len(held) > 2 * len(TIERS):
                     del held[next(iter(held))]
         return self._synthetic[ref]
+
+    def hold(self, round_index: int, publish: tuple[MqttEndpoint, str, bytes, str]) -> None:
+        """--together: keep a sealed answer; once every device of this process holds its own, meet the other
+        processes at the barrier and publish them all."""
+        held = self.held.setdefault(round_index, [])
+        held.append(publish)
+        if len(held) < len(self.devices):
+            return
+        try:
+            self.together.wait(RELEASE_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            LOG.warning("round %d: not every device process held its answers; publishing anyway", round_index)
+        self.released[round_index] = time.time()
+        for endpoint, topic, sealed, msg_id in self.held.pop(round_index):
+            endpoint.publish(topic, sealed, msg_id)
 
     def delay(self) -> float:
         return float(min(self.rng.exponential(self.delay_mean), 5 * self.delay_mean)) if self.delay_mean else 0.0
@@ -343,12 +379,13 @@ class DeviceHost:
 
 
 def device_process(url: str, ids: list[str], keys: dict[str, bytes], folder: str, frame_bytes: int, max_inbound: int,
-                   delay_mean: float, churn: float, seed: int, stop: threading.Event, results: str) -> None:
+                   delay_mean: float, churn: float, seed: int, stop: threading.Event, results: str,
+                   together: "threading.Barrier | None" = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s fleet %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=False)  # kill -USR1 PID: the main thread's stack on stderr
     signal.signal(signal.SIGUSR2, lambda *_: print("".join(  # kill -USR2 PID: the protocol thread's stack
         traceback.format_stack(sys._current_frames()[worker.ident])), file=sys.stderr, flush=True))
-    host = DeviceHost(url, frame_bytes, max_inbound, delay_mean, churn, seed)
+    host = DeviceHost(url, frame_bytes, max_inbound, delay_mean, churn, seed, together)
     done = threading.Event()
     worker = threading.Thread(target=host.serve, args=(done,), daemon=True)
     worker.start()
@@ -364,7 +401,7 @@ def device_process(url: str, ids: list[str], keys: dict[str, bytes], folder: str
     stats = {d.device_id: d.stats for d in host.devices.values()}
     for device in host.devices.values():
         device.endpoint.stop()
-    Path(results).write_text(json.dumps(stats))
+    Path(results).write_text(json.dumps({"devices": stats, "released": host.released}))
 
 
 # -- the server and the broker ----------------------------------------------------------------------
@@ -391,9 +428,16 @@ def proc_sample(pid: int) -> tuple[float, float]:
     return cpu, peak
 
 
-def watch(server: subprocess.Popen, log: Path, opened: dict[int, float], closed: dict[int, tuple[float, float]]
-          ) -> None:
-    """Sample the server's CPU seconds as each round opens and (with its peak RSS) as it closes, from its log."""
+def log_time(words: list[str]) -> float:
+    """The wall time of a server log line (its first two words, ``2026-12-02 14:28:42,334``, local time)."""
+    whole, millis = words[1].split(",")
+    return time.mktime(time.strptime(f"{words[0]} {whole}", "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
+
+
+def watch(server: subprocess.Popen, log: Path, opened: dict[int, float], closed: dict[int, tuple[float, float]],
+          closed_at: dict[int, float]) -> None:
+    """Sample the server's CPU seconds as each round opens and (with its peak RSS) as it closes, from its log; keep
+    the wall time of each round's close (its log line's time)."""
     offset, rest = 0, b""
     while server.poll() is None:
         time.sleep(0.1)
@@ -412,6 +456,7 @@ def watch(server: subprocess.Popen, log: Path, opened: dict[int, float], closed:
                     opened[int(words[-5])] = proc_sample(server.pid)[0]
                 elif "fedara.progress" in words and words[4] == "round" and "/" in words[5]:
                     closed[int(words[5].split("/")[0])] = proc_sample(server.pid)
+                    closed_at[int(words[5].split("/")[0])] = log_time(words)
             except (IndexError, ValueError, OSError):
                 continue
 
@@ -495,7 +540,9 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
                                       stdout=log, stderr=subprocess.STDOUT)
         opened: dict[int, float] = {}
         closed: dict[int, tuple[float, float]] = {}
-        watcher = threading.Thread(target=watch, args=(server, out / "server.log", opened, closed), daemon=True)
+        closed_at: dict[int, float] = {}
+        watcher = threading.Thread(target=watch, args=(server, out / "server.log", opened, closed, closed_at),
+                                   daemon=True)
         watcher.start()
         killed: dict = {}
         done_killing = threading.Event()
@@ -505,6 +552,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
         processes = args.processes or -(-args.devices // DEVICES_PER_PROCESS)
         spawn = mp.get_context("spawn")  # not fork: a lock another thread held at fork time stays held in the child
         stop = spawn.Event()
+        together = spawn.Barrier(processes) if args.together else None
         procs, results = [], []
         max_inbound = 64 << 20
         for p in range(processes):
@@ -512,7 +560,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             results.append(folder / f"devices-{p}.json")
             proc = spawn.Process(target=device_process, args=(url, ids, {d: keys[d] for d in ids}, str(folder / "dev"),
                                                            args.max_message_bytes, max_inbound, args.delay_mean,
-                                                           args.churn, p, stop, str(results[-1])))
+                                                           args.churn, p, stop, str(results[-1]), together))
             proc.start()
             procs.append(proc)
         code = server.wait()
@@ -524,9 +572,12 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
         if code != 0:
             raise SystemExit(fail(f"the server exited with {code}: see {folder / 'server.out'}"))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    stats = {}
+    stats, released = {}, {}
     for path in results:
-        stats.update(json.loads(path.read_text()) if path.exists() else {})
+        result = json.loads(path.read_text()) if path.exists() else {"devices": {}, "released": {}}
+        stats.update(result["devices"])
+        for r, t in result["released"].items():  # the round's release: the first process's
+            released[int(r)] = min(t, released.get(int(r), t))
     published = payload_publishes(out / "server.log")
     rounds = []
     for record, broker in zip(records, ceiling["rounds"]):
@@ -542,8 +593,13 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             "update_mb_per_s": update_bytes / MB / record["seconds"],
             "broker_only_mb_per_s": broker["mb_per_s"],
             "server_peak_rss_mb": peak, "server_cpu_s": cpu - opened.get(r, float("nan"))})
+        if args.together:
+            read = closed_at.get(r, float("nan")) - released.get(r, float("nan"))
+            rounds[-1].update(read_seconds=read, read_mb_per_s=update_bytes / MB / read,
+                              read_to_broker=update_bytes / MB / read / broker["mb_per_s"])
     return {"devices": args.devices, "broker": args.broker, "aggregators": args.aggregators, "churn": args.churn,
-            "delay_mean_s": args.delay_mean, "max_message_bytes": args.max_message_bytes, "processes": processes,
+            "delay_mean_s": args.delay_mean, "together": args.together, "max_message_bytes": args.max_message_bytes,
+            "processes": processes,
             "cpu": bench.cpu_name(), "load_average": os.getloadavg(), "rounds": rounds, "killed": killed or None,
             "device_totals": {k: sum(s[k] for s in stats.values()) for k in
                               ("payload_bytes", "payloads_refused", "payload_asks", "updates", "tasks",
@@ -556,9 +612,16 @@ def table(result: dict) -> str:
             "publishes | update MB/s | broker-only MB/s | server peak RSS MiB | server CPU s |\n|" + "---:|" * 13)
     rows = [f"| {r['round']} | {r['devices']} | {r['updates_folded']} | {r['lost']} | {r['seconds']:.1f} | "
             f"{(r['server_bytes_out'] or 0) / MB:.1f} | {(r['server_bytes_in'] or 0) / MB:.1f} | "
-            f"{r['plan_payload_bytes'] / MB:.1f} | {r['payload_publishes']} | {r['update_mb_per_s']:.1f} | {r['broker_only_mb_per_s']:.1f} | "
+            f"{r['plan_payload_bytes'] / MB:.1f} | {r['payload_publishes']} | {r['update_mb_per_s']:.1f} | "
+            f"{r['broker_only_mb_per_s']:.1f} | "
             f"{r['server_peak_rss_mb']:.0f} | {r['server_cpu_s']:.1f} |" for r in result["rounds"]]
-    return "\n".join([head, *rows])
+    lines = [head, *rows]
+    if "read_seconds" in result["rounds"][0]:
+        lines += ["", "| round | read s (release to close) | read MB/s | broker-only MB/s | read / broker-only |",
+                  "|" + "---:|" * 5]
+        lines += [f"| {r['round']} | {r['read_seconds']:.2f} | {r['read_mb_per_s']:.1f} | "
+                  f"{r['broker_only_mb_per_s']:.1f} | {r['read_to_broker']:.2f} |" for r in result["rounds"]]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

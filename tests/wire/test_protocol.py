@@ -845,3 +845,13 @@ def test_an_incomplete_message_pushed_out_for_room_is_named_with_its_stream():
     reassembler.feed(first[0], 0.0, stream="dev/a/update")
     reassembler.feed(second[0], 0.0, stream="dev/b/update")
     assert reassembler.evicted == [("dev/a/update", "m1")] and reassembler.pending_ids == ("m2",)
+
+
+def test_the_rest_of_a_message_pushed_out_is_dropped_and_pushes_out_nothing_more():
+    reassembler = Reassembler(4096, 60.0, max_pending=1)
+    first, second = chunk(payload_of(2000), FRAME_1K, "m1"), chunk(payload_of(2001), FRAME_1K, "m2")
+    reassembler.feed(first[0], 0.0, stream="dev/a/update")
+    reassembler.feed(second[0], 0.0, stream="dev/b/update")  # pushes m1 out
+    assert [reassembler.feed(f, 0.0, stream="dev/a/update") for f in first[1:]] == [None] * (len(first) - 1)
+    assert reassembler.pending_ids == ("m2",) and reassembler.evicted == [("dev/a/update", "m1")]
+    assert [reassembler.feed(f, 0.0, stream="dev/b/update") for f in second[1:]][-1] == payload_of(2001)

@@ -1,0 +1,142 @@
+"""The server's read path from a complete message to the fold, in one process, no broker: its CPU per byte.
+
+    .venv/bin/python scripts/bench_read_path.py --clients 100 --rounds 2 --out read_path.json
+
+K synthetic FedAvgCNN 3×32×32 devices at the five rank tiers round-robin (scripts/bench_aggregators.py's engine, one
+torch thread as ``server.broker_loop`` runs by default) each send one sealed update a round (random tensors of
+their plan's shapes, sealed before the clock starts); the server's link opens each (``Link.open_with_status``:
+decode, SHA-256 of the body, tag, counters) and the round engine takes it (``RoundEngine.receive``: checks, the
+fold in device-id order), then the round closes (the new model). Per round: wall and CPU seconds (CPU is what a
+loaded machine cannot stretch) of opening, receiving and closing, and MB/s of update tensor bytes over the round's
+CPU seconds. ``--profile`` adds a cProfile of the last round, on CPU time, to the JSON's ``profile`` (the top
+functions by cumulative CPU). Reassembly and the frame-level SHA-256 (on paho's network thread) are not in it.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import logging
+import os
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from device_runtime.auth import CounterSource, Direction, KeyRing, new_key  # noqa: E402
+from device_runtime.envelope import seal  # noqa: E402
+from device_runtime.link import Link  # noqa: E402
+from device_runtime.messages import update_message  # noqa: E402
+from device_runtime.task import Update  # noqa: E402
+from device_runtime.topics import TopicKind  # noqa: E402
+from server.broker_loop import inbound_limit  # noqa: E402
+from server.compute_threads import use_server_threads  # noqa: E402
+from server.outputs.machine import cpu_name  # noqa: E402
+
+MB = 1e6
+PROFILE_LINES = 25
+
+
+def bench_aggregators():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_aggregators", Path(__file__).with_name("bench_aggregators.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sealed_updates(engine, keys: dict[str, bytes], max_inbound: int, round_index: int) -> list[tuple[str, bytes]]:
+    """Every asked device's sealed update of the open round (random, small tensors of its plan)."""
+    brief = engine.brief(max_inbound)
+    rng = np.random.default_rng(round_index)
+    counters = CounterSource(int(time.time()) + round_index, 0)
+    out = []
+    for device_id, asked in sorted(brief.devices.items()):
+        weights = {k: rng.standard_normal(s, dtype=np.float32) * np.float32(1e-2)
+                   for k, s in brief.plan_shapes[asked.plan_hash].items()}
+        update = Update(round_index, weights, asked.num_samples, 1.0, 0.5,
+                        {"eval_correct": 5, "eval_total": 10, "eval_loss": 1.0})
+        msg = update_message(update, plan_hash=asked.plan_hash, device_id=device_id, run_id=brief.run_id)
+        out.append((device_id, seal(msg, keys[device_id], Direction.UP, counters.next())))
+    return out
+
+
+def run(clients: int, rounds: int, profile: bool, folder: Path) -> dict:
+    use_server_threads(1)
+    logging.getLogger("fedara.engine").setLevel(logging.ERROR)
+    devices = [f"dev_{i:05d}" for i in range(clients)]
+    keys = {d: new_key() for d in devices}
+    engine = bench_aggregators().make_engine(devices, False, rounds)
+    max_inbound = inbound_limit(engine.global_state, {})
+    link = Link.server(KeyRing(keys), folder / "server-state", max_inbound)
+    results, profiler = [], None
+    for r in range(1, rounds + 1):
+        engine.open_round(r, time.monotonic())
+        payloads = sealed_updates(engine, keys, max_inbound, r)
+        if profile and r == rounds:
+            profiler = cProfile.Profile(time.process_time)
+            profiler.enable()
+        wall, cpu = time.perf_counter(), time.process_time()
+        open_wall = open_cpu = 0.0
+        for device_id, payload in payloads:
+            w, c = time.perf_counter(), time.process_time()
+            msg, _ = link.open_with_status(payload, engine.run_id, device_id=device_id, kind=TopicKind.UPDATE)
+            open_wall += time.perf_counter() - w
+            open_cpu += time.process_time() - c
+            verdict = engine.receive(device_id, msg, time.monotonic())
+            if not verdict.accepted:
+                raise SystemExit(f"error: {device_id}'s update was refused: {verdict.reason}")
+        received_wall, received_cpu = time.perf_counter(), time.process_time()
+        engine.close_round(time.monotonic())
+        end_wall, end_cpu = time.perf_counter(), time.process_time()
+        if profiler is not None:
+            profiler.disable()
+        nbytes = engine.pending["bytes_up"]
+        row = {"round": r, "update_bytes": nbytes, "envelope_bytes": sum(len(p) for _, p in payloads),
+               "open_s": open_wall, "open_cpu_s": open_cpu,
+               "receive_s": received_wall - wall - open_wall, "receive_cpu_s": received_cpu - cpu - open_cpu,
+               "close_s": end_wall - received_wall, "close_cpu_s": end_cpu - received_cpu,
+               "seconds": end_wall - wall, "cpu_s": end_cpu - cpu, "mb_per_cpu_s": nbytes / MB / (end_cpu - cpu),
+               "load_average_1min": os.getloadavg()[0]}
+        results.append(row)
+        print(f"round {r}: {nbytes / MB:.0f} MB, open {open_cpu:.3f} CPU s, receive (checks, fold) "
+              f"{row['receive_cpu_s']:.3f}, close {row['close_cpu_s']:.3f}; {row['cpu_s']:.3f} CPU s in "
+              f"{row['seconds']:.3f} s: {row['mb_per_cpu_s']:.0f} MB per CPU s; load {row['load_average_1min']:.1f}",
+              flush=True)
+    out = {"clients": clients, "cpu": cpu_name(), "rounds": results}
+    if profiler is not None:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(PROFILE_LINES)
+        out["profile"] = text.getvalue()
+        print(out["profile"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", type=int, default=100, help="sealed updates per round (K)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="cProfile the last round on CPU time")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    for flag, value in (("--clients", args.clients), ("--rounds", args.rounds)):
+        if value < 1:
+            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
+    with tempfile.TemporaryDirectory(prefix="read-path-") as tmp:
+        result = run(args.clients, args.rounds, args.profile, Path(tmp))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
