@@ -309,13 +309,13 @@ class DeviceAgent:
             LOG.warning("dropped a malformed task message: %s", exc)
 
     def tend_payload(self, now: float) -> None:
-        """Ask the server for the awaited payload again when it is due (PayloadWait), and subscribe again: the
-        broker then sends its retained copy once more."""
+        """Ask the server for the awaited payload again when it is due (PayloadWait: only while the broker grants
+        the subscription to its topic), and subscribe again: the broker then sends its retained copy once more."""
         wait = self.waiting
         if wait is None:
             return
         refused = wait.refused
-        if not wait.ask_now(now):
+        if not wait.ask_now(now, self.endpoint.granted_at(payload_filter(self.topics.prefix, wait.ref.sha256))):
             return
         detail = (f"a payload that did not match {wait.ref.sha256[:12]} came" if refused
                   else f"payload {wait.ref.sha256[:12]} not whole after {now - wait.since:.0f} s")

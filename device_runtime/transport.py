@@ -198,8 +198,9 @@ class MqttEndpoint:
         self._state = threading.Condition()
         self._refusal: str | None = None
         self._ever_connected = False
-        self._subscribe_mid: int | None = None
-        self._subscribing: tuple[str, ...] = ()  # the filters of the SUBSCRIBE whose ack is awaited
+        self._subscribing: dict[int, tuple[tuple[str, ...], bool]] = {}  # SUBSCRIBE mid -> (filters, marks ready)
+        self._granted: dict[str, float] = {}  # filter -> when this connection's broker granted it (monotonic)
+        self._subs = threading.RLock()  # the two above: the caller's thread (follow) and the network thread
         self._refused_subscriptions = 0  # SUBSCRIBEs refused in a row (a cluster node that lost a peer does that)
         self._connection = 0  # counts CONNACKs: a retry scheduled on an earlier connection is dropped
         self._started = False
@@ -336,15 +337,26 @@ class MqttEndpoint:
             self._client.publish(f"{topic}/{i}", b"", qos=self.qos, retain=True)
 
     def follow(self, topic_filter: str) -> None:
-        """Subscribe to ``topic_filter`` now and on every later connect (the broker sends its retained messages)."""
+        """Subscribe to ``topic_filter`` now and on every later connect (the broker sends its retained messages); a
+        refused subscription is asked for again with backoff. ``granted_at`` says when the broker granted it."""
         if topic_filter not in self.subscriptions:
             self.subscriptions += (topic_filter,)
-        self._client.subscribe(topic_filter, qos=self.qos)
+        with self._subs:
+            self._granted.pop(topic_filter, None)
+            self._subscribe(self._client, (topic_filter,), ready=False)
 
     def unfollow(self, topic_filter: str) -> None:
         """Stop receiving ``topic_filter`` (now and after reconnects)."""
         self.subscriptions = tuple(f for f in self.subscriptions if f != topic_filter)
+        with self._subs:
+            self._granted.pop(topic_filter, None)
         self._client.unsubscribe(topic_filter)
+
+    def granted_at(self, topic_filter: str) -> float | None:
+        """When (time.monotonic) the broker of this connection granted the subscription to ``topic_filter``; None
+        while it is not granted (not yet, refused, or the connection is gone): nothing published there reaches us."""
+        with self._subs:
+            return self._granted.get(topic_filter)
 
     def _publish_frame(self, topic: str, frame: bytes, retain: bool, msg_id: str) -> int:
         info = self._client.publish(topic, frame, qos=self.qos, retain=retain)
@@ -428,38 +440,54 @@ class MqttEndpoint:
         LOG.info("%s: connected to %s:%d", self.client_id, self.url.host, self.url.port)
         if self.unsubscriptions:  # the broker handles it before the SUBSCRIBE below, whose ack marks us ready
             client.unsubscribe(list(self.unsubscriptions))
-        if self.subscriptions:
-            self._subscribe(client, self.subscriptions)
-        else:
-            self._mark_ready()
+        with self._subs:
+            self._subscribing.clear()
+            self._granted.clear()
+            if self.subscriptions:
+                self._subscribe(client, self.subscriptions, ready=True)
+                return
+        self._mark_ready()
 
-    def _subscribe(self, client: mqtt.Client, filters: tuple[str, ...] | list[str]) -> None:
-        self._subscribing = tuple(filters)
-        _, self._subscribe_mid = client.subscribe([(topic, self.qos) for topic in self._subscribing])
+    def _subscribe(self, client: mqtt.Client, filters: tuple[str, ...] | list[str], ready: bool) -> None:
+        """SUBSCRIBE ``filters``; with ``ready``, its SUBACK marks the endpoint ready (the connect's own)."""
+        with self._subs:  # held until the mid is noted: its SUBACK waits for it on the network thread
+            code, mid = client.subscribe([(topic, self.qos) for topic in filters])
+            if code == MQTTErrorCode.MQTT_ERR_SUCCESS:
+                self._subscribing[mid] = (tuple(filters), ready)
 
     def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: list[Any],
                       properties: Any) -> None:
         """Ready once every subscription is granted: a refused one is asked for again, with backoff, and this
         endpoint says online only then (NATS's MQTT refuses some while its cluster lost a node; an ACL that denies
         one keeps it from ever being ready, and says so every time)."""
-        if mid != self._subscribe_mid:
-            return
-        denied = [topic for topic, code in zip(self._subscribing, reason_codes) if code.is_failure]
+        now = time.monotonic()
+        with self._subs:
+            filters, ready = self._subscribing.pop(mid, ((), False))
+            if not filters:
+                return
+            denied = [topic for topic, code in zip(filters, reason_codes) if code.is_failure]
+            self._granted.update((topic, now) for topic, code in zip(filters, reason_codes)
+                                 if not code.is_failure and topic in self.subscriptions)
         if not denied:
             self._refused_subscriptions = 0
-            self._mark_ready()
+            if ready:
+                self._mark_ready()
             return
         self._refused_subscriptions += 1
         delay = min(RESUBSCRIBE_MAX_DELAY_S, RECONNECT_MIN_DELAY_S * 2 ** self._refused_subscriptions)
         LOG.warning("%s: broker %s refused subscriptions to %s; asking again in %.1f s", self.client_id, self.url,
                     denied, delay)
-        retry = threading.Timer(delay, self._resubscribe, (client, denied, self._connection))
+        retry = threading.Timer(delay, self._resubscribe, (client, denied, self._connection, ready))
         retry.daemon = True
         retry.start()
 
-    def _resubscribe(self, client: mqtt.Client, filters: list[str], connection: int) -> None:
+    def _resubscribe(self, client: mqtt.Client, filters: list[str], connection: int, ready: bool) -> None:
         if self._started and connection == self._connection and client.is_connected():
-            self._subscribe(client, filters)
+            wanted = [topic for topic in filters if topic in self.subscriptions]  # not one unfollowed since
+            if wanted:
+                self._subscribe(client, wanted, ready)
+            elif ready:
+                self._mark_ready()
 
     def _mark_ready(self) -> None:
         """Connected and subscribed: say online (a peer that reacts to it reaches this endpoint) and wake waiters."""
@@ -475,6 +503,8 @@ class MqttEndpoint:
     def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any,
                        properties: Any) -> None:
         self.connected.clear()
+        with self._subs:
+            self._granted.clear()
         if self._started:
             LOG.info("%s: disconnected from %s (%s); reconnecting", self.client_id, self.url, reason_code)
             self._next_broker(client)

@@ -36,9 +36,10 @@ over it and ``read_to_broker`` its ratio to ``broker_only_mb_per_s``.
 
 Writes ``{"rounds": [...], ...}``: per round ``round``, ``devices`` (that answered), ``updates_folded``, ``lost``,
 ``seconds`` (the server's round, open to close), ``server_bytes_out``/``in`` (the server's MQTT bytes in the round),
-``plan_payload_bytes`` (Σ over the round's plans of one payload), ``update_mb_per_s`` (update tensor bytes over the
-round's seconds), ``broker_only_mb_per_s``, ``server_peak_rss_mb`` and ``server_cpu_s`` (from /proc, sampled as the
-server prints each round).
+``plan_payload_bytes`` (Σ over the round's plans of one payload), ``payload_publishes`` (the server's payload
+publishes in the round, once per plan and again on request: from its log), ``update_mb_per_s`` (update tensor bytes
+over the round's seconds), ``broker_only_mb_per_s``, ``server_peak_rss_mb`` and ``server_cpu_s`` (from /proc,
+sampled as the server prints each round).
 """
 from __future__ import annotations
 
@@ -168,7 +169,8 @@ class SimDevice:
         self.answered: dict[tuple[int, bool], bytes] = {}  # (round, evaluation) -> the sealed answer
         self.planned = threading.Event()
         self.endpoint = self._endpoint()
-        self.stats = {"payload_bytes": 0, "payloads_refused": 0, "updates": 0, "tasks": 0, "reconnects": 0}
+        self.stats = {"payload_bytes": 0, "payloads_refused": 0, "payload_asks": 0, "updates": 0, "tasks": 0,
+                      "reconnects": 0}
 
     def _endpoint(self) -> MqttEndpoint:
         node = int(self.device_id.rsplit("_", 1)[1])  # device i starts on node i of a cluster's list
@@ -250,10 +252,18 @@ class SimDevice:
         self.on_task(wait.task)
 
     def tend(self, now: float) -> None:
-        if self.waiting is not None and self.waiting.ask_now(now):
-            self.send(payload_request_message(self.waiting.ref, "asked again", device_id=self.device_id,
-                                              run_id=self.run_id, round_index=self.waiting.task.round))
-            self.endpoint.follow(payload_filter(PREFIX, self.waiting.ref.sha256))
+        """Ask for the awaited payload again when the device's rule says so (PayloadWait), and subscribe again."""
+        wait = self.waiting
+        if wait is None:
+            return
+        topic_filter = payload_filter(PREFIX, wait.ref.sha256)
+        refused = wait.refused
+        if wait.ask_now(now, self.endpoint.granted_at(topic_filter)):
+            self.stats["payload_asks"] += 1
+            detail = "refused one" if refused else f"not whole after {now - wait.since:.0f} s"
+            self.send(payload_request_message(wait.ref, detail, device_id=self.device_id, run_id=self.run_id,
+                                              round_index=wait.task.round))
+            self.endpoint.follow(topic_filter)
 
     def answer(self, msg: Message) -> None:
         """The synthetic update of the task ``msg``: the plan's tensors (the payload's), random and small."""
@@ -451,6 +461,22 @@ def watch(server: subprocess.Popen, log: Path, opened: dict[int, float], closed:
                 continue
 
 
+def payload_publishes(log: Path) -> dict[int, list[tuple[str, int]]]:
+    """Per round, every payload the server published (its SHA-256 prefix and bytes, once per publish), from its log:
+    a round's distinct payloads are its plans' (``plan_payload_bytes``), the rest were published again on request."""
+    rounds: dict[int, list[tuple[str, int]]] = {}
+    current = 0
+    for line in log.read_text(errors="replace").splitlines():
+        words = line.split()
+        if "fedara.server" not in words:
+            continue
+        if words[-2:] == ["device(s)", "asked"] and words[-4] == "opened:":
+            current = int(words[-5])
+        elif words[4:6] == ["published", "payload"] and current:
+            rounds.setdefault(current, []).append((words[6], int(words[7].lstrip("("))))
+    return rounds
+
+
 def server_command(args: argparse.Namespace, url: str, enrollment: Path, data: Path, overrides: Path,
                    out: Path) -> list[str]:
     profile = ["-m", "cProfile", "-o", str(Path(args.profile_server).resolve())] if args.profile_server else []
@@ -552,17 +578,18 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
         stats.update(result["devices"])
         for r, t in result["released"].items():  # the round's release: the first process's
             released[int(r)] = min(t, released.get(int(r), t))
+    published = payload_publishes(out / "server.log")
     rounds = []
     for record, broker in zip(records, ceiling["rounds"]):
         r = record["round"]
         cpu, peak = closed.get(r, (float("nan"), float("nan")))
-        down = record["bytes_by_tier"]
         update_bytes = record["bytes_up"]
         rounds.append({
             "round": r, "devices": record["participants"], "updates_folded": record["participants"],
             "lost": record["selected"] - record["participants"], "seconds": record["seconds"],
             "server_bytes_out": record.get("wire_bytes_out"), "server_bytes_in": record.get("wire_bytes_in"),
-            "plan_payload_bytes": sum(t.get("down", 0) for t in down.values()),
+            "plan_payload_bytes": sum(dict(published.get(r, [])).values()),
+            "payload_publishes": len(published.get(r, [])),
             "update_mb_per_s": update_bytes / MB / record["seconds"],
             "broker_only_mb_per_s": broker["mb_per_s"],
             "server_peak_rss_mb": peak, "server_cpu_s": cpu - opened.get(r, float("nan"))})
@@ -575,16 +602,18 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             "processes": processes,
             "cpu": bench.cpu_name(), "load_average": os.getloadavg(), "rounds": rounds, "killed": killed or None,
             "device_totals": {k: sum(s[k] for s in stats.values()) for k in
-                              ("payload_bytes", "payloads_refused", "updates", "tasks", "reconnects")},
+                              ("payload_bytes", "payloads_refused", "payload_asks", "updates", "tasks",
+                               "reconnects")},
             "devices_reporting": len(stats)}
 
 
 def table(result: dict) -> str:
-    head = ("| round | devices | folded | lost | s | server out MB | server in MB | plan payloads MB | update MB/s | "
-            "broker-only MB/s | server peak RSS MiB | server CPU s |\n|" + "---:|" * 12)
+    head = ("| round | devices | folded | lost | s | server out MB | server in MB | plan payloads MB | payload "
+            "publishes | update MB/s | broker-only MB/s | server peak RSS MiB | server CPU s |\n|" + "---:|" * 13)
     rows = [f"| {r['round']} | {r['devices']} | {r['updates_folded']} | {r['lost']} | {r['seconds']:.1f} | "
             f"{(r['server_bytes_out'] or 0) / MB:.1f} | {(r['server_bytes_in'] or 0) / MB:.1f} | "
-            f"{r['plan_payload_bytes'] / MB:.1f} | {r['update_mb_per_s']:.1f} | {r['broker_only_mb_per_s']:.1f} | "
+            f"{r['plan_payload_bytes'] / MB:.1f} | {r['payload_publishes']} | {r['update_mb_per_s']:.1f} | "
+            f"{r['broker_only_mb_per_s']:.1f} | "
             f"{r['server_peak_rss_mb']:.0f} | {r['server_cpu_s']:.1f} |" for r in result["rounds"]]
     lines = [head, *rows]
     if "read_seconds" in result["rounds"][0]:

@@ -14,7 +14,7 @@ from device_runtime.payload import PayloadMismatch, PayloadRef, decode_payload, 
 from device_runtime.payload_wait import ASK_AGAIN_S, MIN_ASK_S, PayloadWait
 from device_runtime.topics import frame_stream, payload_filter, payload_topic
 from device_runtime.transport import MqttEndpoint
-from server.engine.plan_payloads import REPUBLISH_MIN_S, PlanPayloads
+from server.engine.plan_payloads import REPUBLISH_MAX_S, REPUBLISH_MIN_S, PlanPayloads
 from tests.support.mqtt_peer import WAIT_S
 from tests.support.sealing import read
 from tests.support.device_agent import artifact_files, dense_task, deliver, make_agent, plan_for, tiny_shard
@@ -94,6 +94,23 @@ def test_a_payload_asked_again_is_published_again_at_most_once_a_second():
     assert payloads.requested(ref, now=REPUBLISH_MIN_S + 0.1) is None
 
 
+def test_a_payload_asked_for_all_round_long_is_published_again_with_a_growing_gap_up_to_its_cap():
+    payloads = PlanPayloads()
+    ref, _ = payloads.get("p", tensors(0), now=0.0)
+    published = [t / 10 for t in range(1, 1200) if payloads.requested(ref, now=t / 10) is not None]  # asked 10/s
+    assert published == [1.0, 3.0, 7.0, 15.0, 31.0, 31.0 + REPUBLISH_MAX_S, 31.0 + 2 * REPUBLISH_MAX_S,
+                         31.0 + 3 * REPUBLISH_MAX_S, 31.0 + 4 * REPUBLISH_MAX_S, 31.0 + 5 * REPUBLISH_MAX_S]
+
+
+def test_the_back_off_starts_again_in_the_next_round():
+    payloads = PlanPayloads()
+    ref, _ = payloads.get("p", tensors(0), now=0.0)
+    assert payloads.requested(ref, now=1.0) is not None and payloads.requested(ref, now=2.0) is None
+    payloads.open_round()
+    ref, _ = payloads.get("p", tensors(0), now=10.0)
+    assert payloads.requested(ref, now=11.0) is not None
+
+
 def test_a_payload_of_a_closed_round_is_not_published_again():
     payloads = PlanPayloads()
     ref, _ = payloads.get("p", tensors(0), now=0.0)
@@ -107,9 +124,22 @@ def test_a_payload_of_a_closed_round_is_not_published_again():
 
 def test_a_waiting_device_asks_again_after_silence_and_soon_after_a_refusal():
     wait = PayloadWait(PayloadRef("ab" * 32, 10), task=None, since=0.0)
-    assert not wait.ask_now(ASK_AGAIN_S - 0.1) and wait.ask_now(ASK_AGAIN_S)
+    assert not wait.ask_now(ASK_AGAIN_S - 0.1, granted_at=0.0) and wait.ask_now(ASK_AGAIN_S, granted_at=0.0)
     wait.refused = True
-    assert not wait.ask_now(ASK_AGAIN_S + MIN_ASK_S - 0.1) and wait.ask_now(ASK_AGAIN_S + MIN_ASK_S)
+    assert not wait.ask_now(ASK_AGAIN_S + MIN_ASK_S - 0.1, granted_at=0.0)
+    assert wait.ask_now(ASK_AGAIN_S + MIN_ASK_S, granted_at=0.0)
+
+
+def test_a_device_asks_nothing_while_its_payload_subscription_is_not_granted():
+    wait = PayloadWait(PayloadRef("ab" * 32, 10), task=None, since=0.0)
+    assert not wait.ask_now(10 * ASK_AGAIN_S, granted_at=None)  # a publish could not reach it
+
+
+def test_a_device_waits_for_the_retained_copy_after_its_subscription_is_granted_before_it_asks():
+    wait = PayloadWait(PayloadRef("ab" * 32, 10), task=None, since=0.0)
+    granted = 3 * ASK_AGAIN_S  # refused by a cluster node until then
+    assert not wait.ask_now(granted + ASK_AGAIN_S - 0.1, granted_at=granted)
+    assert wait.ask_now(granted + ASK_AGAIN_S, granted_at=granted)
 
 
 class PayloadWorld:

@@ -20,6 +20,10 @@ class RecordingEndpoint:
     def unfollow(self, topic_filter: str) -> None:
         self.followed.remove(topic_filter)
 
+    def granted_at(self, topic_filter: str) -> float | None:
+        """A followed filter counts as granted from the start (time 0): no broker here refuses one."""
+        return 0.0 if topic_filter in self.followed else None
+
     def publish(self, topic: str, payload: bytes, msg_id: str, retain: bool = False, **kwargs: object) -> None:
         self.sent.append(payload)
 

@@ -231,6 +231,24 @@ def test_endpoint_reconnects_and_resubscribes_after_broker_restart(broker_fixtur
     assert server.stats["reconnects"] == device.stats["reconnects"] == 1
 
 
+def test_a_followed_filter_is_granted_only_once_the_broker_acknowledged_it_on_this_connection(mosquitto_broker,
+                                                                                              connect) -> None:
+    """What a device needs before it waits for a retained copy (device_runtime/payload_wait.py): a publish reaches it
+    only while its subscription is granted, and a lost connection takes the grant with it until the next SUBACK."""
+    device = connect("dev1", mosquitto_broker.url, subscriptions=[DEV1.down])
+    assert device.granted_at(DEV1.update) is None
+    device.follow(DEV1.update)
+    wait_for(lambda: device.granted_at(DEV1.update) is not None, WAIT_S, "the SUBACK of the followed filter")
+    first = device.granted_at(DEV1.update)
+    mosquitto_broker.stop()
+    wait_for(lambda: device.granted_at(DEV1.update) is None, WAIT_S, "the grant to go with the connection")
+    mosquitto_broker.start()
+    wait_for(lambda: device.granted_at(DEV1.update) is not None, WAIT_S, "the grant of the next connection")
+    assert device.granted_at(DEV1.update) > first
+    device.unfollow(DEV1.update)
+    assert device.granted_at(DEV1.update) is None
+
+
 def test_invalid_frame_is_dropped_logged_and_counted(mosquitto_broker, connect, caplog) -> None:
     server = connect("server", mosquitto_broker.url, subscriptions=[DEV1.up])
     with caplog.at_level(logging.WARNING, logger="fedara.transport"):
