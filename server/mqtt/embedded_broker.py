@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -54,6 +55,17 @@ def broker_config() -> dict[str, Any]:
         "listeners": {_LISTENER: {"type": "external", "bind": "served-by-EmbeddedBroker"}},
         "plugins": {f"{__name__}.{LoopbackAuthPlugin.__qualname__}": {}},
     }
+
+
+class SubscriptionTable(dict):
+    """amqtt's table of topic filter -> subscribers, iterated over a snapshot of its filters. amqtt 0.12 loops over
+    the table with an ``await`` inside (sending a connecting session its retained messages, which may be a plan's
+    payload in many frames); a subscribe or a disconnect of another client meanwhile changed the table and raised
+    "dictionary changed size during iteration", which ended the connecting client's session (seen: a publish of
+    that client lost)."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(dict.keys(self)))
 
 
 class EmbeddedBroker:
@@ -100,6 +112,7 @@ class EmbeddedBroker:
         self.port = server.sockets[0].getsockname()[1]
         self._server = server
         self._broker = Broker(broker_config())
+        self._broker._subscriptions = SubscriptionTable()  # amqtt iterates it across awaits: see SubscriptionTable
         await self._broker.start()
         await server.start_serving()
 
