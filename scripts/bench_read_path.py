@@ -29,6 +29,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))  # bench_aggregators
 
 from device_runtime.auth import CounterSource, Direction, KeyRing, new_key  # noqa: E402
 from device_runtime.envelope import seal  # noqa: E402
@@ -39,17 +40,10 @@ from device_runtime.topics import TopicKind  # noqa: E402
 from server.broker_loop import inbound_limit  # noqa: E402
 from server.compute_threads import use_server_threads  # noqa: E402
 from server.outputs.machine import cpu_name  # noqa: E402
+import bench_aggregators  # noqa: E402  (scripts/, beside this one)
 
 MB = 1e6
 PROFILE_LINES = 25
-
-
-def bench_aggregators():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_aggregators", Path(__file__).with_name("bench_aggregators.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def sealed_updates(engine, keys: dict[str, bytes], max_inbound: int, round_index: int) -> list[tuple[str, bytes]]:
@@ -73,7 +67,7 @@ def run(clients: int, rounds: int, profile: bool, folder: Path) -> dict:
     logging.getLogger("fedara.engine").setLevel(logging.ERROR)
     devices = [f"dev_{i:05d}" for i in range(clients)]
     keys = {d: new_key() for d in devices}
-    engine = bench_aggregators().make_engine(devices, False, rounds)
+    engine = bench_aggregators.make_engine(devices, False, rounds)
     max_inbound = inbound_limit(engine.global_state, {})
     link = Link.server(KeyRing(keys), folder / "server-state", max_inbound)
     results, profiler = [], None

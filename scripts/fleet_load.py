@@ -67,6 +67,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))  # bench_aggregators, imported where it is used
 
 from device_runtime.auth import new_key  # noqa: E402
 from device_runtime.envelope import Message, MessageType  # noqa: E402
@@ -491,7 +492,7 @@ def server_command(args: argparse.Namespace, url: str, enrollment: Path, data: P
 @contextlib.contextmanager
 def broker_of(kind: str, folder: Path) -> Iterator[tuple[str, Callable[[int], None] | None]]:
     """The --broker value of a fresh broker of ``kind``, and a function that kills node i of it (None: one node)."""
-    bench = bench_aggregators()
+    import bench_aggregators as bench  # beside this script; loads torch, so not in the device processes
     if kind == "nats":
         with bench.nats_cluster_module().NatsCluster(folder / "nats", bench.NATS_NODES) as cluster:
             yield cluster.broker, cluster.kill
@@ -513,17 +514,9 @@ def kill_mid_round(kill: Callable[[int], None], round_index: int, opened: dict[i
     print(f"killed node {KILLED_NODE} of the cluster in round {round_index}", flush=True)
 
 
-def bench_aggregators():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_aggregators", Path(__file__).with_name("bench_aggregators.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def run(args: argparse.Namespace, folder: Path) -> dict:
     from server.mqtt.enrollment import save_enrollment
-    bench = bench_aggregators()
+    import bench_aggregators as bench
     devices = [f"dev_{i:05d}" for i in range(args.devices)]
     keys = {d: new_key() for d in devices}
     enrollment = save_enrollment(folder / "enrollment.json", keys)
