@@ -25,7 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,25 +61,34 @@ def _options(ort, variant: str):
     return options
 
 
+def interleaved_p50(sessions: dict[str, Any], feeds: dict[str, np.ndarray], blocks: int, per_block: int,
+                    cpu_clock: Callable[[], float]) -> dict[str, dict[str, float]]:
+    """p50 wall and CPU ms (``cpu_clock``: the thread's or the process's) of one run of each session, timed in
+    ``blocks`` interleaved rounds over the sessions, each an untimed run (the threads wake, the arena is warm) then
+    ``per_block`` timed ones, so every session meets the same load."""
+    wall: dict[str, list[float]] = {name: [] for name in sessions}
+    cpu: dict[str, list[float]] = {name: [] for name in sessions}
+    for _ in range(blocks):
+        for name, session in sessions.items():
+            session.run(None, feeds)
+            for _ in range(per_block):
+                w, c = time.perf_counter(), cpu_clock()
+                session.run(None, feeds)
+                cpu[name].append(cpu_clock() - c)
+                wall[name].append(time.perf_counter() - w)
+    return {name: dict(wall_ms=1e3 * float(np.median(wall[name])), cpu_ms=1e3 * float(np.median(cpu[name])))
+            for name in sessions}
+
+
 def time_variants(spec: dict) -> dict:
     """Worker (numpy and onnxruntime only): per graph and variant, p50 wall and process-CPU ms of one step."""
     import onnxruntime as ort
     result = dict(onnxruntime=ort.__version__, graphs={})
     for label, graph in spec["graphs"].items():
-        feeds = dict(np.load(graph["feeds"]))
         sessions = {v: ort.InferenceSession(graph["path"], _options(ort, v), providers=["CPUExecutionProvider"])
                     for v in VARIANTS}
-        times = {v: ([], []) for v in VARIANTS}
-        for _ in range(BLOCKS):
-            for variant, session in sessions.items():
-                session.run(None, feeds)  # untimed: the threads wake, the arena is warm
-                for _ in range(PER_BLOCK):
-                    wall, cpu = time.perf_counter(), time.process_time()
-                    session.run(None, feeds)
-                    times[variant][1].append(time.process_time() - cpu)
-                    times[variant][0].append(time.perf_counter() - wall)
-        result["graphs"][label] = {v: dict(wall_ms=1e3 * float(np.median(w)), cpu_ms=1e3 * float(np.median(c)))
-                                   for v, (w, c) in times.items()}
+        result["graphs"][label] = interleaved_p50(sessions, dict(np.load(graph["feeds"])), BLOCKS, PER_BLOCK,
+                                                  time.process_time)
     return result
 
 

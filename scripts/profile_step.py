@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from bench_device import BATCH, NUM_CLASSES, parse_config, parse_ratios, shape_name
+from bench_thread_options import interleaved_p50
 from device_runtime.artifact_contract import ANCHOR_MASK, ANCHORS, INPUT, LABELS, LAM, LR
 from device_runtime.trainer import session_options
 
@@ -101,18 +102,8 @@ def session_settings(ort, path: str) -> dict:
     for threads in (1, 2):
         sessions = {name: ort.InferenceSession(path, _options(ort, threads, level), providers=["CPUExecutionProvider"])
                     for name, level in levels.items()}
-        feeds = synthetic_feeds(sessions["all"])
-        wall, cpu = collections.defaultdict(list), collections.defaultdict(list)
-        for _ in range(BLOCKS):
-            for name, session in sessions.items():
-                session.run(None, feeds)  # untimed: the turn's first run
-                for _ in range(PER_BLOCK):
-                    w, c = time.perf_counter(), time.thread_time()
-                    session.run(None, feeds)
-                    wall[name].append(time.perf_counter() - w)
-                    cpu[name].append(time.thread_time() - c)
-        out[f"{threads}t"] = {name: dict(wall_ms=float(np.median(wall[name]) * 1e3),
-                                         cpu_ms=float(np.median(cpu[name]) * 1e3)) for name in levels}
+        out[f"{threads}t"] = interleaved_p50(sessions, synthetic_feeds(sessions["all"]), BLOCKS, PER_BLOCK,
+                                             time.thread_time)
     with tempfile.TemporaryDirectory() as tmp:
         saved = os.path.join(tmp, "optimized.onnx")
         ort.InferenceSession(path, _options(ort, 1, levels["all"], save_to=saved), providers=["CPUExecutionProvider"])
