@@ -134,20 +134,27 @@ def make_engine(devices: list[str], remote: bool, rounds: int) -> RoundEngine:
     return engine
 
 
-def publisher(url: str, brief: folding.Brief, routes: dict[str, str | None], keys: dict[str, bytes], epoch: int,
-              first_seq: int, ready: mp.Event, go: mp.Event) -> None:
-    """Seal every asked device's update of the round, say ready, publish them all once told to go."""
+def sealed_updates(brief: folding.Brief, keys: dict[str, bytes], counters: CounterSource
+                   ) -> list[tuple[str, str, bytes]]:
+    """Every asked device's update of the round (random, small tensors of its plan), sealed under its key:
+    (device, msg_id, the sealed bytes), in device-id order."""
     rng = np.random.default_rng(brief.round)
-    counters = CounterSource(epoch, first_seq)
-    payloads = []
+    out = []
     for device_id, asked in sorted(brief.devices.items()):
         weights = {k: rng.standard_normal(s, dtype=np.float32) * np.float32(1e-2)
                    for k, s in brief.plan_shapes[asked.plan_hash].items()}
         update = Update(brief.round, weights, asked.num_samples, 1.0, 0.5,
                         {"eval_correct": 5, "eval_total": 10, "eval_loss": 1.0})
         msg = update_message(update, plan_hash=asked.plan_hash, device_id=device_id, run_id=brief.run_id)
-        payloads.append((Topics(PREFIX, device_id).update_via(routes[device_id]),
-                         seal(msg, keys[device_id], Direction.UP, counters.next()), msg.msg_id))
+        out.append((device_id, msg.msg_id, seal(msg, keys[device_id], Direction.UP, counters.next())))
+    return out
+
+
+def publisher(url: str, brief: folding.Brief, routes: dict[str, str | None], keys: dict[str, bytes], epoch: int,
+              first_seq: int, ready: mp.Event, go: mp.Event) -> None:
+    """Seal every asked device's update of the round, say ready, publish them all once told to go."""
+    payloads = [(Topics(PREFIX, device_id).update_via(routes[device_id]), sealed, msg_id)
+                for device_id, msg_id, sealed in sealed_updates(brief, keys, CounterSource(epoch, first_seq))]
     endpoint = MqttEndpoint(f"bench-devices-{brief.round}", url, max_frame_bytes=FRAME_BYTES, clean_session=True)
     endpoint.start()
     endpoint.wait_connected(30)

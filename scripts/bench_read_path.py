@@ -25,17 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))  # bench_aggregators
 
-from device_runtime.auth import CounterSource, Direction, KeyRing, new_key  # noqa: E402
-from device_runtime.envelope import seal  # noqa: E402
+from device_runtime.auth import CounterSource, KeyRing, new_key  # noqa: E402
 from device_runtime.link import Link  # noqa: E402
-from device_runtime.messages import update_message  # noqa: E402
-from device_runtime.task import Update  # noqa: E402
 from device_runtime.topics import TopicKind  # noqa: E402
 from server.broker_loop import inbound_limit  # noqa: E402
 from server.compute_threads import use_server_threads  # noqa: E402
@@ -47,19 +42,10 @@ PROFILE_LINES = 25
 
 
 def sealed_updates(engine, keys: dict[str, bytes], max_inbound: int, round_index: int) -> list[tuple[str, bytes]]:
-    """Every asked device's sealed update of the open round (random, small tensors of its plan)."""
-    brief = engine.brief(max_inbound)
-    rng = np.random.default_rng(round_index)
+    """Every asked device's sealed update of the open round (bench_aggregators', as its publisher sends them)."""
     counters = CounterSource(int(time.time()) + round_index, 0)
-    out = []
-    for device_id, asked in sorted(brief.devices.items()):
-        weights = {k: rng.standard_normal(s, dtype=np.float32) * np.float32(1e-2)
-                   for k, s in brief.plan_shapes[asked.plan_hash].items()}
-        update = Update(round_index, weights, asked.num_samples, 1.0, 0.5,
-                        {"eval_correct": 5, "eval_total": 10, "eval_loss": 1.0})
-        msg = update_message(update, plan_hash=asked.plan_hash, device_id=device_id, run_id=brief.run_id)
-        out.append((device_id, seal(msg, keys[device_id], Direction.UP, counters.next())))
-    return out
+    return [(device_id, sealed) for device_id, _, sealed in
+            bench_aggregators.sealed_updates(engine.brief(max_inbound), keys, counters)]
 
 
 def run(clients: int, rounds: int, profile: bool, folder: Path) -> dict:
