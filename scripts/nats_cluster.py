@@ -16,6 +16,7 @@ crashed machine would go. The command stops its nodes on Ctrl-C, SIGTERM (``kill
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import signal
 import socket
@@ -117,7 +118,7 @@ class NatsCluster:
             folder.mkdir(parents=True, exist_ok=True)
             conf = folder / "nats.conf"
             conf.write_text(node_config(name, folder, client, route, mqtt, routes))
-            with open(self.log(i), "ab") as log:
+            with open(self.log(i), "ab") as log, held_stop():
                 self.processes[i] = subprocess.Popen([binary, "-c", str(conf)], stdout=log,
                                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
@@ -194,9 +195,29 @@ class Stop(Exception):
     """SIGTERM or SIGHUP arrived: stop the cluster as Ctrl-C does."""
 
 
+_held: list[int] | None = None  # while a node starts: the stop signals that arrived, raised once it is recorded
+
+
+@contextlib.contextmanager
+def held_stop():
+    """Hold a stop signal until the body is done: a Stop raised inside ``Popen`` (while it waits for the exec) or
+    before its result is stored would lose a running node that nothing then stops."""
+    global _held
+    _held = []
+    try:
+        yield
+    finally:
+        held, _held = _held, None
+        if held:
+            raise Stop(signal.Signals(held[0]).name)
+
+
 def _stop_on_signal(signum: int, frame: object) -> None:
     for other in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not cut the stop short
         signal.signal(other, signal.SIG_IGN)
+    if _held is not None:
+        _held.append(signum)
+        return
     raise Stop(signal.Signals(signum).name)
 
 

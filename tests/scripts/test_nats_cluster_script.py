@@ -11,6 +11,7 @@ import pytest
 
 from tests.support.machine import missing_binary, needs
 from tests.support.processes import child_env
+from tests.support.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "nats_cluster.py"
 TIMEOUT_S = 120
@@ -58,3 +59,21 @@ def alive(pid: int) -> bool:
         return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
     except FileNotFoundError:
         return False
+
+
+def test_a_stop_signal_while_a_node_starts_waits_until_the_node_is_recorded():
+    """A SIGTERM that lands inside Popen (it waits there for the exec) must not lose the node it is starting: the
+    script holds it until the node is stored, then stops as usual."""
+    module = load_script("nats_cluster")
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGTERM, module._stop_on_signal)
+    recorded = []
+    try:
+        with pytest.raises(module.Stop, match="SIGTERM"):
+            with module.held_stop():
+                os.kill(os.getpid(), signal.SIGTERM)
+                recorded.append("node")
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert recorded == ["node"]
