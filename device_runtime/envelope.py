@@ -344,8 +344,12 @@ def _entries(
 def decode(data: bytes, *, max_bytes: int, allow_nonfinite: bool = False) -> Message:
     """Parse and fully validate one envelope of at most ``max_bytes`` bytes.
 
-    Any violation raises ProtocolError and nothing else. Tensors come back as writable
-    native-byte-order copies; float tensors must be finite unless ``allow_nonfinite``.
+    Any violation raises ProtocolError and nothing else. Tensors come back writable, in native byte order:
+    from a ``bytearray`` (what ``framing.Reassembler`` hands over, which the caller then owns) of a message with no
+    blobs they are views into it where the order already is native (no copy of every update byte on the server's
+    read path; writing a tensor writes ``data``); otherwise copies (a view keeps the whole buffer alive, and a
+    blob's bytes, copied out, must not be held twice on a device). Float tensors must be finite unless
+    ``allow_nonfinite``.
     This authenticates nothing: act on the message only after ``auth.Verifier.check`` accepts it."""
     if not is_int(max_bytes) or max_bytes <= 0:
         raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
@@ -430,9 +434,10 @@ def decode(data: bytes, *, max_bytes: int, allow_nonfinite: bool = False) -> Mes
         raise ProtocolError(Reason.BAD_HASH, "body_sha256 does not match the body")
 
     tensors: dict[str, np.ndarray] = {}
+    in_place = isinstance(data, bytearray) and not blob_entries
     for (name, dtype, shape), e in zip(layouts, tensor_entries):
         raw = body[e["offset"]:e["offset"] + e["nbytes"]]
-        array = np.frombuffer(raw, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+        array = np.frombuffer(raw, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="), copy=not in_place)
         if not allow_nonfinite:
             _check_finite(name, array)
         tensors[name] = array

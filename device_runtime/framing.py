@@ -158,9 +158,16 @@ class Reassembler:
     pushed-out message that still come are dropped (it cannot complete), so they push out nothing more; that
     msg_id stays refused for ``timeout_s`` even if re-delivered whole (a QoS 1 re-delivery, a retained copy fetched
     again): every re-send of this protocol (a saved answer resealed, a payload published again) has a new
-    msg_id. A frame that contradicts earlier frames of its msg_id is rejected and ignored; a completed payload whose
-    hash fails is dropped. A frame of a recently delivered msg_id (an MQTT QoS 1 re-delivery, or an
-    exact replay) raises RepeatedFrame: nothing is delivered twice, and the caller can say why."""
+    msg_id. A frame that contradicts earlier frames of its msg_id (its count, total, chunk length or payload hash)
+    is rejected and ignored. A frame of a recently delivered msg_id (an MQTT QoS 1 re-delivery, or an
+    exact replay) raises RepeatedFrame: nothing is delivered twice, and the caller can say why.
+
+    The payload hash the frames carry names the message; it is not computed again over the joined bytes: anyone
+    on an open broker can write frames whose hash matches bytes of their choosing, so it proves nothing, and what
+    this project reassembles is checked where it is read: an envelope by the body digest its authenticated header
+    binds (``envelope.decode``, then ``auth``), a plan payload by the hash its sealed TASK names
+    (``payload.check_payload``). A second SHA-256 pass over every byte here cost the server's read path ~0.16 CPU s per
+    221 MB and bought nothing."""
 
     def __init__(self, max_message_bytes: int, timeout_s: float, max_pending: int,
                  max_pending_bytes: int | None = None) -> None:
@@ -209,9 +216,9 @@ class Reassembler:
             )
         self.max_message_bytes = max_message_bytes
 
-    def feed(self, frame: bytes, now: float, stream: str = "") -> bytes | None:
+    def feed(self, frame: bytes, now: float, stream: str = "") -> bytearray | None:
         """Take one frame of ``stream`` received at time ``now``; return the payload once it is
-        complete."""
+        complete: a new bytearray the caller owns (``envelope.decode`` reads tensors in place from it)."""
         f = _parse_frame(frame)
         if f.total > self.max_message_bytes:
             raise ProtocolError(
@@ -250,9 +257,7 @@ class Reassembler:
         if len(pending.pieces) < pending.count:
             return None
         self._drop(key)
-        payload = b"".join(pending.pieces[i] for i in range(pending.count))
-        if hashlib.sha256(payload).digest() != pending.digest:
-            raise ProtocolError(Reason.BAD_HASH, f"message {f.msg_id!r}: payload hash mismatch")
+        payload = bytearray().join(pending.pieces[i] for i in range(pending.count))
         self._remember_delivered(key, now)
         return payload
 

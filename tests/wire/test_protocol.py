@@ -124,6 +124,28 @@ def test_decoded_tensors_are_writable_native_copies():
     )
 
 
+def test_tensors_decoded_from_a_bytearray_are_writable_views_into_it():
+    """What the reassembler hands over (a bytearray its caller owns) is read in place: no copy of every byte."""
+    data = bytearray(encode(make_message(blobs={})))
+    tensor = decode(data, max_bytes=MAX_BYTES).tensors["fe.conv1.U"]
+    assert tensor.flags.writeable and not tensor.flags.owndata and tensor.dtype.isnative
+    tensor[0, 0] = 42.0
+    assert np.frombuffer(data, dtype=np.float32, count=1, offset=data.index(np.float32(42.0).tobytes()))[0] == 42.0
+
+
+def test_tensors_of_a_message_with_blobs_are_copies_even_from_a_bytearray():
+    """A view would keep the blobs' bytes alive twice (they are copied out): a device's plan is not held so."""
+    tensor = decode(bytearray(encode(make_message())), max_bytes=MAX_BYTES).tensors["fe.conv1.U"]
+    assert tensor.flags.writeable and tensor.flags.owndata
+
+
+def test_reassembled_payloads_are_new_bytearrays():
+    data = payload_of(3000)
+    reassembler = new_reassembler()
+    joined = [reassembler.feed(f, 0.0) for f in chunk(data, FRAME_1K, "m1")][-1]
+    assert isinstance(joined, bytearray) and joined == data
+
+
 def test_encode_writes_big_endian_and_strided_arrays_as_little_endian_c_order():
     array = np.arange(12, dtype=">i4").reshape(3, 4).T
     decoded = decode(encode(make_message(tensors={"t": array})), max_bytes=MAX_BYTES)
@@ -702,14 +724,17 @@ def test_rejected_frame_leaves_its_message_completable():
     assert [reassembler.feed(f, 0.0) for f in frames[1:]][-1] == data
 
 
-def test_rejects_payload_whose_hash_does_not_match_and_drops_it():
-    frames = chunk(payload_of(3000), FRAME_1K, "m1")
+def test_a_tampered_chunk_is_joined_and_the_envelope_it_breaks_is_refused_by_its_body_digest():
+    """The frames' payload hash names the message and is not computed again over the joined bytes (anyone on the
+    broker can write a matching one): the reader checks what it reads, here the body digest of the envelope."""
+    data = encode(make_message(tensors={"fe.fc1.U": np.arange(1000, dtype=np.float32)}))
+    frames = chunk(data, FRAME_1K, "m1")
     reassembler = new_reassembler()
     for f in frames[:-1]:
         reassembler.feed(f, 0.0)
-    tampered = frames[-1][:-1] + bytes([frames[-1][-1] ^ 1])
-    assert feed_reason(reassembler, tampered) == "bad_hash"
-    assert reassembler.pending_ids == ()
+    joined = reassembler.feed(frames[-1][:-5] + bytes([frames[-1][-5] ^ 1]) + frames[-1][-4:], 0.0)
+    assert len(joined) == len(data) and joined != data and reassembler.pending_ids == ()
+    assert reason_of(joined) == "bad_hash"
 
 
 def test_expire_drops_incomplete_messages_older_than_timeout():
