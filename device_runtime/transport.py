@@ -49,7 +49,9 @@ MAX_LOST_TOPICS = 4096
 StatusFrames = Callable[[bool, str], bytes]
 """(online, connection nonce) -> the sealed status payload (status.StatusSigner)."""
 STAT_KEYS = ("frames_in", "frames_rejected", "frames_repeated", "messages_in", "messages_expired",
-             "messages_evicted", "bytes_out", "bytes_in", "reconnects")
+             "messages_evicted", "bytes_out", "bytes_in", "reconnects", "sessions_lost")
+"""``sessions_lost`` counts the reconnects whose broker held no session of this client (CONNACK session present
+0): what was published to it while it was away is gone, where a kept session queued it."""
 
 
 class TransportError(RuntimeError):
@@ -433,6 +435,8 @@ class MqttEndpoint:
             return
         if self._ever_connected:
             self._bump("reconnects")
+            if not flags.session_present:
+                self._bump("sessions_lost")
         self._ever_connected = True
         self._connection += 1
         self._nonce = self._armed_nonce

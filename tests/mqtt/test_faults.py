@@ -294,7 +294,31 @@ def test_broker_restart_mid_round_loses_no_update_and_counts_none_twice(
     mosquitto_broker.start()
     federation.finish()
 
-    assert "reconnected to the broker" in federation.server_log()
+    assert "reconnected to a broker that held no session of the server; re-sending" in federation.server_log()
+    assert_every_round_once_with_every_device(federation.out)
+    assert_final_fe_is(federation.out, reference_fe(shards, federation.out, cache, monkeypatch))
+
+
+@pytest.mark.slow
+def test_broker_restart_that_kept_the_sessions_needs_no_task_sent_again(
+        start_mosquitto, tmp_path: Path, shards: dict[str, Shard], cache: Path, shard_paths: dict[str, Path],
+        monkeypatch: pytest.MonkeyPatch):
+    """mosquitto with persistence stops in round 2 and comes back with every session: the server re-sends no task
+    (the broker queued what came for it), and still no update is lost or counted twice."""
+    (tmp_path / "mosquitto").mkdir()
+    broker = start_mosquitto(persistence_dir=tmp_path / "mosquitto")
+    federation = FederationProcesses(tmp_path / "run", broker.url, cache, shard_paths)
+    try:
+        federation.start(NO_DEADLINE_S)
+        federation.wait_mid_round(FAULT_ROUND)
+        broker.stop()
+        federation.wait(lambda: federation.answered(SLOW) == FAULT_ROUND, "SLOW answering while the broker is down")
+        broker.start()
+        federation.finish()
+    finally:
+        federation.stop()
+
+    assert "re-sending the open round's task" not in federation.server_log()
     assert_every_round_once_with_every_device(federation.out)
     assert_final_fe_is(federation.out, reference_fe(shards, federation.out, cache, monkeypatch))
 

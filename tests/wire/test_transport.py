@@ -231,6 +231,21 @@ def test_endpoint_reconnects_and_resubscribes_after_broker_restart(broker_fixtur
     assert server.stats["reconnects"] == device.stats["reconnects"] == 1
 
 
+@pytest.mark.parametrize("persistent", [True, False], ids=["session-kept", "session-lost"])
+def test_a_reconnect_counts_a_lost_session_only_where_the_broker_held_none(start_mosquitto, connect, tmp_path: Path,
+                                                                           persistent: bool) -> None:
+    """A broker that kept the session queued what came meanwhile (the server then re-sends nothing); one restarted
+    without persistence held none, and the endpoint says so."""
+    broker = start_mosquitto(persistence_dir=tmp_path) if persistent else start_mosquitto()
+    server = connect("server", broker.url, subscriptions=[DEV1.up])
+    broker.stop()
+    wait_for(lambda: not server.connected.is_set(), WAIT_S, "the server to see the broker gone")
+    broker.start()
+    server.wait_connected(WAIT_S)
+    assert server.stats["reconnects"] == 1
+    assert server.stats["sessions_lost"] == (0 if persistent else 1)
+
+
 def test_a_followed_filter_is_granted_only_once_the_broker_acknowledged_it_on_this_connection(mosquitto_broker,
                                                                                               connect) -> None:
     """What a device needs before it waits for a retained copy (device_runtime/payload_wait.py): a publish reaches it
