@@ -11,7 +11,9 @@ dynamo=True)`` at opset 18; the eval graph (logits and features) likewise. Three
   1 (torch 2.13), which silently multiplies every gradient by the batch size: torch's decomposition is used.
 The rest is speed, each form measured against the one it replaced (docs/benchmarks.md): a convolution of
 ≥ GEMM_CONV_MIN_CHANNELS input channels runs in the step as one gather of patches shared by two GEMMs (forward and
-weight gradient) and a GEMM + Col2Im (input gradient); a Linear layer as (W·xᵀ)ᵀ; ReLU → MaxPool as MaxPool → ReLU
+weight gradient) and a GEMM + Col2Im (input gradient); a Linear layer as (W·xᵀ)ᵀ and a product a·Bᵀ with B wider
+than a is tall as (B·aᵀ)ᵀ (:func:`_mm`), the parameters traced as contiguous tensors, as ONNX holds them (an SVD
+factor is column-major in torch, which had hidden U's Linear from that form); ReLU → MaxPool as MaxPool → ReLU
 (:func:`_pool_before_relu`); backpropagation starts from −lr so each gradient is the update; a matrix Expanded
 over the batch into a MatMul is broadcast instead, and dead nodes are dropped.
 Silent errors of any kind are why every compiled set passes :func:`check_parity` (one step in onnxruntime
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 from torch.func import functional_call
 
 from device_runtime.artifact_contract import (ANCHOR_MASK, ANCHORS, BATCH_DIM, EVAL_OUTPUTS, FEATURES, INPUT, LABELS,
@@ -46,7 +49,7 @@ from fedcore.objective import fac_loss, local_loss
 
 HEAD_PREFIX = "head."
 
-COMPILER_VERSION = 6  # bump whenever the emitted graphs change for the same inputs
+COMPILER_VERSION = 7  # bump whenever the emitted graphs change for the same inputs
 OPSET = 18
 PARITY_ATOL = 1e-5
 GEMM_CONV_MIN_CHANNELS = 8
@@ -233,6 +236,28 @@ def _addmm(bias, x, weight_t, beta=1, alpha=1):
     return (weight_t.t() @ x.t()).t() + bias
 
 
+def _row_major(t: torch.Tensor) -> bool:
+    """Whether ``t`` (2-D) is a contiguous matrix, provably for every batch size (no guard on the batch)."""
+    return (t.dim() == 2 and statically_known_true(t.stride(1) == 1)
+            and statically_known_true(t.stride(0) == t.shape[1]))
+
+
+def _transposed_contiguous(t: torch.Tensor) -> bool:
+    """Whether ``t`` (2-D) is the transpose of a contiguous matrix, provably for every batch size."""
+    return t.dim() == 2 and _row_major(t.t())
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor):
+    """a·b as (bᵀ·aᵀ)ᵀ where a is a contiguous matrix and b the transpose of one with more columns than a has
+    rows (at the trace's sizes; the choice is speed only): onnxruntime's GEMM packs its right operand on every
+    run, and this way that operand is aᵀ, e.g. a factorized Linear's input gradient dz·vᵀ becomes (v·dzᵀ)ᵀ and
+    packs the 16-column dzᵀ, not v. Other products: as traced."""
+    if (not (_row_major(a) and _transposed_contiguous(b))
+            or optimization_hint(a.shape[0]) >= optimization_hint(b.shape[1])):
+        return NotImplemented
+    return (b.t() @ a.t()).t()
+
+
 def _decompositions(convolution_by_patches: bool) -> dict:
     """The op table of a trace. The eval graph keeps its convolutions as Conv ops (``convolution_by_patches``
     false): it runs at the evaluation batch of 64, where FedAvgCNN's conv2 patches alone take 13 MB of a device's
@@ -245,6 +270,7 @@ def _decompositions(convolution_by_patches: bool) -> dict:
     table[aten.max_pool2d_with_indices_backward.default] = _max_pool2d_backward
     table[aten.threshold_backward.default] = _threshold_backward
     table[aten.addmm.default] = _addmm
+    table[aten.mm.default] = _mm
     table[aten.pow.Tensor_Scalar] = _pow
     return table
 
@@ -395,7 +421,8 @@ def compile_step(model: nn.Module, input_shape: tuple[int, ...], num_classes: in
     """(step graph, eval graph) of ``model`` (a client model: dense or factorized) with the contract's I/O names."""
     names = tuple(model.state_dict())
     model = _pool_before_relu(model)
-    params = tuple(p.detach().clone() for p in model.state_dict().values())
+    # contiguous, as the graph's inputs are: the stride-keyed forms (_addmm, _mm) must see the layout ONNX has
+    params = tuple(p.detach().clone(memory_format=torch.contiguous_format) for p in model.state_dict().values())
     data = example_inputs(input_shape, num_classes, feature_dim, trace_batch_size(model, input_shape, num_classes),
                           PARITY_SEED)
     step = _export(_step_function(model, names), (*data.values(), *params), [*STEP_DATA_INPUTS, *names],

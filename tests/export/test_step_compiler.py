@@ -276,3 +276,39 @@ def test_a_linear_layer_is_computed_with_the_weight_on_the_left_and_the_same_val
     torch.testing.assert_close(got, torch.addmm(b, x, w.t()), rtol=1e-5, atol=1e-5)
     assert step_compiler._addmm(b, x, w.t().contiguous()) is NotImplemented  # not a transposed weight
     assert step_compiler._addmm(b, x, w.t(), beta=0.5) is NotImplemented
+
+
+def test_a_product_with_a_wide_transposed_right_operand_is_computed_the_other_way_round():
+    import torch
+    g = torch.Generator().manual_seed(3)
+    dz, v = torch.randn(16, 40, generator=g), torch.randn(800, 40, generator=g)
+    got = step_compiler._mm(dz, v.t())  # a factorized Linear's input gradient dz·vᵀ
+    torch.testing.assert_close(got, dz @ v.t(), rtol=1e-5, atol=1e-5)
+    assert step_compiler._mm(dz, v.t().contiguous()) is NotImplemented  # not a transposed matrix
+    assert step_compiler._mm(v, dz.t()) is NotImplemented  # 800 rows against 16 columns: packing dzᵀ is cheaper
+    assert step_compiler._mm(dz.t().contiguous().t(), v.t()) is NotImplemented  # left operand not row-major
+
+
+def test_no_factor_of_a_factorized_linear_layer_is_transposed_in_the_step(fedavgcnn, cache):
+    """U feeds its GEMMs as it is ((U·zᵀ)ᵀ forward, dZ = dY·U, dU = dYᵀ·z + U), and V's input gradient is
+    (V·dZᵀ)ᵀ: no Transpose copies a factor of FedAvgCNN's fc1 at ratio 0.5 (the SVD's column-major U, traced as
+    it was, had two)."""
+    ranks = resolve_plan(fedavgcnn, RankPlan(0.5)).ranks
+    assert "fe.fc1" in ranks
+    files = build_artifacts_of_kind(PORTABLE_KIND, fedavgcnn, ranks, SHAPE, CLASSES, cache).files
+    step = onnx.load(str(files["step_model"]))
+    readers = {}
+    for node in step.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+
+    def transposes_on_the_way(name: str, depth: int = 0) -> set[int]:
+        """How many 2-D Transposes the value passes before each op that computes with it."""
+        found = set()
+        for node in readers.get(name, []):
+            found |= transposes_on_the_way(node.output[0], depth + 1) if node.op_type == "Transpose" else {depth}
+        return found
+
+    for factor in ("fe.fc1.u", "fe.fc1.v"):  # a Transpose pair cancels (onnxruntime drops it); one alone copies
+        parities = {d % 2 for d in transposes_on_the_way(factor)} if factor in readers else set()
+        assert parities == {0}, f"{factor}: read through an odd number of Transposes (a copy per step)"
