@@ -181,15 +181,21 @@ class Federation:
         device it awaits, which re-sends its saved answer. A kept session queued what came for the server while it
         was away, and paho re-sends its own unacknowledged publishes: then nothing is sent again (each reconnect to
         a NATS cluster that lost a node had re-sent ~900 tasks into its struggling JetStream at K = 1,000)."""
-        lost = self.endpoint.stats["sessions_lost"]
-        if lost == self.sessions_lost:
+        if not self._session_lost_since_checked():
             return
-        self.sessions_lost = lost
         awaited = self.engine.awaited()
         LOG.info("reconnected to a broker that held no session of the server; re-sending the open round's task to "
                  "%d device(s)", len(awaited))
         for device_id in awaited:
             self._send_task(device_id)
+
+    def _session_lost_since_checked(self) -> bool:
+        """Whether the endpoint reconnected to a broker that held no session of the server since the last call."""
+        lost = self.endpoint.stats["sessions_lost"]
+        if lost == self.sessions_lost:
+            return False
+        self.sessions_lost = lost
+        return True
 
     def _ask_again_lost(self) -> None:
         """An update pushed out of the reassembly budget half-received is lost (nothing else brings it back): the
@@ -478,10 +484,8 @@ class AsyncFederation(Federation):
     def _after_reconnect(self) -> None:
         """Tasks in flight may have been lost with a broker that held no session of the server: re-send them (the
         synchronous loop's rule)."""
-        lost = self.endpoint.stats["sessions_lost"]
-        if lost == self.sessions_lost:
+        if not self._session_lost_since_checked():
             return
-        self.sessions_lost = lost
         for device_id in self.engine.training():
             self._resend(device_id)
 
