@@ -1,4 +1,4 @@
-"""Two questions about the step graph's form, answered by measurement on this CPU (stock onnxruntime's kernels).
+"""Questions about the step graph's form, answered by measurement on this CPU (stock onnxruntime's kernels).
 
     .venv/bin/python scripts/bench_step_forms.py --python STOCK_PYTHON --out-dir DIR [--arm64]
 
@@ -18,7 +18,13 @@
    time, the peak RSS (VmHWM) of a fresh process that runs STEP_RUNS steps, each feeding its outputs back, and the
    share of the first step's nonzero float32 updates that the float16 outputs lose (p.next == p), both graphs
    started from the seed-0 weights rounded to float16 (so their arithmetic is the same until the last Cast).
-4. With ``--arm64``: questions 2 and 3 (not the convolution forms) on the emulated arm64 Debian of
+4. The max-pool backward (2×2 windows that tile the input, the gradient to each window's first maximum in row-major
+   order, as PyTorch routes it): the step compiler's first-maximum mask (Equal with the upsampled maximum, Cast,
+   weights 4, 3, 2, 1, a second MaxPool, Equal, Cast, Mul with the upsampled gradient) against the same masks in
+   float arithmetic (Sign of the difference to the window's maximum: no bool tensors, no Cast) and against
+   MaxPool's Indices output with a ScatterElements of the gradient into zeros, at the pools' step shapes, on inputs
+   with tied windows. Every form's outputs are checked against the first's.
+5. With ``--arm64``: questions 2 and 3 (not the convolution or pooling forms) on the emulated arm64 Debian of
    scripts/arm64_emulation.sh, in the stock onnxruntime of the device bundle installed there (ARM64_PYTHON), beside
    the same measures in ``--python`` here: whether each float16 op has a kernel there (the profile names the ops
    that ran: a Cast around it means onnxruntime inserted casts to float32), whether the float16-weights step loads
@@ -52,6 +58,8 @@ sys.path.insert(0, str(ROOT))
 
 C_OUT, KERNEL = 32, 5
 CONV_CONFIGS = ((16, 3, 32), (16, 1, 28), (64, 3, 32))  # (batch, input channels, image side)
+POOL_CONFIGS = ((16, 32, 28, 28), (16, 16, 24, 24), (16, 64, 10, 10))  # the pools of FedAvgCNN 3x32x32, CNN1 1x28x28
+POOL_FORMS = ("first-maximum mask (shipped)", "float masks by Sign", "MaxPool indices + ScatterElements")
 FORMS = ("conv + swapped conv (shipped)", "planar slices, shared", "one-hot conv, shared", "conv + planar slices dW",
          "conv + one-hot conv dW", "one-hot conv, shared, one GEMM dW")
 PRECISION_CASES = (("MatMul", [[1600, 64], [64, 800]], {}), ("MatMul", [[16, 1600], [1600, 512]], {}),
@@ -147,6 +155,51 @@ def _conv_graph(form: str, batch: int, channels: int, side: int) -> bytes:
               value("W", TensorProto.FLOAT, [C_OUT, channels, KERNEL, KERNEL]), value("B", TensorProto.FLOAT, [C_OUT]),
               value("G", TensorProto.FLOAT, [batch, C_OUT, out, out])]
     outputs = [value("Y", TensorProto.FLOAT, None), value("dW", TensorProto.FLOAT, None)]
+    return _model(helper.make_graph(nodes, form, inputs, outputs, inits))
+
+
+def _pool_graph(form: str, batch: int, channels: int, height: int, width: int) -> bytes:
+    """Inputs X (N, C, H, W) and G (the pooled output's gradient); outputs Y (2×2 max-pool) and dX, in ``form``."""
+    from onnx import TensorProto, helper, numpy_helper
+    nodes = []
+    inits = [numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"),
+             numpy_helper.from_array(np.tile(np.array([[4, 3], [2, 1]], np.float32), (height // 2, width // 2)),
+                                     "rank")]
+
+    def node(op: str, inputs: list[str], output: str | list[str], **attrs) -> str:
+        nodes.append(helper.make_node(op, inputs, [output] if isinstance(output, str) else output, **attrs))
+        return output if isinstance(output, str) else output[0]
+
+    def up(x: str) -> str:
+        return node("Resize", [x, "", "scales"], f"{x}.up", mode="nearest")
+
+    def pool(x: str, output: str | list[str]) -> str:
+        return node("MaxPool", [x], output, kernel_shape=[2, 2], strides=[2, 2])
+
+    if form == POOL_FORMS[0]:
+        equal = node("Cast", [node("Equal", ["X", up(pool("X", "Y"))], "eq")], "eqf", to=TensorProto.FLOAT)
+        key = node("Mul", [equal, "rank"], "key")
+        first = node("Cast", [node("Equal", [key, up(pool(key, "kmax"))], "first")], "firstf", to=TensorProto.FLOAT)
+        node("Mul", [up("G"), first], "dX")
+    elif form == POOL_FORMS[1]:  # Sign(max - x) is 0 exactly where x is its window's maximum, else 1
+        below = node("Sign", [node("Sub", [up(pool("X", "Y")), "X"], "gap")], "below")
+        key = node("Sub", ["rank", node("Mul", [below, "rank"], "rank_below")], "key")
+        later = node("Sign", [node("Sub", [up(pool(key, "kmax")), key], "kgap")], "later")
+        grad = up("G")
+        node("Sub", [grad, node("Mul", [grad, later], "dropped")], "dX")
+    else:  # onnxruntime's generic MaxPool kernel (the Indices output), the gradient scattered by those indices
+        inits += [numpy_helper.from_array(np.array([batch * channels * height * width], np.int64), "size"),
+                  numpy_helper.from_array(np.array([-1], np.int64), "flat"),
+                  numpy_helper.from_array(np.array([batch, channels, height, width], np.int64), "xshape")]
+        pool("X", ["Y", "I"])
+        indices = node("Reshape", ["I", "flat"], "If")
+        zeros = node("ConstantOfShape", ["size"], "zeros", value=numpy_helper.from_array(np.zeros(1, np.float32)))
+        scattered = node("ScatterElements", [zeros, indices, node("Reshape", ["G", "flat"], "Gf")], "dXf", axis=0)
+        node("Reshape", [scattered, "xshape"], "dX")
+    value = helper.make_tensor_value_info
+    inputs = [value("X", TensorProto.FLOAT, [batch, channels, height, width]),
+              value("G", TensorProto.FLOAT, [batch, channels, height // 2, width // 2])]
+    outputs = [value("Y", TensorProto.FLOAT, None), value("dX", TensorProto.FLOAT, None)]
     return _model(helper.make_graph(nodes, form, inputs, outputs, inits))
 
 
@@ -300,14 +353,44 @@ def step_worker(spec: dict) -> dict:
                                      if v.name.startswith(("fe.", "head.")))))
 
 
+def pool_feeds(rng, batch: int, channels: int, height: int, width: int) -> dict[str, np.ndarray]:
+    """X standard normal but for its upper half, one value per channel (a blank image region through a conv: every
+    window there is a tie), and G standard normal."""
+    x = rng.standard_normal((batch, channels, height, width), np.float32)
+    x[:, :, :height // 2] = rng.standard_normal((1, channels, 1, 1), np.float32)
+    return dict(X=x, G=rng.standard_normal((batch, channels, height // 2, width // 2), np.float32))
+
+
+def _time_forms(ort, config: str, paths: dict[str, str], feeds: dict) -> dict:
+    """Each form's p50 thread-CPU and wall ms over interleaved blocks, and the relative error of its outputs against
+    the first form's; RuntimeError where a form differs beyond FORM_TOLERANCE."""
+    sessions = {form: _session(ort, path) for form, path in paths.items()}
+    reference = next(iter(sessions.values())).run(None, feeds)
+    error = {form: max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(s.run(None, feeds), reference))
+             for form, s in sessions.items()}
+    wrong = {form: e for form, e in error.items() if not e <= FORM_TOLERANCE}
+    if wrong:
+        raise RuntimeError(f"{config}: forms differ from the shipped one beyond {FORM_TOLERANCE:g}: {wrong}")
+    times = {form: ([], []) for form in sessions}
+    for _ in range(BLOCKS):
+        for form, s in sessions.items():
+            s.run(None, feeds)  # untimed
+            for _ in range(PER_BLOCK):
+                wall, cpu = _timed(s, feeds)
+                times[form][0].append(wall)
+                times[form][1].append(cpu)
+    return {form: dict(wall_ms=1e3 * float(np.median(w)), cpu_ms=1e3 * float(np.median(c)), relative_error=error[form])
+            for form, (w, c) in times.items()}
+
+
 def time_graphs(spec: dict) -> dict:
-    """Times of every graph in ``spec``: conv forms per config (interleaved blocks, outputs checked against the
-    first form), and each precision case in float32 and float16 (or why float16 does not load; ``spec["op_runs"]``
+    """Times of every graph in ``spec``: conv and pool forms per config (interleaved blocks, outputs checked against
+    the first form), and each precision case in float32 and float16 (or why float16 does not load; ``spec["op_runs"]``
     timed runs each) with the ops the float16 graph ran."""
     import onnxruntime as ort
     rng = np.random.default_rng(0)
     result = dict(onnxruntime=ort.__version__, machine=platform.machine(), float16_hwcaps=float16_hwcaps(), conv={},
-                  precision=[])
+                  pool={}, precision=[])
     for config, paths in spec["conv"].items():
         batch, channels, side = (int(v) for v in config.split("x"))
         out = side - KERNEL + 1
@@ -315,23 +398,10 @@ def time_graphs(spec: dict) -> dict:
                      W=rng.standard_normal((C_OUT, channels, KERNEL, KERNEL), np.float32),
                      B=rng.standard_normal(C_OUT).astype(np.float32),
                      G=rng.standard_normal((batch, C_OUT, out, out), np.float32))
-        sessions = {form: _session(ort, path) for form, path in paths.items()}
-        reference = sessions[FORMS[0]].run(None, feeds)
-        error = {form: max(float(np.abs(a - b).max() / np.abs(b).max())
-                           for a, b in zip(s.run(None, feeds), reference)) for form, s in sessions.items()}
-        wrong = {form: e for form, e in error.items() if not e <= FORM_TOLERANCE}
-        if wrong:
-            raise RuntimeError(f"{config}: forms differ from the shipped one beyond {FORM_TOLERANCE:g}: {wrong}")
-        times = {form: ([], []) for form in sessions}
-        for _ in range(BLOCKS):
-            for form, s in sessions.items():
-                s.run(None, feeds)  # untimed
-                for _ in range(PER_BLOCK):
-                    wall, cpu = _timed(s, feeds)
-                    times[form][0].append(wall)
-                    times[form][1].append(cpu)
-        result["conv"][config] = {form: dict(wall_ms=1e3 * float(np.median(w)), cpu_ms=1e3 * float(np.median(c)),
-                                             relative_error=error[form]) for form, (w, c) in times.items()}
+        result["conv"][config] = _time_forms(ort, config, paths, feeds)
+    for config, paths in spec.get("pool", {}).items():
+        batch, channels, height, width = (int(v) for v in config.split("x"))
+        result["pool"][config] = _time_forms(ort, config, paths, pool_feeds(rng, batch, channels, height, width))
     for case in spec["precision"]:
         row = dict(op=case["op"], shapes=case["shapes"])
         for tag, dtype in (("f32", np.float32), ("f16", np.float16)):
@@ -379,17 +449,11 @@ STEP_HEADER = ["| where | graph | step thread-CPU / wall ms | peak RSS (VmHWM) M
 
 
 def tables(report: dict) -> str:
-    lines = [f"First convolution, forward + weight gradient, 1 thread, onnxruntime {report['timings']['onnxruntime']} "
-             "(p50 ms; ratio to the shipped form in thread-CPU time)", ""]
-    configs = list(report["timings"]["conv"])
-    lines.append("| form | " + " | ".join(f"N×C×H {c}: thread-CPU / wall ms (ratio)" for c in configs) + " |")
-    lines.append("|---|" + "---:|" * len(configs))
-    for form in FORMS:
-        cells = []
-        for config in configs:
-            row, base = report["timings"]["conv"][config][form], report["timings"]["conv"][config][FORMS[0]]
-            cells.append(f"{row['cpu_ms']:.2f} / {row['wall_ms']:.2f} ({row['cpu_ms'] / base['cpu_ms']:.2f})")
-        lines.append(f"| {form} | " + " | ".join(cells) + " |")
+    version = report["timings"]["onnxruntime"]
+    lines = _forms_table(f"First convolution, forward + weight gradient, 1 thread, onnxruntime {version}",
+                         report["timings"]["conv"], FORMS, "N×C×H")
+    lines += ["", *_forms_table(f"Max-pool 2×2 forward + backward to the first maximum, 1 thread, onnxruntime {version}",
+                                report["timings"].get("pool", {}), POOL_FORMS, "N×C×H×W")]
     lines += ["", "One op at its step shape in float16 against float32, thread-CPU p50 ms, 1 thread", "",
               *PRECISION_HEADER, *_precision_rows(report["timings"])]
     lines += _loss_table(report)
@@ -397,6 +461,18 @@ def tables(report: dict) -> str:
               f"(medians of {STEP_REPEATS} fresh processes of {STEP_RUNS} steps)", "", *STEP_HEADER,
               *_step_rows(platform.machine(), report["half_weights"], report["lost_updates"])]
     return "\n".join(lines) + "\n"
+
+
+def _forms_table(title: str, timings: dict, forms: tuple[str, ...], dims: str) -> list[str]:
+    """Forms (rows) by config (columns): thread-CPU / wall p50 ms and the thread-CPU ratio to the first form."""
+    lines = [f"{title} (p50 ms; ratio to the shipped form in thread-CPU time)", "",
+             "| form | " + " | ".join(f"{dims} {c}: thread-CPU / wall ms (ratio)" for c in timings) + " |",
+             "|---|" + "---:|" * len(timings)]
+    for form in forms:
+        cells = [f"{row[form]['cpu_ms']:.2f} / {row[form]['wall_ms']:.2f} "
+                 f"({row[form]['cpu_ms'] / row[forms[0]]['cpu_ms']:.2f})" for row in timings.values()]
+        lines.append(f"| {form} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _loss_table(report: dict) -> list[str]:
@@ -574,7 +650,11 @@ def main(argv: list[str] | None = None) -> int:
         shipped = shipped_step(args.cache_dir)
         graphs = {"float32 (shipped)": str(shipped), "float16 weights": write("half.onnx", half_weight_step(str(shipped)))}
         weights = seed_weights(work / "weights.npz")
-        host = dict(spec=dict(conv=conv, precision=precision, op_runs=BLOCKS * PER_BLOCK), runs=STEP_RUNS,
+        pool = {} if args.arm64 else {
+            "x".join(map(str, config)): {form: write(f"pool{i}_{'_'.join(map(str, config))}.onnx",
+                                                     _pool_graph(form, *config))
+                                         for i, form in enumerate(POOL_FORMS)} for config in POOL_CONFIGS}
+        host = dict(spec=dict(conv=conv, pool=pool, precision=precision, op_runs=BLOCKS * PER_BLOCK), runs=STEP_RUNS,
                     repeats=STEP_REPEATS)
         places = {f"{platform.machine()} (here)": (host_launcher(args.python), host)}
         if args.arm64:

@@ -29,3 +29,18 @@ def test_arm64_without_the_emulated_root_is_refused_in_one_line(tmp_path: Path):
                           text=True, timeout=60, env=child_env(FEDARA_ARM64_ROOT=str(tmp_path / "none")))
     assert done.returncode == 2
     assert done.stderr.startswith("error: --arm64: ") and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_every_pool_backward_form_routes_the_gradient_to_the_first_maximum_as_pytorch_does(tmp_path: Path):
+    import onnxruntime as ort
+    import torch
+    bench = load_script("bench_step_forms")
+    feeds = bench.pool_feeds(np.random.default_rng(1), 2, 3, 4, 6)  # the upper half: every window a tie
+    x = torch.from_numpy(feeds["X"]).requires_grad_()
+    y = torch.nn.functional.max_pool2d(x, 2)
+    y.backward(torch.from_numpy(feeds["G"]))
+    for form in bench.POOL_FORMS:
+        session = ort.InferenceSession(bench._pool_graph(form, 2, 3, 4, 6), providers=["CPUExecutionProvider"])
+        pooled, grad = session.run(["Y", "dX"], feeds)
+        np.testing.assert_array_equal(pooled, y.detach().numpy(), err_msg=form)
+        np.testing.assert_array_equal(grad, x.grad.numpy(), err_msg=form)
