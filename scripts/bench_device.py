@@ -63,6 +63,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+from server.outputs.machine import cpu_name  # noqa: E402  (platform and pathlib only: the worker's python has it)
 
 CONFIGS = (("fedavgcnn", (1, 28, 28)), ("fedavgcnn", (3, 32, 32)), ("cnn1", (3, 32, 32)))
 RATIOS = (1.0, 0.75, 0.5, 0.25, 0.125)
@@ -849,7 +850,8 @@ def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -
                                                  repeats=FLOOR_REPEATS,
                                                  batch_sizes=list(args.batch_sizes), resolution_mb=FLOOR_RESOLUTION_MB,
                                                  time_factor=FLOOR_TIME_FACTOR, time_slack_s=FLOOR_TIME_SLACK_S),
-                  machine=dict(platform=platform.platform(), cpus=os.cpu_count(), loadavg_at_end=list(os.getloadavg())),
+                  machine=dict(platform=platform.platform(), cpu=cpu_name(), cpus=os.cpu_count(),
+                               loadavg_at_end=list(os.getloadavg())),
                   wall_seconds=time.perf_counter() - started, floors=floors)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     name = floor_report_name(args.runtimes)
@@ -1150,8 +1152,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  large_batch=LARGE_BATCH, threads=list(THREADS), lam=LAM, mu=MU,
                                                  lr=LR, steps=steps, block=BLOCK),
                   shipped_session=shipped, best_session=best,
-                  machine=dict(platform=platform.platform(), cpus=os.cpu_count(), loadavg_at_start=list(load),
-                               loadavg_at_end=list(os.getloadavg())),
+                  machine=dict(platform=platform.platform(), cpu=cpu_name(), cpus=os.cpu_count(),
+                               loadavg_at_start=list(load), loadavg_at_end=list(os.getloadavg())),
                   build_seconds=build_seconds, wall_seconds=time.perf_counter() - started, results=results)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "bench_device.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -6,12 +6,23 @@ import platform
 from pathlib import Path
 
 
+VECTOR_FEATURES = ("avx512f", "avx512_fp16", "avx2", "fma", "asimd", "asimdhp", "sve")  # what GEMM kernels pick
+
+
 def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo), else the platform's word for it."""
+    """The CPU's model name (Linux's /proc/cpuinfo), else the platform's word for it, with the vector extensions
+    of VECTOR_FEATURES it has in parentheses: machines that share a model name ("AMD EPYC") differ in them, and
+    onnxruntime's and PyTorch's kernels with them (e.g. AVX-512 against AVX2 alone)."""
+    name, features = platform.processor() or platform.machine(), []
     try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        lines = cpuinfo.read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return name
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            name = value.strip()
+        elif key.strip() in ("flags", "Features") and not features:
+            present = set(value.split())
+            features = [f for f in VECTOR_FEATURES if f in present]
+    return f"{name} ({', '.join(features)})" if features else name
