@@ -49,7 +49,7 @@ from fedcore.objective import fac_loss, local_loss
 
 HEAD_PREFIX = "head."
 
-COMPILER_VERSION = 8  # bump whenever the emitted graphs change for the same inputs
+COMPILER_VERSION = 7  # bump whenever the emitted graphs change for the same inputs
 OPSET = 18
 PARITY_ATOL = 1e-5
 GEMM_CONV_MIN_CHANNELS = 8
@@ -135,9 +135,8 @@ def _convolution_backward(grad_out, x, weight, bias_sizes, stride, padding, dila
 
     Where :func:`_gemm_conv` holds: dX is Col2Im (``F.fold``) of Wᵀ × grad_out, dW is grad_outᵀ × the forward's
     patches. Elsewhere dX is the transposed convolution of grad_out (its output_padding taken from the input's
-    size), and dW is :func:`_planar_weight_gradient` (undilated) or the convolution of x with its batch and channel
-    axes swapped by grad_out (likewise swapped), the forward stride acting as dilation, cropped to the kernel.
-    db: grad_out summed over batch and space.
+    size) and dW the convolution of x with its batch and channel axes swapped by grad_out (likewise swapped), the
+    forward stride acting as dilation, cropped to the kernel. db: grad_out summed over batch and space.
     """
     if transposed or groups != 1:
         raise NotImplementedError("only ungrouped, non-transposed convolutions are compiled")
@@ -157,8 +156,6 @@ def _convolution_backward(grad_out, x, weight, bias_sizes, stride, padding, dila
         rows, _ = patches(x, kernel, stride, padding)
         matrix = grad_out.permute(0, 2, 3, 1).reshape(-1, c_out).transpose(0, 1) @ rows
         grad_w = matrix.reshape(c_out, kernel[0], kernel[1], c_in).permute(0, 3, 1, 2)
-    elif output_mask[1] and all(d == 1 for d in dilation):
-        grad_w = _planar_weight_gradient(grad_out, x, kernel, stride, padding)
     elif output_mask[1]:
         swapped = F.conv2d(x.transpose(0, 1), grad_out.transpose(0, 1), stride=dilation, padding=padding,
                            dilation=stride)
@@ -166,23 +163,6 @@ def _convolution_backward(grad_out, x, weight, bias_sizes, stride, padding, dila
     if output_mask[2]:
         grad_b = grad_out.sum(dim=(0, 2, 3))
     return grad_x, grad_w, grad_b
-
-
-def _planar_weight_gradient(grad_out, x, kernel: tuple[int, int], stride, padding) -> torch.Tensor:
-    """dW of an undilated convolution of few input channels: its kh·kw taps (strided slices of x, one per kernel
-    offset) concatenated over the channel axis into (N, kh·kw·C, oh·ow), a batched grad_out × tapsᵀ, summed over
-    the batch. Measured (scripts/bench_step_forms.py, stock onnxruntime 1.27.0, 1 thread, a quiet machine, with the
-    Conv forward): 0.83–0.85× of the swapped Conv for 16×3×32×32, 0.89–0.90× for 16×1×28×28, 0.92–0.93× at batch
-    64; the taps live only while dW is made."""
-    if any(padding):
-        x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
-    c_out, c_in = int(grad_out.shape[1]), int(x.shape[1])
-    oh, ow = int(grad_out.shape[2]), int(grad_out.shape[3])
-    taps = [x[:, :, ky:ky + (oh - 1) * stride[0] + 1:stride[0], kx:kx + (ow - 1) * stride[1] + 1:stride[1]]
-            for ky in range(kernel[0]) for kx in range(kernel[1])]
-    columns = torch.cat(taps, dim=1).reshape(-1, kernel[0] * kernel[1] * c_in, oh * ow)
-    summed = (grad_out.reshape(-1, c_out, oh * ow) @ columns.transpose(1, 2)).sum(0)
-    return summed.reshape(c_out, kernel[0], kernel[1], c_in).permute(0, 3, 1, 2)
 
 
 @contextmanager
