@@ -399,7 +399,7 @@ def time_graphs(spec: dict) -> dict:
                      B=rng.standard_normal(C_OUT).astype(np.float32),
                      G=rng.standard_normal((batch, C_OUT, out, out), np.float32))
         result["conv"][config] = _time_forms(ort, config, paths, feeds)
-    for config, paths in spec.get("pool", {}).items():
+    for config, paths in spec["pool"].items():
         batch, channels, height, width = (int(v) for v in config.split("x"))
         result["pool"][config] = _time_forms(ort, config, paths, pool_feeds(rng, batch, channels, height, width))
     for case in spec["precision"]:
@@ -452,8 +452,8 @@ def tables(report: dict) -> str:
     version = report["timings"]["onnxruntime"]
     lines = _forms_table(f"First convolution, forward + weight gradient, 1 thread, onnxruntime {version}",
                          report["timings"]["conv"], FORMS, "N×C×H")
-    lines += ["", *_forms_table(f"Max-pool 2×2 forward + backward to the first maximum, 1 thread, onnxruntime {version}",
-                                report["timings"].get("pool", {}), POOL_FORMS, "N×C×H×W")]
+    lines += ["", *_forms_table(f"Max-pool 2×2 forward + backward to the first maximum, 1 thread, onnxruntime "
+                                f"{version}", report["timings"]["pool"], POOL_FORMS, "N×C×H×W")]
     lines += ["", "One op at its step shape in float16 against float32, thread-CPU p50 ms, 1 thread", "",
               *PRECISION_HEADER, *_precision_rows(report["timings"])]
     lines += _loss_table(report)
@@ -658,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
                     repeats=STEP_REPEATS)
         places = {f"{platform.machine()} (here)": (host_launcher(args.python), host)}
         if args.arm64:
-            places["aarch64 (qemu-user)"] = (emulated_launcher, dict(spec=dict(conv={}, precision=precision,
+            places["aarch64 (qemu-user)"] = (emulated_launcher, dict(spec=dict(conv={}, pool={}, precision=precision,
                                                                                op_runs=ARM64_OP_RUNS),
                                                                      runs=ARM64_STEP_RUNS, repeats=ARM64_STEP_REPEATS))
         measured = {label: measure_precision(launcher, work, f"place{i}", how["spec"], graphs, weights, how["runs"],
