@@ -1,10 +1,10 @@
 """Accuracy benchmark: FedARA's aggregation rules, λ and partitions against its ablation and the baselines.
 
-    nice -n 5 .venv/bin/python scripts/bench_accuracy.py --jobs 2        # docs/accuracy.*: 71 min on 2 busy cores
-    .venv/bin/python scripts/bench_accuracy.py --render-only             # redo the report from docs/accuracy.json
+    nice -n 5 .venv/bin/python scripts/bench_accuracy.py --jobs 2        # docs/results/accuracy/accuracy.*: 71 min on 2 busy cores
+    .venv/bin/python scripts/bench_accuracy.py --render-only             # redo the report from docs/results/accuracy/accuracy.json
     .venv/bin/python scripts/bench_accuracy.py --preset paper --estimate  # time a sample, print the expected total
     .venv/bin/python scripts/bench_accuracy.py --preset paper --jobs 8    # the paper's schedule (GPU: --device cuda)
-    .venv/bin/python scripts/bench_accuracy.py --study curves --out-dir docs/curves  # learning curves vs data size
+    .venv/bin/python scripts/bench_accuracy.py --study curves --out-dir docs/results/accuracy/curves  # learning curves vs data size
 
 Fashion-MNIST, four studies (``--study``; the first three by default), each cell paired by seed (a seed is a
 partition and an initial model):
@@ -925,7 +925,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the PyTorch runs train (server.simulate --device); auto: cuda when torch sees one")
     p.add_argument("--threads", type=_positive, help="torch threads per run (default 1)")
     p.add_argument("--jobs", type=_positive, help="parallel worker processes (default 2; --quick: 1)")
-    p.add_argument("--out-dir", type=Path, default=Path("docs"))
+    p.add_argument("--out-dir", type=Path, default=Path("docs/results/accuracy"))
     p.add_argument("--verbose", action="store_true", help="print every round (with --jobs 1)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--render-only", action="store_true",

@@ -1,7 +1,7 @@
 """Seconds per round and MB/s of a round's updates through a broker, with 0, 1, 2, 3 aggregator processes.
 
     .venv/bin/python scripts/bench_aggregators.py --clients 150 --aggregators 0,1,2,3 --brokers mosquitto,nats \
-        --out docs/bench_aggregators.json
+        --out docs/results/aggregators/bench_aggregators.json
 
 K synthetic FedAvgCNN 3×32×32 devices at the five rank tiers round-robin (1.0, 0.75, 0.5, 0.25, 0.125) are enrolled
 in a real round engine; a publisher process seals each device's update of the round under the device's key

@@ -1,6 +1,6 @@
 """Sync rounds against buffered async (FedBuff) on one simulated fleet: time to accuracy on the virtual clock.
 
-    nice -n 5 .venv/bin/python scripts/bench_async.py                 # docs/async.json, docs/async.png
+    nice -n 5 .venv/bin/python scripts/bench_async.py                 # docs/results/async/async.json, docs/results/async/async.png
     .venv/bin/python scripts/bench_async.py --seeds 1 --rounds 3      # a smoke run
 
 Heterogeneous FedARA (rank tiers round-robin by device id) under ``--aggregate updates`` on sklearn's digits
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exponent", default="0.5", help="async arms: staleness exponents a, comma-separated")
     p.add_argument("--server-lr", type=float, default=1.0)
     p.add_argument("--normalize", default="samples,staleness", help="async arms: --buffer-normalize values")
-    p.add_argument("--out", default="docs/async.json")
+    p.add_argument("--out", default="docs/results/async/async.json")
     args = p.parse_args(argv)
     out = Path(args.out)
     results: dict[int, dict[str, Any]] = {}

@@ -1,6 +1,6 @@
 """Sync rounds against buffered async (FedBuff) over MQTT, on the wall clock: real device processes, really slow.
 
-    nice -n 10 .venv/bin/python scripts/bench_async_mqtt.py                             # docs/async_mqtt.json
+    nice -n 10 .venv/bin/python scripts/bench_async_mqtt.py                             # docs/results/async/async_mqtt.json
     .venv/bin/python scripts/bench_async_mqtt.py --seeds 1 --rounds 2 --out /tmp/a.json  # a smoke run
 
 ``python -m server.broker_loop`` with ``--local-devices 6`` on digits, each device process in a CPU cgroup of
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-epochs", type=int, default=1)
     p.add_argument("--task-timeout", type=float, default=600.0, help="async --task-timeout (a bound, not a tuning)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..S-1, each its own partition and initial model")
-    p.add_argument("--out", default=str(REPO / "docs" / "async_mqtt.json"))
+    p.add_argument("--out", default=str(REPO / "docs" / "results" / "async" / "async_mqtt.json"))
     args = p.parse_args(argv)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-async-mqtt-") as tmp:

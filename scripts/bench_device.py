@@ -5,7 +5,7 @@ onnxruntime's InferenceSession running the compiled step graph; with ``--portabl
 whose environment holds stock onnxruntime measures it there, otherwise the training build's InferenceSession runs
 it in this environment).
 
-    .venv/bin/python scripts/bench_device.py --out-dir docs --cost-model device_runtime/cost_model.json
+    .venv/bin/python scripts/bench_device.py --out-dir docs/results/device --cost-model device_runtime/cost_model.json
     .venv/bin/python scripts/bench_device.py --out-dir DIR --config cnn1:3x32x32 --ratios 1.0,0.5   (a subset)
 
 For FedAvgCNN (1×28×28, 3×32×32) and CNN1 (3×32×32) at rank ratios 1.0 … 0.125 (ratios that resolve to the same
@@ -31,7 +31,7 @@ default, is the first column and the source of the cost model.
 The parent writes bench_device.json, bench_device.md (tables) and bench_device.png into ``--out-dir`` and, with
 ``--cost-model``, the data file that ``server.engine.cost_model`` reads (entries it does not re-measure are kept).
 
-    sudo .venv/bin/python scripts/bench_device.py --memory-floor --out-dir docs \\
+    sudo .venv/bin/python scripts/bench_device.py --memory-floor --out-dir docs/results/device \\
         --cost-model device_runtime/cost_model.json
 
 measures memory floors instead (root and a writable memory cgroup controller, server/mqtt/cgroups.py): for each plan,

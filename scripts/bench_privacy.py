@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=0.5, help="--dp-clip (the adaptive clip's start with --clip-quantile)")
     p.add_argument("--clip-quantile", type=float, default=0.0, help="--dp-clip-quantile (0: a fixed --clip)")
     p.add_argument("--accountant", default="pld")
-    p.add_argument("--out", default="docs/privacy.json")
+    p.add_argument("--out", default="docs/results/privacy/privacy.json")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (child processes, one thread each)")
     p.add_argument("--render-only", action="store_true")
     p.add_argument("--keep-runs", action="store_true", help="reuse the runs --out already holds (same commands)")

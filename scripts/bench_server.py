@@ -1,6 +1,6 @@
 """Server cost of one FedARA round for K clients, per phase, batched aggregation against the per-client path.
 
-    .venv/bin/python scripts/bench_server.py --out docs/bench_server.json
+    .venv/bin/python scripts/bench_server.py --out docs/results/server/bench_server.json
 
 FedAvgCNN clients take rank tiers round-robin from 1.0, 0.75, 0.5, 0.25, 0.125. Per (input shape, K) a fresh
 subprocess measures, with ``--threads`` torch threads (default 2: both cores):

@@ -2,7 +2,7 @@
 first of a run, and the next ones, which build on the one before), a /metrics scrape and an /api/status answer,
 for fleets of N devices after R rounds.
 
-    .venv/bin/python scripts/bench_status.py [--devices 100,1000,10000] [--records 100] [--out docs/bench_status.json]
+    .venv/bin/python scripts/bench_status.py [--devices 100,1000,10000] [--records 100] [--out docs/results/status/bench_status.json]
 
 The engine is a real RoundEngine whose devices joined (two rank tiers); its R round records are synthesized with the
 shape the engine writes (every device evaluated in every round), so no training runs. Prints a table, writes JSON.

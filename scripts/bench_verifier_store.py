@@ -4,7 +4,7 @@ whole state rewritten atomically (what each accept cost before the journal), the
 message), and the journal group-committed, one fsync per ``--batch`` accepts (a server reading a round's updates:
 it syncs before it seals anything or writes a checkpoint).
 
-    .venv/bin/python scripts/bench_verifier_store.py                  # docs/bench_verifier_store.json
+    .venv/bin/python scripts/bench_verifier_store.py                  # docs/results/verifier_store/bench_verifier_store.json
     .venv/bin/python scripts/bench_verifier_store.py --senders 100 --accepts 50
 
 Both write to a temporary directory on the file system of ``--dir`` (default: the system's temporary directory):
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accepts", type=int, default=300, help="accepted messages timed per arm")
     p.add_argument("--batch", type=int, default=100, help="accepts per fsync in the group-committed arm")
     p.add_argument("--dir", default=None, help="where the temporary state directory goes")
-    p.add_argument("--out", default="docs/bench_verifier_store.json")
+    p.add_argument("--out", default="docs/results/verifier_store/bench_verifier_store.json")
     args = p.parse_args(argv)
     rows = [per_accept_ms(int(s), args.accepts, args.batch, args.dir) for s in args.senders.split(",")]
     print(f"{'senders':>8s} {'whole rewrite ms':>17s} {'journal ms':>11s} {'journal/rewrite':>16s} "
