@@ -11,7 +11,7 @@ import logging
 from device_runtime.messages import update_message
 from device_runtime.task import Task
 from server.engine.run_config import RunError
-from server.outputs.progress import print_and_log
+from server.outputs.progress import Progress, print_and_log
 from server.simulation import Simulation
 
 log = logging.getLogger("fedara.simulate")
@@ -28,6 +28,8 @@ class AsyncSimulation(Simulation):
         self._tasks: dict[str, Task] = {}
         self._refused_in_a_row = 0
         super().__init__(*args, **kwargs)
+        if kwargs.get("progress") is None:  # versions, timed on the wall clock, the virtual one beside it
+            self.progress = Progress(self.config.rounds, unit="version", virtual=True)
         if self.fleet is None:
             raise RunError(f"--mode async needs the virtual clock: the cost model has no step time for "
                            f"{self.args.model}")
@@ -78,6 +80,7 @@ class AsyncSimulation(Simulation):
     def run(self) -> list[dict]:
         """Versions up to --rounds (fewer where the privacy budget ends the run first); a checkpoint after each."""
         engine = self.engine
+        self.progress.begin(engine.version, engine.records)
         try:
             while engine.version < self.config.rounds:
                 stop = engine.budget_refusal()  # DP: the next version would overspend; what is buffered stays unsent
@@ -95,17 +98,21 @@ class AsyncSimulation(Simulation):
                 self.clock = end
                 before = engine.version
                 self._deliver(device_id, self._tasks.pop(device_id))
+                self._follow()
                 if engine.version > before:
-                    self.progress.evaluated(engine.records[-1] if engine.records and
-                                            engine.records[-1]["round"] == before else None)
-                    self.progress.trained(engine.pending)
                     self._evaluate_version()
+                    self._follow()
                     self._checkpoint(engine.version, finished=False)
-            self.progress.evaluated(engine.finish())
+            engine.finish()
+            self._follow()
         finally:
             self.close()
         self._checkpoint(self.config.rounds, finished=True)
         return engine.records
+
+    def _follow(self) -> None:
+        """The progress lines of the versions made and the rows completed since the last call."""
+        self.progress.follow(self.engine.version, self.engine.pending, self.engine.records)
 
     def _clock_state(self) -> dict:
         """The virtual clock and the ends of the tasks in flight, for --resume."""

@@ -455,6 +455,7 @@ class AsyncFederation(Federation):
         self._evaluations_asked: dict[str, int] = {}  # device -> the evaluation task it was sent last, unanswered
         self._acknowledged: set[str] = set()  # devices that acknowledged their plan to this process (a resumed
         # run's registry says ready for devices whose new processes have not loaded their plans yet)
+        self.progress: Progress | None = None  # run()'s
 
     def clock(self) -> float:
         """Seconds since the run (or its resume) began: the async engine's ``now``."""
@@ -515,10 +516,17 @@ class AsyncFederation(Federation):
             LOG.info("%s's update of task %d came after the last version: not counted", device_id, msg.round)
             return
         verdict = self.engine.receive(device_id, msg, self.clock())
+        self._follow()
         if not verdict.accepted:
             LOG.warning("dropped an update from %s (task %d): %s", device_id, msg.round, verdict.reason)
             count_refusal(self.refusals, update_refusal(verdict.reason))
         self._dispatch()
+
+    def _follow(self) -> None:
+        """The progress lines of the versions made and the rows completed since the last call: after every update
+        (one makes at most one version), so none is lost, the versions made while devices still join included."""
+        if self.progress is not None:
+            self.progress.follow(self.engine.version, self.engine.pending, self.engine.records)
 
     def _wait(self, until: Callable[[], bool], deadline: float | None) -> bool:
         """Pump until ``until()`` or ``deadline`` (monotonic), ending the tasks --task-timeout ends on the way."""
@@ -529,6 +537,7 @@ class AsyncFederation(Federation):
             if self._pump(until, min(stops) if stops else None):
                 return True
             if engine.expire(self.clock()):
+                self._follow()  # a row that waited on an ended task may be complete
                 self._dispatch()
             if deadline is not None and time.monotonic() >= deadline:
                 return until()
@@ -539,6 +548,8 @@ class AsyncFederation(Federation):
         engine = self.engine
         rounds = engine.config.rounds
         self.started = time.monotonic()
+        self.progress = progress
+        progress.begin(engine.version, engine.records)
         self.wait_for_devices()
         self._dispatch()
         while engine.version < rounds:
@@ -548,9 +559,6 @@ class AsyncFederation(Federation):
                 break
             before = engine.version
             self._wait(lambda: engine.version > before, None)
-            progress.evaluated(engine.records[-1] if engine.records and engine.records[-1]["round"] == before
-                               else None)
-            progress.trained(engine.pending)
             if not engine.makes_no_more():  # the last version: below, once the tasks in flight are in
                 self._evaluate(self._idle())
             self.checkpoint(engine.version, finished=False)
@@ -561,7 +569,8 @@ class AsyncFederation(Federation):
         self._wait(lambda: not self._evaluations_asked,
                    time.monotonic() + (self.args.task_timeout or self.args.round_deadline))
         LOG.info("the run is over: %d task(s) in flight abandoned", len(engine.abandon()))
-        progress.evaluated(engine.finish())
+        engine.finish()
+        self._follow()
         self.checkpoint(rounds, finished=True)
         self.publish_status(force=True, finished=True)
 
@@ -692,7 +701,8 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
                 LOG.info("the run in %s is finished; rewriting its report", out.path)
                 federation.publish_status(force=True, finished=True)
             else:
-                federation.run(assembly.first_round(), Progress(config.rounds))
+                federation.run(assembly.first_round(), Progress(config.rounds, unit=(
+                    "version" if isinstance(engine, AsyncEngine) else "round")))
         report = out.report(engine.records, dict(settings, run_id=run_id, broker=args.broker or "embedded",
                                                  driver="broker_loop"))
         print(final_line(engine.records, out.path, report), flush=True)

@@ -35,6 +35,16 @@ def test_an_async_run_writes_a_row_per_version_on_the_virtual_clock(algo, tmp_pa
         assert r["staleness_max"] >= 0 and r["too_stale"] == 0 and 0 <= r["accuracy"] <= 1
 
 
+def test_an_async_run_says_each_version_and_each_evaluated_versions_accuracy_once(tmp_path, capsys):
+    records = run(tmp_path / "run", *ASYNC, "--rounds", "4")
+    out = capsys.readouterr().out.splitlines()
+    made = [line.split()[1] for line in out if line.startswith("version ")]
+    said = [line.split()[3].rstrip(":") for line in out if line.startswith("  accuracy after version ")]
+    assert made == ["1/4", "2/4", "3/4", "4/4"]
+    assert said == [str(r["round"]) for r in records if r["accuracy"] is not None] == ["1", "2", "3", "4"]
+    assert all(" virtual " in line for line in out if line.startswith("version "))
+
+
 @pytest.mark.slow
 def test_an_async_run_resumed_from_its_checkpoint_ends_with_the_same_model(tmp_path):
     run(tmp_path / "straight", *ASYNC, "--rounds", "4")

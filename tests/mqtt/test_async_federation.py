@@ -56,6 +56,16 @@ def test_an_async_run_makes_its_versions_each_a_row_on_the_wall_clock(async_run:
 
 
 @pytest.mark.slow
+def test_an_async_run_over_mqtt_says_every_version_and_every_versions_accuracy(async_run: Path):
+    log = (async_run / broker_loop.SERVER_LOG).read_text().splitlines()
+    made = [line.split(" version ")[1].split()[0] for line in log if "fedara.progress INFO version " in line]
+    said = [line.split("accuracy after version ")[1].split(":")[0] for line in log if "accuracy after version " in line]
+    rows = read_metrics(async_run / METRICS_FILE)
+    assert made == [f"{v}/{VERSIONS}" for v in range(1, VERSIONS + 1)]
+    assert said == [str(r["round"]) for r in rows] == [str(v) for v in range(1, VERSIONS + 1)]  # "–": none evaluated it
+
+
+@pytest.mark.slow
 def test_a_resumed_async_run_continues_its_versions_and_task_numbers(async_run: Path, tmp_path: Path,
                                                                     shared_artifact_cache: Path):
     run = tmp_path / "run"
