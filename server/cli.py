@@ -26,7 +26,8 @@ from server.data.datasets import DatasetUnavailable, check_available
 from server.outputs.checkpoint import folder_taken
 from server.engine.run_config import (AGGREGATION_RULES, ALGORITHMS, DEFAULT_LAM_WARMUP, DEFAULT_MU, DEFAULT_TIERS,
                                       MODELS, FederationConfig, add_async_arguments, add_dp_arguments,
-                                      add_norm_bound_arguments, async_rule_from_args, norm_bound_from_args)
+                                      add_norm_bound_arguments, async_flags_given, async_rule_from_args,
+                                      norm_bound_from_args)
 
 RUNS_DIR = "runs"
 DEFAULT_CACHE_DIR = "artifacts_cache"
@@ -256,10 +257,38 @@ def check_args(args: argparse.Namespace) -> FederationConfig:
         raise ValueError(f"--model {args.model!r} names several models; only --algo local trains different models "
                          "per device (the others share one)")
     norm_bound_from_args(args)
+    given = async_flags_given(args)
+    if args.mode != "async" and given:
+        raise ValueError(f"{' '.join(given)} {'is' if len(given) == 1 else 'are'} for --mode async and would be "
+                         f"ignored in --mode {args.mode}: add --mode async, or leave {'it' if len(given) == 1 else 'them'}"
+                         " out")
     if async_rule_from_args(args) is not None and args.update_norm_bound is not None:
         raise ValueError("--mode async does not take --update-norm-bound (it bounds a sync round's updates); "
                          "leave one of them out")
     return config
+
+
+def check_async_fleet(args: argparse.Namespace, devices: int | None) -> list[str]:
+    """--mode async's buffer against the fleet (``devices``: how many there are, None: not known before they join):
+    raises ValueError where no buffer can fill (with DP a device counts once per buffer, so K > N never fills);
+    returns the warnings for a buffer larger than the devices or the concurrency (it fills, slowly: devices train
+    again on the version the buffer waits for)."""
+    rule = async_rule_from_args(args)
+    if rule is None:
+        return []
+    k, c = rule.buffer_size, rule.concurrency
+    if devices is not None and k > devices and args.dp_noise_multiplier is not None:
+        raise ValueError(f"--buffer-size {k} with {devices} devices and DP: a device counts once per buffer, so no "
+                         f"buffer would ever fill; use --buffer-size {devices} or less")
+    warnings = []
+    if devices is not None and k > devices:
+        warnings.append(f"--buffer-size {k} is more than the {devices} devices: each version waits for updates of "
+                        f"devices that train again on the version before it (--buffer-size {max(1, devices // 2)} "
+                        "gives versions sooner)")
+    if k > c:
+        warnings.append(f"--buffer-size {k} is more than --concurrency {c}: a version waits for devices that train "
+                        f"twice on the same version (docs/async.md: K ≤ C/2, e.g. --buffer-size {max(1, c // 2)})")
+    return warnings
 
 
 def run_folder(args: argparse.Namespace, driver: str) -> Path:
@@ -299,6 +328,11 @@ def console_logging() -> None:
     handler.setLevel(logging.WARNING)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s", handlers=[handler], force=True)
     hold_back_floods()
+
+
+def warn(message: str) -> None:
+    """Print a warning the user can act on, as one line, before the run starts."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def fail(message: str) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
-from server.cli import new_parser
+from server.cli import check_async_fleet, new_parser
 from server.engine.device_trace import Availability, SpeedModel
 from server.engine.run_config import dp_from_args
 
@@ -48,6 +48,7 @@ def check_simulate_args(args: argparse.Namespace) -> None:
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     dp_from_args(args, args.clients)
+    check_async_fleet(args, args.clients)
     if args.mode == "async" and args.workers != 1:
         raise ValueError(f"--mode async trains each device when its task ends on the virtual clock: use --workers 1 "
                          f"(got {args.workers})")

@@ -228,7 +228,7 @@ def dp_from_args(args: argparse.Namespace, population: int) -> DpSettings | None
             raise ValueError(f"--dp-clip-quantile {args.dp_clip_quantile:g} with --mode async: the adaptive clip learns "
                              "from a sampled round's count; use a fixed --dp-clip")
         delta = args.dp_delta if args.dp_delta is not None else population ** -1.1
-        return DpSettings(args.dp_noise_multiplier, 1.0, args.buffer_size, args.dp_clip, args.dp_clip_quantile,
+        return DpSettings(args.dp_noise_multiplier, 1.0, async_rule_from_args(args).buffer_size, args.dp_clip, args.dp_clip_quantile,
                           args.dp_clip_lr, delta, args.dp_target_epsilon, args.dp_accountant, args.dp_test_seed)
     return DpSettings(args.dp_noise_multiplier, args.join_ratio, population, args.dp_clip, args.dp_clip_quantile,
                       args.dp_clip_lr, args.dp_delta, args.dp_target_epsilon, args.dp_accountant, args.dp_test_seed)
@@ -275,30 +275,49 @@ class BufferRule:
         return settings
 
 
+ASYNC_ONLY = (("--concurrency", "concurrency"), ("--buffer-size", "buffer_size"), ("--max-staleness", "max_staleness"),
+              ("--staleness-exponent", "staleness_exponent"), ("--server-lr", "server_lr"),
+              ("--buffer-normalize", "normalize"))
+"""The async mode's flags and their BufferRule fields: unset (None) unless given, so sync mode can refuse them."""
+
+
 def add_async_arguments(parser: argparse.ArgumentParser) -> None:
-    """The --mode flag and the async mode's settings, shared by both drivers."""
+    """The --mode flag and the async mode's settings, shared by both drivers (each defaults to BufferRule's, shown
+    in its help: the parser's default is None, so a flag given in sync mode is seen and refused)."""
     d = BufferRule()
     group = parser.add_argument_group("asynchronous mode (--mode async: buffered aggregation, FedBuff; see docs/async.md)")
     group.add_argument("--mode", choices=MODES, default="sync",
                        help="sync: rounds that wait for their devices; async: devices train as they come free, a "
                             "new model version every --buffer-size updates (--rounds counts versions)")
-    group.add_argument("--concurrency", type=int, default=d.concurrency, help="async: devices training at once")
-    group.add_argument("--buffer-size", type=int, default=d.buffer_size,
-                       help="async: accepted updates per new version (K)")
-    group.add_argument("--max-staleness", type=int, default=d.max_staleness,
-                       help="async: updates more versions behind than this are refused ([too_stale])")
-    group.add_argument("--staleness-exponent", type=float, default=d.staleness_exponent,
-                       help="async: an update of staleness τ weighs (1 + τ)^-a (0: no discount)")
-    group.add_argument("--server-lr", type=float, default=d.server_lr, help="async: the server's step size η_g")
-    group.add_argument("--buffer-normalize", choices=NORMALIZATIONS, default=d.normalize,
+    group.add_argument("--concurrency", type=int, default=None,
+                       help=f"async: devices training at once (default: {d.concurrency})")
+    group.add_argument("--buffer-size", type=int, default=None,
+                       help=f"async: accepted updates per new version (K) (default: {d.buffer_size})")
+    group.add_argument("--max-staleness", type=int, default=None,
+                       help=f"async: updates more versions behind than this are refused ([too_stale]) "
+                            f"(default: {d.max_staleness})")
+    group.add_argument("--staleness-exponent", type=float, default=None,
+                       help=f"async: an update of staleness τ weighs (1 + τ)^-a (0: no discount) "
+                            f"(default: {d.staleness_exponent:g})")
+    group.add_argument("--server-lr", type=float, default=None,
+                       help=f"async: the server's step size η_g (default: {d.server_lr:g})")
+    group.add_argument("--buffer-normalize", choices=NORMALIZATIONS, default=None,
                        help="async: divide the buffer's staleness-weighted sum by its staleness-weighted samples (a "
-                            "weighted mean; measured better) or by its samples (FedBuff's rule)")
+                            "weighted mean; measured better) or by its samples (FedBuff's rule) "
+                            f"(default: {d.normalize})")
+
+
+def async_flags_given(args: argparse.Namespace) -> list[str]:
+    """The async mode's flags set on the command line (or in --config), in their --help order."""
+    return [flag for flag, _ in ASYNC_ONLY if getattr(args, flag[2:].replace("-", "_"), None) is not None]
 
 
 def async_rule_from_args(args: argparse.Namespace) -> BufferRule | None:
-    """The async mode's rule the flags ask for (checked), None in sync mode."""
+    """The async mode's rule the flags ask for (checked; BufferRule's defaults for the flags not given), None in
+    sync mode."""
     if args.mode != "async":
         return None
-    return BufferRule(args.buffer_size, args.max_staleness, args.staleness_exponent, args.server_lr,
-                      args.buffer_normalize, args.concurrency,
-                      getattr(args, "task_timeout", None))  # a broker-loop flag: the simulator's devices all return
+    d = BufferRule()
+    given = {field_name: getattr(args, flag[2:].replace("-", "_"), None) for flag, field_name in ASYNC_ONLY}
+    task_timeout = getattr(args, "task_timeout", None)  # a broker-loop flag: the simulator's devices all return
+    return BufferRule(**{k: getattr(d, k) if v is None else v for k, v in given.items()}, task_timeout=task_timeout)

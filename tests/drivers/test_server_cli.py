@@ -12,7 +12,7 @@ import pytest
 
 from server import broker_loop, simulate
 from server.broker_flags import check_broker_args
-from server.cli import console_logging, parse
+from server.cli import check_args, check_async_fleet, console_logging, parse
 from tests.support.processes import child_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,5 +107,53 @@ def test_a_bad_cpu_limit_or_async_combination_is_named_in_one_line_and_exits_2(f
 
 def test_the_broker_loop_takes_dp_in_the_async_mode():
     args = broker_loop.build_parser().parse_args(["--local-devices", "3", "--mode", "async", "--aggregate", "updates",
-                                                  "--dp-noise-multiplier", "1", "--dp-target-epsilon", "8"])
+                                                  "--buffer-size", "2", "--dp-noise-multiplier", "1",
+                                                  "--dp-target-epsilon", "8"])
     check_broker_args(args)  # no refusal: the MQTT loop stops at the budget as the simulator does
+
+
+@pytest.mark.parametrize("module", ["server.simulate", "server.broker_loop"])
+def test_async_flags_in_sync_mode_are_refused_in_one_line_naming_them(module, tmp_path):
+    extra = ["--local-devices", "2"] if module == "server.broker_loop" else []
+    done = run(module, "--buffer-size", "5", "--staleness-exponent", "0", "--out", str(tmp_path / "run"), *extra)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "--buffer-size --staleness-exponent are for --mode async and would be ignored in --mode sync" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--concurrency", "4"), ("--max-staleness", "3"), ("--server-lr", "2"),
+                                         ("--buffer-normalize", "samples")])
+def test_each_async_flag_is_refused_in_sync_mode(flag, value):
+    with pytest.raises(ValueError, match=f"^{flag} is for --mode async"):
+        check_args(parse(simulate.build_parser(), [flag, value]))
+
+
+def test_an_async_flag_at_its_default_value_is_still_seen_in_sync_mode():
+    with pytest.raises(ValueError, match="--buffer-size is for --mode async"):
+        check_args(parse(simulate.build_parser(), ["--buffer-size", "10"]))
+
+
+def async_args(*flags: str):
+    return parse(simulate.build_parser(), ["--mode", "async", *flags])
+
+
+def test_a_dp_buffer_larger_than_the_fleet_is_refused_since_it_would_never_fill():
+    args = async_args("--buffer-size", "5", "--aggregate", "updates", "--dp-noise-multiplier", "1")
+    with pytest.raises(ValueError, match="--buffer-size 5 with 3 devices and DP: a device counts once per buffer"):
+        check_async_fleet(args, 3)
+
+
+def test_a_buffer_larger_than_the_fleet_or_the_concurrency_is_warned_with_the_reason():
+    assert check_async_fleet(async_args("--buffer-size", "4", "--concurrency", "8"), 8) == []
+    fleet, slots = check_async_fleet(async_args("--buffer-size", "6", "--concurrency", "4"), 5)
+    assert fleet.startswith("--buffer-size 6 is more than the 5 devices")
+    assert slots.startswith("--buffer-size 6 is more than --concurrency 4") and "K ≤ C/2" in slots
+    assert check_async_fleet(async_args("--buffer-size", "6", "--concurrency", "8"), None) == []  # devices unknown
+
+
+@pytest.mark.slow
+def test_a_buffer_larger_than_the_fleet_is_warned_on_the_console_before_the_run(tmp_path):
+    done = run("server.simulate", "--mode", "async", "--clients", "2", "--buffer-size", "3", "--concurrency", "2",
+               "--dataset", "digits", "--max-samples", "300", "--rounds", "1", "--local-epochs", "1",
+               "--out", str(tmp_path / "run"))
+    assert done.returncode == 0 and "warning: --buffer-size 3 is more than the 2 devices" in done.stderr, done.stderr
