@@ -36,8 +36,8 @@ from device_runtime.broker_wait import BrokerUnreachableError, wait_for_broker
 from device_runtime.transport import MqttEndpoint, TransportError, rotate_brokers
 from server.mqtt import cgroups
 from server.broker_flags import build_parser, check_broker_args, local_budgets
-from server.cli import (PASSWORD_ENV, STATUS_HOST, check_args, check_async_fleet, check_before_loading, check_inputs,
-                        console_logging, fail, parse, run_folder, warn)
+from server.cli import (PASSWORD_ENV, STATUS_HOST, check_args, check_before_loading, check_inputs,
+                        console_logging, fail, parse, run_folder, say_before_run)
 
 LOG = logging.getLogger("fedara.server")
 POLL_S = 0.2
@@ -720,8 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         check_broker_args(args)
     except ValueError as exc:
         return fail(str(exc))
-    for warning in check_async_fleet(args, args.local_devices or None):
-        warn(warning)
+    say_before_run(args, args.local_devices or None)
     out.path.mkdir(parents=True, exist_ok=True)
     file_log = logging.FileHandler(out.path / SERVER_LOG)
     file_log.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))

@@ -27,7 +27,7 @@ from server.outputs.checkpoint import folder_taken
 from server.engine.run_config import (AGGREGATION_RULES, ALGORITHMS, DEFAULT_LAM_WARMUP, DEFAULT_MU, DEFAULT_TIERS,
                                       MODELS, FederationConfig, add_async_arguments, add_dp_arguments,
                                       add_norm_bound_arguments, async_flags_given, async_rule_from_args,
-                                      norm_bound_from_args)
+                                      dp_from_args, norm_bound_from_args)
 
 RUNS_DIR = "runs"
 DEFAULT_CACHE_DIR = "artifacts_cache"
@@ -289,6 +289,16 @@ def check_async_fleet(args: argparse.Namespace, devices: int | None) -> list[str
         warnings.append(f"--buffer-size {k} is more than --concurrency {c}: a version waits for devices that train "
                         f"twice on the same version (docs/async.md: K ≤ C/2, e.g. --buffer-size {max(1, c // 2)})")
     return warnings
+
+
+def say_before_run(args: argparse.Namespace, devices: int | None) -> None:
+    """What a user should know before a run starts (flags checked): the async buffer's warnings, and where a
+    private run's budget stops it (the accountant's answer, before any data loads)."""
+    for warning in check_async_fleet(args, devices):
+        warn(warning)
+    dp = dp_from_args(args, devices) if devices else None
+    if dp is not None:
+        print(dp.budget_plan(args.rounds, "version" if args.mode == "async" else "round"), flush=True)
 
 
 def run_folder(args: argparse.Namespace, driver: str) -> Path:

@@ -9,8 +9,8 @@ MQTT server's: metrics.jsonl, metrics.csv, checkpoint.npz (``--resume``), report
 from __future__ import annotations
 
 
-from server.cli import (check_async_fleet, check_before_loading, check_inputs, console_logging, fail, parse,
-                        run_folder, warn)
+from server.cli import (check_before_loading, check_inputs, console_logging, fail, parse,
+                        run_folder, say_before_run)
 from server.simulator_flags import build_parser, check_simulate_args
 
 if __name__ == "__main__":  # --help and a mistake in the flags answer before torch and the data load
@@ -39,8 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     out = RunFolder(run_folder(args, "simulate"))
     try:
         check_inputs(args)
-        for warning in check_async_fleet(args, args.clients):
-            warn(warning)
+        say_before_run(args, args.clients)
         if args.mode == "async":
             simulation = AsyncSimulation(args, out)
         else:

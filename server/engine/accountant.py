@@ -21,6 +21,8 @@ from dp_accounting.rdp import rdp_privacy_accountant
 PLD_DISCRETIZATION = 1e-4
 """The PLD accountant's value discretization per unit of ε (its default at ε = 1): the grid is scaled with the RDP
 bound so that its cost stays flat (a fixed grid took 68 s at z = 0.05); pessimistic rounding keeps ε an upper bound."""
+WEAK_DELTA = 1e-2
+"""A δ above this is named weak in the plan line (the default 1/N^1.1 is 0.299 for 3 devices)."""
 PLD_USEFUL_UP_TO = 64.0
 """Above this RDP ε no guarantee is meaningful: the (fast) RDP bound is reported instead of a slow PLD."""
 
@@ -69,6 +71,41 @@ def noise_multiplier_for(target_epsilon: float, rounds: int, join_ratio: float, 
         else:
             high = mid
     return high
+
+
+def rounds_within(target_epsilon: float, join_ratio: float, noise_multiplier: float, delta: float, kind: str,
+                  most: int) -> int:
+    """The most rounds, up to ``most``, whose ε stays within ``target_epsilon`` (ε grows with the rounds: a
+    bisection, about log2(most) accountant calls): the round after it is the one the budget stops the run before."""
+    def spent(rounds: int) -> float:
+        return epsilon(join_ratio, noise_multiplier, rounds, delta, kind)
+
+    if spent(most) <= target_epsilon:
+        return most
+    low, high = 0, most  # spent(low) <= target < spent(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if spent(mid) <= target_epsilon else (low, mid)
+    return low
+
+
+def budget_plan(join_ratio: float, noise_multiplier: float, delta: float, kind: str, target_epsilon: float | None,
+                rounds: int, unit: str = "round") -> str:
+    """The line a private run prints before it trains: where --dp-target-epsilon stops it, or the ε its --rounds
+    will spend. ``unit``: what --rounds counts ("round", or "version" in async mode)."""
+    at = f"δ = {delta:.3g}, {kind} accountant" + (": a δ this large is a weak guarantee (few devices)"
+                                                   if delta > WEAK_DELTA else "")
+    if target_epsilon is None:
+        return (f"privacy: {rounds} {unit}(s) will spend ε = {epsilon(join_ratio, noise_multiplier, rounds, delta, kind):.4g} "
+                f"({at}); no --dp-target-epsilon stops the run")
+    fits = rounds_within(target_epsilon, join_ratio, noise_multiplier, delta, kind, rounds)
+    spent = epsilon(join_ratio, noise_multiplier, fits, delta, kind)
+    if fits == rounds:
+        return (f"privacy: all {rounds} {unit}(s) fit --dp-target-epsilon {target_epsilon:g}: they spend ε = "
+                f"{spent:.4g} ({at})")
+    after = epsilon(join_ratio, noise_multiplier, fits + 1, delta, kind)
+    return (f"privacy: --dp-target-epsilon {target_epsilon:g} stops the run after {unit} {fits} of {rounds} "
+            f"(ε = {spent:.4g}; {unit} {fits + 1} would spend {after:.4g}; {at})")
 
 
 class Accountant:

@@ -27,9 +27,9 @@ from device_runtime.task import Task, Update, tensor_bytes
 from device_runtime.topics import check_topic_device
 from device_runtime.protocol import ProtocolError
 from server.engine.coordinator import Evaluation, Verdict, evaluation_of
-from server.engine.privacy import BufferDp
+from server.engine.privacy import BufferDp, finite
 from server.engine.fedbuff import TOO_STALE, FedBuff, InFlight, Judged, update_delta
-from server.engine.run_config import BufferRule
+from server.engine.run_config import BufferRule, RunError
 from server.engine.round_engine import RoundEngine
 from server.engine.round_record import RoundBook, TrainingRecord, tier_label
 from server.engine.sampling import batch_seed, factorize_per_plan, plan_key, to_torch
@@ -296,6 +296,9 @@ class AsyncEngine(RoundEngine):
     def _new_version(self, now: float) -> None:
         """Apply the full buffer; the previous version's record is completed, this one's waits for its evaluations."""
         members = self.buff.flush(None if self.dp is None else self.dp.release())
+        if not finite(self.buff.current):  # never sent, evaluated or checkpointed
+            raise RunError(f"version {self.version}: the new model is not finite, so it is not released; "
+                           f"{self.divergence_cause()}")
         self.global_state = self.buff.current
         self._sent = {k: v for k, v in self._sent.items() if k[0] in self.buff.versions}
         if self._version_record is not None:

@@ -164,6 +164,21 @@ class Privacy:
         self.clip = float(state["clip"])
 
 
+def noise_cause(settings: DpSettings, clip: float) -> str:
+    """What the DP noise does to the model each round, named for a user whose run it wrecked: its std per
+    coordinate z·C/E against the clip C that bounds a whole update, and what to change."""
+    std = settings.update_noise_multiplier * clip / settings.expected
+    return (f"the DP noise added to the model each round has std z·C/E = {settings.update_noise_multiplier:g}·{clip:g}/"
+            f"{settings.expected:g} = {std:.3g} per coordinate, against updates clipped to norm C = {clip:g} in all: it "
+            "swamps them; use more devices per round (E: --join-ratio, more devices), a smaller --dp-noise-multiplier "
+            "(ε grows) or a smaller --dp-clip")
+
+
+def finite(state: dict[str, torch.Tensor]) -> bool:
+    """Whether every number of a model is finite."""
+    return all(bool(torch.isfinite(t).all()) for t in state.values())
+
+
 class DpFedAvg:
     """The round engine's one handle on DP: who a round samples, each accepted update clipped into the round's sum,
     the noised release that becomes the next global model, and the budget it spends (one round charged when it

@@ -40,13 +40,13 @@ from fedcore.lowrank import ResolvedPlan
 from server.engine.coordinator import NO_ANSWER, NON_FINITE, Coordinator, DeviceRecord, RoundOpen, RoundResult, Verdict
 from server.engine.plan_payloads import PlanPayloads
 from server.engine.presence import Presence
-from server.engine.privacy import DpFedAvg
+from server.engine.privacy import DpFedAvg, finite, noise_cause
 from server.engine.rank_assignment import choose_ratio
 from server.engine.remote_folding import RemoteFolding
 from server.engine.evaluation import EVAL_DIRECTION
 from server.engine.robust import bound_update, rejection_reason
 from server.engine.round_record import RoundBook, TrainingRecord, tier_label
-from server.engine.run_config import DpSettings, FederationConfig, NormBound
+from server.engine.run_config import DpSettings, FederationConfig, NormBound, RunError
 from server.engine.sampling import as_torch, batch_seed, factorize_per_plan, plan_key, to_numpy, to_torch
 from server.engine.update_rule import Answer, Asked
 
@@ -582,6 +582,7 @@ class RoundEngine:
                 if device_id in self._lost:
                     self.demote(device_id, f"went offline during round {result.round} and missed it")
         self._lost = {}
+        self._stop_if_diverged(result)
         training = bool(result.train) or self._private_round  # a Poisson sample may be empty: DP still releases
         if not training and self._pending is not None:  # the evaluation after the last round: its downloads
             self._pending.add_evaluation_bytes(self._book)  # belong to the last round's record
@@ -590,6 +591,21 @@ class RoundEngine:
             self._pending = self._training_record(result, now, wire, sim_time)
         self._book = RoundBook(now)
         return result, completed
+
+    def divergence_cause(self) -> str:
+        """Why devices' training may diverge on this run's model: the DP noise where there is some, else the step."""
+        if self.dp is not None:
+            return noise_cause(self.dp.settings, self.dp.mechanism.clip)
+        return f"lower --lr (now {self.config.lr:g})"
+
+    def _stop_if_diverged(self, result: RoundResult) -> None:
+        """Every training device of the round went non-finite on the model it was sent: that model trains nothing,
+        so the run stops, naming why, instead of releasing round after round of it (the checkpoint keeps the rounds
+        before)."""
+        trained = [result.dropped.get(d, "") for d in result.train]
+        if trained and not result.accepted and all(why.startswith(NON_FINITE) for why in trained):
+            raise RunError(f"round {result.round}: every training device's round went non-finite on the model of "
+                           f"round {result.round - 1} ({trained[0]}); {self.divergence_cause()}")
 
     def _aggregate(self) -> dict[str, torch.Tensor]:
         """The new global model from the round's accepted updates: the algorithm's aggregate_fit over their
@@ -609,7 +625,11 @@ class RoundEngine:
                          sim_time: float | None = None) -> TrainingRecord:
         folding = self._average is not None or self.dp is not None
         if result.enough and folding:
-            self.global_state = self._aggregate()
+            model = self._aggregate()
+            if not finite(model):  # never published, evaluated or checkpointed
+                raise RunError(f"round {result.round}: the new global model is not finite, so it is not released; "
+                               f"{self.divergence_cause()}")
+            self.global_state = model
         elif folding:
             LOG.warning("round %d: %d of %d updates, below --min-completion %g: the global model is kept",
                         result.round, len(result.accepted), len(result.train), self.coordinator.config.min_completion)

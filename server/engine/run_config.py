@@ -155,6 +155,23 @@ class DpSettings:
                              f"expected participants), which alone costs multiplier {2 * self.count_stddev:.3g}; "
                              "use a smaller multiplier, more devices per round, or a fixed --dp-clip")
 
+    def check_budget_fits(self) -> None:
+        """Raise ValueError when --dp-target-epsilon is below what one round spends (no round would train)."""
+        if self.target_epsilon is None:
+            return
+        from server.engine.accountant import epsilon  # dp-accounting loads only for a private run
+        first = epsilon(self.join_ratio, self.noise_multiplier, 1, self.run_delta, self.accountant)
+        if first > self.target_epsilon:
+            raise ValueError(f"--dp-target-epsilon {self.target_epsilon:g} fits no round: one round already spends "
+                             f"ε = {first:.4g} (--dp-noise-multiplier {self.noise_multiplier:g}, rate "
+                             f"{self.join_ratio:g}, δ = {self.run_delta:.3g}); raise the target or the noise multiplier")
+
+    def budget_plan(self, rounds: int, unit: str = "round") -> str:
+        """The line a private run prints before it trains (``accountant.budget_plan``)."""
+        from server.engine.accountant import budget_plan
+        return budget_plan(self.join_ratio, self.noise_multiplier, self.run_delta, self.accountant,
+                           self.target_epsilon, rounds, unit)
+
     @property
     def expected(self) -> float:
         """E = q·N, the fixed denominator of the mean update."""
@@ -223,15 +240,24 @@ def dp_from_args(args: argparse.Namespace, population: int) -> DpSettings | None
                          "choose fedara, fedavg or fedrep")
     if args.update_norm_bound is not None:
         raise ValueError("--dp-noise-multiplier clips every update already: leave --update-norm-bound out")
+    if args.dp_delta is not None and args.dp_delta * population >= 1:
+        raise ValueError(f"--dp-delta {args.dp_delta:g} is not below 1/N = {1 / population:.3g} for N = {population} "
+                         "devices: a δ that large allows publishing one device's data outright; leave --dp-delta out "
+                         f"(1/N^1.1 = {population ** -1.1:.3g}) or give a smaller one")
     if getattr(args, "mode", "sync") == "async":  # a flush: ≤ K clipped changes over K, unsampled (privacy.BufferDp)
         if args.dp_clip_quantile is not None:
             raise ValueError(f"--dp-clip-quantile {args.dp_clip_quantile:g} with --mode async: the adaptive clip learns "
                              "from a sampled round's count; use a fixed --dp-clip")
         delta = args.dp_delta if args.dp_delta is not None else population ** -1.1
-        return DpSettings(args.dp_noise_multiplier, 1.0, async_rule_from_args(args).buffer_size, args.dp_clip, args.dp_clip_quantile,
-                          args.dp_clip_lr, delta, args.dp_target_epsilon, args.dp_accountant, args.dp_test_seed)
-    return DpSettings(args.dp_noise_multiplier, args.join_ratio, population, args.dp_clip, args.dp_clip_quantile,
-                      args.dp_clip_lr, args.dp_delta, args.dp_target_epsilon, args.dp_accountant, args.dp_test_seed)
+        settings = DpSettings(args.dp_noise_multiplier, 1.0, async_rule_from_args(args).buffer_size, args.dp_clip,
+                              args.dp_clip_quantile, args.dp_clip_lr, delta, args.dp_target_epsilon,
+                              args.dp_accountant, args.dp_test_seed)
+    else:
+        settings = DpSettings(args.dp_noise_multiplier, args.join_ratio, population, args.dp_clip,
+                              args.dp_clip_quantile, args.dp_clip_lr, args.dp_delta, args.dp_target_epsilon,
+                              args.dp_accountant, args.dp_test_seed)
+    settings.check_budget_fits()
+    return settings
 MODES = ("sync", "async")
 """sync: rounds that wait for their devices; async: buffered asynchronous aggregation (server/engine/fedbuff.py)."""
 NORMALIZATIONS = ("samples", "staleness")

@@ -268,6 +268,17 @@ def device_section(records: Sequence[Mapping[str, Any]]) -> list[str]:
     return [*lines, "", f"![accuracy per device and tier]({DEVICE_PLOT})", ""]
 
 
+def budget_stop(records: Sequence[Mapping[str, Any]], settings: Mapping[str, Any]) -> str | None:
+    """"stopped by the privacy budget at ε …" where --dp-target-epsilon ended the run before its --rounds (the
+    only way a finished private run has fewer rows than rounds), else None."""
+    target, rounds = settings.get("dp_target_epsilon"), settings.get("rounds")
+    if target is None or rounds is None or not records or records[-1]["round"] >= rounds:
+        return None
+    last, unit = records[-1], "version" if settings.get("async") else "round"
+    return (f"stopped by the privacy budget at ε = {last['epsilon']:.4g} after {unit} {last['round']} of {rounds}: "
+            f"the next would have spent more than --dp-target-epsilon {target:g}")
+
+
 def report_markdown(records: Sequence[Mapping[str, Any]], settings: Mapping[str, Any]) -> str:
     """report.md's text: settings, summary, per-round table, per-tier and per-device accuracy, the
     evaluation note, the plots."""
@@ -291,6 +302,9 @@ def report_markdown(records: Sequence[Mapping[str, Any]], settings: Mapping[str,
         lines += [f"- privacy: user-level ε = {records[-1]['epsilon']:.4g} spent after round {records[-1]['round']} at "
                   f"δ = {settings.get('dp_delta') or 'the default 1/N^1.1'} (an upper bound: docs/privacy.md); the "
                   "devices' personal heads and the reported accuracies are outside the guarantee"]
+        stop = budget_stop(records, settings)
+        if stop:
+            lines.append(f"- {stop}")
     lines += ["",
               "## Rounds", "",
               "| round | accuracy | ± std | train loss | participants | dropped | down MB | up MB | artifacts MB "

@@ -86,8 +86,26 @@ def test_the_run_stops_before_the_round_that_would_exceed_the_budget(tmp_path, c
     records = run(tmp_path / "run", "--rounds", "5", "--dp-target-epsilon", f"{target:.6f}")
     assert [r["round"] for r in records] == [1, 2]
     assert records[-1]["epsilon"] <= target
-    assert "privacy budget: round 3 would spend" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"privacy: --dp-target-epsilon {float(f'{target:.6f}'):g} stops the run after round 2 of 5" in out
+    assert out.index("privacy: --dp-target-epsilon") < out.index(f"round 1/5")  # said before training
+    assert "privacy budget: round 3 would spend" in out
     assert load_checkpoint(tmp_path / "run" / CHECKPOINT_NAME).state["finished"]
+    assert f"stopped by the privacy budget at ε = {records[-1]['epsilon']:.4g} after round 2 of 5" in \
+        (tmp_path / "run" / REPORT_FILE).read_text()
+
+
+@pytest.mark.slow
+def test_a_run_whose_noise_swamps_the_updates_stops_naming_the_noise_instead_of_going_on(tmp_path, capsys):
+    """digits, 3 devices, z = 1, C = 1: noise of std 1/3 per coordinate; the devices' training goes NaN on round 1's
+    model, and the run stops at round 2 (exit 2) without releasing more."""
+    flags = ["--dataset", "digits", "--clients", "3", "--rounds", "4", "--local-epochs", "1", "--aggregate", "updates",
+             "--dp-noise-multiplier", "1", "--dp-clip", "1", "--out", str(tmp_path / "run")]
+    assert main(flags) == 2
+    err = capsys.readouterr().err
+    assert "round 2: every training device's round went non-finite on the model of round 1" in err
+    assert "std z·C/E = 1·1/3 = 0.333 per coordinate" in err
+    assert load_checkpoint(tmp_path / "run" / CHECKPOINT_NAME).round == 1
 
 
 def test_a_resumed_run_continues_the_accounting(tmp_path):
@@ -116,8 +134,13 @@ def test_an_async_run_stops_before_the_version_that_would_exceed_the_budget(tmp_
     target = (versions_eps(2) + versions_eps(3)) / 2
     records = run(tmp_path / "run", *ASYNC, "--rounds", "5", "--dp-target-epsilon", f"{target:.6f}")
     assert [r["round"] for r in records] == [1, 2] and records[-1]["epsilon"] <= target
-    assert "privacy budget: round 3 would spend" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"privacy: --dp-target-epsilon {float(f'{target:.6f}'):g} stops the run after version 2 of 5" in out
+    assert out.index("privacy: --dp-target-epsilon") < out.index(f"version 1/5")  # said before training
+    assert "privacy budget: round 3 would spend" in out
     assert load_checkpoint(tmp_path / "run" / CHECKPOINT_NAME).state["finished"]
+    assert f"stopped by the privacy budget at ε = {records[-1]['epsilon']:.4g} after version 2 of 5" in \
+        (tmp_path / "run" / REPORT_FILE).read_text()
 
 
 @pytest.mark.slow  # three async runs

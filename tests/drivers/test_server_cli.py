@@ -157,3 +157,17 @@ def test_a_buffer_larger_than_the_fleet_is_warned_on_the_console_before_the_run(
                "--dataset", "digits", "--max-samples", "300", "--rounds", "1", "--local-epochs", "1",
                "--out", str(tmp_path / "run"))
     assert done.returncode == 0 and "warning: --buffer-size 3 is more than the 2 devices" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("module", ["server.simulate", "server.broker_loop"])
+@pytest.mark.parametrize("flags, named", [
+    (["--dp-target-epsilon", "0.001"], "--dp-target-epsilon 0.001 fits no round: one round already spends ε = "),
+    (["--dp-delta", "0.34"], "--dp-delta 0.34 is not below 1/N = 0.333 for N = 3 devices"),
+])
+def test_a_privacy_budget_that_cannot_work_is_refused_in_one_line_before_the_data_loads(module, flags, named,
+                                                                                         tmp_path):
+    devices = ["--local-devices", "3"] if module == "server.broker_loop" else ["--clients", "3"]
+    done = run(module, *devices, "--aggregate", "updates", "--dp-noise-multiplier", "1", *flags,
+               "--out", str(tmp_path / "run"))
+    assert done.returncode == 2 and done.stderr.count(named) == 1, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import special, stats
 
-from server.engine.accountant import Accountant, epsilon, noise_multiplier_for
+from server.engine.accountant import Accountant, budget_plan, epsilon, noise_multiplier_for, rounds_within
 
 DESIGN = dict(join_ratio=0.2, noise_multiplier=1.0, rounds=20, delta=1e-5)
 """DESIGN.md's reference point: RDP ε = 7.52, PLD ε = 6.62."""
@@ -113,3 +113,18 @@ def test_a_restored_accountant_keeps_the_spent_budget():
 def test_the_calibrated_noise_multiplier_is_the_smallest_within_the_target():
     z = noise_multiplier_for(2.0, 50, 0.05, 1e-5, "rdp")
     assert epsilon(0.05, z, 50, 1e-5, "rdp") <= 2.0 < epsilon(0.05, z * 0.99, 50, 1e-5, "rdp")
+
+
+def test_the_rounds_within_a_target_are_those_whose_epsilon_fits_and_no_more():
+    q, z, delta = 0.2, 1.0, 1e-5
+    fits = rounds_within(4.0, q, z, delta, "rdp", 100)
+    assert 0 < fits < 100
+    assert epsilon(q, z, fits, delta, "rdp") <= 4.0 < epsilon(q, z, fits + 1, delta, "rdp")
+    assert rounds_within(1e6, q, z, delta, "rdp", 30) == 30 and rounds_within(1e-6, q, z, delta, "rdp", 30) == 0
+
+
+def test_the_plan_names_the_round_the_target_stops_the_run_before():
+    line = budget_plan(0.2, 1.0, 1e-5, "rdp", 4.0, 100)
+    fits = rounds_within(4.0, 0.2, 1.0, 1e-5, "rdp", 100)
+    assert line.startswith(f"privacy: --dp-target-epsilon 4 stops the run after round {fits} of 100")
+    assert "all 3 version(s) fit" in budget_plan(0.2, 1.0, 1e-5, "rdp", 4.0, 3, "version")

@@ -9,6 +9,7 @@ import torch
 from device_runtime.messages import update_message
 from device_runtime.task import Phase, Update
 from server.engine.round_engine import MAX_PLAN_RESENDS
+from server.engine.run_config import DpSettings, RunError
 from tests.support.engine import RUN, answer, join, make_engine
 
 
@@ -229,6 +230,33 @@ def test_a_device_that_declines_its_round_as_non_finite_is_counted_and_nothing_o
     assert result.dropped == {"dev_001": "non-finite: train_loss is nan"}
     assert declined.pending["dropped"] == {"dev_001": "non-finite: train_loss is nan"}
     assert all(torch.equal(declined.global_state[k], v) for k, v in silent.global_state.items())
+
+
+def test_a_round_whose_every_trainer_went_non_finite_stops_the_run_naming_the_cause():
+    engine = make_engine("fedavg")
+    for device_id in ("dev_000", "dev_001"):
+        join(engine, device_id)
+    engine.open_round(1, 0.0)
+    for device_id in ("dev_000", "dev_001"):
+        engine.decline(device_id, 1, "train_loss is nan")
+    before = {k: v.clone() for k, v in engine.global_state.items()}
+    with pytest.raises(RunError, match=r"round 1: every training device's round went non-finite .*lower --lr"):
+        engine.close_round(1.0)
+    assert all(torch.equal(before[k], v) for k, v in engine.global_state.items()) and engine.records == []
+
+
+def test_a_non_finite_aggregate_is_never_released():
+    """DP noise of std z·C/E = 1e39 overflows float32: the model it would make is not released, and the error names
+    the noise against the clip."""
+    engine = make_engine("fedavg", privacy=DpSettings(1e39, 1.0, 1, clip=1.0, test_seed=0))
+    join(engine, "dev_000")
+    tasks = engine.open_round(1, 0.0)
+    assert answer(engine, "dev_000", tasks["dev_000"], scale=1.01).accepted
+    before = {k: v.clone() for k, v in engine.global_state.items()}
+    with pytest.raises(RunError, match=r"round 1: the new global model is not finite, so it is not released; the DP "
+                                       r"noise added to the model each round has std z·C/E = 1e\+39"):
+        engine.close_round(1.0)
+    assert all(torch.equal(before[k], v) for k, v in engine.global_state.items())
 
 
 def test_the_new_model_is_bit_identical_whatever_order_the_updates_arrive_in():

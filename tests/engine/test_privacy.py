@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.engine.privacy import ClippedSum, Privacy, l2_norm, noise_generator, poisson_sample
+from server.engine.privacy import ClippedSum, Privacy, l2_norm, noise_cause, noise_generator, poisson_sample
 from server.engine.run_config import DpSettings
 
 SHAPES = {"fe.a.weight": (8, 4), "fe.a.bias": (8,)}
@@ -117,3 +117,15 @@ def test_resume_keeps_the_adaptive_clip():
     second = Privacy.of(s, SHAPES)
     second.restore(first.to_state())
     assert second.clip == first.clip != s.clip
+
+
+def test_a_target_no_round_fits_is_refused_naming_what_one_round_spends():
+    with pytest.raises(ValueError, match=r"--dp-target-epsilon 0.001 fits no round: one round already spends ε = "):
+        settings(target_epsilon=0.001).check_budget_fits()
+    settings(target_epsilon=100.0).check_budget_fits()
+
+
+def test_the_noise_cause_names_its_std_per_coordinate_against_the_clip():
+    cause = noise_cause(DpSettings(1.0, 1.0, 3, clip=1.0), 1.0)
+    assert "std z·C/E = 1·1/3 = 0.333 per coordinate, against updates clipped to norm C = 1" in cause
+    assert "--dp-noise-multiplier" in cause

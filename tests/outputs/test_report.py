@@ -9,7 +9,7 @@ from server.engine.coordinator import Evaluation
 from server.engine.evaluation import evaluation_summary
 from matplotlib.colors import to_hex
 
-from server.outputs.report import (ACCURACY_PLOT, BYTES_PLOT, DEVICE_PLOT, EVALUATION_NOTE, METRICS_CSV, accuracy_figure,
+from server.outputs.report import (ACCURACY_PLOT, budget_stop, BYTES_PLOT, DEVICE_PLOT, EVALUATION_NOTE, METRICS_CSV, accuracy_figure,
                            bytes_figure, device_accuracies, device_accuracy_figure, read_metrics, tier_accuracy,
                            tiers_of, training_mb_by_tier, write_metrics, write_metrics_csv, write_report)
 from server.outputs.tier_colors import tier_colors
@@ -168,3 +168,12 @@ def test_metrics_csv_holds_one_row_per_round_of_the_scalar_fields(tmp_path):
     assert rows[1]["aggregated"] == "" and float(rows[0]["bytes_down"]) == 1_000_000
     assert "bytes_by_tier" not in rows[0] and "dropped" not in rows[0]
     assert next(iter(rows[0])) == "round"
+
+
+def test_a_run_the_privacy_budget_ended_says_so_and_one_that_ran_its_rounds_does_not():
+    records = [record(1, epsilon=2.5), record(2, epsilon=3.9)]
+    stop = budget_stop(records, {"rounds": 10, "dp_target_epsilon": 4.0})
+    assert stop == ("stopped by the privacy budget at ε = 3.9 after round 2 of 10: the next would have spent more "
+                    "than --dp-target-epsilon 4")
+    assert budget_stop(records, {"rounds": 2, "dp_target_epsilon": 4.0}) is None
+    assert budget_stop(records, {"rounds": 10, "dp_target_epsilon": None}) is None
