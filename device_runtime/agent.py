@@ -271,7 +271,7 @@ class DeviceAgent:
         if not task.evaluate_only:
             self.workdir.drop_heads_before(plan_hash, task.round)
             self.workdir.drop_previous_run()
-        self._save_model(plan_hash, task.round - 1, {**kept, **task.weights}, update.metrics)
+        self._save_model(plan_hash, task, {**kept, **task.weights}, update.metrics)
         self.endpoint.publish(self.topics.update_via(task.aggregator), payload, new_msg_id(MessageType.UPDATE))
 
     # -- the plan's payload (device_runtime/payload.py) ---------------------------------------------------------
@@ -339,15 +339,18 @@ class DeviceAgent:
                 kept |= read()
         return kept
 
-    def _save_model(self, plan_hash: str, round_index: int, weights: dict, metrics: dict) -> None:
+    def _save_model(self, plan_hash: str, task: Task, weights: dict, metrics: dict) -> None:
         """Write the model a task evaluated (``WORKDIR/model``), named for the round it was aggregated after (a task
-        of round t evaluates round t - 1's model); a failure is logged and costs only the file."""
+        of round t evaluates round t - 1's model) or, in async mode, its version (``Task.model_name``); a failure
+        is logged and costs only the file."""
         ratio, description = self.plan_tier or (None, "")
+        round_index = task.round - 1 if task.version is None else task.version
         try:
             eval_graph = self.trainer.directory / artifact_files(self.trainer.manifest)["eval_model"]
             written = self.models.write(eval_graph, weights, input_shape=self.trainer.input_shape,
                                         num_classes=self.trainer.num_classes, run_id=self.state.run_id,
-                                        round_index=round_index, rank_tier=ratio, plan_hash=plan_hash,
+                                        round_index=round_index, name=task.model_name, rank_tier=ratio,
+                                        plan_hash=plan_hash,
                                         plan_description=description, correct=metrics["eval_correct"],
                                         total=metrics["eval_total"], majority=metrics["eval_majority"],
                                         classes=metrics["eval_classes"])

@@ -229,6 +229,8 @@ def task_message(task: Task, *, plan_hash: str, device_id: str, run_id: str, pay
             "phases": [[p.params, p.epochs] for p in task.phases], "returns": task.returns,
             "batch_size": task.batch_size, "seed": task.seed, "deadline": task.deadline,
             "aggregator": task.aggregator, "payload": None if payload is None else payload.to_meta()}
+    if task.version is not None:  # async mode only: a sync task's message is as it was
+        meta["version"] = task.version
     return Message(MessageType.TASK, run_id, task.round, device_id, new_msg_id(MessageType.TASK), meta,
                    tensors={} if payload is not None else dict(task.weights))
 
@@ -265,6 +267,7 @@ def parse_task(msg: Message) -> tuple[str, Task]:
     kind = MessageType.TASK
     meta = _expect(msg, kind)
     deadline = _field(meta, "deadline", kind)
+    version = meta.get("version")
     returns = _field(meta, "returns", kind)
     if returns not in RETURNS:
         raise MessageError(f"task field 'returns' must be one of {list(RETURNS)}, got {returns!r:.40}")
@@ -275,7 +278,8 @@ def parse_task(msg: Message) -> tuple[str, Task]:
                 batch_size=_int(_field(meta, "batch_size", kind), "batch_size", 1, 1 << 20),
                 seed=_int(_field(meta, "seed", kind), "seed", 0),
                 deadline=None if deadline is None else _number(deadline, "deadline"),
-                aggregator=_aggregator(meta.get("aggregator")))
+                aggregator=_aggregator(meta.get("aggregator")),
+                version=None if version is None else _int(version, "version", 0, MAX_ROUND))
     return check_hash(_field(meta, "plan_hash", kind)), task
 
 

@@ -3,7 +3,9 @@
 After every round it answers, the agent writes the model it evaluated that round (the global FE it received, at
 its rank, and its own head) as one history directory and points ``WORKDIR/model`` at it. A task of round t
 evaluates the model aggregated after round t - 1 (evaluation rides on the next round's task), so that model is
-named round t - 1: the round whose accuracy the server prints and reports for it (round 0: the initial model):
+named round t - 1: the round whose accuracy the server prints and reports for it (round 0: the initial model). In
+``--mode async`` a task carries the version of its weights, and the model is named ``<seq>-version<v>`` instead
+(task numbers are not versions):
 
     model -> models/<seq>-round<round>    a relative symbolic link, replaced atomically (the current model)
     models/<seq>-round<round>/model.onnx  self-contained inference graph: input ``input`` (batch × C × H × W
@@ -54,7 +56,7 @@ PREDICT_BATCH = 64  # the device's evaluation batch (trainer.EVAL_BATCH): the sa
 LOAD_ATTEMPTS = 3  # a history directory can be pruned between resolving the link and reading it: resolve again
 NORMALIZATION = ("as the x arrays of this device's shard: per-channel (pixel/max - mean) / std with the dataset's "
                  "statistics, as python -m server.shards writes them")
-_HISTORY = re.compile(r"(\d+)-round(\d+)")
+_HISTORY = re.compile(r"(\d+)-(?:round|version)(\d+)")
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
 
@@ -112,8 +114,9 @@ class ModelStore:
         """The history directory ``model`` points at, if any."""
         return Path(os.path.realpath(self.link)) if self.link.is_symlink() else None
 
-    def write(self, eval_graph: Path, weights: dict[str, np.ndarray], **info) -> Path:
-        """Bake, write and publish one model (``info``: :func:`model_info`'s keywords but the sha and seq); the
+    def write(self, eval_graph: Path, weights: dict[str, np.ndarray], name: str | None = None, **info) -> Path:
+        """Bake, write and publish one model (``info``: :func:`model_info`'s keywords but the sha and seq) as
+        ``<seq>-<name>`` (``name``: ``round<round_index>`` unless given, e.g. ``version<v>`` in async mode); the
         history directory it wrote. Raises OSError or GraphEditError, leaving the current model as it was."""
         if self.link.exists() and not self.link.is_symlink():
             raise FileExistsError(f"{self.link} is not the link this device keeps there (a copy put in its place?): "
@@ -121,7 +124,7 @@ class ModelStore:
         graph = inference_graph(eval_graph.read_bytes(), weights)
         entries = self._entries()
         seq = entries[-1][0] + 1 if entries else 1
-        name = f"{seq:06d}-round{info['round_index']}"
+        name = f"{seq:06d}-{name or 'round' + str(info['round_index'])}"
         self.history.mkdir(parents=True, exist_ok=True)
         tmp = self.history / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()

@@ -49,6 +49,13 @@ class Task:
     returns: str = "fe"
     deadline: float | None = None
     aggregator: str | None = None
+    version: int | None = None  # async mode: the model version ``weights`` are; None: round ``round - 1``'s model
+
+    @property
+    def model_name(self) -> str:
+        """What the model this task evaluates is named after: ``version<v>`` in async mode (task numbers are not
+        versions), else ``round<t - 1>`` (a task of round t evaluates round t - 1's model)."""
+        return f"round{self.round - 1}" if self.version is None else f"version{self.version}"
 
     @property
     def evaluate_only(self) -> bool:

@@ -176,7 +176,7 @@ class AsyncEngine(RoundEngine):
             self._book.count(tier_label(plan.ratio), "down", nbytes)
         return Task(round=flight.task, weights=weights, lam=fit.lam, mu=fit.mu, lr=config.lr, phases=fit.phases,
                     batch_size=config.batch_size, seed=batch_seed(config.seed, flight.task, device_id),
-                    returns=fit.returns)
+                    returns=fit.returns, version=flight.base)
 
     def evaluation_tasks(self, device_ids: list[str]) -> dict[str, Task]:
         """Evaluation-only tasks of the current version for ``device_ids`` (ready ones, by id): what completes the
@@ -191,7 +191,7 @@ class AsyncEngine(RoundEngine):
             self._book.bytes_down_eval += nbytes
             self._book.count(tier_label(self.plan_info(device_id).ratio), EVAL_DIRECTION, nbytes)
             tasks[device_id] = Task(round=number, weights=weights, lam=0.0, mu=0.0, lr=self.config.lr, phases=(),
-                                    batch_size=self.config.batch_size, seed=0, returns="none")
+                                    batch_size=self.config.batch_size, seed=0, returns="none", version=self.version)
         return tasks
 
     # -- updates --------------------------------------------------------------------------------

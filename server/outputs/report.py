@@ -99,10 +99,14 @@ def _accuracy_axes(title: str, xlabel: str) -> tuple[Figure, Any]:
     return figure, ax
 
 
-def accuracy_figure(records: Sequence[Mapping[str, Any]]) -> Figure:
-    """Accuracy against the round, with its std over devices as a band; both named in the legend."""
+def accuracy_figure(records: Sequence[Mapping[str, Any]], unit: str = "round") -> Figure:
+    """Accuracy against the round (version), with its std over devices as a band; both named in the legend. The
+    title says over which devices: all of them where every point had the same count, else those that evaluated
+    each point (the report's "evaluated by" column)."""
     points = [(r["round"], r["accuracy"], r["accuracy_std"] or 0.0) for r in records if r.get("accuracy") is not None]
-    figure, ax = _accuracy_axes("Personalized accuracy after each round (all devices)", "round")
+    counts = {r.get("evaluated") for r in records if r.get("accuracy") is not None}
+    over = f"{counts.pop()} devices each" if len(counts) == 1 else "the devices that evaluated each; see the report"
+    figure, ax = _accuracy_axes(f"Personalized accuracy after each {unit} ({over})", unit)
     if points:
         rounds, acc, std = zip(*points)
         ax.plot(rounds, acc, marker="o", label="accuracy: Σ correct / Σ test samples")
@@ -112,9 +116,9 @@ def accuracy_figure(records: Sequence[Mapping[str, Any]]) -> Figure:
     return figure
 
 
-def plot_accuracy(records: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
+def plot_accuracy(records: Sequence[Mapping[str, Any]], path: str | os.PathLike, unit: str = "round") -> None:
     """Save ``accuracy_figure`` as a PNG."""
-    _save(accuracy_figure(records), Path(path))
+    _save(accuracy_figure(records, unit), Path(path))
 
 
 def private(records: Sequence[Mapping[str, Any]]) -> bool:
@@ -268,13 +272,25 @@ def device_section(records: Sequence[Mapping[str, Any]]) -> list[str]:
     return [*lines, "", f"![accuracy per device and tier]({DEVICE_PLOT})", ""]
 
 
+def unit_of(settings: Mapping[str, Any]) -> str:
+    """What a run's rows count: versions in --mode async, else rounds."""
+    return "version" if settings.get("async") else "round"
+
+
+def fully_evaluated(evaluated: Sequence[Mapping[str, Any]]) -> tuple[int, list[Mapping[str, Any]]]:
+    """(n, the evaluated rows measured on n devices), n the most devices any row was evaluated by: the rows whose
+    accuracy compares (an async version evaluated by one idle device can read 1.0)."""
+    full = max(r.get("evaluated", 0) for r in evaluated)
+    return full, [r for r in evaluated if r.get("evaluated", 0) == full]
+
+
 def budget_stop(records: Sequence[Mapping[str, Any]], settings: Mapping[str, Any]) -> str | None:
     """"stopped by the privacy budget at ε …" where --dp-target-epsilon ended the run before its --rounds (the
     only way a finished private run has fewer rows than rounds), else None."""
     target, rounds = settings.get("dp_target_epsilon"), settings.get("rounds")
     if target is None or rounds is None or not records or records[-1]["round"] >= rounds:
         return None
-    last, unit = records[-1], "version" if settings.get("async") else "round"
+    last, unit = records[-1], unit_of(settings)
     return (f"stopped by the privacy budget at ε = {last['epsilon']:.4g} after {unit} {last['round']} of {rounds}: "
             f"the next would have spent more than --dp-target-epsilon {target:g}")
 
@@ -283,15 +299,20 @@ def report_markdown(records: Sequence[Mapping[str, Any]], settings: Mapping[str,
     """report.md's text: settings, summary, per-round table, per-tier and per-device accuracy, the
     evaluation note, the plots."""
     evaluated = [r for r in records if r.get("accuracy") is not None]
+    unit = unit_of(settings)
     lines = ["# FedARA federation report", "", "## Settings", "", "| setting | value |", "| --- | --- |"]
     lines += [f"| {key} | {value} |" for key, value in settings.items()]
     lines += ["", "## Summary", ""]
     if evaluated:
-        best = max(evaluated, key=lambda r: r["accuracy"])
-        lines += [f"- final accuracy: {evaluated[-1]['accuracy']:.4f} (round {evaluated[-1]['round']})",
-                  f"- best accuracy: {best['accuracy']:.4f} (round {best['round']})"]
+        full, among = fully_evaluated(evaluated)
+        best = max(among, key=lambda r: r["accuracy"])
+        lines += [f"- final accuracy: {evaluated[-1]['accuracy']:.4f} ({unit} {evaluated[-1]['round']}, evaluated by "
+                  f"{evaluated[-1].get('evaluated', '–')} devices)",
+                  f"- best accuracy: {best['accuracy']:.4f} ({unit} {best['round']}), over the {len(among)} "
+                  f"{unit}(s) of {len(evaluated)} evaluated by {full} devices, the most any was: an accuracy "
+                  "measured on fewer devices is not comparable"]
     else:
-        lines.append("- no round was evaluated")
+        lines.append(f"- no {unit} was evaluated")
     total = sum(r.get("bytes_down", 0) + r.get("bytes_up", 0) + r.get("bytes_artifacts", 0) for r in records)
     eval_total = sum(r.get("bytes_down_eval", 0) for r in records)
     lines += [f"- rounds: {len(records)}; bytes moved (FE down + up + artifacts): {total / MB:.2f} MB, "
@@ -306,13 +327,14 @@ def report_markdown(records: Sequence[Mapping[str, Any]], settings: Mapping[str,
         if stop:
             lines.append(f"- {stop}")
     lines += ["",
-              "## Rounds", "",
-              "| round | accuracy | ± std | train loss | participants | dropped | down MB | up MB | artifacts MB "
-              f"| eval-only down MB | s |{' ε |' if dp else ''}",
-              f"| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |{' --- |' if dp else ''}"]
+              f"## {unit.capitalize()}s", "",
+              f"| {unit} | accuracy | ± std | evaluated by | train loss | participants | dropped | down MB | up MB "
+              f"| artifacts MB | eval-only down MB | s |{' ε |' if dp else ''}",
+              f"| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |{' --- |' if dp else ''}"]
     for r in records:
         lines.append(
             f"| {r['round']} | {_fmt(r.get('accuracy'), '.4f')} | {_fmt(r.get('accuracy_std'), '.4f')} | "
+            f"{r.get('evaluated', '–')} | "
             f"{_fmt(r.get('train_loss'), '.4f')} | {r.get('participants', 0)}/{r.get('selected', 0)} | "
             f"{len(r.get('dropped', {}))} | {r.get('bytes_down', 0) / MB:.2f} | {r.get('bytes_up', 0) / MB:.2f} | "
             f"{r.get('bytes_artifacts', 0) / MB:.2f} | {r.get('bytes_down_eval', 0) / MB:.2f} | "
@@ -322,7 +344,7 @@ def report_markdown(records: Sequence[Mapping[str, Any]], settings: Mapping[str,
         lines += ["", "Dropped answers:", ""] + [f"- round {t}, {d}: {why}" for t, d, why in dropped]
     lines += ["", *device_section(records)]
     lines += ["## How accuracy is measured", "", EVALUATION_NOTE, "",
-              "## Plots", "", f"![accuracy per round]({ACCURACY_PLOT})", "",
+              "## Plots", "", f"![accuracy per {unit}]({ACCURACY_PLOT})", "",
               f"![training traffic per round by tier]({BYTES_PLOT})", ""]
     if dp:
         lines += [f"![accuracy against the privacy spent]({PRIVACY_PLOT})", ""]
@@ -334,7 +356,7 @@ def write_report(out_dir: str | os.PathLike, records: Sequence[Mapping[str, Any]
     """Write report.md and its plots into ``out_dir`` (the per-device plot only when records carry
     ``per_device``); returns report.md's path."""
     out_dir = Path(out_dir)
-    plot_accuracy(records, out_dir / ACCURACY_PLOT)
+    plot_accuracy(records, out_dir / ACCURACY_PLOT, unit_of(settings))
     plot_bytes_by_tier(records, out_dir / BYTES_PLOT)
     if device_accuracies(records):
         plot_device_accuracy(records, out_dir / DEVICE_PLOT)

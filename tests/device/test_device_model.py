@@ -183,6 +183,17 @@ def test_keep_models_keeps_the_newest_and_model_points_at_the_last(artifacts, tm
     assert device_model.load(tmp_path).info["seq"] == 4
 
 
+def test_an_async_model_is_named_by_its_version_and_kept_in_the_same_history(artifacts, tmp_path: Path):
+    trainer = open_trainer(artifacts.directory)
+    store = device_model.ModelStore(tmp_path, keep=2)
+    write_round(store, trainer, 4)
+    store.write(trainer.directory / "eval_model.onnx", {**trainer.get_fe(), **trainer.get_head()}, name="version2",
+                input_shape=SHAPE, num_classes=CLASSES, run_id="run", round_index=2, rank_tier=0.5,
+                plan_hash="0" * 64, plan_description="test", correct=1, total=2)
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["000001-round4", "000002-version2"]
+    assert os.readlink(tmp_path / "model") == "models/000002-version2"
+
+
 def test_readers_always_find_a_complete_model_while_rounds_are_written(artifacts, tmp_path: Path):
     """keep=1 prunes each model right after the link moves: a reader that resolved the link just before resolves
     again; no load fails and every prediction comes from a whole model."""

@@ -65,6 +65,16 @@ def test_an_async_run_over_mqtt_says_every_version_and_every_versions_accuracy(a
     assert said == [str(r["round"]) for r in rows] == [str(v) for v in range(1, VERSIONS + 1)]  # "–": none evaluated it
 
 
+
+@pytest.mark.slow
+def test_an_async_devices_models_are_named_by_the_version_they_came_from(async_run: Path):
+    for device in sorted((async_run / broker_loop.DEVICES_DIR).iterdir()):
+        if device.is_dir():
+            names = [p.name.split("-", 1)[1] for p in sorted((device / "models").iterdir())]
+            assert names and all(n.startswith("version") for n in names), names
+            assert names[-1] == f"version{VERSIONS}"  # the last version, every device evaluates it
+
+
 @pytest.mark.slow
 def test_a_resumed_async_run_continues_its_versions_and_task_numbers(async_run: Path, tmp_path: Path,
                                                                     shared_artifact_cache: Path):

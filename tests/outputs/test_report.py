@@ -58,7 +58,7 @@ def test_report_has_settings_rounds_evaluation_note_and_plots(tmp_path):
     records = [record(1, 0.4), record(2, 0.6, dropped={"dev_003": "no answer by the deadline"}), record(3, None)]
     path = write_report(tmp_path, records, {"dataset": "digits", "rounds": 3})
     text = path.read_text()
-    assert "| dataset | digits |" in text and "final accuracy: 0.6000 (round 2)" in text
+    assert "| dataset | digits |" in text and "final accuracy: 0.6000 (round 2, " in text
     assert "round 2, dev_003: no answer by the deadline" in text
     assert EVALUATION_NOTE in text
     for plot in (ACCURACY_PLOT, BYTES_PLOT):
@@ -83,6 +83,21 @@ def test_the_report_names_evaluation_only_downloads_apart(tmp_path):
     text = write_report(tmp_path, [record(1), record(2, bytes_down_eval=700_000)], {}).read_text()
     assert "3.00 MB, and 0.70 MB of evaluation-only downloads" in text
     assert "| 1.00 | 0.50 | 0.00 | 0.70 | 2.0 |" in text
+
+
+def test_an_async_reports_best_accuracy_is_over_the_versions_evaluated_by_the_most_devices(tmp_path):
+    records = [record(1, 0.5, evaluated=4), record(2, 1.0, evaluated=1), record(3, 0.7, evaluated=4)]
+    text = write_report(tmp_path, records, {"rounds": 3, "async": {"buffer_size": 2}}).read_text()
+    assert "- best accuracy: 0.7000 (version 3), over the 2 version(s) of 3 evaluated by 4 devices" in text
+    assert "| version | accuracy | ± std | evaluated by |" in text and "| 2 | 1.0000 | 0.1000 | 1 |" in text
+
+
+def test_the_accuracy_plot_says_over_which_devices_each_point_was_measured():
+    same = accuracy_figure([record(1, 0.4, evaluated=3), record(2, 0.6, evaluated=3)]).axes[0].get_title()
+    mixed = accuracy_figure([record(1, 0.4, evaluated=3), record(2, 0.6, evaluated=1)], "version").axes[0]
+    assert same == "Personalized accuracy after each round (3 devices each)"
+    assert mixed.get_title() == ("Personalized accuracy after each version (the devices that evaluated each; see the "
+                                 "report)") and mixed.get_xlabel() == "version"
 
 
 def test_the_accuracy_plot_has_a_title_and_a_legend_that_explains_the_band():

@@ -88,6 +88,13 @@ def test_task_round_trips_with_its_tensors():
         np.testing.assert_array_equal(task.weights[name], value)
 
 
+def test_an_async_task_carries_the_version_of_its_weights_and_a_sync_one_does_not():
+    sync_msg = task_message(make_task(), plan_hash=HASH, device_id="dev_000", run_id="r")
+    assert "version" not in sync_msg.meta and parse_task(wire(sync_msg))[1].model_name == "round2"
+    _, task = parse_task(wire(task_message(make_task(version=5), plan_hash=HASH, device_id="dev_000", run_id="r")))
+    assert (task.round, task.version, task.model_name) == (3, 5, "version5")
+
+
 def test_phases_and_returns_round_trip_in_order():
     phases = (Phase("head", 1), Phase("fe", 3))
     sent = make_task(phases=phases, returns="all")
