@@ -9,6 +9,7 @@ give up?) are plain functions of the clock.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
@@ -37,6 +38,46 @@ def timed_out(started: float, now: float, timeout_s: float) -> bool:
     return timeout_s > 0 and now - started >= timeout_s
 
 
+REFUSED_GRACE_S = 0.5
+"""How long a loopback port that refuses is tried again before that is final (a broker started beside the server
+listens within milliseconds)."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def final_reason(host: str, port: int, grace_s: float = REFUSED_GRACE_S,
+                 clock: Callable[[], float] = time.monotonic, pause: Callable[[float], None] = time.sleep) -> str | None:
+    """Why no broker is at host:port where waiting would change nothing, so it can be said at once: a host name
+    that does not resolve, or a loopback port nobody listens on (tried for ``grace_s``); None where a wait may help
+    (no answer yet, a remote refusal, or a listener)."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"cannot resolve the broker host {host!r}: {exc.strerror}"
+    if not is_loopback(host):
+        return None
+    deadline = clock() + grace_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S):
+                return None
+        except ConnectionRefusedError:
+            if clock() >= deadline:
+                return (f"connection refused: nothing listens on {host}:{port} on this machine (start the broker, "
+                        "or leave --broker out for an embedded one)")
+            pause(0.05)
+        except OSError:
+            return None
+
+
 def unreachable_reason(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> str:
     """Why an MQTT connection to host:port does not come up, in words an operator can act on."""
     try:
@@ -57,10 +98,11 @@ def unreachable_reason(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S)
 def wait_for_broker(endpoint: MqttEndpoint, stop: threading.Event, timeout_s: float, *,
                     clock: Callable[[], float] = time.monotonic,
                     reason: Callable[[str, int], str] = unreachable_reason, flag: str = "--connect-timeout",
-                    log: logging.Logger = LOG) -> bool:
+                    log: logging.Logger = LOG, final_at_once: bool = False) -> bool:
     """Block until ``endpoint`` is connected (True) or ``stop`` is set (False), logging (on ``log``) why it is not
     at most every REPORT_EVERY_S; raise BrokerUnreachableError after ``timeout_s`` (0: wait for ever), naming
-    ``flag``, the timeout's flag.
+    ``flag``, the timeout's flag. ``final_at_once``: raise at the first failure where waiting would change nothing
+    (``final_reason``: the server, which starts after its broker; a device may start before its broker and waits).
 
     BrokerRefusedError (the broker answered and refused these credentials) passes through.
     """
@@ -72,6 +114,9 @@ def wait_for_broker(endpoint: MqttEndpoint, stop: threading.Event, timeout_s: fl
         except ConnectTimeoutError:
             now = clock()
             host, port = endpoint.url.host, endpoint.url.port  # the broker of the list it tries now
+            final = final_reason(host, port) if final_at_once and last_report is None else None
+            if final is not None:
+                raise BrokerUnreachableError(f"no broker at {host}:{port}: {final}") from None
             if timed_out(started, now, timeout_s):
                 raise BrokerUnreachableError(f"no broker at {host}:{port} after {flag} {timeout_s:g} s: "
                                              f"{reason(host, port)}") from None

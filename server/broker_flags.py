@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from device_runtime.broker_wait import final_reason
 from device_runtime.transport import parse_brokers
 from server.cli import add_broker_flags, check_async_fleet, add_status_flags, check_broker_connect_timeout, check_status_args, new_parser
 from server.engine.run_config import dp_from_args
@@ -75,6 +76,17 @@ def local_budgets(text: str | None) -> list[float | None]:
     if any(not b > 0 for b in budgets):
         raise ValueError(f"--local-memory-mb budgets must be positive, got {text!r}")
     return budgets
+
+
+def check_broker_reachable(args: argparse.Namespace) -> None:
+    """Raise ValueError, at once, where no --broker can be reached and waiting would change nothing (every node's
+    host does not resolve, or is a loopback port nobody listens on); a broker that does not answer yet is waited
+    for (--broker-connect-timeout), with its reason said at the first failed try."""
+    if not args.broker:
+        return
+    reasons = [final_reason(b.host, b.port) for b in parse_brokers(args.broker)]
+    if all(reasons):
+        raise ValueError(f"--broker {args.broker}: {reasons[0]}")
 
 
 def check_broker_args(args: argparse.Namespace) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 from device_runtime.broker_wait import BrokerUnreachableError, wait_for_broker
 from device_runtime.transport import MqttEndpoint, TransportError, rotate_brokers
 from server.mqtt import cgroups
-from server.broker_flags import build_parser, check_broker_args, local_budgets
+from server.broker_flags import build_parser, check_broker_args, check_broker_reachable, local_budgets
 from server.cli import (PASSWORD_ENV, STATUS_HOST, check_args, check_before_loading, check_inputs,
                         console_logging, fail, parse, run_folder, say_before_run)
 
@@ -60,7 +60,7 @@ STATUS_EVERY_S = 0.5
 
 
 if __name__ == "__main__":  # --help and a mistake in the flags answer before torch and the data load
-    check_before_loading(build_parser(), check_broker_args)
+    check_before_loading(build_parser(), check_broker_args, check_broker_reachable)
 
 # The run's imports load torch (seconds, tens under load): after the flags are checked.
 import numpy as np  # noqa: E402
@@ -666,7 +666,7 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
             endpoint.start()
             stack.callback(endpoint.stop)
             wait_for_broker(endpoint, threading.Event(), args.broker_connect_timeout, flag="--broker-connect-timeout",
-                            log=LOG)
+                            log=LOG, final_at_once=True)
             LOG.info("run %s on %s, prefix %s, algorithm %s", run_id, url, args.prefix, config.algo)
             print(f"run {run_id}: {config.algo} on {url}, run folder {out.path}", flush=True)
             if aggregators:

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from device_runtime.broker_wait import BrokerUnreachableError, REPORT_EVERY_S, report_due, timed_out, unreachable_reason, wait_for_broker
+from device_runtime.broker_wait import (BrokerUnreachableError, REPORT_EVERY_S, final_reason, report_due, timed_out,
+                                        unreachable_reason, wait_for_broker)
 from tests.support.broker import free_loopback_port
 from device_runtime.transport import MqttEndpoint
 
@@ -73,3 +74,42 @@ def test_the_server_and_its_aggregators_take_the_one_connect_timeout_flag():
     for parser in (broker_loop.build_parser(), aggregator.build_parser()):
         action = next(a for a in parser._actions if a.dest == "broker_connect_timeout")
         assert action.option_strings == ["--broker-connect-timeout"] and action.default == 30.0
+
+
+def test_a_loopback_port_nobody_listens_on_is_final_at_once():
+    port = free_loopback_port()
+    assert final_reason("127.0.0.1", port, grace_s=0.0).startswith(
+        f"connection refused: nothing listens on 127.0.0.1:{port} on this machine")
+
+
+def test_a_name_that_does_not_resolve_is_final_and_a_listener_is_not():
+    assert final_reason("no-such-host.invalid", 1883).startswith("cannot resolve the broker host")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        assert final_reason("127.0.0.1", server.getsockname()[1]) is None
+
+
+def test_a_loopback_broker_that_starts_within_the_grace_is_not_refused():
+    """A broker started beside the server (`mosquitto -p PORT & python -m server.broker_loop ...`) listens late."""
+    port = free_loopback_port()
+    started: list[socket.socket] = []
+
+    def pause(seconds: float) -> None:  # the broker comes up while the probe waits
+        if not started:
+            started.append(socket.create_server(("127.0.0.1", port)))
+
+    try:
+        assert final_reason("127.0.0.1", port, grace_s=5.0, pause=pause) is None
+    finally:
+        for server in started:
+            server.close()
+
+
+def test_the_server_gives_up_on_a_refused_loopback_broker_at_the_first_try():
+    port = free_loopback_port()
+    endpoint = MqttEndpoint("wait-final", f"mqtt://127.0.0.1:{port}", subscriptions=[])
+    endpoint.start()
+    try:
+        with pytest.raises(BrokerUnreachableError, match=f"no broker at 127.0.0.1:{port}: connection refused"):
+            wait_for_broker(endpoint, threading.Event(), 300.0, final_at_once=True)
+    finally:
+        endpoint.stop()

@@ -6,6 +6,7 @@ import io
 import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from server import broker_loop, simulate
 from server.broker_flags import check_broker_args
 from server.cli import check_args, check_async_fleet, console_logging, parse
+from tests.support.broker import free_loopback_port
 from tests.support.processes import child_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -171,3 +173,15 @@ def test_a_privacy_budget_that_cannot_work_is_refused_in_one_line_before_the_dat
                "--out", str(tmp_path / "run"))
     assert done.returncode == 2 and done.stderr.count(named) == 1, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("broker", ["mqtt://127.0.0.1:{port}", "mqtt://no-such-host.invalid:1883"])
+def test_a_broker_that_cannot_be_there_is_named_within_two_seconds(broker, tmp_path):
+    """A refusal on loopback or a name that does not resolve needs no wait: said before the data loads."""
+    started = time.monotonic()
+    done = run("server.broker_loop", "--broker", broker.format(port=free_loopback_port()), "--local-devices", "1",
+               "--out", str(tmp_path / "run"))
+    elapsed = time.monotonic() - started
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "connection refused: nothing listens" in done.stderr or "cannot resolve the broker host" in done.stderr
+    assert elapsed < 2.0, f"{elapsed:.2f} s"
