@@ -22,6 +22,10 @@ LOG = logging.getLogger("fedara.device")
 REPORT_EVERY_S = 10.0
 POLL_S = 1.0
 PROBE_TIMEOUT_S = 3.0
+LISTENING = "accepts TCP connections but no MQTT session comes up"
+SESSION_GRACE_S = 5.0
+"""A listener whose MQTT session is not up yet is not reported before this: a healthy broker (NATS's MQTT gateway
+among them) may take a few seconds to bring a first session up."""
 
 
 class BrokerUnreachableError(RuntimeError):
@@ -91,8 +95,8 @@ def unreachable_reason(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S)
         return f"no answer from {host}:{port} within {timeout_s:g} s (wrong host, or a firewall?)"
     except OSError as exc:
         return f"cannot reach {host}:{port}: {exc.strerror or exc}"
-    return (f"{host}:{port} accepts TCP connections but no MQTT session comes up (mqtts:// against a plain "
-            f"listener, mqtt:// against a TLS one, or a --tls-ca that did not sign the broker's certificate?)")
+    return (f"{host}:{port} {LISTENING} (mqtts:// against a plain listener, mqtt:// against a TLS one, or a "
+            f"--tls-ca that did not sign the broker's certificate?)")
 
 
 def wait_for_broker(endpoint: MqttEndpoint, stop: threading.Event, timeout_s: float, *,
@@ -120,7 +124,8 @@ def wait_for_broker(endpoint: MqttEndpoint, stop: threading.Event, timeout_s: fl
             if timed_out(started, now, timeout_s):
                 raise BrokerUnreachableError(f"no broker at {host}:{port} after {flag} {timeout_s:g} s: "
                                              f"{reason(host, port)}") from None
-            if report_due(last_report, now):
+            said = reason(host, port) if report_due(last_report, now) else None
+            if said is not None and not (LISTENING in said and now - started < SESSION_GRACE_S):
                 last_report = now
-                log.warning("%s; retrying until %s %g s", reason(host, port), flag, timeout_s)
+                log.warning("%s; retrying until %s %g s", said, flag, timeout_s)
     return False

@@ -113,3 +113,19 @@ def test_the_server_gives_up_on_a_refused_loopback_broker_at_the_first_try():
             wait_for_broker(endpoint, threading.Event(), 300.0, final_at_once=True)
     finally:
         endpoint.stop()
+
+
+def test_a_listener_whose_session_is_not_up_yet_is_not_called_broken_in_the_first_seconds(caplog):
+    """A healthy broker may take a few seconds to bring the first MQTT session up (NATS's MQTT gateway): no false
+    alarm before SESSION_GRACE_S; the timeout still names the cause."""
+    caplog.set_level(logging.WARNING, logger="fedara.server")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        endpoint = MqttEndpoint("wait-grace", f"mqtt://127.0.0.1:{server.getsockname()[1]}", subscriptions=[])
+        endpoint.start()
+        try:
+            with pytest.raises(BrokerUnreachableError, match="accepts TCP connections but no MQTT session"):
+                wait_for_broker(endpoint, threading.Event(), 2.5, log=logging.getLogger("fedara.server"),
+                                final_at_once=True)
+        finally:
+            endpoint.stop()
+    assert [r for r in caplog.records if r.name == "fedara.server"] == []
