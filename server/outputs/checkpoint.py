@@ -25,7 +25,10 @@ class CheckpointError(ValueError):
 
 def folder_taken(folder: str | Path, resume: bool) -> str | None:
     """Why ``folder`` (--out) cannot take a new run: it holds one (a checkpoint) and --resume was not given; None
-    when it can. The drivers ask before anything heavy loads, and again when they set the run up."""
+    when it can; also when it is a file, not a folder. The drivers ask before anything heavy loads, and again when
+    they set the run up."""
+    if Path(folder).exists() and not Path(folder).is_dir():
+        return f"--out {folder} is a file, not a folder: name a folder for the run (or leave --out out for a new one)"
     if resume or not (Path(folder) / CHECKPOINT_NAME).exists():
         return None
     return (f"--out {folder} holds a run ({CHECKPOINT_NAME}); pass --resume to continue it, or leave --out out to "

@@ -185,3 +185,11 @@ def test_a_broker_that_cannot_be_there_is_named_within_two_seconds(broker, tmp_p
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "connection refused: nothing listens" in done.stderr or "cannot resolve the broker host" in done.stderr
     assert elapsed < 2.0, f"{elapsed:.2f} s"
+
+
+@pytest.mark.parametrize("module", ["server.simulate", "server.broker_loop"])
+def test_an_out_that_is_a_file_is_named_in_one_line(module):
+    extra = ["--local-devices", "1"] if module == "server.broker_loop" else []
+    done = run(module, "--out", "README.md", *extra)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "error: --out README.md is a file, not a folder: name a folder for the run (or leave --out out for a new one)")
