@@ -85,7 +85,7 @@ from server.outputs.status_snapshot import fleet_snapshot
 from server.mqtt import aggregation_wire as wire
 from server.mqtt.enrollment import LOCAL_ENROLLMENT, LOCAL_KEYS_DIR, load_server_key, run_key_ring
 from server.data.partition import write_shards
-from server.outputs.progress import Progress, final_line, print_and_log
+from server.outputs.progress import SHARED_DOWN, Progress, final_line, print_and_log
 from server.engine.rank_assignment import OverrideError
 from server.engine.run_config import FederationConfig, RunError
 from server.run_setup import Deployment, RunFolder, assemble
@@ -702,9 +702,10 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
                 federation.publish_status(force=True, finished=True)
             else:
                 federation.run(assembly.first_round(), Progress(config.rounds, unit=(
-                    "version" if isinstance(engine, AsyncEngine) else "round")))
+                    "version" if isinstance(engine, AsyncEngine) else "round"), shared_down=engine.shares_payloads))
         report = out.report(engine.records, dict(settings, run_id=run_id, broker=args.broker or "embedded",
-                                                 driver="broker_loop"))
+                                                 driver="broker_loop", **({"down_mb": SHARED_DOWN.strip(" ()")}
+                                                                          if engine.shares_payloads else {})))
         print(final_line(engine.records, out.path, report), flush=True)
         if status is not None and args.status_linger:
             linger(status, args.status_linger)

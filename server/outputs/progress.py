@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 LOG = logging.getLogger("fedara.progress")
+SHARED_DOWN = " (one payload per tier)"
+"""How the bytes down are labelled where each tier's weights are published once for its devices (the MQTT sync
+loop), not sent with every device's task (the simulator, async mode): the same figure means less there."""
 
 
 def final_line(records: Sequence[dict[str, Any]], folder: Path, report: Path) -> str:
@@ -29,11 +32,13 @@ def print_and_log(line: str) -> None:
 class Progress:
     """Prints one line per closed round and one per completed evaluation. ``unit``: what ``--rounds`` counts
     ("round", or "version" in async mode); ``clock``: the wall clock async versions are timed on (a version's record
-    holds engine time); ``virtual``: that engine time is the simulator's virtual clock, shown beside the wall time."""
+    holds engine time); ``virtual``: that engine time is the simulator's virtual clock, shown beside the wall time;
+    ``shared_down``: the bytes down are each tier's payload, published once (MQTT), not every device's task's."""
 
     def __init__(self, rounds: int, emit: Callable[[str], None] | None = None, unit: str = "round",
-                 clock: Callable[[], float] = time.monotonic, virtual: bool = False):
+                 clock: Callable[[], float] = time.monotonic, virtual: bool = False, shared_down: bool = False):
         self.rounds = rounds
+        self.down = f"down{SHARED_DOWN}" if shared_down else "down"
         self.unit = unit
         self.virtual = virtual
         self.round_seconds: list[float] = []
@@ -83,7 +88,7 @@ class Progress:
                    else "")
         self.emit(f"{self.unit} {record['round']}/{self.rounds}  loss {'–' if loss is None else f'{loss:.4f}'}  "
                   f"{who}  dropped {len(record['dropped'])}  "
-                  f"down {record['bytes_down'] / 1e6:.2f} MB  up {record['bytes_up'] / 1e6:.2f} MB  "
+                  f"{self.down} {record['bytes_down'] / 1e6:.2f} MB  up {record['bytes_up'] / 1e6:.2f} MB  "
                   f"artifacts {record['bytes_artifacts'] / 1e6:.2f} MB  {seconds:.1f}s{virtual}  "
                   f"ETA {self._eta(record['round'])}")
 

@@ -339,6 +339,8 @@ def report_markdown(records: Sequence[Mapping[str, Any]], settings: Mapping[str,
             f"{len(r.get('dropped', {}))} | {r.get('bytes_down', 0) / MB:.2f} | {r.get('bytes_up', 0) / MB:.2f} | "
             f"{r.get('bytes_artifacts', 0) / MB:.2f} | {r.get('bytes_down_eval', 0) / MB:.2f} | "
             f"{r.get('seconds', 0.0):.1f} |" + (f" {_fmt(r.get('epsilon'), '.4g')} |" if dp else ""))
+    lines += ["", f"down MB: what the server sent for training, {settings.get('down_mb', 'with every device task')}; "
+                  "up MB: what the devices sent back."]
     dropped = [(r["round"], d, why) for r in records for d, why in sorted(r.get("dropped", {}).items())]
     if dropped:
         lines += ["", "Dropped answers:", ""] + [f"- round {t}, {d}: {why}" for t, d, why in dropped]

@@ -66,3 +66,10 @@ def test_a_resumed_async_run_says_nothing_again_of_what_came_before_it():
     assert lines == []
     progress.follow(2, version(2), records)
     assert lines[0].startswith("version 2/3") and "virtual" not in lines[0]
+
+
+def test_bytes_down_published_once_per_tier_are_labelled_as_such():
+    lines: list[str] = []
+    Progress(2, emit=lines.append, shared_down=True).trained(record(1, 1.0))
+    Progress(2, emit=lines.append).trained(record(1, 1.0))
+    assert "  down (one payload per tier) 0.00 MB  " in lines[0] and "  down 0.00 MB  " in lines[1]
