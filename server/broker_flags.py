@@ -7,6 +7,7 @@ import argparse
 from device_runtime.broker_wait import final_reason
 from device_runtime.transport import parse_brokers
 from server.cli import add_broker_flags, check_async_fleet, add_status_flags, check_broker_connect_timeout, check_status_args, new_parser
+from server.engine.cost_model import load_cost_model, smallest_floor
 from server.engine.run_config import dp_from_args
 from server.mqtt import cgroups
 from server.mqtt.enrollment import ENROLL_OPEN
@@ -128,9 +129,14 @@ def check_broker_args(args: argparse.Namespace) -> None:
     check_async_fleet(args, args.local_devices or None)  # devices from outside: not counted before they join
     if args.local_memory_limit_mb:
         try:
-            cgroups.parse_limits(args.local_memory_limit_mb)
+            limits = cgroups.parse_limits(args.local_memory_limit_mb)
         except ValueError as exc:
             raise ValueError(f"--local-memory-limit-mb: {exc}") from None
+        floor, what = smallest_floor(load_cost_model())
+        if min(limits) < floor:
+            raise ValueError(f"--local-memory-limit-mb {min(limits):g} MiB is below the smallest memory any measured "
+                             f"device ran in ({floor:g} MiB: {what}): a device would be killed as it starts, at every "
+                             f"tier; give each at least {floor:g}")
     if args.local_cpu_limit:
         try:
             cgroups.parse_cpu_limits(args.local_cpu_limit)

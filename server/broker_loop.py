@@ -172,6 +172,9 @@ class Federation:
             self._ask_unjoined_to_join(time.monotonic())
             self.publish_status()
             if self.local.processes and not self.local.check() and not self.engine.ready_devices():
+                if self.local.out_of_memory == set(self.local.processes):
+                    raise RunError("every local device was killed at its --local-memory-limit-mb limit before it "
+                                   "could train at any tier: raise --local-memory-limit-mb")
                 raise RunError(f"every local device exited; see {self.out.path / DEVICES_DIR}/*.log")
         return True
 

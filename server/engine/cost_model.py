@@ -171,6 +171,15 @@ def parse_cost_model(document: object) -> CostModel:
                      str(document.get("generated_by", "")))
 
 
+def smallest_floor(model: CostModel) -> tuple[float, str]:
+    """The smallest memory floor any measured device needed (MiB) and what it was: below it no tier of any model
+    runs, whatever the tier choice."""
+    found = [(floor, f"{name} {'x'.join(map(str, shape))} at tier {entry.ratio:g} on {kind}, batch {batch}")
+             for (name, shape), entries in model.entries.items() for entry in entries
+             for kind, floors in entry.floors.items() for batch, floor in floors.floor_mb.items()]
+    return min(found) if found else (0.0, "nothing measured")
+
+
 def load_cost_model(path: str | os.PathLike | None = None) -> CostModel:
     """Read a cost-model file; None: the one shipped in the device_runtime package."""
     try:

@@ -301,14 +301,16 @@ class RoundEngine:
             LOG.info("%s went offline during round %d at tier %g: a lower tier if it misses the round",
                      device_id, opened.round, record.ratio)
 
-    def demote(self, device_id: str, evidence: str) -> None:
+    def demote(self, device_id: str, evidence: str) -> bool:
         """Evidence that the device's tier does not fit it (``evidence`` says which): when it joins again it gets
-        a lower tier than the one it had."""
+        a lower tier than the one it had. False where there is none lower (or it had no tier yet: it died before
+        it joined), so trying again would change nothing."""
         record = self.coordinator.devices.get(device_id)
         if record is None or record.ratio is None or min(self.tiers) >= record.ratio:
-            return
+            return False
         self.demoted[device_id] = min(record.ratio, self.demoted.get(device_id, record.ratio))
         LOG.warning("%s %s at tier %g: it gets a lower tier when it rejoins", device_id, evidence, record.ratio)
+        return True
 
     # -- rounds ---------------------------------------------------------------------------------
 

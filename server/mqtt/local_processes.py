@@ -40,9 +40,10 @@ class LocalDevices:
 
     A device the kernel killed for memory is started again (as systemd's Restart= would on a board), at most
     ``MAX_OOM_RESTARTS`` times: it rejoins, and ``on_oom`` (the engine's demote) gives it a lower tier than the one
-    it died at."""
+    it died at. One killed before it had a tier, or at the lowest, is not restarted (no tier fits its limit): it is
+    named once, and ``out_of_memory`` holds it."""
 
-    def __init__(self, what: str = "device", on_oom: Callable[[str, str], None] | None = None) -> None:
+    def __init__(self, what: str = "device", on_oom: Callable[[str, str], bool] | None = None) -> None:
         self.what = what
         self.on_oom = on_oom
         self.processes: dict[str, subprocess.Popen] = {}
@@ -52,6 +53,7 @@ class LocalDevices:
         self._commands: dict[str, list[str]] = {}
         self._restarts: dict[str, int] = {}
         self._reported: set[str] = set()
+        self.out_of_memory: set[str] = set()  # killed at their memory limit with no lower tier to restart at
         self._pre_exec = _parent_death_signal()
 
     def spawn(self, device_id: str, command: list[str], log_path: Path,
@@ -80,12 +82,20 @@ class LocalDevices:
                 continue
             group = self.groups.get(device_id)
             evidence = group.evidence() if group is not None else None
-            if evidence is not None and evidence.oom_killed and self._restarts.get(device_id, 0) < MAX_OOM_RESTARTS:
+            killed = evidence is not None and evidence.oom_killed
+            lower = killed and self.on_oom is not None and bool(
+                self.on_oom(device_id, f"was killed at its {group.limit_mb:g} MiB memory limit"))
+            if killed and not lower:
+                self._reported.add(device_id)
+                self.out_of_memory.add(device_id)
+                LOG.error("local %s %s was killed at its %g MiB memory limit (peak %s MiB) before it had a tier, or "
+                          "at the lowest: no tier fits; raise --local-memory-limit-mb", self.what, device_id,
+                          group.limit_mb, evidence.peak_mb)
+                continue
+            if lower and self._restarts.get(device_id, 0) < MAX_OOM_RESTARTS:
                 self._restarts[device_id] = self._restarts.get(device_id, 0) + 1
                 LOG.warning("local device %s was killed at its %g MiB memory limit (peak %s MiB): starting it "
-                            "again; it gets a lower tier", device_id, group.limit_mb, evidence.peak_mb)
-                if self.on_oom is not None:
-                    self.on_oom(device_id, f"was killed at its {group.limit_mb:g} MiB memory limit")
+                            "again at a lower tier", device_id, group.limit_mb, evidence.peak_mb)
                 group.remove()  # a fresh group: nothing the killed process left is charged to its successor
                 self.groups[device_id] = cgroups.create_group(f"{device_id}-{self._restarts[device_id]}", group.limit_mb)
                 self.spawn(device_id, self._commands[device_id], self.logs[device_id])

@@ -193,3 +193,10 @@ def test_an_out_that_is_a_file_is_named_in_one_line(module):
     done = run(module, "--out", "README.md", *extra)
     assert done.returncode == 2 and done.stderr.strip() == (
         "error: --out README.md is a file, not a folder: name a folder for the run (or leave --out out for a new one)")
+
+
+def test_a_memory_limit_below_any_devices_floor_is_refused_at_once(tmp_path):
+    done = run("server.broker_loop", "--local-devices", "2", "--local-memory-limit-mb", "128,20",
+               "--out", str(tmp_path / "run"))
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "--local-memory-limit-mb 20 MiB is below the smallest memory any measured device ran in" in done.stderr

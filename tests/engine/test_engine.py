@@ -158,9 +158,17 @@ def test_a_device_killed_for_memory_rejoins_at_a_lower_tier_within_the_round():
     join(engine, "dev_000", budget=100)
     engine.open_round(1, 0.0)
     engine.lost_in_round("dev_000")
-    engine.demote("dev_000", "was killed at its 128 MiB memory limit")
+    assert engine.demote("dev_000", "was killed at its 128 MiB memory limit")
     join(engine, "dev_000", budget=100)
     assert engine.coordinator.devices["dev_000"].ratio == 0.5
+
+
+def test_a_device_killed_for_memory_before_it_had_a_tier_or_at_the_lowest_has_nowhere_lower_to_go():
+    engine = make_engine("fedara", tiers=(1.0, 0.5), predictor=lambda profile, samples: (lambda ratio: 10 * ratio))
+    assert not engine.demote("dev_000", "was killed at its 20 MiB memory limit")  # it never joined
+    join(engine, "dev_000", budget=6)  # 0.5 fits, 1.0 does not
+    assert engine.coordinator.devices["dev_000"].ratio == 0.5
+    assert not engine.demote("dev_000", "was killed at its 20 MiB memory limit")
 
 
 def test_artifacts_are_resent_a_bounded_number_of_times():
