@@ -683,7 +683,8 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
                                             out.path / AGGREGATORS_DIR / f"{name}.log",
                                             env={PASSWORD_ENV: args.password} if args.password else None)
             if shards:
-                shard_paths = write_shards(list(shards.values()), out.path / SHARDS_DIR, filename=DEVICE_SHARD_FILENAME)
+                shard_paths = write_shards(list(shards.values()), out.path / SHARDS_DIR, filename=DEVICE_SHARD_FILENAME,
+                                           cache=Path(args.cache_dir) / SHARDS_DIR)  # one copy for runs of one partition
                 stack.callback(local.stop)
                 limits, cores = local_limits(args), local_cpu_limits(args)
                 for i, (device_id, shard_path) in enumerate(zip(shards, shard_paths)):

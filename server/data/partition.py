@@ -7,7 +7,10 @@ is the only part that touches the disk.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -212,11 +215,34 @@ def make_client_shards(
     return shards
 
 
-def write_shards(shards: Sequence[Shard], directory: str | Path, *, filename: str = SHARD_FILENAME) -> list[Path]:
+def shard_key(shard: Shard) -> str:
+    """A shard's content address: sha256 over its arrays (dtype, shape, bytes) and class count."""
+    digest = hashlib.sha256(str(shard.num_classes).encode())
+    for array in (shard.x_train, shard.y_train, shard.x_test, shard.y_test):
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
+def _cached(shard: Shard, cache: Path) -> Path:
+    """The shard's file in ``cache``, named by its content (written once, atomically, the first time)."""
+    path = cache / f"{shard_key(shard)}.npz"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        save_shard(partial, shard)
+        os.replace(partial, path)
+    return path
+
+
+def write_shards(shards: Sequence[Shard], directory: str | Path, *, filename: str = SHARD_FILENAME,
+                 cache: str | Path | None = None) -> list[Path]:
     """Write shard i to ``directory / filename.format(i)`` (client_000.npz, ...); return their paths.
 
     Shard files of the same name pattern left from an earlier, larger run are removed so the
-    directory holds exactly this partition.
+    directory holds exactly this partition. With ``cache`` each shard is kept there once, named by its content
+    (``shard_key``), and the directory gets a hard link to it (a copy across file systems): runs of the same data
+    flags share one copy instead of writing megabytes each.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -227,7 +253,15 @@ def write_shards(shards: Sequence[Shard], directory: str | Path, *, filename: st
         if stale_pattern.fullmatch(stale.name) and stale not in written:
             stale.unlink()
     for path, shard in zip(paths, shards):
-        save_shard(path, shard)
+        if cache is None:
+            save_shard(path, shard)
+            continue
+        source = _cached(shard, Path(cache))
+        path.unlink(missing_ok=True)
+        try:
+            os.link(source, path)
+        except OSError:  # another file system, or links not allowed there
+            shutil.copyfile(source, path)
     return paths
 
 

@@ -180,3 +180,15 @@ def test_partition_summary_counts_samples_per_class():
     assert client["train_per_class"] == np.bincount(shards[0].y_train, minlength=10).tolist()
     assert client["classes"] == 2
     assert sum(c["train"] + c["test"] for c in summary["clients"]) == 600
+
+
+def test_runs_of_one_partition_share_one_copy_of_each_shard_through_the_cache(tmp_path):
+    shards = make_client_shards(_data(), "pathological", num_clients=5, seed=0, min_samples=40)
+    first = write_shards(shards, tmp_path / "run1", cache=tmp_path / "cache")
+    second = write_shards(shards, tmp_path / "run2", cache=tmp_path / "cache")
+    assert len(list((tmp_path / "cache").iterdir())) == 5
+    assert all(a.stat().st_ino == b.stat().st_ino for a, b in zip(first, second))  # one file, linked twice
+    np.testing.assert_array_equal(load_shard(second[2]).x_train, shards[2].x_train)
+    other = make_client_shards(_data(), "pathological", num_clients=5, seed=1, min_samples=40)
+    write_shards(other, tmp_path / "run3", cache=tmp_path / "cache")
+    assert len(list((tmp_path / "cache").iterdir())) == 10  # another partition: other contents, other files
