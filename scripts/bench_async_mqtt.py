@@ -4,8 +4,10 @@
     .venv/bin/python scripts/bench_async_mqtt.py --seeds 1 --rounds 2 --out /tmp/a.json  # a smoke run
 
 ``python -m server.broker_loop`` with ``--local-devices 6`` on digits, each device process in a CPU cgroup of
-``--cpu-limits`` cores (round-robin by device id: 1, 1, 0.5, 0.5, 0.1, 0.1), FedARA at rank tiers 1/0.5/0.25
-(round-robin by device id) under ``--aggregate updates``, the same seed, partition and initial model for both
+``--cpu-limits`` cores (round-robin by device id: 1, 1, 0.5, 0.5, 0.1, 0.1), FedARA at rank tiers ``--tiers``
+1/0.5/0.25 given to device i by ``--rank-overrides`` (round-robin by device id: over MQTT a tier otherwise comes from
+the device's memory budget, and devices without one all train dense), checked in every run's rows (a run whose
+devices trained at other tiers stops the benchmark), under ``--aggregate updates``, the same seed, partition and initial model for both
 modes, for each of ``--seeds`` seeds. Sync runs ``--rounds`` R rounds (every device trains each round; a round
 waits for its slowest device); async runs m·R·N/K versions with ``--buffer-size`` K and ``--concurrency`` N,
 once per m of ``--async-multiples`` (m = 1: the same number of device tasks as sync). The arms run one after the other, never together. Each row's
@@ -43,9 +45,25 @@ DEVICES = 6
 
 
 
+def tier_overrides(tiers: str, folder: Path) -> Path:
+    """A --rank-overrides file giving local device i the tier i mod len(tiers)."""
+    ratios = [float(t) for t in tiers.split(",")]
+    path = folder / "tiers.json"
+    path.write_text(json.dumps({f"dev_{i:03d}": ratios[i % len(ratios)] for i in range(DEVICES)}))
+    return path
+
+
+def fleet_tiers(records: list[dict[str, Any]]) -> dict[str, str]:
+    """Each device's tier, from the rows' per-device entries (the latest that names it)."""
+    tiers: dict[str, str] = {}
+    for r in records:
+        tiers.update({d: str(e["tier"]) for d, e in (r.get("per_device") or {}).items()})
+    return dict(sorted(tiers.items()))
+
+
 def common_flags(args: argparse.Namespace, seed: int) -> list[str]:
-    return ["--dataset", "digits", "--alpha", "0.5", "--min-samples", "20", "--algo", "fedara",
-            "--rank-tiers", "1.0,0.5,0.25", "--aggregate", "updates", "--local-epochs", str(args.local_epochs),
+    return ["--rank-overrides", str(args.overrides), "--dataset", "digits", "--alpha", "0.5", "--min-samples", "20", "--algo", "fedara",
+            "--rank-tiers", args.tiers, "--aggregate", "updates", "--local-epochs", str(args.local_epochs),
             "--batch-size", "16", "--lr", "0.05", "--lam", "1", "--lam-warmup", "1", "--threads", "1",
             "--seed", str(seed), "--local-devices", str(DEVICES), "--local-cpu-limit", args.cpu_limits,
             "--join-timeout", "900", "--round-deadline", "900"]
@@ -91,7 +109,12 @@ def run_seed(args: argparse.Namespace, seed: int, tmp: Path) -> dict[str, Any]:
         flags = [*common_flags(args, seed), *extra]
         load = os.getloadavg()
         records, wall, _ = run(flags, tmp / f"{seed}-{name.replace(' ', '')}")
+        tiers = fleet_tiers(records)
+        if sorted(set(tiers.values()), key=float) != sorted({f"{float(t):g}" for t in args.tiers.split(",")},
+                                                             key=float):
+            raise SystemExit(f"seed {seed} {name}: the devices trained at tiers {tiers}, not {args.tiers}")
         results[name] = {"command": "python -m server.broker_loop " + shlex.join(flags), "wall_s": wall,
+                         "tiers": tiers,
                          "loadavg_before": list(load), "loadavg_after": list(os.getloadavg()),
                          "curve": [{k: r.get(k) for k in ("round", "sim_time", "accuracy", "evaluated",
                                                           "participants", "staleness_mean", "timed_out")}
@@ -135,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buffer-size", type=int, default=3, help="async K")
     p.add_argument("--async-multiples", default="1,2", help="async arms: this many times sync's device tasks")
     p.add_argument("--cpu-limits", default="1,1,0.5,0.5,0.1,0.1", help="cores of local device i, round-robin")
+    p.add_argument("--tiers", default="1.0,0.5,0.25", help="rank tier of local device i, round-robin (by "
+                                                           "--rank-overrides)")
     p.add_argument("--local-epochs", type=int, default=1)
     p.add_argument("--task-timeout", type=float, default=600.0, help="async --task-timeout (a bound, not a tuning)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..S-1, each its own partition and initial model")
@@ -142,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-async-mqtt-") as tmp:
+        args.overrides = tier_overrides(args.tiers, Path(tmp))
         seeds = {seed: run_seed(args, seed, Path(tmp)) for seed in range(args.seeds)}
     rates = [s["summary"]["versions_per_minute_ratio"] for s in seeds.values()]
     times = [s["summary"]["time_to_target_ratio"] for s in seeds.values()]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from tests.support.scripts import load_script
 
@@ -19,3 +20,11 @@ def test_time_to_target_is_the_first_row_reaching_it_and_the_rate_spans_first_to
     rows = [{"sim_time": 2.0, "accuracy": 0.5}, {"sim_time": 3.0, "accuracy": None}, {"sim_time": 5.0, "accuracy": 0.9}]
     assert bench.time_to(rows, 0.8) == 5.0 and bench.time_to(rows, 0.95) is None
     assert bench.per_minute(rows) == 60.0 * 2 / 3.0
+
+
+def test_the_fleet_is_mixed_rank_by_overrides_and_the_tiers_are_read_back_from_the_rows(tmp_path):
+    path = bench.tier_overrides("1.0,0.5,0.25", tmp_path)
+    assert json.loads(path.read_text()) == {"dev_000": 1.0, "dev_001": 0.5, "dev_002": 0.25,
+                                                         "dev_003": 1.0, "dev_004": 0.5, "dev_005": 0.25}
+    rows = [{"per_device": {"dev_000": {"tier": "1"}}}, {"per_device": {"dev_001": {"tier": "0.5"}}}, {}]
+    assert bench.fleet_tiers(rows) == {"dev_000": "1", "dev_001": "0.5"}
