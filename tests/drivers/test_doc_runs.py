@@ -39,16 +39,18 @@ def scratch_copy(into: Path) -> Path:
 @pytest.mark.parametrize("block", [b for b in command_blocks() if b.skip is None], ids=lambda b: b.name)
 def test_the_documented_command_runs(block: Block, tmp_path: Path):
     root = scratch_copy(tmp_path)
-    process = subprocess.Popen(["bash", "-e", "-c", block.script()], cwd=root, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                               env=child_env(PATH=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"))
-    try:
-        out, _ = process.communicate(timeout=block.timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, _ = process.communicate()
-        pytest.fail(f"{block.name} ran past {block.timeout_s} s:\n{out[-3000:]}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)  # what the block left in the background (a broker)
-    assert process.returncode == 0, f"{block.name} exited {process.returncode}:\n{out[-4000:]}"
+    log = tmp_path / "output.txt"  # a file, not a pipe: a broker the block leaves running holds no pipe open
+    with open(log, "w") as output:
+        process = subprocess.Popen(["bash", "-e", "-c", block.script()], cwd=root, stdout=output,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                   env=child_env(PATH=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"))
+        try:
+            process.wait(timeout=block.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            pytest.fail(f"{block.name} ran past {block.timeout_s} s:\n{log.read_text()[-3000:]}")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)  # what the block left in the background (a broker)
+    assert process.returncode == 0, f"{block.name} exited {process.returncode}:\n{log.read_text()[-4000:]}"
