@@ -36,7 +36,8 @@ def scratch_copy(into: Path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("block", [b for b in command_blocks() if b.skip is None], ids=lambda b: b.name)
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.name, marks=pytest.mark.timeout(b.timeout_s + 120))
+                                   for b in command_blocks() if b.skip is None])
 def test_the_documented_command_runs(block: Block, tmp_path: Path):
     root = scratch_copy(tmp_path)
     log = tmp_path / "output.txt"  # a file, not a pipe: a broker the block leaves running holds no pipe open
