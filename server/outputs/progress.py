@@ -19,7 +19,8 @@ def final_line(records: Sequence[dict[str, Any]], folder: Path, report: Path) ->
     """The line a run ends with (both drivers): its last accuracy, named by its round as the progress lines name
     it, and what it wrote."""
     evaluated = [r for r in records if r.get("accuracy") is not None]
-    final = f"{evaluated[-1]['accuracy']:.4f} (after round {evaluated[-1]['round']})" if evaluated else "–"
+    unit = "version" if evaluated and evaluated[-1].get("mode") == "async" else "round"
+    final = f"{evaluated[-1]['accuracy']:.4f} (after {unit} {evaluated[-1]['round']})" if evaluated else "–"
     return f"final accuracy {final}; wrote {folder / 'metrics.jsonl'}, metrics.csv and {report}"
 
 

@@ -1,5 +1,7 @@
 """The per-round progress line: its ETA counts rounds only, not the compiling and joining before round 1."""
-from server.outputs.progress import Progress
+from pathlib import Path
+
+from server.outputs.progress import Progress, final_line
 
 
 def record(round_index: int, seconds: float) -> dict:
@@ -73,3 +75,8 @@ def test_bytes_down_published_once_per_tier_are_labelled_as_such():
     Progress(2, emit=lines.append, shared_down=True).trained(record(1, 1.0))
     Progress(2, emit=lines.append).trained(record(1, 1.0))
     assert "  down (one payload per tier) 0.00 MB  " in lines[0] and "  down 0.00 MB  " in lines[1]
+
+
+def test_the_final_line_names_the_version_in_async_mode():
+    line = final_line([dict(row(3, 4), mode="async")], Path("run"), Path("run/report.md"))
+    assert line.startswith("final accuracy 0.5000 (after version 3);")
