@@ -95,10 +95,6 @@ def test_markers_above_a_fence_are_read_in_order(tmp_path: Path):
                                              ("<!-- doc-run: later: 1 -->", "unknown directive 'later'"),
                                              ("<!-- doc-run: timeout: soon -->", "wants whole seconds")])
 def test_a_bad_marker_names_its_line_and_what_is_wrong(tmp_path: Path, marker: str, problem: str):
-    path = Path(REPO / "docs" / "_doc_blocks_test.md")
-    try:
-        path.write_text(f"{marker}\n```bash\necho\n```\n")
-        with pytest.raises(MarkerError, match=rf"docs/_doc_blocks_test.md:1: .*{re.escape(problem)}"):
-            blocks(path)
-    finally:
-        path.unlink()
+    path = doc(tmp_path, f"{marker}\n```bash\necho\n```\n")
+    with pytest.raises(MarkerError, match=rf"doc.md:1: .*{re.escape(problem)}"):
+        blocks(path)

@@ -57,7 +57,7 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.doc.relative_to(REPO).as_posix()}:{self.line}"
+        return f"{shown(self.doc)}:{self.line}"
 
     def script(self) -> str:
         """The text to run: the block as written, or its short twin."""
@@ -139,7 +139,12 @@ def apply(block: Block, marker: str, doc: Path, line: int) -> None:
         else:
             raise MarkerError(f"unknown directive {directive!r} (skip, short, timeout, setup)")
     except MarkerError as exc:
-        raise MarkerError(f"{doc.relative_to(REPO).as_posix()}:{line}: {exc}") from None
+        raise MarkerError(f"{shown(doc)}:{line}: {exc}") from None
+
+
+def shown(doc: Path) -> str:
+    """A doc's name as a reader finds it: relative to the repository where it is in it."""
+    return doc.relative_to(REPO).as_posix() if doc.is_relative_to(REPO) else doc.name
 
 
 def all_blocks() -> list[Block]:
