@@ -27,6 +27,7 @@ import copy
 import functools
 import importlib.metadata
 import logging
+import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -42,6 +43,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from device_runtime.artifact_contract import (ANCHOR_MASK, ANCHORS, BATCH_DIM, EVAL_OUTPUTS, FEATURES, INPUT, LABELS,
                                               LAM, LOGITS, LOSS, LR, STEP_DATA_INPUTS, STEP_OUTPUTS, next_name)
@@ -483,11 +485,10 @@ def _trace(function: Callable, args: tuple[torch.Tensor, ...], convolution_by_pa
     """make_fx with a symbolic batch, the decompositions above and math attention; random ops refused."""
     with _math_attention():
         traced = make_fx(function, decomposition_table=_decompositions(convolution_by_patches),
-                         tracing_mode="symbolic", record_module_stack=True)(*args)
+                         tracing_mode="symbolic")(*args)
     for node in traced.graph.nodes:
         if node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
-            raise UnsupportedModel(f"{_layer_of(node)}: the random op {node.target} (dropout?) is refused: "
-                                   f"{_RANDOM_REFUSED}")
+            raise UnsupportedModel(f"the model: the random op {node.target} is refused: {_RANDOM_REFUSED}")
     return traced
 
 
@@ -495,10 +496,66 @@ _RANDOM_REFUSED = ("a step graph's random draws are onnxruntime's, which no PyTo
                    "can reproduce: use Dropout(p=0) or none")
 
 
-def _layer_of(node: torch.fx.Node) -> str:
-    """The innermost module a traced node came from (``fe.encoder.dropout``), or "the model" if none is known."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] if stack else "the model"
+def _check_modules(model: nn.Module) -> None:
+    """UnsupportedModel for a layer the compiler refuses, named: Dropout with p > 0 (nn.Dropout*, the attention
+    dropout of nn.MultiheadAttention) and transposed convolutions. Dropout is refused rather than fed masks the
+    device draws: masks shaped by every layer and the batch would widen the graph contract, and no parity check
+    could compare a step whose randomness is the device's with PyTorch's."""
+    for name, module in model.named_modules():
+        p = module.p if isinstance(module, nn.modules.dropout._DropoutNd) else (
+            module.dropout if isinstance(module, nn.MultiheadAttention) else 0.0)
+        if p > 0:
+            raise UnsupportedModel(f"{name}: {type(module).__name__} with dropout p={p:g} is refused: "
+                                   f"{_RANDOM_REFUSED}")
+        if isinstance(module, nn.modules.conv._ConvTransposeNd):
+            raise UnsupportedModel(f"{name}: {type(module).__name__} is refused by the step compiler (no "
+                                   "transposed convolution backward): use an upsampling and a Conv")
+
+
+class _OpSites(TorchDispatchMode):
+    """The innermost module (by name) that first called each aten op in an eager forward."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.stack: list[str] = []
+        self.sites: dict[str, str] = {}
+        self._hooks = [h for name, m in model.named_modules() if name for h in (
+            m.register_forward_pre_hook(functools.partial(self._enter, name)), m.register_forward_hook(self._leave))]
+
+    def _enter(self, name: str, *_) -> None:
+        self.stack.append(name)
+
+    def _leave(self, *_) -> None:
+        self.stack.pop()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.sites.setdefault(func.overloadpacket.__name__, self.stack[-1] if self.stack else "the model")
+        return func(*args, **(kwargs or {}))
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _layer_using(model: nn.Module, op: str, input_shape: tuple[int, ...]) -> str:
+    """The layer whose forward calls aten ``op`` (or, for ``X_backward``, ``X``; else an op whose name contains
+    or is contained in it, as ``prims.bessel_i0`` for ``aten.i0``), found by one eager forward."""
+    traced = copy.deepcopy(model).train()
+    sites = _OpSites(traced)
+    try:
+        with sites, torch.no_grad():
+            traced(torch.randn(2, *input_shape))
+    except Exception:  # noqa: BLE001 - naming the layer is best effort; the refusal stands without it
+        return "the model"
+    finally:
+        sites.close()
+    base = op.split(".")[1] if "." in op else op
+    exact = [n for n in (base, base.removesuffix("_backward")) if n in sites.sites]
+    related = sorted((n for n in sites.sites if len(n) > 1 and (n in base or base in n)), key=len, reverse=True)
+    return sites.sites[(exact or related)[0]] if exact or related else "the model"
+
+
+_NO_TRANSLATION = re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)'")
 
 
 def _export(function: Callable, args: tuple[torch.Tensor, ...], input_names: list[str],
@@ -589,6 +646,20 @@ def compile_step(model: nn.Module, input_shape: tuple[int, ...], num_classes: in
     its carried tensors (``fedcore.tensors``) by state_dict name, BatchNorm's running statistics as step state.
     UnsupportedModel (one line, the layer named) for a model the compiler cannot take."""
     check_tensors(model)
+    _check_modules(model)
+    try:
+        return _compile(model, input_shape, num_classes, feature_dim)
+    except torch.onnx.errors.OnnxExporterError as e:
+        missing = _NO_TRANSLATION.search(str(e))
+        if missing is None:
+            raise
+        op = missing.group(1)
+        raise UnsupportedModel(f"{_layer_using(model, op, input_shape)}: the op {op} has no ONNX translation "
+                               "(stock onnxruntime cannot run it): replace that layer") from None
+
+
+def _compile(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
+             feature_dim: int) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     names = tuple(carried_tensors(model))
     state = state_names(model)
     # contiguous, as the graph's inputs are: the stride-keyed forms (_addmm, _mm) must see the layout ONNX has
