@@ -30,9 +30,26 @@ FORMS = {
     # the batch fixed it to the trace's (the zoo at --rank-ratio 0.04)
     "factorized_conv2d_rank_below_8": (resnet8, (1, 8, 8), {"fe.block2.conv2": 2}),
     "factorized_conv1d": (conv1d_net, (3, 16), {"fe.conv2": 3}),
+    # a 0-d parameter: stays 0-d in the initial weights, the graphs and the device's store
+    "scalar_parameter": (lambda input_shape: _scaled(input_shape), (6,), {}),
 }
 STATS_STEPS = 6
 STATS_ATOL = 1e-5
+
+
+class _Scaled(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, 8)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) * self.scale
+
+
+def _scaled(input_shape) -> SplitModel:
+    torch.manual_seed(0)
+    return SplitModel("scaled", _Scaled(input_shape[0]), 8, 4)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +80,7 @@ def test_each_form_passes_parity_at_two_batch_sizes_with_a_free_batch_axis(form,
     result = trainer.train(x, y, anchors=None, mask=None, lam=0.0, mu=0.0, lr=0.05, epochs=1, batch_size=3,
                            rng=np.random.default_rng(0))
     assert result.steps == 1 and np.isfinite(result.loss)
-    assert {k: v.shape for k, v in trainer.get_fe().items()} == built.fe_shapes
+    assert {k: v.shape for k, v in trainer.get_fe().items()} == built.fe_shapes  # 0-d ones too
 
 
 def test_the_dynamic_batch_check_refuses_a_graph_whose_batch_is_fixed():
