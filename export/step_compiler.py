@@ -18,6 +18,21 @@ factor is column-major in torch, which had hidden U's Linear from that form); Re
 over the batch into a MatMul is broadcast instead, and dead nodes are dropped.
 Silent errors of any kind are why every compiled set passes :func:`check_parity` (one step in onnxruntime
 against PyTorch eager on a random batch, max |Δ| ≤ PARITY_ATOL) before it is published.
+Real edge models (issue 42), each form parity-checked at two batch sizes with the batch axis checked free:
+- BatchNorm 1-D/2-D trains with its running statistics as step STATE: graph inputs named by their state_dict key
+  (``fe.bn1.running_mean``), ``.next`` outputs that the training-mode forward updates, never differentiated
+  (``fedcore.tensors``: the ``num_batches_tracked`` counter is dropped, ``momentum=None`` refused); through
+  torch's own decompositions (the exporter would emit an inference-mode BatchNormalization); the eval graph is
+  traced in eval mode, on the running statistics;
+- grouped and depthwise convolutions (forward: Conv; backward: :func:`_convolution_backward`), 1-D convolutions
+  (as 2-D ones with a unit height axis), global average pools after any convolution form (:class:`_GlobalAvgPool`),
+  ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` by the math attention path (:func:`_math_attention`),
+  ReLU6/Hardswish/GELU/SiLU, LayerNorm, residual adds;
+- Dropout with p > 0 is REFUSED (:func:`_check_modules`), not fed masks the device draws: masks shaped by every
+  layer and by the batch would widen the graph contract, and no parity check could compare a step whose
+  randomness is the device's with PyTorch's; Dropout(p=0) compiles. A model the compiler cannot take raises
+  ``fedcore.tensors.UnsupportedModel``, one line naming the layer and the op (an op with no ONNX translation is
+  traced back to its layer by an eager forward, :func:`_layer_using`), never a traceback.
 The Frobenius term is not in the step: the device applies it once per epoch (``device_runtime.frobenius``).
 Devices need onnxruntime ≥ 1.17 (opset 18; down-conversion to 17 fails on ReduceMean with input axes).
 """
