@@ -153,10 +153,9 @@ class _Patches:
             self.batch_channels = False
 
 
-def _as_2d(weight: torch.Tensor, stride, padding, dilation, output_padding=None):
+def _as_2d(weight: torch.Tensor, stride, padding, dilation):
     """A 1-D convolution's weight and settings as those of the 2-D convolution with a unit height axis."""
-    extra = () if output_padding is None else ([0, *output_padding],)
-    return (weight.unsqueeze(2), [1, *stride], [0, *padding], [1, *dilation], *extra)
+    return weight.unsqueeze(2), [1, *stride], [0, *padding], [1, *dilation]
 
 
 def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, *, patches):
@@ -609,18 +608,19 @@ def check_dynamic_batch(model: onnx.ModelProto) -> None:
 
 
 def _pool_before_relu(model: nn.Module) -> nn.Module:
-    """``model`` with its feature extractor running each ReLU → MaxPool2d pair as MaxPool2d → ReLU: the same
+    """A copy of ``model`` whose feature extractor runs each ReLU → MaxPool2d pair as MaxPool2d → ReLU: the same
     values and the same gradients (max commutes with the monotone ReLU; a window whose maximum is ≤ 0 passes no
     gradient either way, and one whose maximum is > 0 has the same first maximum), with the ReLU and its backward
     on a quarter of the elements. Parameter names are unchanged; the parity check compares with ``model`` itself."""
     if not isinstance(model.fe, nn.Sequential):
         return model
-    layers = list(model.fe.named_children())
+    traced = copy.deepcopy(model)
+    layers = list(traced.fe.named_children())
     for i in range(len(layers) - 1):
         if isinstance(layers[i][1], nn.ReLU) and isinstance(layers[i + 1][1], nn.MaxPool2d):
             layers[i], layers[i + 1] = layers[i + 1], layers[i]
-    model.fe = nn.Sequential(OrderedDict(layers))
-    return model
+    traced.fe = nn.Sequential(OrderedDict(layers))
+    return traced
 
 
 class _GlobalAvgPool(nn.Module):
