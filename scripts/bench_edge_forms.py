@@ -41,11 +41,11 @@ def _no_batchnorm(model: nn.Module) -> nn.Module:
 
 
 MODELS = {
-    "ds_cnn_bn 1x49x10": (lambda: ds_cnn((1, 49, 10), 12, width=32), (1, 49, 10)),
-    "ds_cnn_no_bn 1x49x10": (lambda: _no_batchnorm(ds_cnn((1, 49, 10), 12, width=32)), (1, 49, 10)),
-    "resnet8_bn 3x32x32": (lambda: resnet8((3, 32, 32), 10, width=16), (3, 32, 32)),
-    "transformer 32x16": (lambda: tiny_transformer((32, 16), 10, model_dim=32, heads=2), (32, 16)),
-    "conv1d_bn 3x128": (lambda: conv1d_net((3, 128), 6, width=16), (3, 128)),
+    "ds_cnn_bn": (lambda: ds_cnn((1, 49, 10), 12, width=32), (1, 49, 10)),
+    "ds_cnn_no_bn": (lambda: _no_batchnorm(ds_cnn((1, 49, 10), 12, width=32)), (1, 49, 10)),
+    "resnet8_bn": (lambda: resnet8((3, 32, 32), 10, width=16), (3, 32, 32)),
+    "transformer": (lambda: tiny_transformer((32, 16), 10, model_dim=32, heads=2), (32, 16)),
+    "conv1d_bn": (lambda: conv1d_net((3, 128), 6, width=16), (3, 128)),
 }
 
 

@@ -203,3 +203,16 @@ def test_an_op_without_onnx_translation_is_refused_in_one_line_naming_op_and_lay
         step_compiler.compile_step(SplitModel("odd", fe, 6, 3), (2, 3), 3, 6)
     assert str(refused.value).startswith("fe.odd: the op prims.bessel_i0 has no ONNX translation")
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.slow
+def test_the_zoo_at_rank_ratio_0_04_keeps_a_free_batch_axis(cache):
+    from fedcore.lowrank import RankPlan, resolve_plan
+    from fedcore.models import build_model
+
+    model = build_model("fedavgcnn", (1, 28, 28), 10, seed=0)
+    ranks = resolve_plan(model, RankPlan(0.04)).ranks
+    assert min(ranks.values()) < step_compiler.GEMM_CONV_MIN_CHANNELS
+    built = build_artifacts_of_kind(PORTABLE_KIND, model, ranks, (1, 28, 28), 10, cache)  # parity at 2 batches
+    step = onnx.load(built.files["step_model"])
+    assert step.graph.input[0].type.tensor_type.shape.dim[0].dim_param == BATCH_DIM
