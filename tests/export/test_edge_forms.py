@@ -32,6 +32,8 @@ FORMS = {
     "factorized_conv1d": (conv1d_net, (3, 16), {"fe.conv2": 3}),
     # a 0-d parameter: stays 0-d in the initial weights, the graphs and the device's store
     "scalar_parameter": (lambda input_shape: _scaled(input_shape), (6,), {}),
+    # an adaptive average pool to 2×2 (not global) after a convolution by patches: AveragePool, Resize backward
+    "adaptive_avg_pool_2x2": (lambda input_shape: _pooled(input_shape), (8, 6, 4), {}),
 }
 STATS_STEPS = 6
 STATS_ATOL = 1e-5
@@ -50,6 +52,12 @@ class _Scaled(nn.Module):
 def _scaled(input_shape) -> SplitModel:
     torch.manual_seed(0)
     return SplitModel("scaled", _Scaled(input_shape[0]), 8, 4)
+
+
+def _pooled(input_shape) -> SplitModel:
+    torch.manual_seed(0)
+    fe = nn.Sequential(nn.Conv2d(input_shape[0], 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten())
+    return SplitModel("pooled", fe, 32, 3)
 
 
 @pytest.fixture(scope="module")
