@@ -135,6 +135,8 @@ class LocalTrainer(ABC):
         self.manifest = read_manifest(self.directory)
         self._fe_shapes = {t["name"]: tuple(t["shape"]) for t in self.manifest["fe"]}
         self._head_shapes = {t["name"]: tuple(t["shape"]) for t in self.manifest["head"]}
+        self._state_names = frozenset(t["name"] for t in (*self.manifest["fe"], *self.manifest["head"])
+                                      if t.get("state"))
         self._factor_pairs = factor_pairs(tuple(self._fe_shapes))
         self.input_shape = tuple(self.manifest["input_shape"])
         self.num_classes = int(self.manifest["num_classes"])
@@ -324,7 +326,7 @@ class DeviceTrainer(LocalTrainer):
 
     def _write(self, tensors: dict[str, np.ndarray]) -> None:
         for name, value in tensors.items():
-            contiguous = np.ascontiguousarray(value)  # must outlive the OrtValue, which borrows its memory
+            contiguous = np.asarray(value, order="C")  # outlives the OrtValue, which borrows it; 0-d stays 0-d
             self._state.copy_parameter_from(name, self._capi.OrtValue.ortvalue_from_numpy(contiguous, self._device))
 
     def _forward(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
