@@ -24,8 +24,10 @@ from device_runtime.shard import Shard
 from export.artifacts import ArtifactSet, build_artifacts_of_kind
 from server.algorithms.base import Algorithm
 from server.outputs.checkpoint import CHECKPOINT_NAME, Checkpoint, folder_taken, load_checkpoint, save_checkpoint
-from fedcore.lowrank import FE_PREFIX, RankPlan, ResolvedPlan, factorize_model, resolve_plan
-from fedcore.models import SplitModel, build_model
+from device_runtime.batchnorm import is_counter, is_statistic
+from fedcore.lowrank import FE_PREFIX, ResolvedPlan, factorize_model, resolve_plan
+from fedcore.model_probe import probe_model
+from fedcore.models import SplitModel, build_model, rank_plan
 from server.cli import parse_tiers
 from server.compute_threads import use_server_threads
 from server.engine.coordinator import Coordinator, CoordinatorConfig
@@ -60,7 +62,7 @@ def load_shards(args: argparse.Namespace, count: int) -> tuple[SplitModel, tuple
     """The initial model (the first of --model), its input shape and ``count`` device shards by device id (the
     same for both drivers given the same flags: a seeded subset of --max-samples, then the partition)."""
     data = data_from_args(args)
-    model = build_model(model_names(args)[0], data.input_shape, data.num_classes, seed=args.seed)
+    model = checked_model(model_names(args)[0], data.input_shape, data.num_classes, args.seed)
     if not count:
         return model, tuple(data.input_shape), {}
     return model, tuple(data.input_shape), dict(zip(device_ids(count), partition_from_args(data, args, count)))
@@ -70,8 +72,31 @@ def all_models(args: argparse.Namespace, first: SplitModel, input_shape: tuple[i
     """Every model --model names, by name, each initialised from --seed (the first is ``first``)."""
     models = {first.name: first}
     for name in model_names(args)[1:]:
-        models.setdefault(name, build_model(name, input_shape, first.num_classes, seed=args.seed))
+        models.setdefault(name, checked_model(name, input_shape, first.num_classes, args.seed))
     return models
+
+
+def checked_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int) -> SplitModel:
+    """The model --model names, built for the data and probed against the contract (``fedcore.model_probe``:
+    a misfit is a ValueError naming it, before anything compiles)."""
+    model = build_model(name, input_shape, num_classes, seed=seed)
+    probe_model(model, input_shape, num_classes)
+    return model
+
+
+def personal_names(model: SplitModel, bn_stats: str) -> frozenset[str]:
+    """The FE tensors that stay on the devices: the model's ``personal`` layers and, under --bn-stats personal,
+    every BatchNorm's running statistics (counters are never federated: device_runtime.batchnorm)."""
+    names = {k for k in model.state_dict() if k.startswith(FE_PREFIX) and not is_counter(k)}
+    prefixes = tuple(FE_PREFIX + p for p in model.personal)
+    return frozenset(k for k in names if (bn_stats == "personal" and is_statistic(k))
+                     or any(k == p or k.startswith(p + ".") for p in prefixes))
+
+
+def has_batchnorm(model: SplitModel) -> bool:
+    return any(is_statistic(k) for k in model.state_dict())
+
+
 
 
 def device_models(ids: list[str], names: list[str]) -> dict[str, str]:
@@ -135,7 +160,7 @@ class PlanBook:
     def _build(self, key: tuple[float, str, str]) -> PlanArtifacts:
         ratio, kind, name = key
         model = self.models[name]
-        resolved = resolve_plan(model, RankPlan(ratio))
+        resolved = resolve_plan(model, rank_plan(model, ratio))
         if self.onnx:
             started: list[float] = []
 
@@ -154,7 +179,8 @@ class PlanBook:
                      built.hash[:12], built.total_bytes)
         else:
             client = factorize_model(model, resolved.ranks)
-            shapes = {k: tuple(v.shape) for k, v in client.state_dict().items() if k.startswith(FE_PREFIX)}
+            shapes = {k: tuple(v.shape) for k, v in client.state_dict().items()
+                      if k.startswith(FE_PREFIX) and not is_counter(k)}
             digest = hashlib.sha256(json.dumps([model.name, sorted(resolved.ranks.items())]).encode())
             plan = PlanArtifacts(ratio, resolved, digest.hexdigest(), shapes, model=model)
         self._plans[key] = plan
@@ -286,8 +312,11 @@ def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder,
     rule = async_rule_from_args(args)
     if rule is not None:  # only then: a sync run's settings (and the checkpoints it resumes) stay as they were
         settings["async"] = rule.to_dict()
-    saved = out.resume_from(args.resume, settings)
     model, input_shape, shards = load_shards(args, deployment.devices)
+    if has_batchnorm(model):  # only then: the zoo's settings (and the checkpoints they resume) stay as they were
+        settings["bn_stats"] = args.bn_stats
+    algorithm.keep_personal(personal_names(model, args.bn_stats))
+    saved = out.resume_from(args.resume, settings)
     run_id = saved.state["run_id"] if saved else uuid.uuid4().hex[:16]
     coordinator = Coordinator(CoordinatorConfig(
         input_shape=input_shape, num_classes=model.num_classes, min_devices=deployment.min_devices,

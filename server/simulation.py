@@ -100,7 +100,8 @@ class Simulation:
             return
         if self.pool is None:
             self.pool = DevicePool(self.devices, self.by_hash,
-                                   WorkerSettings(self.args.backend, self.args.threads, self.args.device),
+                                   WorkerSettings(self.args.backend, self.args.threads, self.args.device,
+                                                  tuple(self.args.model.split(","))),
                                    self.args.workers)
         for device_id, update, personal in self.pool.answer(tasks):
             self.devices[device_id].personal = personal

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from device_runtime.batchnorm import is_counter
 from device_runtime.tensor_check import check_tensors
 from device_runtime.trainer import EvalResult, TrainResult
 from fedcore.lowrank import FE_PREFIX
@@ -20,8 +21,8 @@ class TorchTrainer:
 
     def __init__(self, model: SplitModel):
         self.model = model
-        state = model.state_dict()
-        self.fe_names = tuple(k for k in state if k.startswith(FE_PREFIX))
+        state = model.state_dict()  # BatchNorm counters are no one's business (device_runtime.batchnorm)
+        self.fe_names = tuple(k for k in state if k.startswith(FE_PREFIX) and not is_counter(k))
         self.head_names = tuple(k for k in state if k.startswith(HEAD_PREFIX))
 
     def _read(self, names: tuple[str, ...]) -> dict[str, np.ndarray]:

@@ -19,7 +19,7 @@ import numpy as np
 
 from device_runtime.help_format import CommandParser, DefaultsHelpFormatter
 from device_runtime.shard import Shard
-from server.data import DATASETS
+from server.data import DATASETS, NPZ_PREFIX, dataset_arg
 from server.data.datasets import DatasetFormatError, DatasetUnavailable, LabeledData, load_dataset
 from server.data.partition import MIN_SAMPLES, PARTITIONS, PartitionError, make_client_shards, write_shards
 
@@ -34,7 +34,7 @@ def subset(data: LabeledData, max_samples: int | None, seed: int) -> LabeledData
     if not max_samples or max_samples >= len(data.y):
         return data
     keep = np.sort(np.random.default_rng(seed).choice(len(data.y), max_samples, replace=False))
-    return LabeledData(data.x[keep], data.y[keep], data.num_classes, data.name)
+    return LabeledData(data.x[keep], data.y[keep], data.num_classes, data.name, data.normalization)
 
 
 def data_from_args(args: argparse.Namespace) -> LabeledData:
@@ -59,7 +59,9 @@ def describe(path: Path, shard: Shard) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="python -m server.shards", description=__doc__.splitlines()[0],
                                 formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--dataset", choices=DATASETS, default="fmnist", help="read from local files, never downloaded")
+    p.add_argument("--dataset", type=dataset_arg, default="fmnist", metavar="NAME",
+                   help=f"one of {', '.join(DATASETS)}, or {NPZ_PREFIX}PATH (your own arrays); read from local files, "
+                        "never downloaded")
     p.add_argument("--data-dir", default=None, help="dataset folder (default: the dataset's standard place)")
     p.add_argument("--partition", choices=PARTITIONS, default="dirichlet", help="how labels are spread over devices")
     p.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration (smaller: more skewed)")
