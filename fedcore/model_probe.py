@@ -52,17 +52,13 @@ def probe_model(model: SplitModel, input_shape: tuple[int, ...], num_classes: in
                                   "that leaves (batch, D)")
             if not features.is_floating_point():
                 raise ModelMisfit(f"--model {name}: the FE's output is {features.dtype}, not float32")
-            dims[mode] = features.shape[1]
+            width = dims[mode] = features.shape[1]
+            if model.head.in_features != width or model.head.out_features != num_classes:
+                raise ModelMisfit(f"--model {name}: the head is Linear({model.head.in_features}, "
+                                  f"{model.head.out_features}) but the FE gives {width} features and the data has "
+                                  f"{num_classes} classes: make it nn.Linear({width}, {num_classes})")
             if mode == "train":
                 _check_autograd(model.head(features), name)
-        if dims["train"] != dims["eval"]:
-            raise ModelMisfit(f"--model {name}: the FE gives {dims['train']} features in train mode but "
-                              f"{dims['eval']} in eval mode")
-        width = dims["train"]
-        if model.head.in_features != width or model.head.out_features != num_classes:
-            raise ModelMisfit(f"--model {name}: the head is Linear({model.head.in_features}, "
-                              f"{model.head.out_features}) but the FE gives {width} features and the data has "
-                              f"{num_classes} classes: make it nn.Linear({width}, {num_classes})")
         return width
     finally:
         model.load_state_dict(saved)
