@@ -231,7 +231,8 @@ def ort_memory_worker(spec: dict) -> dict:
     rng = np.random.default_rng(SEED)
     next_batch = itertools.cycle(fixed_batches(shard.x_train, shard.y_train, BATCH)).__next__
     step_times = timed_block(lambda: _ort_step(trainer, next_batch(), anchors, mask, rng), VARIANT_STEPS)
-    return dict(rss_python_bytes=rss_python, rss_import_bytes=rss_import, rss_loaded_bytes=rss_loaded,
+    from device_runtime.probe import probe_gflops
+    return dict(probe_gflops=probe_gflops(), rss_python_bytes=rss_python, rss_import_bytes=rss_import, rss_loaded_bytes=rss_loaded,
                 load_seconds=load_seconds, anchor_seconds=anchor_seconds, first_round_seconds=first_round_seconds,
                 rounds=rounds,
                 upload_tensor_bytes=tensor_bytes(update.weights), upload_wire_bytes=len(wire),

@@ -40,6 +40,7 @@ from server.engine.run_config import (DEFAULT_TIERS, FederationConfig, RunError,
 from server.outputs.report import METRICS_CSV, METRICS_FILE, write_metrics, write_metrics_csv, write_report
 from server.data.shards import DEVICE_ID, data_from_args, partition_from_args
 from server.engine.sampling import to_numpy
+from server.tier_measurement import cost_key
 
 LOG = logging.getLogger("fedara.setup")
 RESUME_IGNORED = ("rounds",)
@@ -145,11 +146,21 @@ class PlanBook:
     reference devices."""
 
     def __init__(self, model: SplitModel, input_shape: tuple[int, ...], cache_dir: Path, *, onnx: bool = True,
-                 others: dict[str, SplitModel] | None = None, emit: Callable[[str], None] | None = None):
+                 others: dict[str, SplitModel] | None = None, emit: Callable[[str], None] | None = None,
+                 tiers: tuple[float, ...] = DEFAULT_TIERS):
         self.model, self.input_shape, self.cache_dir, self.onnx = model, input_shape, cache_dir, onnx
         self.emit = emit  # progress lines while artifacts compile (the first run of a tier takes tens of seconds)
         self.models = {model.name: model, **(others or {})}
+        self.tiers = tiers
         self._plans: dict[tuple[float, str, str], PlanArtifacts] = {}
+        self._cost_key: str | None = None
+
+    def cost_key(self) -> str:
+        """The name the cost model knows the model by (``server.tier_measurement``: a model nobody measured is
+        measured at the run's tiers the first time this is asked)."""
+        if self._cost_key is None:
+            self._cost_key = cost_key(self.model, self.input_shape, self.cache_dir, self.tiers, self.emit)
+        return self._cost_key
 
     def get(self, ratio: float, kind: str = PORTABLE_KIND, model: str | None = None) -> PlanArtifacts:
         key = (ratio, kind, model or self.model.name)
@@ -288,7 +299,7 @@ def predictor_for(plans: PlanBook, batch_size: int) -> Predictor:
     analytic = tier_predictor(plans.model, plans.input_shape, batch_size)
 
     def for_profile(profile: ResourceProfile, shard_samples: int) -> Callable[[float], float]:
-        predict = peak_predictor(plans.model.name, plans.input_shape, batch_size, profile,
+        predict = peak_predictor(plans.cost_key(), plans.input_shape, batch_size, profile,
                                  shard_samples=shard_samples)
         try:
             predict(1.0)
@@ -323,7 +334,8 @@ def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder,
         join_ratio=config.join_ratio, seed=config.seed, round_deadline_s=deployment.round_deadline_s,
         min_completion=config.min_completion), run_id)
     models = all_models(args, model, input_shape)
-    plans = PlanBook(model, input_shape, Path(args.cache_dir), onnx=deployment.onnx, others=models, emit=emit)
+    plans = PlanBook(model, input_shape, Path(args.cache_dir), onnx=deployment.onnx, others=models, emit=emit,
+                     tiers=tiers)
     models_of = device_models(list(shards), model_names(args))
     if not deployment.budgets:
         overrides = round_robin_tiers(sorted(shards), tiers, overrides)

@@ -1,0 +1,117 @@
+"""Tiers for a model nobody measured: the first run of a user's model (``--model FILE.py:FN``) that needs the cost
+model (memory budgets, ``--device-speed``) measures each rank tier's step peak memory (batch 16 and 64) and step
+time in a fresh process with the onnxruntime a device runs, using the device benchmark's own worker
+(``scripts/bench_device.py``'s ``ort-memory``: a device process's local rounds on the portable step graph, peak RSS
+after each batch size, the p50 of single steps, the probe score), and keeps them in the user's cost-model file under
+the fingerprint of the model's graphs (``server.engine.cost_model.add_measured``). Later runs, and the virtual clock,
+read them there; the zoo's measurements ship with the package.
+
+Memory floors (the smallest cgroup limit a device completes under) need root and are measured by
+``scripts/bench_device.py --memory-floor`` only; a measured model's tiers are chosen from its peaks.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+from device_runtime.artifact_contract import PORTABLE_KIND, read_manifest
+from device_runtime.shard import Shard, save_shard
+from export.artifacts import build_artifacts_of_kind
+from fedcore.lowrank import resolve_plan
+from fedcore.models import ARCHITECTURES, SplitModel, rank_plan
+from server.engine.cost_model import MIB, add_measured, has_measurements
+
+BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
+MEASURE_TRAIN_SAMPLES = 128
+"""Synthetic training samples of the measuring device: two steps at batch 64 (a step's cost does not depend on
+the values; the shard's own bytes are what the cost model adds per sample)."""
+MEASURE_TEST_SAMPLES = 16
+KEY_PREFIX = "graphs-"
+MEASURED_BY = "server.tier_measurement (scripts/bench_device.py ort-memory worker, portable step graph)"
+
+
+class MeasurementError(ValueError):
+    """The device worker could not run a tier's step graph (the message names the tier and the worker's error)."""
+
+
+def _bench() -> ModuleType:
+    """The device benchmark's module (only the stdlib and numpy load with it)."""
+    if "fedara_bench_device" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("fedara_bench_device", BENCH_SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["fedara_bench_device"] = module
+    return sys.modules["fedara_bench_device"]
+
+
+def graph_fingerprint(directory: Path) -> str:
+    """sha256 over the graph files of an artifact set (their manifest hashes): the same code, the same graphs."""
+    files = sorted((key, entry["sha256"]) for key, entry in read_manifest(directory)["files"].items())
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()
+
+
+def cost_key(model: SplitModel, input_shape: tuple[int, ...], cache_dir: Path, tiers: Sequence[float],
+             emit: Callable[[str], None] | None = None) -> str:
+    """The name the cost model knows ``model`` by: a zoo name, or ``graphs-<fingerprint>`` of the model's dense
+    step graph, measured at every tier first where the cost model lacks one of them."""
+    if model.name in ARCHITECTURES:
+        return model.name
+    dense = _portable(model, 1.0, input_shape, cache_dir)
+    key = KEY_PREFIX + graph_fingerprint(dense)[:20]
+    missing = [t for t in tiers if not has_measurements(key, input_shape, [t])]
+    if missing:
+        if emit:
+            emit(f"measuring {model.name} at rank ratios {', '.join(f'{t:g}' for t in missing)} (once: later runs "
+                 "take them from the cost model's cache) ...")
+        add_measured([measure_tier(model, t, input_shape, cache_dir, key) for t in missing], MEASURED_BY)
+    return key
+
+
+def _portable(model: SplitModel, ratio: float, input_shape: tuple[int, ...], cache_dir: Path) -> Path:
+    ranks = resolve_plan(model, rank_plan(model, ratio)).ranks
+    return build_artifacts_of_kind(PORTABLE_KIND, model, ranks, input_shape, model.num_classes, cache_dir).directory
+
+
+def measure_tier(model: SplitModel, ratio: float, input_shape: tuple[int, ...], cache_dir: Path, key: str) -> dict:
+    """One cost-model entry: the tier's step graph run by the benchmark's device worker in a fresh process."""
+    bench = _bench()
+    directory = _portable(model, ratio, input_shape, cache_dir)
+    with tempfile.TemporaryDirectory(prefix="fedara-measure-") as folder:
+        shard = Path(folder) / "shard.npz"
+        rng = np.random.default_rng(0)
+        classes = model.num_classes
+        save_shard(shard, Shard(rng.standard_normal((MEASURE_TRAIN_SAMPLES, *input_shape), dtype=np.float32),
+                                np.arange(MEASURE_TRAIN_SAMPLES, dtype=np.int64) % classes,
+                                rng.standard_normal((MEASURE_TEST_SAMPLES, *input_shape), dtype=np.float32),
+                                np.arange(MEASURE_TEST_SAMPLES, dtype=np.int64) % classes, classes))
+        try:
+            result = bench.run_worker("ort-memory", dict(
+                label=f"{model.name} at {ratio:g}", portable=True, artifacts=str(directory),
+                portable_artifacts=str(directory), shard=str(shard),
+                session=list(bench.SESSION_VARIANTS[bench.shipped_session_variant()])))
+        except RuntimeError as exc:  # the worker's traceback: its last line says what failed
+            last = str(exc).strip().splitlines()[-1]
+            raise MeasurementError(f"measuring {model.name} at rank ratio {ratio:g} failed in the device "
+                                   f"worker: {last}") from None
+    return cost_entry(result, key, input_shape, ratio)
+
+
+def cost_entry(result: dict, key: str, input_shape: tuple[int, ...], ratio: float) -> dict:
+    """A cost-model entry from an ``ort-memory`` worker's result: the peak RSS after the rounds at each batch size;
+    the p50 single step at batch 16, and at 64 that scaled by the two rounds' time per step."""
+    rounds = result["rounds"]
+    small, large = sorted(rounds, key=int)[:2]
+    per_step = {size: rounds[size]["seconds"] / rounds[size]["steps"] for size in (small, large)}
+    step_small = result["step_ms"]["p50"]
+    return dict(model=key, input_shape=[int(d) for d in input_shape], ratio=ratio,
+                probe_gflops=result["probe_gflops"],
+                peak_mb={size: rounds[size]["peak_rss_bytes"] / MIB for size in (small, large)},
+                step_ms={"1": {small: step_small, large: step_small * per_step[large] / per_step[small]}})
