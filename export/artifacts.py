@@ -4,9 +4,11 @@ Two kinds (``device_runtime.artifact_contract``): ``onnxruntime-training`` (trai
 graph and a checkpoint, built here) and ``onnxruntime`` (one plain SGD-step graph for stock onnxruntime, built by
 ``export.step_compiler`` and published only after its parity check). One artifact set serves every round of a
 plan: the graphs take λ, anchors and mask as inputs and the device overwrites the weights each round. The set
-lives in ``cache_dir/<hash>/`` where the hash (sha256) covers everything that shapes the graphs: kind,
-architecture, ranks, input shape, classes, opset, tool versions and FORMAT_VERSION. Devices name what they hold
-by that hash.
+lives in ``cache_dir/<hash>/`` where the hash (sha256) covers everything that shapes the graphs: kind, the model's
+fingerprint (``export.fingerprint``: its traced graphs, so its code, not only its name and shapes), ranks, input
+shape, classes, opset, tool versions and FORMAT_VERSION. Devices name what they hold by that hash. A model's
+tensors are its carried ones (``fedcore.tensors``: parameters and BatchNorm running statistics, by state_dict
+name); the per-sample input shape is any positive shape (C×H×W, C×T, T×D, D).
 
 ``python -m export.artifacts --model fedavgcnn --input-shape 1,28,28 --classes 10 --ratio 0.5 --out DIR
 [--kind onnxruntime]``
@@ -39,9 +41,11 @@ from device_runtime.artifact_contract import (ARTIFACT_FILES_BY_KIND, FEATURES, 
                                               MANIFEST_NAME, PORTABLE_KIND, TRAINING_KIND, ArtifactError, file_sha256,
                                               read_manifest, verify_artifacts)
 from export import step_compiler
+from export.fingerprint import fingerprint
 from export.loss_block import FedAraLoss
 from fedcore.lowrank import FE_PREFIX, RankPlan, check_ranks, factorize_model, resolve_plan
 from fedcore.models import ARCHITECTURES, SplitModel, build_model
+from fedcore.tensors import UnsupportedModel, carried_tensors, state_names
 
 OPSET = 17  # training kind; ONNX IR 8: loadable by onnxruntime-training 1.19.2 (which refuses IR > 10)
 TMP_PREFIX = ".building-"
@@ -86,7 +90,7 @@ class _ForwardGraph(nn.Module):
 
 
 def _shapes(module: nn.Module, prefix: str) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in module.state_dict().items() if k.startswith(prefix)}
+    return {k: tuple(v.shape) for k, v in carried_tensors(module).items() if k.startswith(prefix)}
 
 
 def artifact_config(model: SplitModel, ranks: dict[str, int], input_shape: tuple[int, ...], num_classes: int,
@@ -99,7 +103,8 @@ def artifact_config(model: SplitModel, ranks: dict[str, int], input_shape: tuple
         "format_version": FORMAT_VERSION,
         "kind": kind,
         "model": model.name,
-        "layers": {k: list(v.shape) for k, v in model.state_dict().items()},
+        "fingerprint": fingerprint(model, tuple(input_shape)),
+        "layers": {k: list(v.shape) for k, v in carried_tensors(model).items()},
         "ranks": {k: int(ranks[k]) for k in sorted(ranks)},
         "input_shape": [int(d) for d in input_shape],
         "num_classes": int(num_classes),
@@ -113,8 +118,8 @@ def config_hash(config: dict) -> str:
 
 
 def _check_request(model: SplitModel, input_shape: tuple[int, ...], num_classes: int) -> None:
-    if len(input_shape) != 3 or any(int(d) < 1 for d in input_shape):
-        raise ValueError(f"input_shape must be (C, H, W) with positive sizes, got {tuple(input_shape)}")
+    if len(input_shape) < 1 or any(int(d) < 1 for d in input_shape):
+        raise ValueError(f"input_shape must be a per-sample shape of positive sizes, got {tuple(input_shape)}")
     if num_classes != model.num_classes:
         raise ValueError(f"num_classes {num_classes} does not match the model's head ({model.num_classes})")
 
@@ -173,6 +178,9 @@ def _tensor_entries(shapes: dict[str, tuple[int, ...]]) -> list[dict]:
 
 def _write_training_artifacts(client: SplitModel, input_shape: tuple[int, ...], directory: Path) -> None:
     """The training kind's four files: training/eval/optimizer graphs and the checkpoint."""
+    if state_names(client):
+        raise UnsupportedModel(f"{state_names(client)[0]}: the onnxruntime-training artifact kind has no step state "
+                               "(BatchNorm running statistics): use the onnxruntime kind")
     forward = _export_forward(client, input_shape)
     parameters = list(client.state_dict())
     with _ort_chatter_filtered():
@@ -195,7 +203,7 @@ def _write_portable_artifacts(client: SplitModel, shape: tuple[int, ...], direct
     onnx.save(step, directory / files["step_model"])
     onnx.save(evaluate, directory / files["eval_model"])
     with open(directory / files["initial_weights"], "wb") as f:
-        np.savez(f, **{k: v.detach().numpy() for k, v in client.state_dict().items()})
+        np.savez(f, **{k: v.detach().numpy() for k, v in carried_tensors(client).items()})
 
 
 def _write_artifacts(client: SplitModel, config: dict, digest: str, directory: Path) -> None:
@@ -282,13 +290,13 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(d) for d in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected C,H,W integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (C,H,W / C,T / D), got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, choices=tuple(ARCHITECTURES))
-    p.add_argument("--input-shape", required=True, type=_parse_shape, help="C,H,W, e.g. 1,28,28")
+    p.add_argument("--input-shape", required=True, type=_parse_shape, help="per-sample shape, e.g. 1,28,28")
     p.add_argument("--classes", required=True, type=int)
     p.add_argument("--ratio", type=float, default=1.0, help="rank ratio r_k in (0, 1]; 1 keeps every layer dense")
     p.add_argument("--layers", default=None, help="comma-separated FE layers to factorize (default: all but the first)")
@@ -300,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = resolve_plan(model, RankPlan(args.ratio, layers))
     try:
         built = build_artifacts_of_kind(args.kind, model, plan.ranks, args.input_shape, args.classes, args.out)
+    except UnsupportedModel as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (ArtifactError, step_compiler.ParityError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -41,19 +41,20 @@ from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from device_runtime.artifact_contract import (ANCHOR_MASK, ANCHORS, BATCH_DIM, EVAL_OUTPUTS, FEATURES, INPUT, LABELS,
                                               LAM, LOGITS, LOSS, LR, STEP_DATA_INPUTS, STEP_OUTPUTS, next_name)
 from fedcore.lowrank import FE_PREFIX
 from fedcore.objective import fac_loss, local_loss
+from fedcore.tensors import UnsupportedModel, carried_tensors, check_tensors, state_names, without_counters
 
 HEAD_PREFIX = "head."
 
-COMPILER_VERSION = 7  # bump whenever the emitted graphs change for the same inputs
+COMPILER_VERSION = 8  # bump whenever the emitted graphs change for the same inputs
 OPSET = 18
 PARITY_ATOL = 1e-5
 GEMM_CONV_MIN_CHANNELS = 8
-PARITY_BATCH = 5
 PARITY_SEED = 0
 _LOW_TRACE_BATCH = 5
 aten = torch.ops.aten
@@ -104,10 +105,15 @@ def _patches(x: torch.Tensor, kernel: tuple[int, int], stride, padding) -> tuple
 
 class _Patches:
     """The patches of each convolution input, made once per trace: the backward's weight gradient multiplies the
-    forward's own patches (one gather in the graph, not two)."""
+    forward's own patches (one gather in the graph, not two). A 1-D convolution's input gets one unit height axis,
+    also once, so its forward and backward share the patches too. While :meth:`over_batch` is open, convolutions
+    stay Conv ops: the non-GEMM weight gradient convolves over the batch axis (the batch is its channel count),
+    and the GEMM test's ``int()`` of that axis would fix the batch size into the graph."""
 
     def __init__(self) -> None:
         self._made: dict[tuple, tuple[torch.Tensor, tuple[int, int]]] = {}
+        self._raised: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.batch_channels = False
 
     def __call__(self, x: torch.Tensor, kernel: tuple[int, int], stride, padding):
         key = (id(x), kernel, tuple(stride), tuple(padding))
@@ -115,12 +121,37 @@ class _Patches:
             self._made[key] = (x, _patches(x, kernel, stride, padding))  # x held: its id stays its own
         return self._made[key][1]
 
+    def two_d(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, C, T) as (N, C, 1, T), the same tensor for the same ``x``."""
+        if id(x) not in self._raised:
+            self._raised[id(x)] = (x, x.unsqueeze(2))
+        return self._raised[id(x)][1]
+
+    @contextmanager
+    def over_batch(self) -> Iterator[None]:
+        self.batch_channels = True
+        try:
+            yield
+        finally:
+            self.batch_channels = False
+
+
+def _as_2d(weight: torch.Tensor, stride, padding, dilation, output_padding=None):
+    """A 1-D convolution's weight and settings as those of the 2-D convolution with a unit height axis."""
+    extra = () if output_padding is None else ([0, *output_padding],)
+    return (weight.unsqueeze(2), [1, *stride], [0, *padding], [1, *dilation], *extra)
+
 
 def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, *, patches):
-    """A convolution as patches × weight matrix (+ bias) where :func:`_gemm_conv` says so; else the Conv op.
-    The weight matrix is (C_out, kh·kw·C): a move of the channel axis, which onnxruntime transposes quickly."""
-    if not _gemm_conv(x, weight, dilation, transposed, groups):
+    """A convolution as patches × weight matrix (+ bias) where :func:`_gemm_conv` says so (1-D ones with a unit
+    height axis); else the Conv op. The weight matrix is (C_out, kh·kw·C): a move of the channel axis, which
+    onnxruntime transposes quickly."""
+    if patches.batch_channels or not _gemm_conv(x, weight, dilation, transposed, groups):
         return NotImplemented
+    if weight.dim() == 3:
+        weight2, stride2, padding2, dilation2 = _as_2d(weight, stride, padding, dilation)
+        return _convolution(patches.two_d(x), weight2, bias, stride2, padding2, dilation2, transposed,
+                            output_padding, groups, patches=patches).squeeze(2)
     c_out = int(weight.shape[0])
     rows, (oh, ow) = patches(x, tuple(int(k) for k in weight.shape[2:]), stride, padding)
     y = rows @ weight.permute(0, 2, 3, 1).reshape(c_out, -1).transpose(0, 1)
@@ -131,15 +162,23 @@ def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_
 
 def _convolution_backward(grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
                           groups, output_mask, *, patches):
-    """(dX, dW, db) of an ungrouped 2-D convolution from GEMMs and ops ONNX has.
+    """(dX, dW, db) of a 1-D or 2-D convolution, grouped or not, from GEMMs and ops ONNX has (1-D: as 2-D with a
+    unit height axis).
 
     Where :func:`_gemm_conv` holds: dX is Col2Im (``F.fold``) of Wᵀ × grad_out, dW is grad_outᵀ × the forward's
-    patches. Elsewhere dX is the transposed convolution of grad_out (its output_padding taken from the input's
-    size) and dW the convolution of x with its batch and channel axes swapped by grad_out (likewise swapped), the
-    forward stride acting as dilation, cropped to the kernel. db: grad_out summed over batch and space.
+    patches. Elsewhere dX is the transposed convolution of grad_out (same groups; its output_padding taken from
+    the input's size) and dW a convolution over the batch: x as (C_in/G, G·N, H, W) by grad_out as (C_out, N, oh,
+    ow) in G groups, the forward stride acting as dilation, cropped to the kernel (ungrouped: x with its batch and
+    channel axes swapped). db: grad_out summed over batch and space.
     """
-    if transposed or groups != 1:
-        raise NotImplementedError("only ungrouped, non-transposed convolutions are compiled")
+    if transposed:
+        raise UnsupportedModel("a transposed convolution (ConvTranspose) is refused by the step compiler")
+    if weight.dim() == 3:
+        weight2, stride2, padding2, dilation2 = _as_2d(weight, stride, padding, dilation)
+        grads = _convolution_backward(grad_out.unsqueeze(2), patches.two_d(x), weight2, bias_sizes, stride2,
+                                      padding2, dilation2, transposed, output_padding, groups, output_mask,
+                                      patches=patches)
+        return (*(None if g is None else g.squeeze(2) for g in grads[:2]), grads[2])
     kernel = tuple(int(k) for k in weight.shape[2:])
     c_out, c_in = int(weight.shape[0]), int(weight.shape[1])
     gemm = _gemm_conv(x, weight, dilation, transposed, groups)
@@ -151,14 +190,18 @@ def _convolution_backward(grad_out, x, weight, bias_sizes, stride, padding, dila
         extra = [int(x.shape[2 + i]) - ((int(grad_out.shape[2 + i]) - 1) * stride[i] - 2 * padding[i]
                                         + dilation[i] * (kernel[i] - 1) + 1) for i in range(2)]
         grad_x = F.conv_transpose2d(grad_out, weight, stride=stride, padding=padding, output_padding=extra,
-                                    dilation=dilation)
+                                    groups=groups, dilation=dilation)
     if output_mask[1] and gemm:
         rows, _ = patches(x, kernel, stride, padding)
         matrix = grad_out.permute(0, 2, 3, 1).reshape(-1, c_out).transpose(0, 1) @ rows
         grad_w = matrix.reshape(c_out, kernel[0], kernel[1], c_in).permute(0, 3, 1, 2)
     elif output_mask[1]:
-        swapped = F.conv2d(x.transpose(0, 1), grad_out.transpose(0, 1), stride=dilation, padding=padding,
-                           dilation=stride)
+        h, w = (int(d) for d in x.shape[2:])
+        by_group = (x.transpose(0, 1) if groups == 1 else
+                    x.reshape(-1, groups, c_in, h, w).permute(2, 1, 0, 3, 4).reshape(c_in, -1, h, w))
+        with patches.over_batch():
+            swapped = F.conv2d(by_group, grad_out.transpose(0, 1), stride=dilation, padding=padding,
+                               dilation=stride, groups=groups)
         grad_w = swapped[:, :, :kernel[0], :kernel[1]].transpose(0, 1)
     if output_mask[2]:
         grad_b = grad_out.sum(dim=(0, 2, 3))
@@ -226,6 +269,34 @@ def _first_maxima(x: torch.Tensor, kernel: tuple[int, int]) -> torch.Tensor:
     return key == _upsample(_max_pool(key, kernel), kernel)
 
 
+def _pool_windows(x: torch.Tensor, output_size) -> tuple[int, int] | None:
+    """The window of an adaptive average pool whose output size divides its input's, else None."""
+    size = [int(d) for d in x.shape[2:]]
+    if any(o < 1 or n % o for n, o in zip(size, output_size)):
+        return None
+    return size[0] // int(output_size[0]), size[1] // int(output_size[1])
+
+
+def _adaptive_avg_pool2d(x, output_size):
+    """An adaptive average pool whose windows tile the input as a plain one (AveragePool; global: a mean)."""
+    window = _pool_windows(x, output_size)
+    if window is None:
+        return NotImplemented
+    if tuple(int(o) for o in output_size) == (1, 1):
+        return x.mean(dim=(2, 3), keepdim=True)
+    return F.avg_pool2d(x, window, window)
+
+
+def _adaptive_avg_pool2d_backward(grad_out, x):
+    """Its backward: each window's gradient spread evenly over the window (a nearest upsampling and a scale)."""
+    window = _pool_windows(x, grad_out.shape[2:])
+    if window is None:
+        return NotImplemented
+    if tuple(int(d) for d in grad_out.shape[2:]) == (1, 1):
+        return (grad_out / (window[0] * window[1])).expand(x.shape)
+    return _upsample(grad_out, window) / (window[0] * window[1])
+
+
 def _addmm(bias, x, weight_t, beta=1, alpha=1):
     """A Linear layer's x·Wᵀ + b as (W·xᵀ)ᵀ + b where Wᵀ is the transpose of a contiguous weight: onnxruntime's
     GEMM packs its right operand on every run, and this way that operand is xᵀ (16 columns at batch 16), not
@@ -262,7 +333,7 @@ def _decompositions(convolution_by_patches: bool) -> dict:
     """The op table of a trace. The eval graph keeps its convolutions as Conv ops (``convolution_by_patches``
     false): it runs at the evaluation batch of 64, where FedAvgCNN's conv2 patches alone take 13 MB of a device's
     peak, and it has no weight gradient to share them with."""
-    table = get_decompositions([aten.nll_loss_forward, aten.nll_loss_backward])
+    table = get_decompositions([aten.nll_loss_forward, aten.nll_loss_backward, *_BATCH_NORM_OPS, *_ACTIVATION_BACKWARDS])
     patches = _Patches()
     if convolution_by_patches:
         table[aten.convolution.default] = functools.partial(_convolution, patches=patches)
@@ -270,10 +341,22 @@ def _decompositions(convolution_by_patches: bool) -> dict:
     table[aten.max_pool2d_with_indices_backward.default] = _max_pool2d_backward
     table[aten.threshold_backward.default] = _threshold_backward
     table[aten.addmm.default] = _addmm
+    table[aten._adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
+    table[aten._adaptive_avg_pool2d_backward.default] = _adaptive_avg_pool2d_backward
     table[aten.mm.default] = _mm
     table[aten.pow.Tensor_Scalar] = _pow
     return table
 
+
+_BATCH_NORM_OPS = (aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional,
+                   aten.native_batch_norm_backward)
+"""Training-mode BatchNorm by torch's own decompositions (mean, variance, the running statistics' update): left
+to the exporter, it becomes an inference-mode BatchNormalization (parity: 0.29 off). The eval graph's
+``_native_batch_norm_legit_no_training`` is left to it: that one is an inference BatchNormalization."""
+
+_ACTIVATION_BACKWARDS = (aten.silu_backward, aten.hardswish_backward, aten.hardsigmoid_backward,
+                         aten.sigmoid_backward, aten.tanh_backward, aten.gelu_backward, aten.hardtanh_backward)
+"""Activation backwards by torch's decompositions: the exporter has no translation for SiLU's and Hardswish's."""
 
 _TORCH_POOL_BACKWARD = get_decompositions([aten.max_pool2d_with_indices_backward])[
     aten.max_pool2d_with_indices_backward.default]
@@ -330,7 +413,7 @@ def trace_batch_size(model: nn.Module, input_shape: tuple[int, ...], num_classes
 
 
 def _loss(model: nn.Module, state: dict[str, torch.Tensor], x, labels, anchors, mask, lam):
-    """(CE + λ·L_FAC, logits) with the parameters given as tensors; λ is a tensor, so the term is always traced."""
+    """(CE + λ·L_FAC, logits) with the tensors given by name; λ is a tensor, so the term is always traced."""
     features = functional_call(model.fe, _strip(state, FE_PREFIX), (x,))
     logits = functional_call(model.head, _strip(state, HEAD_PREFIX), (features,))
     return F.cross_entropy(logits, labels) + lam * fac_loss(features, labels, anchors, mask), logits
@@ -340,27 +423,32 @@ def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tenso
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def _step_function(model: nn.Module, names: tuple[str, ...]) -> Callable:
-    """f(input, labels, anchors, mask, λ, lr, *params) -> (loss, logits, *(params − lr·grads)).
+def _step_function(model: nn.Module, names: tuple[str, ...], state: tuple[str, ...]) -> Callable:
+    """f(input, labels, anchors, mask, λ, lr, *tensors) -> (loss, logits, *next tensors), ``model`` in training mode.
 
-    Backpropagation starts from −lr instead of 1, so each gradient arrives as the update itself and a parameter
-    needs one Add (which onnxruntime folds into a weight gradient's GEMM) instead of a Mul and a Sub over it."""
+    A parameter's next value is p − lr·∂L/∂p. Backpropagation starts from −lr instead of 1, so each gradient
+    arrives as the update itself and a parameter needs one Add (which onnxruntime folds into a weight gradient's
+    GEMM) instead of a Mul and a Sub over it. A ``state`` tensor (BatchNorm's running statistics) goes in as a
+    copy that the forward updates in place, and comes out as that copy: never differentiated."""
 
-    def step(x, labels, anchors, mask, lam, lr, *params):
-        params = tuple(p.detach().requires_grad_() for p in params)
-        loss, logits = _loss(model, dict(zip(names, params)), x, labels, anchors, mask, lam)
-        steps = torch.autograd.grad(loss, params, grad_outputs=-lr)
-        return (loss.detach(), logits.detach(), *(p.detach() + d for p, d in zip(params, steps)))
+    def step(x, labels, anchors, mask, lam, lr, *tensors):
+        given = dict(zip(names, tensors))
+        buffers = {n: given[n].clone() for n in state}
+        params = {n: v.detach().requires_grad_() for n, v in given.items() if n not in buffers}
+        loss, logits = _loss(model, params | buffers, x, labels, anchors, mask, lam)
+        steps = dict(zip(params, torch.autograd.grad(loss, tuple(params.values()), grad_outputs=-lr)))
+        after = {n: buffers[n].detach() if n in buffers else params[n].detach() + steps[n] for n in names}
+        return (loss.detach(), logits.detach(), *after.values())
 
     return step
 
 
 def _eval_function(model: nn.Module, names: tuple[str, ...]) -> Callable:
-    """f(input, *params) -> (logits, features)."""
+    """f(input, *tensors) -> (logits, features), ``model`` in eval mode (BatchNorm by its running statistics)."""
 
-    def forward(x, *params):
-        features = functional_call(model.fe, _strip(dict(zip(names, params)), FE_PREFIX), (x,))
-        return functional_call(model.head, _strip(dict(zip(names, params)), HEAD_PREFIX), (features,)), features
+    def forward(x, *tensors):
+        features = functional_call(model.fe, _strip(dict(zip(names, tensors)), FE_PREFIX), (x,))
+        return functional_call(model.head, _strip(dict(zip(names, tensors)), HEAD_PREFIX), (features,)), features
 
     return forward
 
@@ -377,11 +465,47 @@ def example_inputs(input_shape: tuple[int, ...], num_classes: int, feature_dim: 
             ANCHOR_MASK: mask, LAM: torch.tensor(2.0), LR: torch.tensor(0.05)}
 
 
+@contextmanager
+def _math_attention() -> Iterator[None]:
+    """Attention as its math form while tracing: the CPU flash-attention kernel's backward has no ONNX
+    translation, and the fused fast paths of nn.MultiheadAttention / nn.TransformerEncoderLayer (taken in eval
+    mode) neither."""
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
+
+
+def _trace(function: Callable, args: tuple[torch.Tensor, ...], convolution_by_patches: bool) -> torch.fx.GraphModule:
+    """make_fx with a symbolic batch, the decompositions above and math attention; random ops refused."""
+    with _math_attention():
+        traced = make_fx(function, decomposition_table=_decompositions(convolution_by_patches),
+                         tracing_mode="symbolic", record_module_stack=True)(*args)
+    for node in traced.graph.nodes:
+        if node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            raise UnsupportedModel(f"{_layer_of(node)}: the random op {node.target} (dropout?) is refused: "
+                                   f"{_RANDOM_REFUSED}")
+    return traced
+
+
+_RANDOM_REFUSED = ("a step graph's random draws are onnxruntime's, which no PyTorch reference (the parity gate) "
+                   "can reproduce: use Dropout(p=0) or none")
+
+
+def _layer_of(node: torch.fx.Node) -> str:
+    """The innermost module a traced node came from (``fe.encoder.dropout``), or "the model" if none is known."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else "the model"
+
+
 def _export(function: Callable, args: tuple[torch.Tensor, ...], input_names: list[str],
             output_names: list[str], convolution_by_patches: bool) -> onnx.ModelProto:
-    """make_fx (symbolic shapes, the decompositions above) then the dynamo exporter; the batch dim is named."""
-    traced = make_fx(function, decomposition_table=_decompositions(convolution_by_patches),
-                     tracing_mode="symbolic")(*args)
+    """make_fx (symbolic shapes, the decompositions above) then the dynamo exporter; the batch dim is named and
+    checked dynamic (a batch fixed to the trace's would pass a parity check run at that batch)."""
+    traced = _trace(function, args, convolution_by_patches)
     batch = torch.export.Dim(BATCH_DIM)
     dynamic = tuple({0: batch} if name in (INPUT, LABELS) else None for name in input_names)
     with warnings.catch_warnings(), _exporter_quiet():
@@ -396,45 +520,93 @@ def _export(function: Callable, args: tuple[torch.Tensor, ...], input_names: lis
     for value in [*model.graph.input, *model.graph.output]:
         if value.type.tensor_type.shape.dim and value.type.tensor_type.shape.dim[0].dim_param:
             value.type.tensor_type.shape.dim[0].dim_param = BATCH_DIM
+    check_dynamic_batch(model)
     onnx.checker.check_model(model, full_check=True)
     return model
 
 
+def check_dynamic_batch(model: onnx.ModelProto) -> None:
+    """ParityError unless the batch axis of the graph's input (and labels, logits, features) is the named
+    dimension BATCH_DIM: a graph traced with the batch fixed runs at that batch only."""
+    batched = (INPUT, LABELS, LOGITS, FEATURES)
+    fixed = [v.name for v in [*model.graph.input, *model.graph.output] if v.name in batched
+             and v.type.tensor_type.shape.dim[0].dim_param != BATCH_DIM]
+    if fixed:
+        raise ParityError(f"compiled graph has a fixed batch axis at {fixed}: a trace fixed the batch size "
+                          "(an int() of a symbolic axis in export/step_compiler.py)")
+
+
 def _pool_before_relu(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose feature extractor runs each ReLU → MaxPool2d pair as MaxPool2d → ReLU: the same
+    """``model`` with its feature extractor running each ReLU → MaxPool2d pair as MaxPool2d → ReLU: the same
     values and the same gradients (max commutes with the monotone ReLU; a window whose maximum is ≤ 0 passes no
     gradient either way, and one whose maximum is > 0 has the same first maximum), with the ReLU and its backward
     on a quarter of the elements. Parameter names are unchanged; the parity check compares with ``model`` itself."""
     if not isinstance(model.fe, nn.Sequential):
         return model
-    traced = copy.deepcopy(model)
-    layers = list(traced.fe.named_children())
+    layers = list(model.fe.named_children())
     for i in range(len(layers) - 1):
         if isinstance(layers[i][1], nn.ReLU) and isinstance(layers[i + 1][1], nn.MaxPool2d):
             layers[i], layers[i + 1] = layers[i + 1], layers[i]
-    traced.fe = nn.Sequential(OrderedDict(layers))
-    return traced
+    model.fe = nn.Sequential(OrderedDict(layers))
+    return model
+
+
+class _GlobalAvgPool(nn.Module):
+    """``nn.AdaptiveAvgPool1d/2d`` to output size 1 as a mean over the spatial axes. ATen's own global pool
+    restrides its result like its input, which after a convolution by patches is a channels-last view; a Flatten
+    of that is exported as as_strided_scatter, which ONNX lacks."""
+
+    def __init__(self, axes: tuple[int, ...]):
+        super().__init__()
+        self.axes = axes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=self.axes, keepdim=True)
+
+
+def _global_pools_as_means(model: nn.Module) -> nn.Module:
+    """``model`` with each adaptive average pool to size 1 replaced by :class:`_GlobalAvgPool`."""
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
+            continue
+        size = module.output_size
+        if all(d == 1 for d in ((size,) if isinstance(size, int) else size)):
+            parent, _, child = name.rpartition(".")
+            axes = (-1,) if isinstance(module, nn.AdaptiveAvgPool1d) else (-2, -1)
+            setattr(model.get_submodule(parent), child, _GlobalAvgPool(axes))
+    return model
+
+
+def _traced_copy(model: nn.Module, training: bool) -> nn.Module:
+    """A copy of ``model`` to trace: in training or eval mode, without BatchNorm counters, ReLU → MaxPool2d
+    swapped (:func:`_pool_before_relu`), global average pools as means (:class:`_GlobalAvgPool`)."""
+    return _global_pools_as_means(_pool_before_relu(without_counters(copy.deepcopy(model).train(training))))
 
 
 def compile_step(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
                  feature_dim: int) -> tuple[onnx.ModelProto, onnx.ModelProto]:
-    """(step graph, eval graph) of ``model`` (a client model: dense or factorized) with the contract's I/O names."""
-    names = tuple(model.state_dict())
-    model = _pool_before_relu(model)
+    """(step graph, eval graph) of ``model`` (a client model: dense or factorized) with the contract's I/O names:
+    its carried tensors (``fedcore.tensors``) by state_dict name, BatchNorm's running statistics as step state.
+    UnsupportedModel (one line, the layer named) for a model the compiler cannot take."""
+    check_tensors(model)
+    names = tuple(carried_tensors(model))
+    state = state_names(model)
     # contiguous, as the graph's inputs are: the stride-keyed forms (_addmm, _mm) must see the layout ONNX has
-    params = tuple(p.detach().clone(memory_format=torch.contiguous_format) for p in model.state_dict().values())
+    tensors = tuple(t.detach().clone(memory_format=torch.contiguous_format) for t in carried_tensors(model).values())
     data = example_inputs(input_shape, num_classes, feature_dim, trace_batch_size(model, input_shape, num_classes),
                           PARITY_SEED)
-    step = _export(_step_function(model, names), (*data.values(), *params), [*STEP_DATA_INPUTS, *names],
-                   [*STEP_OUTPUTS, *(next_name(n) for n in names)], convolution_by_patches=True)
-    evaluate = _export(_eval_function(model, names), (data[INPUT], *params), [INPUT, *names], list(EVAL_OUTPUTS),
-                       convolution_by_patches=False)
+    step = _export(_step_function(_traced_copy(model, True), names, state), (*data.values(), *tensors),
+                   [*STEP_DATA_INPUTS, *names], [*STEP_OUTPUTS, *(next_name(n) for n in names)],
+                   convolution_by_patches=True)
+    evaluate = _export(_eval_function(_traced_copy(model, False), names), (data[INPUT], *tensors), [INPUT, *names],
+                       list(EVAL_OUTPUTS), convolution_by_patches=False)
     return step, evaluate
 
 
 def _reference_step(model: nn.Module, data: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """One SGD step of ``fedcore.objective.local_loss`` in PyTorch eager: loss, logits and the new parameters."""
-    client = copy.deepcopy(model)
+    """One SGD step of ``fedcore.objective.local_loss`` in PyTorch eager (training mode): loss, logits, the new
+    parameters and the running statistics the forward updated."""
+    client = copy.deepcopy(model).train()
     loss, logits = local_loss(client, data[INPUT], data[LABELS], data[ANCHORS], data[ANCHOR_MASK], float(data[LAM]))
     client.zero_grad()
     loss.backward()
@@ -442,32 +614,53 @@ def _reference_step(model: nn.Module, data: dict[str, torch.Tensor]) -> dict[str
     with torch.no_grad():
         for name, p in client.named_parameters():
             out[next_name(name)] = (p - data[LR] * p.grad).numpy()
+        for name in state_names(client):
+            out[next_name(name)] = carried_tensors(client)[name].numpy()
     return out
+
+
+def parity_batches(model: nn.Module, input_shape: tuple[int, ...], num_classes: int) -> tuple[int, int]:
+    """The two batch sizes the parity gate runs: the trace's, and one more than it (the batch axis must be free)."""
+    traced = trace_batch_size(model, input_shape, num_classes)
+    return traced, traced + 1
 
 
 def check_parity(model: nn.Module, step: onnx.ModelProto, evaluate: onnx.ModelProto, input_shape: tuple[int, ...],
                  num_classes: int, feature_dim: int, session: Callable[[bytes], object]) -> float:
-    """Max |Δ| of one step and one forward in onnxruntime vs PyTorch eager on a random batch whose images are blank
-    in their upper half (ties in max-pool windows); ParityError above PARITY_ATOL. ``session(model_bytes)`` opens
-    an onnxruntime InferenceSession (the caller's build)."""
-    data = example_inputs(input_shape, num_classes, feature_dim, PARITY_BATCH, PARITY_SEED + 1)
-    data[INPUT][:, :, :input_shape[1] // 2] = 0.0  # a blank region: equal maxima in pooling windows (ties)
-    params = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    feeds = {k: v.numpy() for k, v in data.items()} | params
+    """Max |Δ| of one step and one forward in onnxruntime vs PyTorch eager on a random batch whose samples are
+    blank in their first half (ties in max-pool windows), at both :func:`parity_batches`; ParityError above
+    PARITY_ATOL. ``session(model_bytes)`` opens an onnxruntime InferenceSession (the caller's build)."""
+    sessions = session(step.SerializeToString()), session(evaluate.SerializeToString())
+    outputs = [o.name for o in step.graph.output], [o.name for o in evaluate.graph.output]
+    worst = 0.0
+    for i, batch in enumerate(parity_batches(model, input_shape, num_classes)):
+        worst = max(worst, _parity_at(model, sessions, outputs, input_shape, num_classes, feature_dim, batch,
+                                      PARITY_SEED + 1 + i))
+    return worst
+
+
+def _parity_at(model: nn.Module, sessions, outputs, input_shape: tuple[int, ...], num_classes: int,
+               feature_dim: int, batch: int, seed: int) -> float:
+    data = example_inputs(input_shape, num_classes, feature_dim, batch, seed)
+    if len(input_shape) >= 2:
+        data[INPUT][:, :, :input_shape[1] // 2] = 0.0  # a blank region: equal maxima in pooling windows (ties)
+    tensors = {k: v.detach().numpy() for k, v in carried_tensors(model).items()}
+    feeds = {k: v.numpy() for k, v in data.items()} | tensors
     expected = _reference_step(model, data)
-    got = dict(zip([o.name for o in step.graph.output], session(step.SerializeToString()).run(None, feeds)))
+    got = dict(zip(outputs[0], sessions[0].run(None, feeds)))
+    reference = copy.deepcopy(model).eval()
     with torch.no_grad():
-        features = model.fe(data[INPUT])
-        expected_eval = {LOGITS: model.head(features).numpy(), FEATURES: features.numpy()}
-    got_eval = dict(zip([o.name for o in evaluate.graph.output],
-                        session(evaluate.SerializeToString()).run(None, {INPUT: feeds[INPUT]} | params)))
+        features = reference.fe(data[INPUT])
+        expected_eval = {LOGITS: reference.head(features).numpy(), FEATURES: features.numpy()}
+    got_eval = dict(zip(outputs[1], sessions[1].run(None, {INPUT: feeds[INPUT]} | tensors)))
     pairs = [(k, v, got.get(k)) for k, v in expected.items()]
     pairs += [(k, v, got_eval.get(k)) for k, v in expected_eval.items()]
     missing = [k for k, want, value in pairs if value is None or value.shape != np.shape(want)]
     if missing:
-        raise ParityError(f"compiled graphs lack or misshape outputs {missing}")
+        raise ParityError(f"compiled graphs lack or misshape outputs {missing} at batch {batch}")
     worst, name = max((float(np.abs(e - g).max()), k) for k, e, g in pairs)
     if not worst <= PARITY_ATOL:
-        raise ParityError(f"compiled step differs from PyTorch by {worst:.3g} (> {PARITY_ATOL:g}) at {name}: "
-                          "not published; an exporter upgrade may mistranslate an op (see export/step_compiler.py)")
+        raise ParityError(f"compiled step differs from PyTorch by {worst:.3g} (> {PARITY_ATOL:g}) at {name}, batch "
+                          f"{batch}: not published; an exporter upgrade may mistranslate an op (see "
+                          "export/step_compiler.py)")
     return worst

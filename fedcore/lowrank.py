@@ -5,29 +5,48 @@ A weight W is viewed as a matrix M (m×n) and factorized as M ≈ U Vᵀ with U 
 - Conv2d W (c_out, c_in, kh, kw): M = W.permute(0, 2, 1, 3).reshape(c_out·kh, c_in·kw), so the factors
   run as a 1×kw conv c_in→r (width axis) followed by a kh×1 conv r→c_out (height axis, with the bias).
   Reshaping without the permute does not give a separable pair of convs and is wrong even at full rank.
+- Conv1d W (c_out, c_in, k): the Conv2d rule with kh = 1, M = W.reshape(c_out, c_in·k): a k-wide conv c_in→r
+  then a 1-wide conv r→c_out (with the bias); exact at full rank.
 Spectral initialisation U = U_r·√S_r, V = V_r·√S_r is the Eckart–Young optimum at rank r.
+
+What can be factorized (:func:`factorization_candidates`): the FE's Linear and ungrouped, undilated Conv1d/Conv2d
+layers with numeric padding and zero padding mode (1×1 included) whose forward their parent calls. Excluded, with
+the reason: grouped and depthwise convolutions (a grouped weight is G small matrices, not one), dilated or
+"same"-padded ones, and layers whose parent reads ``.weight`` itself (``nn.MultiheadAttention`` passes
+``out_proj.weight`` to its functional form: a factorized twin has no ``.weight``). By default a plan factorizes
+the candidates whose matrix view has full rank ≥ ``min_full_rank`` (16): an input layer's rank is capped by
+c_in·k (5 for a 1-channel 5×5 conv), so factorizing it saves nothing; a plan may name any candidate instead.
 """
 from __future__ import annotations
 
 import copy
+import inspect
+import re
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedcore.tensors import UnsupportedModel, carried_tensors
+
 FE_PREFIX = "fe."
 FACTOR_SUFFIXES = (".u", ".v")
+DEFAULT_MIN_FULL_RANK = 16
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """(m, n) of the matrix view of a Linear (2-D) or Conv2d (4-D) weight shape."""
+    """(m, n) of the matrix view of a Linear (2-D), Conv1d (3-D) or Conv2d (4-D) weight shape."""
     if len(shape) == 2:
         return int(shape[0]), int(shape[1])
+    if len(shape) == 3:
+        c_out, c_in, k = shape
+        return int(c_out), int(c_in * k)
     if len(shape) == 4:
         c_out, c_in, kh, kw = shape
         return int(c_out * kh), int(c_in * kw)
-    raise ValueError(f"only 2-D (Linear) and 4-D (Conv2d) weights can be factorized, got shape {tuple(shape)}")
+    raise ValueError(f"only 2-D (Linear), 3-D (Conv1d) and 4-D (Conv2d) weights can be factorized, got shape "
+                     f"{tuple(shape)}")
 
 
 def full_rank(shape: tuple[int, ...]) -> int:
@@ -47,15 +66,15 @@ def factorization_is_lighter(rank: int, shape: tuple[int, ...]) -> bool:
 
 
 def to_matrix(weight: torch.Tensor) -> torch.Tensor:
-    matrix_shape(tuple(weight.shape))
-    if weight.dim() == 2:
-        return weight
+    m, n = matrix_shape(tuple(weight.shape))
+    if weight.dim() < 4:
+        return weight.reshape(m, n)
     c_out, c_in, kh, kw = weight.shape
     return weight.permute(0, 2, 1, 3).reshape(c_out * kh, c_in * kw)
 
 
 def from_matrix(matrix: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    if len(shape) == 2:
+    if len(shape) < 4:
         return matrix.reshape(shape)
     c_out, c_in, kh, kw = shape
     return matrix.reshape(c_out, kh, c_in, kw).permute(0, 2, 1, 3).contiguous()
@@ -131,34 +150,73 @@ class FactorizedConv2d(nn.Module):
         return F.conv2d(z, height_kernel, self.bias, stride=(self.stride[0], 1), padding=(self.padding[0], 0))
 
 
-FactorizedLayer = (FactorizedLinear, FactorizedConv2d)
+class FactorizedConv1d(nn.Module):
+    """A k-wide conv c_in→r (stride, padding) then a 1-wide conv r→c_out (bias)."""
+
+    def __init__(self, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, weight_shape: tuple[int, ...],
+                 stride: tuple[int], padding: tuple[int]):
+        super().__init__()
+        self.u = nn.Parameter(u.detach().clone())
+        self.v = nn.Parameter(v.detach().clone())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        self.weight_shape = tuple(int(d) for d in weight_shape)
+        self.stride = stride
+        self.padding = padding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c_out, c_in, k = self.weight_shape
+        r = self.u.shape[1]
+        z = F.conv1d(x, self.v.T.reshape(r, c_in, k), stride=self.stride, padding=self.padding)
+        return F.conv1d(z, self.u.unsqueeze(2), self.bias)
+
+
+FactorizedLayer = (FactorizedLinear, FactorizedConv1d, FactorizedConv2d)
+
+
+def unfactorizable_reason(layer: nn.Module) -> str | None:
+    """Why ``layer`` itself cannot be factorized (None: it can): not a Linear/Conv1d/Conv2d, grouped, dilated,
+    non-numeric padding or a padding mode other than zeros."""
+    kind = type(layer).__name__
+    if isinstance(layer, nn.Linear):
+        return None
+    if not isinstance(layer, (nn.Conv1d, nn.Conv2d)):
+        return f"a {kind} cannot be factorized (only Linear, Conv1d and Conv2d)"
+    if layer.groups != 1:
+        depthwise = "depthwise " if layer.groups == layer.in_channels else "grouped "
+        return f"{depthwise}{kind} (groups={layer.groups}) cannot be factorized"
+    if any(d != 1 for d in layer.dilation):
+        return f"dilated {kind} (dilation={layer.dilation}) cannot be factorized"
+    if not isinstance(layer.padding, tuple) or layer.padding_mode != "zeros":
+        return f"{kind} with padding={layer.padding!r}, padding_mode={layer.padding_mode!r} cannot be factorized"
+    return None
 
 
 def factorize_layer(layer: nn.Module, rank: int) -> nn.Module:
-    """The factorized twin of a dense Linear/Conv2d, initialised by truncated SVD."""
+    """The factorized twin of a dense Linear/Conv1d/Conv2d, initialised by truncated SVD."""
+    reason = unfactorizable_reason(layer)
+    if reason is not None:
+        raise UnsupportedModel(reason)
     u, v = decompose(layer.weight, rank)
     if isinstance(layer, nn.Linear):
         return FactorizedLinear(u, v, layer.bias)
-    if isinstance(layer, nn.Conv2d):
-        if layer.groups != 1 or layer.dilation != (1, 1) or not isinstance(layer.padding, tuple):
-            raise ValueError("only ungrouped, undilated Conv2d with numeric padding can be factorized")
-        return FactorizedConv2d(u, v, layer.bias, tuple(layer.weight.shape), layer.stride, layer.padding)
-    raise TypeError(f"cannot factorize a {type(layer).__name__}")
+    shape = tuple(layer.weight.shape)
+    kind = FactorizedConv1d if isinstance(layer, nn.Conv1d) else FactorizedConv2d
+    return kind(u, v, layer.bias, shape, layer.stride, layer.padding)
 
 
 @dataclass(frozen=True)
 class RankPlan:
-    """A client's rank ratio r_k and the FE layers Q_k it factorizes (None: the default layers).
-
-    The default Q_k is every Conv2d/Linear of the FE except the first one: the input layer holds few
-    parameters (800 of FedAvgCNN's 576k) and its rank is capped by c_in·k, so factorizing it saves nothing.
-    """
+    """A client's rank ratio r_k and the FE layers Q_k it factorizes (None: the default layers, the candidates
+    whose full rank is at least ``min_full_rank``; see the module docstring)."""
 
     ratio: float = 1.0
     layers: tuple[str, ...] | None = None
+    min_full_rank: int = DEFAULT_MIN_FULL_RANK
 
     def __post_init__(self) -> None:
         _check_ratio(self.ratio)
+        if not (isinstance(self.min_full_rank, int) and self.min_full_rank >= 1):
+            raise ValueError(f"min_full_rank must be an integer >= 1, got {self.min_full_rank!r}")
 
 
 @dataclass(frozen=True)
@@ -175,35 +233,96 @@ class ResolvedPlan:
         return ", ".join(parts) if parts else "dense"
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """The FE's factorizable layers (name → module, in model order) and the FE's other Linear/Conv layers with
+    the reason each cannot be factorized (name → one line)."""
+
+    layers: dict[str, nn.Module]
+    excluded: dict[str, str]
+
+    def describe(self) -> str:
+        lines = [f"{name}: {type(m).__name__} {tuple(m.weight.shape)}, full rank {full_rank(tuple(m.weight.shape))}"
+                 for name, m in self.layers.items()]
+        return "\n".join(lines + [f"{name}: excluded: {why}" for name, why in self.excluded.items()])
+
+
 def _check_ratio(ratio: float) -> None:
     if not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
         raise ValueError(f"rank ratio must be in (0, 1], got {ratio!r}")
 
 
+def _reads_weight(parent: nn.Module, child: str) -> bool:
+    """Whether ``parent``'s own forward reads ``self.<child>.weight`` (nn.MultiheadAttention does, for out_proj)."""
+    if isinstance(parent, nn.MultiheadAttention):
+        return True
+    try:
+        source = inspect.getsource(type(parent).forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(rf"\b{re.escape(child)}\.weight\b", source) is not None
+
+
+def factorization_candidates(model: nn.Module) -> Candidates:
+    """Which FE layers can be factorized, and why each other FE Linear/Conv cannot (module docstring)."""
+    layers: dict[str, nn.Module] = {}
+    excluded: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not name.startswith(FE_PREFIX) or not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
+                                                                       nn.modules.conv._ConvTransposeNd)):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        reason = unfactorizable_reason(module)
+        if reason is None and _reads_weight(parent, child):
+            reason = (f"{type(module).__name__} whose parent ({type(parent).__name__}) reads {child}.weight itself "
+                      "cannot be factorized")
+        if reason is None:
+            layers[name] = module
+        else:
+            excluded[name] = reason
+    return Candidates(layers, excluded)
+
+
 def factorizable_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Conv2d/Linear modules of the FE, by their name in the model (``fe.conv1`` ...), in order."""
-    return {name: m for name, m in model.named_modules()
-            if name.startswith(FE_PREFIX) and isinstance(m, (nn.Conv2d, nn.Linear))}
+    """The FE's factorizable layers by their name in the model (``fe.conv1`` ...), in order."""
+    return factorization_candidates(model).layers
+
+
+def default_layers(model: nn.Module, min_full_rank: int = DEFAULT_MIN_FULL_RANK) -> tuple[str, ...]:
+    """The candidates a plan factorizes by default: those whose matrix view has full rank ≥ ``min_full_rank``
+    (the zoo's first conv, rank 5 or 15, stays dense; every other zoo layer has rank ≥ 80)."""
+    return tuple(name for name, m in factorizable_layers(model).items()
+                 if full_rank(tuple(m.weight.shape)) >= min_full_rank)
 
 
 def _qualify(name: str) -> str:
     return name if name.startswith(FE_PREFIX) else FE_PREFIX + name
 
 
+def _check_named(candidates: Candidates, names) -> None:
+    """UnsupportedModel (one line) for a name that is an excluded layer, ValueError for one that is no FE layer."""
+    for name in names:
+        if name in candidates.excluded:
+            raise UnsupportedModel(f"{name}: {candidates.excluded[name]}")
+    unknown = [n for n in names if n not in candidates.layers]
+    if unknown:
+        raise ValueError(f"unknown FE layer(s) {unknown} in rank plan; factorizable: {list(candidates.layers)}")
+
+
 def resolve_plan(model: nn.Module, plan: RankPlan) -> ResolvedPlan:
-    """Per-layer ranks for ``plan`` on ``model``'s FE; unknown layers raise, costlier layers stay dense."""
-    candidates = factorizable_layers(model)
+    """Per-layer ranks for ``plan`` on ``model``'s FE; a named layer that cannot be factorized is refused in one
+    line (UnsupportedModel), an unknown one raises ValueError, costlier layers stay dense."""
+    candidates = factorization_candidates(model)
     if plan.layers is None:
-        chosen = list(candidates)[1:]
+        chosen = list(default_layers(model, plan.min_full_rank))
     else:
         chosen = [_qualify(n) for n in plan.layers]
-        unknown = [n for n in chosen if n not in candidates]
-        if unknown:
-            raise ValueError(f"unknown FE layer(s) {unknown} in rank plan; factorizable: {list(candidates)}")
+        _check_named(candidates, chosen)
     ranks: dict[str, int] = {}
     kept_dense: list[str] = []
     for name in chosen:
-        shape = tuple(candidates[name].weight.shape)
+        shape = tuple(candidates.layers[name].weight.shape)
         rank = rank_for_ratio(plan.ratio, shape)
         if factorization_is_lighter(rank, shape):
             ranks[name] = rank
@@ -213,12 +332,12 @@ def resolve_plan(model: nn.Module, plan: RankPlan) -> ResolvedPlan:
 
 
 def check_ranks(model: nn.Module, ranks: dict[str, int]) -> None:
-    """Raise on a rank outside [1, full rank] or a layer that is not a factorizable FE layer."""
-    candidates = factorizable_layers(model)
+    """Raise on a rank outside [1, full rank] or a layer that is not a factorizable FE layer (UnsupportedModel,
+    one line, for one that is an excluded layer)."""
+    candidates = factorization_candidates(model)
+    _check_named(candidates, list(ranks))
     for name, rank in ranks.items():
-        if name not in candidates:
-            raise ValueError(f"unknown FE layer {name!r}; factorizable: {list(candidates)}")
-        full = full_rank(tuple(candidates[name].weight.shape))
+        full = full_rank(tuple(candidates.layers[name].weight.shape))
         if not 1 <= rank <= full:
             raise ValueError(f"rank {rank} for {name} is outside [1, {full}]")
 
@@ -269,8 +388,9 @@ def decay_factors(model: nn.Module, mu: float, step: float, params: list[nn.Para
 
 
 def fe_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The FE's tensors by full name (``fe.conv1.weight`` or ``fe.fc1.u``/``.v``), detached copies."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(FE_PREFIX)}
+    """The FE's carried tensors (``fedcore.tensors``) by full name (``fe.conv1.weight``, ``fe.fc1.u``/``.v``,
+    ``fe.bn1.running_mean``), detached copies."""
+    return {k: v.detach().clone() for k, v in carried_tensors(model).items() if k.startswith(FE_PREFIX)}
 
 
 def factorize_state(global_fe: dict[str, torch.Tensor], ranks: dict[str, int],

@@ -89,7 +89,7 @@ def test_decompose_rejects_rank_above_full():
 
 def test_decompose_rejects_non_matrix_weights():
     with pytest.raises(ValueError, match="2-D"):
-        decompose(torch.randn(3, 3, 3), 1)
+        decompose(torch.randn(3, 3, 3, 3, 3), 1)
 
 
 @pytest.mark.parametrize("ratio", [0.0, -0.5, 1.5])
