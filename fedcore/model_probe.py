@@ -6,7 +6,8 @@ Checked: the FE maps ``(batch, *input_shape)`` to ``(batch, D)`` in both modes a
 num_classes)``; every parameter is float32 (what the device trains); every BatchNorm has a momentum (``None``, a
 cumulative average over all batches ever seen, has no per-round meaning in a federation); the forward takes the
 data's per-sample shape; no custom ``torch.autograd.Function`` (its backward is Python the exporter cannot see);
-``factorize`` and ``personal`` name layers and tensors of the FE.
+``factorize`` and ``personal`` name layers and tensors of the FE. The rules on BatchNorm and on what the runtime
+carries are ``fedcore.tensors.check_tensors``'s, asked here.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from fedcore.models import SplitModel
+from fedcore.tensors import UnsupportedModel, check_tensors
 
 PROBE_BATCH = 3
 """Samples in the probing batch: neither 1 (BatchNorm refuses a single sample in train mode) nor the trace's 2."""
@@ -31,10 +33,10 @@ def probe_model(model: SplitModel, input_shape: tuple[int, ...], num_classes: in
         if param.dtype != torch.float32:
             raise ModelMisfit(f"--model {name}: parameter {pname} is {str(param.dtype).removeprefix('torch.')}; the "
                               "device trains float32 (build the layer without dtype=, or call .float())")
-    for lname, layer in model.named_modules():
-        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and layer.track_running_stats and layer.momentum is None:
-            raise ModelMisfit(f"--model {name}: {lname} is a BatchNorm with momentum=None (a cumulative average "
-                              "over every batch ever seen, which no round can share); give it a momentum such as 0.1")
+    try:
+        check_tensors(model)  # the runtime's own rule for what it carries (BatchNorm momentum, floating point)
+    except UnsupportedModel as exc:
+        raise ModelMisfit(f"--model {name}: {exc}") from None
     _check_names(model)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     was_training = model.training

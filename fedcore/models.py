@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fedcore.lowrank import FE_PREFIX, RankPlan, factorizable_layers
+from fedcore.lowrank import FE_PREFIX, RankPlan, default_layers
 from fedcore.model_spec import FILE_KIND, ModelSpec, parse_model_spec
 
 KERNEL = 5
@@ -154,13 +154,13 @@ def _user_model(spec: ModelSpec, built: object, num_classes: int) -> SplitModel:
 
 
 def rank_plan(model: nn.Module, ratio: float) -> RankPlan:
-    """A tier's plan for ``model``: its ``factorize`` layers where it names them; else the default rule, less its
-    ``personal`` layers (a device keeps those dense, as they are)."""
+    """A tier's plan for ``model``: its ``factorize`` layers where it names them; else the default layers
+    (``fedcore.lowrank.default_layers``), less its ``personal`` layers (a device keeps those dense, as they are)."""
     factorize, personal = getattr(model, "factorize", None), getattr(model, "personal", ())
     if factorize is not None:
         return RankPlan(ratio, tuple(factorize))
     if not personal:
         return RankPlan(ratio)
     personal = tuple(FE_PREFIX + p for p in personal)
-    default = list(factorizable_layers(model))[1:]
+    default = default_layers(model)
     return RankPlan(ratio, tuple(n for n in default if not any(n == p or n.startswith(p + ".") for p in personal)))

@@ -11,9 +11,7 @@ Memory floors (the smallest cgroup limit a device completes under) need root and
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -22,9 +20,10 @@ from types import ModuleType
 
 import numpy as np
 
-from device_runtime.artifact_contract import PORTABLE_KIND, read_manifest
+from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.shard import Shard, save_shard
 from export.artifacts import build_artifacts_of_kind
+from export.fingerprint import fingerprint
 from fedcore.lowrank import resolve_plan
 from fedcore.models import ARCHITECTURES, SplitModel, rank_plan
 from server.engine.cost_model import MIB, add_measured, has_measurements
@@ -52,20 +51,14 @@ def _bench() -> ModuleType:
     return sys.modules["fedara_bench_device"]
 
 
-def graph_fingerprint(directory: Path) -> str:
-    """sha256 over the graph files of an artifact set (their manifest hashes): the same code, the same graphs."""
-    files = sorted((key, entry["sha256"]) for key, entry in read_manifest(directory)["files"].items())
-    return hashlib.sha256(json.dumps(files).encode()).hexdigest()
-
-
 def cost_key(model: SplitModel, input_shape: tuple[int, ...], cache_dir: Path, tiers: Sequence[float],
              emit: Callable[[str], None] | None = None) -> str:
-    """The name the cost model knows ``model`` by: a zoo name, or ``graphs-<fingerprint>`` of the model's dense
-    step graph, measured at every tier first where the cost model lacks one of them."""
+    """The name the cost model knows ``model`` by: a zoo name, or ``graphs-`` and the model's fingerprint
+    (``export.fingerprint``: its traced graphs, so its code), measured at every tier first where the cost model lacks
+    one of them."""
     if model.name in ARCHITECTURES:
         return model.name
-    dense = _portable(model, 1.0, input_shape, cache_dir)
-    key = KEY_PREFIX + graph_fingerprint(dense)[:20]
+    key = KEY_PREFIX + fingerprint(model, tuple(input_shape))[:20]
     missing = [t for t in tiers if not has_measurements(key, input_shape, [t])]
     if missing:
         if emit:

@@ -125,7 +125,7 @@ class UsesCustom(nn.Module):
 @pytest.mark.parametrize("fe, width, shape, message", [
     (nn.Conv1d(2, 4, 3), 4, (2, 8), r"maps a batch of 3 to \(3, 4, 6\), not \(batch, D\)"),
     (nn.Sequential(nn.Linear(5, 4).double()), 4, (5,), "parameter fe.0.weight is float64; the device trains float32"),
-    (nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4, momentum=None)), 4, (5,), "fe.1 is a BatchNorm with momentum=None"),
+    (nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4, momentum=None)), 4, (5,), "fe.1: BatchNorm1d with momentum=None"),
     (nn.Sequential(nn.Linear(7, 4)), 4, (5,), r"fails on samples of the data's shape \(5,\)"),
     (nn.Sequential(nn.Linear(5, 4), UsesCustom()), 4, (5,), "calls the custom autograd Function Custom"),
     (nn.Sequential(nn.Linear(5, 6)), 4, (5,), r"make it nn.Linear\(6, 3\)"),
@@ -153,12 +153,12 @@ def test_factorize_and_personal_must_name_layers_of_the_fe():
 
 
 def test_the_rank_plan_takes_the_models_factorize_list_and_leaves_personal_layers_dense():
-    fe = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
-    chosen = model(fe, 8)
+    fe = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    chosen = model(fe, 32)
     chosen.factorize = ("0",)
     assert rank_plan(chosen, 0.5).layers == ("0",)
     chosen.factorize, chosen.personal = None, ("2",)
-    assert rank_plan(chosen, 0.5).layers == ("fe.4",)
+    assert rank_plan(chosen, 0.5).layers == ("fe.0", "fe.4")
 
 
 def run_simulate(capsys, *flags: str) -> tuple[int, str, str]:
