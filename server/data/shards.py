@@ -27,6 +27,8 @@ DEVICE_ID = "dev_{:03d}"
 """A device's id from its index: the MQTT client id, topic level and username of device i."""
 DEVICE_SHARD_FILENAME = DEVICE_ID + ".npz"
 EXIT_BAD_INPUT = 2
+NORMALIZATION_FILENAME = "normalization.npz"
+"""Beside the shards of --dataset npz:PATH: the mean and std its samples were normalized with."""
 
 
 def subset(data: LabeledData, max_samples: int | None, seed: int) -> LabeledData:
@@ -96,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
-        shards = partition_from_args(data_from_args(args), args, args.clients)
+        data = data_from_args(args)
+        shards = partition_from_args(data, args, args.clients)
     except PartitionError as exc:
         print(f"error: --partition {args.partition} of --dataset {args.dataset} (--max-samples {args.max_samples}) "
               f"among --clients {args.clients} (--min-samples {args.min_samples}): {exc}", file=sys.stderr)
@@ -114,4 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     for path, shard in zip(paths, shards):
         print(describe(path, shard))
+    if data.normalization is not None:  # a device holding raw samples of its own normalizes them the same way
+        mean, std = data.normalization
+        np.savez(args.out / NORMALIZATION_FILENAME, mean=mean, std=std)
+        print(f"wrote {args.out / NORMALIZATION_FILENAME}: the mean and std the shards were normalized with "
+              "((x - mean) / std, per sample)")
     return 0

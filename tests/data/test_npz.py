@@ -77,3 +77,13 @@ def test_the_flag_makes_the_path_absolute_and_names_the_choices_otherwise(tmp_pa
     assert dataset_arg("npz:d.npz") == f"npz:{tmp_path}/d.npz" and dataset_arg("fmnist") == "fmnist"
     with pytest.raises(argparse.ArgumentTypeError, match="or npz:PATH for your own arrays"):
         dataset_arg("mydata")
+
+
+def test_the_shards_command_writes_the_normalization_beside_the_shards(tmp_path):
+    from server.data.shards import main
+
+    dataset = write(tmp_path / "d.npz", (3, 16))
+    assert main(["--dataset", dataset, "--clients", "2", "--min-samples", "10", "--out", str(tmp_path / "s")]) == 0
+    stats = np.load(tmp_path / "s" / "normalization.npz")
+    train = np.load(tmp_path / "d.npz")["x_train"].astype(np.float64)
+    assert stats["mean"].shape == (3, 16) and np.allclose(stats["mean"], train.mean())
