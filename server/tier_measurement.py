@@ -6,8 +6,12 @@ after each batch size, the p50 of single steps, the probe score), and keeps them
 the fingerprint of the model's graphs (``server.engine.cost_model.add_measured``). Later runs, and the virtual clock,
 read them there; the zoo's measurements ship with the package.
 
-Memory floors (the smallest cgroup limit a device completes under) need root and are measured by
-``scripts/bench_device.py --memory-floor`` only; a measured model's tiers are chosen from its peaks.
+Where this process can make memory cgroups (root), each tier also runs the benchmark's ``floor-portable`` worker
+(a device process's rounds, MQTT framing included) in an open group at batch 16 and at 64, and keeps the group's
+charged peak as the tier's floor: what the kernel charges, the figure a limit is held to (peak RSS also counts
+shared library pages no cgroup charges). It is the upper bracket ``--memory-floor``'s bisection starts from, so an
+upper bound of the bisected floor (``bound`` in the entry says so); the bisection itself (minutes per tier) is left
+to ``scripts/bench_device.py --memory-floor``.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from export.fingerprint import fingerprint
 from fedcore.lowrank import resolve_plan
 from fedcore.models import ARCHITECTURES, SplitModel, rank_plan
 from server.engine.cost_model import MIB, add_measured, has_measurements
+from server.mqtt import cgroups
 
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
 MEASURE_TRAIN_SAMPLES = 128
@@ -35,6 +40,9 @@ the values; the shard's own bytes are what the cost model adds per sample)."""
 MEASURE_TEST_SAMPLES = 16
 KEY_PREFIX = "graphs-"
 MEASURED_BY = "server.tier_measurement (scripts/bench_device.py ort-memory worker, portable step graph)"
+CHARGED_PEAK_BOUND = ("the charged peak of an open memory cgroup (scripts/bench_device.py floor-portable worker): an "
+                      "upper bound of the bisected floor")
+OPEN_GROUP_TIMEOUT_S = 600
 
 
 class MeasurementError(ValueError):
@@ -90,11 +98,30 @@ def measure_tier(model: SplitModel, ratio: float, input_shape: tuple[int, ...], 
                 label=f"{model.name} at {ratio:g}", portable=True, artifacts=str(directory),
                 portable_artifacts=str(directory), shard=str(shard),
                 session=list(bench.SESSION_VARIANTS[bench.shipped_session_variant()])))
+            charged = _charged_peaks(bench, directory, shard) if cgroups.available() is None else None
         except RuntimeError as exc:  # the worker's traceback: its last line says what failed
             last = str(exc).strip().splitlines()[-1]
             raise MeasurementError(f"measuring {model.name} at rank ratio {ratio:g} failed in the device "
                                    f"worker: {last}") from None
-    return cost_entry(result, key, input_shape, ratio)
+    entry = cost_entry(result, key, input_shape, ratio)
+    if charged:
+        entry["floors"] = {PORTABLE_KIND: dict(floor_mb=charged, floor_samples=MEASURE_TRAIN_SAMPLES +
+                                               MEASURE_TEST_SAMPLES, bound=CHARGED_PEAK_BOUND)}
+    return entry
+
+
+def _charged_peaks(bench: ModuleType, directory: Path, shard: Path) -> dict[str, float]:
+    """Batch size -> the charged peak (MiB) of the benchmark's device-process worker in an open memory cgroup."""
+    peaks = {}
+    for batch_size in bench.BATCH_SIZES:
+        run = bench.run_in_group("floor-portable", dict(
+            label=f"open group, batch {batch_size}", artifacts=str(directory), portable_artifacts=str(directory),
+            shard=str(shard), batch_size=batch_size, rounds=bench.FLOOR_ROUNDS),
+            bench.FLOOR_OPEN_LIMIT_MB, OPEN_GROUP_TIMEOUT_S)
+        if not run["completed"]:
+            raise RuntimeError(run["error"] or "the device worker did not complete in an open memory cgroup")
+        peaks[str(batch_size)] = run["group_peak_mb"]
+    return peaks
 
 
 def cost_entry(result: dict, key: str, input_shape: tuple[int, ...], ratio: float) -> dict:
