@@ -21,7 +21,7 @@ import torch
 from device_runtime.artifact_contract import MANIFEST_NAME, PORTABLE_KIND
 from device_runtime.profile import ResourceProfile
 from device_runtime.shard import Shard
-from export.artifacts import ArtifactSet, build_artifacts_of_kind
+from export.artifacts import ArtifactSet
 from server.algorithms.base import Algorithm
 from server.outputs.checkpoint import CHECKPOINT_NAME, Checkpoint, folder_taken, load_checkpoint, save_checkpoint
 from device_runtime.batchnorm import is_counter, is_statistic
@@ -40,7 +40,7 @@ from server.engine.run_config import (DEFAULT_TIERS, FederationConfig, RunError,
 from server.outputs.report import METRICS_CSV, METRICS_FILE, write_metrics, write_metrics_csv, write_report
 from server.data.shards import DEVICE_ID, data_from_args, partition_from_args
 from server.engine.sampling import to_numpy
-from server.tier_measurement import cost_key
+from server.tier_measurement import build_tier, cost_key
 
 LOG = logging.getLogger("fedara.setup")
 RESUME_IGNORED = ("rounds",)
@@ -179,8 +179,8 @@ class PlanBook:
                 started.append(time.monotonic())
                 self.emit(f"compiling the {kind} artifacts of {name} at rank ratio {ratio:g} (once: later runs "
                           f"take them from {self.cache_dir}) ...")
-            built = build_artifacts_of_kind(kind, model, resolved.ranks, self.input_shape, model.num_classes,
-                                            self.cache_dir, on_compile=announce if self.emit else None)
+            built = build_tier(kind, model, ratio, resolved.ranks, self.input_shape, self.cache_dir,
+                               on_compile=announce if self.emit else None)
             if started:
                 self.emit(f"  compiled in {time.monotonic() - started[0]:.1f} s")
             paths = [*built.files.values(), built.directory / MANIFEST_NAME]

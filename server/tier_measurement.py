@@ -26,8 +26,9 @@ import numpy as np
 
 from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.shard import Shard, save_shard
-from export.artifacts import build_artifacts_of_kind
+from export.artifacts import ArtifactSet, build_artifacts_of_kind
 from export.fingerprint import fingerprint
+from export.step_compiler import ParityError
 from fedcore.lowrank import resolve_plan
 from fedcore.models import ARCHITECTURES, SplitModel, rank_plan
 from server.engine.cost_model import MIB, add_measured, has_measurements
@@ -76,9 +77,20 @@ def cost_key(model: SplitModel, input_shape: tuple[int, ...], cache_dir: Path, t
     return key
 
 
+def build_tier(kind: str, model: SplitModel, ratio: float, ranks: dict[str, int], input_shape: tuple[int, ...],
+               cache_dir: Path, on_compile: Callable[[], None] | None = None) -> ArtifactSet:
+    """A tier's artifacts (``export.artifacts``, cached); a tier whose compiled step fails the parity gate is refused
+    as a ValueError naming the model and the tier (one line: not published, as the gate wants)."""
+    try:
+        return build_artifacts_of_kind(kind, model, ranks, input_shape, model.num_classes, cache_dir,
+                                       on_compile=on_compile)
+    except ParityError as exc:
+        raise ValueError(f"--model {model.name} at rank ratio {ratio:g}: {exc}") from None
+
+
 def _portable(model: SplitModel, ratio: float, input_shape: tuple[int, ...], cache_dir: Path) -> Path:
     ranks = resolve_plan(model, rank_plan(model, ratio)).ranks
-    return build_artifacts_of_kind(PORTABLE_KIND, model, ranks, input_shape, model.num_classes, cache_dir).directory
+    return build_tier(PORTABLE_KIND, model, ratio, ranks, input_shape, cache_dir).directory
 
 
 def measure_tier(model: SplitModel, ratio: float, input_shape: tuple[int, ...], cache_dir: Path, key: str) -> dict:
