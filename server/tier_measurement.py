@@ -73,7 +73,8 @@ def cost_key(model: SplitModel, input_shape: tuple[int, ...], cache_dir: Path, t
         if emit:
             emit(f"measuring {model.name} at rank ratios {', '.join(f'{t:g}' for t in missing)} (once: later runs "
                  "take them from the cost model's cache) ...")
-        add_measured([measure_tier(model, t, input_shape, cache_dir, key) for t in missing], MEASURED_BY)
+        for tier in missing:  # each kept as it is measured: a tier that fails leaves the others measured
+            add_measured([measure_tier(model, tier, input_shape, cache_dir, key)], MEASURED_BY)
     return key
 
 
