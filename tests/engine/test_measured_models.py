@@ -60,3 +60,19 @@ def test_a_damaged_user_cache_counts_as_empty(user_cache):
     measured_path().parent.mkdir(parents=True)
     measured_path().write_text("{not json")
     assert has_measurements("fedavgcnn", (1, 28, 28), [1.0]) and not has_measurements("graphs-abc", (7,), [1.0])
+
+
+def test_a_tier_that_fails_the_parity_gate_is_refused_in_one_line_naming_model_and_tier(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from export.step_compiler import ParityError
+    from server import tier_measurement
+
+    def fails(*args, **kwargs):
+        raise ParityError("compiled step differs from PyTorch by 2e-05 (> 1e-05) at fe.x.u.next, batch 6")
+
+    monkeypatch.setattr(tier_measurement, "build_artifacts_of_kind", fails)
+    with pytest.raises(ValueError, match=r"^--model mine.py:build at rank ratio 0.5: compiled step differs") as caught:
+        tier_measurement.build_tier("onnxruntime", SimpleNamespace(name="mine.py:build", num_classes=3), 0.5, {},
+                                    (4,), tmp_path)
+    assert "\n" not in str(caught.value)
