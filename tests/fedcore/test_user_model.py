@@ -199,3 +199,26 @@ def test_a_misfit_is_one_line_and_exit_2_before_anything_compiles(tmp_path, caps
     assert status == 2
     assert len(errors) == 1 and errors[0].startswith(f"error: --model {spec}: in train mode the FE maps a batch")
     assert "compiling" not in out
+
+
+@pytest.mark.slow
+def test_an_operation_without_an_onnx_translation_is_one_line_naming_it(tmp_path, capsys):
+    spec = write_model(tmp_path, """
+        import torch
+        from torch import nn
+
+        class Bessel(nn.Module):
+            def forward(self, x):
+                return torch.special.i0(x)
+
+        def build(input_shape, num_classes):
+            return nn.Sequential(nn.Flatten(), nn.Linear(10, 8), Bessel()), nn.Linear(8, num_classes)
+        """)
+    status, out, err = run_simulate(capsys, "--model", spec, "--dataset", write_npz(tmp_path / "d.npz", (2, 5)),
+                                    "--clients", "2", "--rounds", "1", "--backend", "portable", "--rank-ratio", "1",
+                                    "--min-samples", "20", "--cache-dir", str(tmp_path / "cache"),
+                                    "--out", str(tmp_path / "run"))
+    errors = [line for line in err.splitlines() if line.strip()]
+    assert status == 2
+    assert errors == [f"error: --model {spec} at rank ratio 1: the operation prims.bessel_i0 has no ONNX translation "
+                      "(torch.onnx found no ONNX function for it); write that layer with other torch operations"]
