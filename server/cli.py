@@ -26,8 +26,9 @@ from server.data import DATASETS, NPZ_PREFIX, dataset_arg
 from server.data.datasets import DatasetFormatError, DatasetUnavailable, check_available
 from server.outputs.checkpoint import folder_taken
 from server.engine.run_config import (AGGREGATION_RULES, ALGORITHMS, BN_STATS, DEFAULT_BN_STATS, DEFAULT_LAM_WARMUP,
-                                      DEFAULT_MU, DEFAULT_TIERS, MODELS, FederationConfig, add_async_arguments, add_dp_arguments,
-                                      add_norm_bound_arguments, async_rule_from_args, norm_bound_from_args)
+                                      DEFAULT_MU, DEFAULT_TIERS, MODELS, FederationConfig, add_async_arguments,
+                                      add_dp_arguments, add_norm_bound_arguments, async_rule_from_args,
+                                      norm_bound_from_args)
 
 RUNS_DIR = "runs"
 DEFAULT_CACHE_DIR = "artifacts_cache"
@@ -105,9 +106,9 @@ def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
                    help="read flag values from a TOML file (keys are flag names); the command line wins")
     data = p.add_argument_group("data and model")
     data.add_argument("--dataset", type=dataset_arg, default="fmnist", metavar="NAME",
-                      help=f"one of {', '.join(DATASETS)}, or {NPZ_PREFIX}PATH (your own arrays x_train, y_train, x_test, "
-                           "y_test, samples of any shape; see docs/your_model.md); read from files on this machine, "
-                           "never downloaded")
+                      help=f"one of {', '.join(DATASETS)}, or {NPZ_PREFIX}PATH (your own arrays x_train, y_train, "
+                           "x_test, y_test, samples of any shape; see docs/your_model.md); read from files on this "
+                           "machine, never downloaded")
     data.add_argument("--data-dir", default=None, help="dataset folder (default: the dataset's standard place)")
     data.add_argument("--partition", choices=("dirichlet", "pathological"), default="dirichlet",
                       help="label skew across clients")

@@ -179,9 +179,9 @@ def write_npz(path, sample: tuple[int, ...], classes: int = 3, n: int = 240) -> 
 
 
 def test_a_model_file_from_a_temporary_folder_federates_through_the_simulator(tmp_path, capsys):
-    status, out, err = run_simulate(capsys, "--model", write_model(tmp_path, MLP), "--dataset", write_npz(tmp_path / "d.npz", (2, 5)),
-                        "--clients", "2", "--rounds", "1", "--local-epochs", "1", "--min-samples", "20",
-                        "--out", str(tmp_path / "run"))
+    status, out, err = run_simulate(capsys, "--model", write_model(tmp_path, MLP),
+                                    "--dataset", write_npz(tmp_path / "d.npz", (2, 5)), "--clients", "2", "--rounds", "1",
+                                    "--local-epochs", "1", "--min-samples", "20", "--out", str(tmp_path / "run"))
     assert status == 0, err
     assert "final accuracy" in out
 
