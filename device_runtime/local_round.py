@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from device_runtime.baseline import majority
+from device_runtime.batchnorm import is_statistic
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update
 
@@ -27,23 +28,31 @@ class Trainer(Protocol):
 
 
 def load_weights(trainer: Trainer, weights: dict[str, np.ndarray]) -> None:
-    """Write received tensors: the FE when they hold FE names, the head when they hold head names (FedAvg)."""
+    """Write received tensors: the FE when they hold FE names, the head when they hold head names (FedAvg). FE
+    tensors not among them keep the values the trainer holds: a task's FE lacks the device's personal tensors
+    (BatchNorm statistics under ``--bn-stats personal``, a model's ``personal`` layers), and the personal tensors
+    a device keeps are only those."""
     fe = {k: v for k, v in weights.items() if k in trainer.fe_names}
     head = {k: v for k, v in weights.items() if k in trainer.head_names}
     unknown = sorted(set(weights) - set(fe) - set(head))
     if unknown:
         raise ValueError(f"received tensors the model does not have: {unknown[:5]}")
     if fe:
+        kept = [k for k in trainer.fe_names if k not in fe]
+        if kept:
+            held = trainer.get_fe()
+            fe.update({k: held[k] for k in kept})
         trainer.set_fe(fe)
     if head:
         trainer.set_head(head)
 
 
-def returned_weights(trainer: Trainer, returns: str) -> dict[str, np.ndarray]:
-    """What a task asks back: the FE, FE and head, or nothing."""
+def returned_weights(trainer: Trainer, returns: str, received: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What a task asks back: the FE, FE and head, or nothing; BatchNorm statistics only where the task sent
+    them (shared statistics), never the device's personal ones."""
     if returns == "none":
         return {}
-    fe = trainer.get_fe()
+    fe = {k: v for k, v in trainer.get_fe().items() if k in received or not is_statistic(k)}
     return {**fe, **trainer.get_head()} if returns == "all" else fe
 
 
@@ -78,5 +87,5 @@ def run_task(trainer: Trainer, shard: Shard, task: Task) -> Update:
                                params=phase.params)
         steps += result.steps
     metrics.update(steps=steps)
-    return Update(task.round, returned_weights(trainer, task.returns), result.num_samples, result.loss,
+    return Update(task.round, returned_weights(trainer, task.returns, task.weights), result.num_samples, result.loss,
                   result.accuracy, metrics)

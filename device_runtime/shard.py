@@ -27,6 +27,8 @@ LABEL_DTYPE = np.int64
 SHARD_FILENAME = "client_{:03d}.npz"
 ZIP_MAGIC = b"PK\x03\x04"
 MAPPED_KEYS = ("x_train", "x_test")
+MAX_SAMPLE_DIMS = 4
+"""A sample has 1 to 4 dimensions: (C, H, W) images, (C, T) or (T, D) sequences, (D,) feature vectors."""
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, then file-name and extra-field lengths at offsets 26, 28
 _CHECK_CHUNK_BYTES = 4 << 20  # the finiteness check reads this much at a time: no full-size temporary
 
@@ -37,7 +39,8 @@ class ShardError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class Shard:
-    """One client's data: images N×C×H×W (float32) and labels (int64), split train/test.
+    """One client's data: samples of any shape of 1 to 4 dimensions (float32: N×C×H×W images, N×C×T or N×T×D
+    sequences, N×D feature vectors) and labels (int64), split train/test.
 
     Construction validates, so a Shard that exists is well formed.
     """
@@ -57,12 +60,12 @@ class Shard:
         if self.x_train.shape[1:] != self.x_test.shape[1:]:
             raise ShardError(
                 f"x_train samples are {self.x_train.shape[1:]} but x_test samples are "
-                f"{self.x_test.shape[1:]}; both splits must share C×H×W"
+                f"{self.x_test.shape[1:]}; both splits must share the sample shape"
             )
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        """Per-sample shape (C, H, W)."""
+    def input_shape(self) -> tuple[int, ...]:
+        """Per-sample shape, e.g. (C, H, W)."""
         return tuple(self.x_train.shape[1:])
 
 
@@ -80,8 +83,9 @@ def _check_split(split: str, x: object, y: object, num_classes: int) -> None:
         raise ShardError(f"x_{split} must be float32, got {x.dtype}")
     if y.dtype != LABEL_DTYPE:
         raise ShardError(f"y_{split} must be int64, got {y.dtype}")
-    if x.ndim != 4:
-        raise ShardError(f"x_{split} must be 4-D (N, C, H, W), got shape {x.shape}")
+    if not 2 <= x.ndim <= MAX_SAMPLE_DIMS + 1:
+        raise ShardError(f"x_{split} must be (N, sample dims...) with 1 to {MAX_SAMPLE_DIMS} sample dims, e.g. "
+                         f"(N, C, H, W), got shape {x.shape}")
     if y.ndim != 1:
         raise ShardError(f"y_{split} must be 1-D, got shape {y.shape}")
     if len(x) != len(y):

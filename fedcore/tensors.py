@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from device_runtime.batchnorm import is_counter
+
 COUNTER = "num_batches_tracked"
 
 
@@ -41,13 +43,9 @@ def check_tensors(model: nn.Module) -> None:
                                    "runtime carries must be floating point")
 
 
-def _is_counter(name: str) -> bool:
-    return name.rpartition(".")[2] == COUNTER
-
-
 def carried_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors that travel and that the step graphs take, by ``state_dict`` name, in ``state_dict`` order."""
-    return {k: v for k, v in model.state_dict().items() if not _is_counter(k)}
+    return {k: v for k, v in model.state_dict().items() if not is_counter(k)}
 
 
 def state_names(model: nn.Module) -> tuple[str, ...]:

@@ -231,7 +231,8 @@ def ort_memory_worker(spec: dict) -> dict:
     rng = np.random.default_rng(SEED)
     next_batch = itertools.cycle(fixed_batches(shard.x_train, shard.y_train, BATCH)).__next__
     step_times = timed_block(lambda: _ort_step(trainer, next_batch(), anchors, mask, rng), VARIANT_STEPS)
-    return dict(rss_python_bytes=rss_python, rss_import_bytes=rss_import, rss_loaded_bytes=rss_loaded,
+    from device_runtime.probe import probe_gflops
+    return dict(probe_gflops=probe_gflops(), rss_python_bytes=rss_python, rss_import_bytes=rss_import, rss_loaded_bytes=rss_loaded,
                 load_seconds=load_seconds, anchor_seconds=anchor_seconds, first_round_seconds=first_round_seconds,
                 rounds=rounds,
                 upload_tensor_bytes=tensor_bytes(update.weights), upload_wire_bytes=len(wire),
@@ -585,8 +586,8 @@ def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path, train_sampl
     synthetic training samples) and the ratios that resolve to it."""
     from device_runtime.artifact_contract import PORTABLE_KIND
     from export.artifacts import build_artifacts, build_artifacts_of_kind
-    from fedcore.lowrank import RankPlan, resolve_plan
-    from fedcore.models import build_model
+    from fedcore.lowrank import resolve_plan
+    from fedcore.models import build_model, rank_plan
     plans: list[dict] = []
     for model_name, input_shape in configs:
         shard = shard_dir / f"{shape_name(input_shape)}.npz"
@@ -595,7 +596,7 @@ def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path, train_sampl
         model = build_model(model_name, input_shape, NUM_CLASSES, seed=SEED)
         by_hash: dict[str, dict] = {}
         for ratio in ratios:
-            plan = resolve_plan(model, RankPlan(ratio))
+            plan = resolve_plan(model, rank_plan(model, ratio))
             shipped = build_artifacts(model, plan.ranks, input_shape, NUM_CLASSES, cache_dir / "fedara")
             if shipped.hash not in by_hash:
                 portable = build_artifacts_of_kind(PORTABLE_KIND, model, plan.ranks, input_shape, NUM_CLASSES,
@@ -1041,15 +1042,17 @@ def plot(results: list[dict], session: str, path: Path) -> None:
 # Command line
 
 def parse_config(text: str) -> tuple[str, tuple[int, ...]]:
-    """``fedavgcnn:3x32x32`` -> ("fedavgcnn", (3, 32, 32))."""
-    model, _, shape = text.partition(":")
+    """``fedavgcnn:3x32x32`` -> ("fedavgcnn", (3, 32, 32)); a model of your own as ``PATH.py:FUNCTION:1x28x28``
+    (or ``MODULE:FUNCTION:20x6``: a sample of 1 to 4 sizes), its path made absolute for the workers."""
+    from fedcore.model_spec import absolute_spec
+    model, _, shape = text.rpartition(":")
     try:
         dims = tuple(int(d) for d in shape.split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected MODEL:CxHxW, got {text!r}") from None
-    if not model or len(dims) != 3 or min(dims) < 1:
+    if not model or not 1 <= len(dims) <= 4 or min(dims) < 1:
         raise argparse.ArgumentTypeError(f"expected MODEL:CxHxW with positive sizes, got {text!r}")
-    return model, dims
+    return absolute_spec(model), dims
 
 
 def parse_ratios(text: str) -> tuple[float, ...]:
@@ -1089,7 +1092,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help=f"small subset: FedAvgCNN 1x28x28 at ratios {QUICK_RATIOS}, {QUICK_STEPS} steps per variant")
     p.add_argument("--config", action="append", type=parse_config, metavar="MODEL:CxHxW",
-                   help="measure this model and input shape (repeatable; default: every configuration)")
+                   help="measure this model and input shape (repeatable; default: every configuration); a model of "
+                        "your own as PATH.py:FUNCTION:1x28x28 (docs/your_model.md)")
     p.add_argument("--ratios", type=parse_ratios, default=None, help=f"comma-separated rank ratios (default {RATIOS})")
     p.add_argument("--steps", type=int, default=None, help=f"timed steps per latency variant (default {STEPS})")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="artifact cache (built once per plan)")

@@ -21,13 +21,14 @@ from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES
 from device_runtime.help_format import CommandParser, DefaultsHelpFormatter
 from device_runtime.log_budget import hold_back_floods
 from device_runtime.messages import DEFAULT_TOPIC_PREFIX
-from server.data import DATASETS
-from server.data.datasets import DatasetUnavailable, check_available
+from fedcore.model_spec import absolute_spec, parse_model_spec
+from server.data import DATASETS, NPZ_PREFIX, dataset_arg
+from server.data.datasets import DatasetFormatError, DatasetUnavailable, check_available
 from server.outputs.checkpoint import folder_taken
-from server.engine.run_config import (AGGREGATION_RULES, ALGORITHMS, DEFAULT_LAM_WARMUP, DEFAULT_MU, DEFAULT_TIERS,
-                                      MODELS, FederationConfig, add_async_arguments, add_dp_arguments,
-                                      add_norm_bound_arguments, async_flags_given, async_rule_from_args,
-                                      dp_from_args, norm_bound_from_args)
+from server.engine.run_config import (AGGREGATION_RULES, ALGORITHMS, BN_STATS, DEFAULT_BN_STATS, DEFAULT_LAM_WARMUP,
+                                      DEFAULT_MU, DEFAULT_TIERS, MODELS, FederationConfig, add_async_arguments,
+                                      add_dp_arguments, add_norm_bound_arguments, async_flags_given,
+                                      async_rule_from_args, dp_from_args, norm_bound_from_args)
 
 RUNS_DIR = "runs"
 DEFAULT_CACHE_DIR = "artifacts_cache"
@@ -104,7 +105,10 @@ def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, metavar="FILE.toml",
                    help="read flag values from a TOML file (keys are flag names); the command line wins")
     data = p.add_argument_group("data and model")
-    data.add_argument("--dataset", choices=DATASETS, default="fmnist", help="read from files on this machine, never downloaded")
+    data.add_argument("--dataset", type=dataset_arg, default="fmnist", metavar="NAME",
+                      help=f"one of {', '.join(DATASETS)}, or {NPZ_PREFIX}PATH (your own arrays x_train, y_train, "
+                           "x_test, y_test, samples of any shape; see docs/your_model.md); read from files on this "
+                           "machine, never downloaded")
     data.add_argument("--data-dir", default=None, help="dataset folder (default: the dataset's standard place)")
     data.add_argument("--partition", choices=("dirichlet", "pathological"), default="dirichlet",
                       help="label skew across clients")
@@ -113,8 +117,12 @@ def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
     data.add_argument("--min-samples", type=int, default=40,
                       help="redraw the partition until every client has this many samples")
     data.add_argument("--max-samples", type=int, default=0, help="use a seeded subset of the dataset (0: all of it)")
-    data.add_argument("--model", default="fedavgcnn",
-                      help=f"one of {', '.join(MODELS)}; with --algo local a comma list, round-robin by device id")
+    data.add_argument("--model", default="fedavgcnn", type=model_list_arg, metavar="MODEL",
+                      help=f"one of {', '.join(MODELS)}, or your own as MODULE:FUNCTION or PATH.py:FUNCTION (see "
+                           "docs/your_model.md); with --algo local a comma list, round-robin by device id")
+    data.add_argument("--bn-stats", choices=BN_STATS, default=DEFAULT_BN_STATS,
+                      help="BatchNorm running statistics: shared (averaged with the FE, sample-weighted: FedAvg-BN) "
+                           "or personal (kept on each device with its head: FedBN)")
     algo = p.add_argument_group("algorithm (defaults: the paper's)")
     d = FederationConfig()
     algo.add_argument("--algo", choices=tuple(ALGORITHMS), default=d.algo, help="one file each in server/algorithms/")
@@ -153,6 +161,12 @@ def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
     out.add_argument("--resume", action="store_true",
                      help="continue the run in --out from its last completed round (settings must match)")
     return p
+
+
+def model_list_arg(text: str) -> str:
+    """--model's type: the comma list with each model file's path made absolute (the spec travels to other
+    processes and to a resumed run, whatever their working directory)."""
+    return ",".join(absolute_spec(name) for name in text.split(","))
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -228,7 +242,7 @@ def check_inputs(args: argparse.Namespace) -> None:
     answer comes at once."""
     try:
         check_available(args.dataset, args.data_dir)
-    except DatasetUnavailable as exc:
+    except (DatasetUnavailable, DatasetFormatError) as exc:
         raise ValueError(f"--dataset {args.dataset}: {exc}") from None
     taken = folder_taken(args.out, args.resume) if args.out else None
     if taken:
@@ -250,9 +264,8 @@ def check_args(args: argparse.Namespace) -> FederationConfig:
             flag = "--rank-ratio" if args.rank_ratio is not None else "--rank-tiers"
             raise ValueError(f"{flag}: ratios must be in (0, 1], got {ratio:g}")
     names = args.model.split(",")
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        raise ValueError(f"--model {args.model!r}: unknown {unknown}; choose from {', '.join(MODELS)}")
+    for name in names:
+        parse_model_spec(name, MODELS)
     if len(set(names)) > 1 and config.algo != "local":
         raise ValueError(f"--model {args.model!r} names several models; only --algo local trains different models "
                          "per device (the others share one)")

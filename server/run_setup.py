@@ -21,11 +21,13 @@ import torch
 from device_runtime.artifact_contract import MANIFEST_NAME, PORTABLE_KIND
 from device_runtime.profile import ResourceProfile
 from device_runtime.shard import Shard
-from export.artifacts import ArtifactSet, build_artifacts_of_kind
+from export.artifacts import ArtifactSet
 from server.algorithms.base import Algorithm
 from server.outputs.checkpoint import CHECKPOINT_NAME, Checkpoint, folder_taken, load_checkpoint, save_checkpoint
-from fedcore.lowrank import FE_PREFIX, RankPlan, ResolvedPlan, factorize_model, resolve_plan
-from fedcore.models import SplitModel, build_model
+from device_runtime.batchnorm import is_counter, is_statistic
+from fedcore.lowrank import FE_PREFIX, ResolvedPlan, factorize_model, resolve_plan
+from fedcore.model_probe import probe_model
+from fedcore.models import SplitModel, build_model, rank_plan
 from server.cli import parse_tiers
 from server.compute_threads import use_server_threads
 from server.engine.coordinator import Coordinator, CoordinatorConfig
@@ -38,6 +40,7 @@ from server.engine.run_config import (DEFAULT_TIERS, FederationConfig, RunError,
 from server.outputs.report import METRICS_CSV, METRICS_FILE, write_metrics, write_metrics_csv, write_report
 from server.data.shards import DEVICE_ID, data_from_args, partition_from_args
 from server.engine.sampling import to_numpy
+from server.tier_measurement import build_tier, cost_key
 
 LOG = logging.getLogger("fedara.setup")
 RESUME_IGNORED = ("rounds",)
@@ -60,7 +63,7 @@ def load_shards(args: argparse.Namespace, count: int) -> tuple[SplitModel, tuple
     """The initial model (the first of --model), its input shape and ``count`` device shards by device id (the
     same for both drivers given the same flags: a seeded subset of --max-samples, then the partition)."""
     data = data_from_args(args)
-    model = build_model(model_names(args)[0], data.input_shape, data.num_classes, seed=args.seed)
+    model = checked_model(model_names(args)[0], data.input_shape, data.num_classes, args.seed)
     if not count:
         return model, tuple(data.input_shape), {}
     return model, tuple(data.input_shape), dict(zip(device_ids(count), partition_from_args(data, args, count)))
@@ -70,8 +73,31 @@ def all_models(args: argparse.Namespace, first: SplitModel, input_shape: tuple[i
     """Every model --model names, by name, each initialised from --seed (the first is ``first``)."""
     models = {first.name: first}
     for name in model_names(args)[1:]:
-        models.setdefault(name, build_model(name, input_shape, first.num_classes, seed=args.seed))
+        models.setdefault(name, checked_model(name, input_shape, first.num_classes, args.seed))
     return models
+
+
+def checked_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int) -> SplitModel:
+    """The model --model names, built for the data and probed against the contract (``fedcore.model_probe``:
+    a misfit is a ValueError naming it, before anything compiles)."""
+    model = build_model(name, input_shape, num_classes, seed=seed)
+    probe_model(model, input_shape, num_classes)
+    return model
+
+
+def personal_names(model: SplitModel, bn_stats: str) -> frozenset[str]:
+    """The FE tensors that stay on the devices: the model's ``personal`` layers and, under --bn-stats personal,
+    every BatchNorm's running statistics (counters are never federated: device_runtime.batchnorm)."""
+    names = {k for k in model.state_dict() if k.startswith(FE_PREFIX) and not is_counter(k)}
+    prefixes = tuple(FE_PREFIX + p for p in model.personal)
+    return frozenset(k for k in names if (bn_stats == "personal" and is_statistic(k))
+                     or any(k == p or k.startswith(p + ".") for p in prefixes))
+
+
+def has_batchnorm(model: SplitModel) -> bool:
+    return any(is_statistic(k) for k in model.state_dict())
+
+
 
 
 def device_models(ids: list[str], names: list[str]) -> dict[str, str]:
@@ -120,11 +146,21 @@ class PlanBook:
     reference devices."""
 
     def __init__(self, model: SplitModel, input_shape: tuple[int, ...], cache_dir: Path, *, onnx: bool = True,
-                 others: dict[str, SplitModel] | None = None, emit: Callable[[str], None] | None = None):
+                 others: dict[str, SplitModel] | None = None, emit: Callable[[str], None] | None = None,
+                 tiers: tuple[float, ...] = DEFAULT_TIERS):
         self.model, self.input_shape, self.cache_dir, self.onnx = model, input_shape, cache_dir, onnx
         self.emit = emit  # progress lines while artifacts compile (the first run of a tier takes tens of seconds)
         self.models = {model.name: model, **(others or {})}
+        self.tiers = tiers
         self._plans: dict[tuple[float, str, str], PlanArtifacts] = {}
+        self._cost_key: str | None = None
+
+    def cost_key(self) -> str:
+        """The name the cost model knows the model by (``server.tier_measurement``: a model nobody measured is
+        measured at the run's tiers the first time this is asked)."""
+        if self._cost_key is None:
+            self._cost_key = cost_key(self.model, self.input_shape, self.cache_dir, self.tiers, self.emit)
+        return self._cost_key
 
     def get(self, ratio: float, kind: str = PORTABLE_KIND, model: str | None = None) -> PlanArtifacts:
         key = (ratio, kind, model or self.model.name)
@@ -135,7 +171,7 @@ class PlanBook:
     def _build(self, key: tuple[float, str, str]) -> PlanArtifacts:
         ratio, kind, name = key
         model = self.models[name]
-        resolved = resolve_plan(model, RankPlan(ratio))
+        resolved = resolve_plan(model, rank_plan(model, ratio))
         if self.onnx:
             started: list[float] = []
 
@@ -143,8 +179,8 @@ class PlanBook:
                 started.append(time.monotonic())
                 self.emit(f"compiling the {kind} artifacts of {name} at rank ratio {ratio:g} (once: later runs "
                           f"take them from {self.cache_dir}) ...")
-            built = build_artifacts_of_kind(kind, model, resolved.ranks, self.input_shape, model.num_classes,
-                                            self.cache_dir, on_compile=announce if self.emit else None)
+            built = build_tier(kind, model, ratio, resolved.ranks, self.input_shape, self.cache_dir,
+                               on_compile=announce if self.emit else None)
             if started:
                 self.emit(f"  compiled in {time.monotonic() - started[0]:.1f} s")
             paths = [*built.files.values(), built.directory / MANIFEST_NAME]
@@ -154,7 +190,8 @@ class PlanBook:
                      built.hash[:12], built.total_bytes)
         else:
             client = factorize_model(model, resolved.ranks)
-            shapes = {k: tuple(v.shape) for k, v in client.state_dict().items() if k.startswith(FE_PREFIX)}
+            shapes = {k: tuple(v.shape) for k, v in client.state_dict().items()
+                      if k.startswith(FE_PREFIX) and not is_counter(k)}
             digest = hashlib.sha256(json.dumps([model.name, sorted(resolved.ranks.items())]).encode())
             plan = PlanArtifacts(ratio, resolved, digest.hexdigest(), shapes, model=model)
         self._plans[key] = plan
@@ -262,7 +299,7 @@ def predictor_for(plans: PlanBook, batch_size: int) -> Predictor:
     analytic = tier_predictor(plans.model, plans.input_shape, batch_size)
 
     def for_profile(profile: ResourceProfile, shard_samples: int) -> Callable[[float], float]:
-        predict = peak_predictor(plans.model.name, plans.input_shape, batch_size, profile,
+        predict = peak_predictor(plans.cost_key(), plans.input_shape, batch_size, profile,
                                  shard_samples=shard_samples)
         try:
             predict(1.0)
@@ -286,15 +323,19 @@ def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder,
     rule = async_rule_from_args(args)
     if rule is not None:  # only then: a sync run's settings (and the checkpoints it resumes) stay as they were
         settings["async"] = rule.to_dict()
-    saved = out.resume_from(args.resume, settings)
     model, input_shape, shards = load_shards(args, deployment.devices)
+    if has_batchnorm(model):  # only then: the zoo's settings (and the checkpoints they resume) stay as they were
+        settings["bn_stats"] = args.bn_stats
+    algorithm.keep_personal(personal_names(model, args.bn_stats))
+    saved = out.resume_from(args.resume, settings)
     run_id = saved.state["run_id"] if saved else uuid.uuid4().hex[:16]
     coordinator = Coordinator(CoordinatorConfig(
         input_shape=input_shape, num_classes=model.num_classes, min_devices=deployment.min_devices,
         join_ratio=config.join_ratio, seed=config.seed, round_deadline_s=deployment.round_deadline_s,
         min_completion=config.min_completion), run_id)
     models = all_models(args, model, input_shape)
-    plans = PlanBook(model, input_shape, Path(args.cache_dir), onnx=deployment.onnx, others=models, emit=emit)
+    plans = PlanBook(model, input_shape, Path(args.cache_dir), onnx=deployment.onnx, others=models, emit=emit,
+                     tiers=tiers)
     models_of = device_models(list(shards), model_names(args))
     if not deployment.budgets:
         overrides = round_robin_tiers(sorted(shards), tiers, overrides)

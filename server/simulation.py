@@ -19,7 +19,8 @@ from server.in_process import InProcessDevice, Trainers
 from server.parallel_devices import DevicePool, WorkerSettings
 from server.outputs.progress import Progress, print_and_log
 from server.engine.run_config import RunError
-from server.run_setup import Deployment, PlanArtifacts, RunFolder, assemble
+from fedcore.models import ARCHITECTURES
+from server.run_setup import Deployment, PlanArtifacts, PlanBook, RunFolder, assemble
 from server.virtual_clock import VirtualFleet
 
 
@@ -41,7 +42,7 @@ class Simulation:
         deployment = Deployment(devices=args.clients, min_devices=1, round_deadline_s=NO_DEADLINE_S,
                                 onnx=args.backend != "torch", budgets=False, settings_keys=("clients", *trace_keys))
         run = assemble(args, self.config, out, deployment, emit=print_and_log)
-        self.fleet = self._fleet(args, tuple(next(iter(run.shards.values())).x_train.shape[1:]))
+        self.fleet = self._fleet(args, tuple(next(iter(run.shards.values())).x_train.shape[1:]), run.engine.plans)
         self.clock = 0.0  # virtual seconds
         self.engine, self.settings, self.saved, self.run_id = run.engine, run.settings, run.saved, run.run_id
         self.by_hash: dict[str, PlanArtifacts] = {}
@@ -55,11 +56,14 @@ class Simulation:
         self._admit()
 
     @staticmethod
-    def _fleet(args: argparse.Namespace, input_shape: tuple[int, ...]) -> VirtualFleet | None:
+    def _fleet(args: argparse.Namespace, input_shape: tuple[int, ...], plans: PlanBook) -> VirtualFleet | None:
         """The virtual clock's fleet; None (no sim_time) where the cost model lacks the model and no trace flag asks
-        for one."""
+        for one (a user's model is measured only when a trace flag asks: ``server.tier_measurement``)."""
+        asked = args.device_speed or args.availability
+        if not asked and plans.model.name not in ARCHITECTURES:
+            return None
         try:
-            return VirtualFleet.from_flags(args.seed, args.device_speed, args.availability, args.model.split(",")[0],
+            return VirtualFleet.from_flags(args.seed, args.device_speed, args.availability, plans.cost_key(),
                                            input_shape, args.batch_size)
         except ValueError:
             if args.device_speed or args.availability:
@@ -100,7 +104,8 @@ class Simulation:
             return
         if self.pool is None:
             self.pool = DevicePool(self.devices, self.by_hash,
-                                   WorkerSettings(self.args.backend, self.args.threads, self.args.device),
+                                   WorkerSettings(self.args.backend, self.args.threads, self.args.device,
+                                                  tuple(self.args.model.split(","))),
                                    self.args.workers)
         for device_id, update, personal in self.pool.answer(tasks):
             self.devices[device_id].personal = personal

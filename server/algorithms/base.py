@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from device_runtime.batchnorm import is_counter
 from device_runtime.task import Phase
 from fedcore.lowrank import FE_PREFIX
 
@@ -43,9 +44,22 @@ class Algorithm(ABC):
     """One federated algorithm's decisions (defaults: the FE is shared and averaged, the head is personal)."""
 
     name: str
+    personal_names: frozenset[str] = frozenset()
+    """FE tensors that stay on the devices as the head does (BatchNorm statistics under --bn-stats personal, the
+    model's own ``personal`` layers); set by ``keep_personal``."""
 
     def __init__(self, local_epochs: int) -> None:
         self.local_epochs = local_epochs
+
+    def keep_personal(self, names: frozenset[str]) -> None:
+        """Keep these FE tensors (full state_dict names) on the devices: never global, never in an update."""
+        self.personal_names = frozenset(names)
+
+    def is_shared(self, name: str) -> bool:
+        """Whether the FE tensor ``name`` (or, factorized, its factors ``name``.u/.v) is shared."""
+        stem = name.rsplit(".", 1)[0]
+        return name not in self.personal_names and f"{stem}.weight" not in self.personal_names \
+            and not is_counter(name)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Algorithm:
@@ -59,16 +73,19 @@ class Algorithm(ABC):
         return (DENSE,), {}
 
     def global_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What the server keeps and aggregates, from the initial model's state: the feature extractor."""
-        return {k: v.detach().clone() for k, v in state.items() if k.startswith(FE_PREFIX)}
+        """What the server keeps and aggregates, from the initial model's state: the feature extractor (less its
+        personal tensors and BatchNorm counters)."""
+        return {k: v.detach().clone() for k, v in state.items() if k.startswith(FE_PREFIX) and self.is_shared(k)}
 
     def personal_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What every device starts from and keeps to itself (sent in its PLAN): the head."""
-        return {k: v for k, v in state.items() if not k.startswith(FE_PREFIX)}
+        """What every device starts from and keeps to itself (sent in its PLAN): the head and the FE's personal
+        tensors."""
+        return {k: v for k, v in state.items()
+                if (not k.startswith(FE_PREFIX) or k in self.personal_names) and not is_counter(k)}
 
     def update_shapes(self, fe_shapes: Shapes, personal_shapes: Shapes) -> Shapes:
         """The tensors a training update carries, from the device's plan (its FE) and its personal tensors."""
-        return dict(fe_shapes)
+        return {k: v for k, v in fe_shapes.items() if self.is_shared(k)}
 
     @abstractmethod
     def configure_fit(self, round_index: int, factorized: bool) -> Fit:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from device_runtime.batchnorm import is_counter
 from device_runtime.task import Phase
 from server.algorithms.base import Algorithm, Fit, Shapes
 
@@ -16,7 +17,7 @@ class Local(Algorithm):
 
     def personal_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The whole model: the server sends it in the PLAN, so no device depends on its artifact cache's."""
-        return dict(state)
+        return {k: v for k, v in state.items() if not is_counter(k)}
 
     def update_shapes(self, fe_shapes: Shapes, personal_shapes: Shapes) -> Shapes:
         """None: an answer carries only the evaluation."""

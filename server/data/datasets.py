@@ -1,4 +1,5 @@
-"""Datasets as normalized N×C×H×W float32 arrays, read from local files only.
+"""Datasets as normalized float32 arrays (N×C×H×W images; a user's ``npz:`` arrays of any per-sample shape),
+read from local files only.
 
 Every loader returns ALL samples (official train and test concatenated): the
 partitioner splits each client's share 75/25 itself, as PFLlib does. Nothing is
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 import gzip
 import pickle
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from server.data import DATASETS
+from server.data import DATASETS, NPZ_PREFIX
 
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -75,16 +77,18 @@ class DatasetFormatError(ValueError):
 
 @dataclass
 class LabeledData:
-    """All samples of one dataset: x normalized float32 N×C×H×W, y int64 in [0, num_classes)."""
+    """All samples of one dataset: x normalized float32 (N, *sample shape), y int64 in [0, num_classes); for a
+    user's arrays also the (mean, std) the samples were normalized with, to normalize a device's own data alike."""
 
     x: np.ndarray
     y: np.ndarray
     num_classes: int
     name: str
+    normalization: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        """Per-sample shape (C, H, W)."""
+    def input_shape(self) -> tuple[int, ...]:
+        """Per-sample shape: (C, H, W) for images, (C, T), (T, D) or (D,) for a user's arrays."""
         return tuple(self.x.shape[1:])
 
 
@@ -151,11 +155,86 @@ def _fmnist_folder(data_dir: Path) -> Path:
     return data_dir
 
 
+NPZ_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+NPZ_STATS = ("mean", "std")
+MAX_SAMPLE_DIMS = 4
+"""A sample has 1 to 4 dimensions (what a device's HELLO can state)."""
+
+
+def _npz_file(name: str) -> Path:
+    """The file of ``npz:PATH`` if it is a .npz archive holding the four arrays; raises DatasetUnavailable or
+    DatasetFormatError naming what is missing (reads the archive's directory, not its arrays)."""
+    path = Path(name[len(NPZ_PREFIX):])
+    if not path.is_file():
+        raise DatasetUnavailable(f"no file {path}; write your arrays with numpy.savez(PATH, x_train=..., "
+                                 "y_train=..., x_test=..., y_test=...)")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = {n.removesuffix(".npy") for n in archive.namelist()}
+    except zipfile.BadZipFile:
+        raise DatasetFormatError(f"{path} is not a .npz archive (numpy.savez writes one)") from None
+    missing = [k for k in NPZ_ARRAYS if k not in members]
+    if missing:
+        raise DatasetFormatError(f"{path} lacks {missing}; it holds {sorted(members)} (needed: {list(NPZ_ARRAYS)}, "
+                                 f"optional: {list(NPZ_STATS)})")
+    return path
+
+
+def load_npz(name: str) -> LabeledData:
+    """A user's arrays (``npz:PATH``): x_train, y_train, x_test, y_test with samples of any shape of 1 to 4
+    dimensions and labels 0..K-1 (K the largest label + 1), train and test concatenated as every dataset here is
+    (the partition splits each device's share itself). Normalized with the file's ``mean`` and ``std`` (any shape
+    that broadcasts to a sample) where it holds them, else with the training split's mean and std over all its
+    values (one scalar each, right for any shape)."""
+    path = _npz_file(name)
+    with np.load(path, allow_pickle=False) as archive:
+        arrays = {k: archive[k] for k in NPZ_ARRAYS}
+        stats = {k: archive[k].astype(np.float32) for k in NPZ_STATS if k in archive.files}
+    for split in ("train", "test"):
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if not np.issubdtype(x.dtype, np.number) or not 2 <= x.ndim <= MAX_SAMPLE_DIMS + 1:
+            raise DatasetFormatError(f"{path}: x_{split} must be numbers of shape (N, sample dims...) with 1 to "
+                                     f"{MAX_SAMPLE_DIMS} sample dims, got {x.dtype} {x.shape}")
+        if len(x) != len(y) or not len(x):
+            raise DatasetFormatError(f"{path}: x_{split} has {len(x)} samples and y_{split} {len(y)} labels")
+        if not np.issubdtype(y.dtype, np.integer):
+            raise DatasetFormatError(f"{path}: y_{split} must be integer labels 0..K-1, got {y.dtype}")
+    sample = arrays["x_train"].shape[1:]
+    if arrays["x_test"].shape[1:] != sample:
+        raise DatasetFormatError(f"{path}: x_train samples are {sample} but x_test samples are "
+                                 f"{arrays['x_test'].shape[1:]}")
+    labels = np.concatenate([arrays["y_train"], arrays["y_test"]])
+    num_classes = int(labels.max()) + 1
+    if set(stats) == set(NPZ_STATS):
+        mean, std = stats["mean"], stats["std"]
+    elif stats:
+        raise DatasetFormatError(f"{path} holds {sorted(stats)} without {sorted(set(NPZ_STATS) - set(stats))}: "
+                                 "state both mean and std, or neither (then they come from x_train)")
+    else:
+        train = arrays["x_train"].astype(np.float64)
+        mean, std = np.float32(train.mean()), np.float32(train.std())
+    try:
+        mean, std = (np.broadcast_to(s, sample).astype(np.float32) for s in (mean, std))
+    except ValueError:
+        raise DatasetFormatError(f"{path}: mean {np.shape(mean)} and std {np.shape(std)} do not broadcast to a "
+                                 f"sample {sample}") from None
+    if not (np.isfinite(std).all() and (std > 0).all()):
+        raise DatasetFormatError(f"{path}: the std to normalize with must be positive and finite (a constant "
+                                 "x_train? state mean and std in the file)")
+    x = (np.concatenate([arrays["x_train"], arrays["x_test"]]).astype(np.float32) - mean) / std
+    if not np.isfinite(x).all():
+        raise DatasetFormatError(f"{path}: x_train or x_test holds NaN or infinite values")
+    return LabeledData(x.astype(np.float32), _checked_labels(labels, num_classes, str(path)), num_classes,
+                       name, (mean, std))
+
+
 def check_available(name: str, data_dir: str | Path | None = None) -> None:
     """Raise DatasetUnavailable when ``name``'s files are not where :func:`load_dataset` would read them, without
     reading them: the drivers ask before they import torch, so a wrong --data-dir answers at once."""
     folder = Path(data_dir) if data_dir is not None else None
-    if name == "fmnist":
+    if name.startswith(NPZ_PREFIX):
+        _npz_file(name)
+    elif name == "fmnist":
         _fmnist_folder(folder or FMNIST_DIR)
     elif name == "cifar10":
         _cifar_folder(folder, "CIFAR-10", CIFAR10_FOLDER, CIFAR10_FILES)
@@ -285,6 +364,8 @@ def load_dataset(
     ``data_dir`` overrides where fmnist is read and says where CIFAR lives; digits and
     synthetic ignore it. ``seed`` and ``synthetic_*`` only affect the synthetic set.
     """
+    if name.startswith(NPZ_PREFIX):
+        return load_npz(name)
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of {DATASETS}")
     folder = Path(data_dir) if data_dir is not None else None

@@ -19,7 +19,7 @@ import numpy as np
 
 from device_runtime.help_format import CommandParser, DefaultsHelpFormatter
 from device_runtime.shard import Shard
-from server.data import DATASETS
+from server.data import DATASETS, NPZ_PREFIX, dataset_arg
 from server.data.datasets import DatasetFormatError, DatasetUnavailable, LabeledData, load_dataset
 from server.data.partition import MIN_SAMPLES, PARTITIONS, PartitionError, make_client_shards, write_shards
 
@@ -27,6 +27,8 @@ DEVICE_ID = "dev_{:03d}"
 """A device's id from its index: the MQTT client id, topic level and username of device i."""
 DEVICE_SHARD_FILENAME = DEVICE_ID + ".npz"
 EXIT_BAD_INPUT = 2
+NORMALIZATION_FILENAME = "normalization.npz"
+"""Beside the shards of --dataset npz:PATH: the mean and std its samples were normalized with."""
 
 
 def subset(data: LabeledData, max_samples: int | None, seed: int) -> LabeledData:
@@ -34,7 +36,7 @@ def subset(data: LabeledData, max_samples: int | None, seed: int) -> LabeledData
     if not max_samples or max_samples >= len(data.y):
         return data
     keep = np.sort(np.random.default_rng(seed).choice(len(data.y), max_samples, replace=False))
-    return LabeledData(data.x[keep], data.y[keep], data.num_classes, data.name)
+    return LabeledData(data.x[keep], data.y[keep], data.num_classes, data.name, data.normalization)
 
 
 def data_from_args(args: argparse.Namespace) -> LabeledData:
@@ -59,7 +61,9 @@ def describe(path: Path, shard: Shard) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="python -m server.shards", description=__doc__.splitlines()[0],
                                 formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--dataset", choices=DATASETS, default="fmnist", help="read from local files, never downloaded")
+    p.add_argument("--dataset", type=dataset_arg, default="fmnist", metavar="NAME",
+                   help=f"one of {', '.join(DATASETS)}, or {NPZ_PREFIX}PATH (your own arrays); read from local files, "
+                        "never downloaded")
     p.add_argument("--data-dir", default=None, help="dataset folder (default: the dataset's standard place)")
     p.add_argument("--partition", choices=PARTITIONS, default="dirichlet", help="how labels are spread over devices")
     p.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration (smaller: more skewed)")
@@ -94,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
-        shards = partition_from_args(data_from_args(args), args, args.clients)
+        data = data_from_args(args)
+        shards = partition_from_args(data, args, args.clients)
     except PartitionError as exc:
         print(f"error: --partition {args.partition} of --dataset {args.dataset} (--max-samples {args.max_samples}) "
               f"among --clients {args.clients} (--min-samples {args.min_samples}): {exc}", file=sys.stderr)
@@ -112,4 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     for path, shard in zip(paths, shards):
         print(describe(path, shard))
+    if data.normalization is not None:  # a device holding raw samples of its own normalizes them the same way
+        mean, std = data.normalization
+        np.savez(args.out / NORMALIZATION_FILENAME, mean=mean, std=std)
+        print(f"wrote {args.out / NORMALIZATION_FILENAME}: the mean and std the shards were normalized with "
+              "((x - mean) / std, per sample)")
     return 0

@@ -23,6 +23,11 @@ whole run). Floors are kept per runtime (the artifact kind a device names in its
 on stock onnxruntime and onnxruntime-training differ by up to 20 MiB, either way, docs/edge_envelope.md): a device
 is predicted with its own runtime's floors, a device that names none with the larger of the runtimes' floors. A runtime's floors are used only where every
 ratio of the model has one (a mix would compare unlike quantities); without them the need is the predicted peak.
+
+A model nobody measured (a user's ``--model FILE.py:FN``) is measured on its first compile by
+``server.tier_measurement`` with the benchmark's own device worker, and its entries, keyed by the fingerprint of its
+graphs, are kept in the user's cache (``measured_path()``: ~/.cache/fedara-edge/cost_model.json) beside the zoo's:
+every prediction reads both.
 """
 from __future__ import annotations
 
@@ -47,6 +52,8 @@ FLOOR_MARGIN_MB = 8.0
 (measured: docs/edge_envelope.md, "The tier choice and its margin")."""
 BYTES_PER_SAMPLE_VALUE = 4  # float32 images
 MIB = 1024 * 1024
+CACHE_DIR_ENV, CACHE_FOLDER = "XDG_CACHE_HOME", "fedara-edge"
+MAX_INPUT_DIMS = 4
 
 class CostModelError(ValueError):
     """A cost-model file that is unreadable or malformed, or a question it has no measurements for."""
@@ -137,8 +144,10 @@ def _entry(raw: object, index: int) -> tuple[tuple[str, tuple[int, ...]], CostEn
     if missing:
         raise CostModelError(f"entry {index} lacks {sorted(missing)}")
     shape = raw["input_shape"]
-    if not isinstance(shape, list) or len(shape) != 3 or not all(isinstance(d, int) and d > 0 for d in shape):
-        raise CostModelError(f"entry {index}: input_shape must be [C, H, W], got {shape!r}")
+    if not isinstance(shape, list) or not 1 <= len(shape) <= MAX_INPUT_DIMS or \
+            not all(isinstance(d, int) and d > 0 for d in shape):
+        raise CostModelError(f"entry {index}: input_shape must be a sample's 1 to {MAX_INPUT_DIMS} sizes (e.g. "
+                             f"[C, H, W]), got {shape!r}")
     ratio = _number(raw["ratio"], f"entry {index} ratio")
     if ratio > 1:
         raise CostModelError(f"entry {index}: ratio must be in (0, 1], got {ratio}")
@@ -193,9 +202,52 @@ def load_cost_model(path: str | os.PathLike | None = None) -> CostModel:
     return parse_cost_model(document)
 
 
+def measured_path() -> Path:
+    """The user's cost-model file of measured models: $XDG_CACHE_HOME/fedara-edge/cost_model.json (~/.cache)."""
+    base = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / CACHE_FOLDER / COST_MODEL_FILE
+
+
+def _measured_entries() -> list[dict]:
+    """The entries of the user's file; an unreadable or malformed one counts as empty (it is a cache)."""
+    try:
+        document = json.loads(measured_path().read_text())
+        parse_cost_model(document)
+    except (OSError, ValueError):
+        return []
+    return list(document["entries"])
+
+
+def add_measured(entries: list[dict], generated_by: str) -> None:
+    """Keep ``entries`` (cost-model entries, as the file holds them) in the user's file, replacing those of the
+    same model, input shape and ratio; the next prediction reads them."""
+    new_keys = {(e["model"], tuple(e["input_shape"]), e["ratio"]) for e in entries}
+    kept = [e for e in _measured_entries() if (e["model"], tuple(e["input_shape"]), e["ratio"]) not in new_keys]
+    document = {"format_version": COST_MODEL_FORMAT, "generated_by": generated_by, "entries": kept + entries}
+    parse_cost_model(document)
+    path = measured_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(json.dumps(document, indent=1))
+    os.replace(temporary, path)
+    _shipped.cache_clear()
+
+
 @lru_cache(maxsize=1)
 def _shipped() -> CostModel:
-    return load_cost_model()
+    """The shipped cost model with the user's measured models beside it."""
+    shipped = load_cost_model()
+    measured = _measured_entries()
+    if not measured:
+        return shipped
+    extra = parse_cost_model({"format_version": COST_MODEL_FORMAT, "entries": measured})
+    return CostModel({**shipped.entries, **extra.entries}, shipped.generated_by)
+
+
+def has_measurements(model_name: str, input_shape: Sequence[int], ratios: Sequence[float]) -> bool:
+    """Whether the cost model (shipped and measured) has ``model_name`` on ``input_shape`` at every one of ``ratios``."""
+    entries = _shipped().entries.get((model_name, tuple(int(d) for d in input_shape)), ())
+    return set(ratios) <= {e.ratio for e in entries}
 
 
 def _interpolate(points: Sequence[tuple[float, float]], x: float, extrapolate_above: bool) -> float:

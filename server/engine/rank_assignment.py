@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fedcore.lowrank import FactorizedConv2d, FactorizedLinear, RankPlan, factorize_model, resolve_plan
+from fedcore.lowrank import FactorizedConv2d, FactorizedLinear, factorize_model, resolve_plan
+from fedcore.models import rank_plan
 
 RUNTIME_BASE_MB = 60.0
 """Resident memory of the device runtime before any model: onnxruntime's C bindings, numpy and Python
@@ -102,7 +103,7 @@ def tier_predictor(model: nn.Module, input_shape: tuple[int, ...], batch_size: i
 
     @lru_cache(maxsize=None)
     def predict(ratio: float) -> float:
-        plan = resolve_plan(model, RankPlan(ratio))
+        plan = resolve_plan(model, rank_plan(model, ratio))
         return predict_peak_mb(plan_footprint(model, plan.ranks, input_shape), batch_size)
 
     return predict

@@ -229,6 +229,8 @@ class RoundEngine:
         if budget_mb is not None and predict(ratio) > budget_mb and device_id not in overrides:
             LOG.warning("%s: no tier fits its %.0f MiB budget; smallest tier %g (predicted %.1f MiB)",
                         device_id, budget_mb, ratio, predict(ratio))
+        else:
+            LOG.info("%s: tier %g, predicted to need %.1f MiB", device_id, ratio, predict(ratio))
         return ratio
 
     def join(self, device_id: str, join: Join) -> Admission:

@@ -15,7 +15,13 @@ from enum import Enum
 ALGORITHMS = ("fedara", "fedavg", "fedrep", "local")
 """The algorithms, one file each in server/algorithms/."""
 MODELS = ("fedavgcnn", "cnn1", "cnn2", "cnn3", "cnn4", "cnn5")
-"""The model zoo (fedcore/models.py)."""
+"""The model zoo (fedcore/models.py); --model also takes MODULE:FUNCTION or PATH.py:FUNCTION (fedcore/model_spec.py)."""
+BN_STATS = ("personal", "shared")
+"""BatchNorm running statistics: kept on each device (FedBN) or averaged with the FE by samples (FedAvg-BN)."""
+DEFAULT_BN_STATS = "personal"
+"""Chosen without a paired study (not run yet, docs/your_model.md): every accuracy here is a device's own test split
+under label skew, which its own statistics describe; FedBN (Li et al., ICLR 2021) measured local statistics ahead
+under non-IID features; and they cost nothing on the wire."""
 DEFAULT_MU = 1e-3
 """The Frobenius decay μ on factorized layers (the paper's)."""
 DEFAULT_LAM_WARMUP = 10

@@ -119,6 +119,12 @@ class LocalDevices:
                 LOG.warning("local %s %s ignored SIGTERM; killing it", self.what, device_id)
                 proc.kill()
                 proc.wait()
+        for device_id, group in self.groups.items():  # what the kernel charged: the figure a predicted need is held to
+            try:
+                LOG.info("local %s %s: cgroup peak %s MiB under its %g MiB limit", self.what, device_id,
+                         group.evidence().peak_mb, group.limit_mb)
+            except cgroups.CgroupError as exc:
+                LOG.warning("%s", exc)
         for group in [*self.groups.values(), *self.cpu_groups.values()]:
             try:
                 group.remove()

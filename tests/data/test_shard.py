@@ -65,10 +65,26 @@ def test_load_rejects_int32_labels(tmp_path):
         load_shard(path)
 
 
-def test_load_rejects_images_that_are_not_4d(tmp_path):
-    path = _write_raw(tmp_path / "s.npz", x_test=np.zeros((2, 16), dtype=np.float32))
-    with pytest.raises(ShardError, match="4-D"):
+def test_load_rejects_samples_that_are_scalars(tmp_path):
+    path = _write_raw(tmp_path / "s.npz", x_test=np.zeros(2, dtype=np.float32), y_test=np.zeros(2, dtype=np.int64))
+    with pytest.raises(ShardError, match="1 to 4 sample dims"):
         load_shard(path)
+
+
+def test_load_rejects_a_test_split_of_another_sample_shape(tmp_path):
+    path = _write_raw(tmp_path / "s.npz", x_test=np.zeros((2, 16), dtype=np.float32), y_test=np.zeros(2, np.int64))
+    with pytest.raises(ShardError, match="both splits must share the sample shape"):
+        load_shard(path)
+
+
+@pytest.mark.parametrize("sample", [(7,), (3, 5), (2, 4, 4)])
+def test_a_shard_of_1d_2d_and_3d_samples_round_trips(tmp_path, sample):
+    rng = np.random.default_rng(0)
+    shard = Shard(rng.normal(size=(6, *sample)).astype(np.float32), np.arange(6, dtype=np.int64) % 3,
+                  rng.normal(size=(2, *sample)).astype(np.float32), np.zeros(2, np.int64), 3)
+    save_shard(tmp_path / "s.npz", shard)
+    loaded = load_shard(tmp_path / "s.npz")
+    assert loaded.input_shape == sample and np.array_equal(loaded.x_train, shard.x_train)
 
 
 def test_load_rejects_mismatched_sample_and_label_counts(tmp_path):
@@ -125,7 +141,7 @@ def test_construction_rejects_empty_training_split():
 def test_construction_rejects_splits_with_different_image_shapes():
     arrays = _arrays()
     arrays["x_test"] = np.zeros((2, 1, 5, 5), dtype=np.float32)
-    with pytest.raises(ShardError, match="share C×H×W"):
+    with pytest.raises(ShardError, match="share the sample shape"):
         Shard(**arrays)
 
 

@@ -83,6 +83,15 @@ def test_shard_that_does_not_fit_the_model_is_refused():
     assert "does not fit the model" in refusal and "dev_x" not in coordinator.devices
 
 
+@pytest.mark.parametrize("model_input, shard_input, fits", [
+    ((20, 6), (20, 6), True), ((20, 6), (6, 20), False), ((12,), (12,), True), ((12,), (1, 12), False)])
+def test_a_shard_of_any_sample_shape_is_checked_against_the_models_input(model_input, shard_input, fits):
+    coordinator = Coordinator(CoordinatorConfig(input_shape=model_input, num_classes=10, round_deadline_s=DEADLINE_S),
+                              RUN)
+    refusal = coordinator.join("dev_000", Join(PROFILE, ShardInfo(30, 10, shard_input, 10), ()))
+    assert (refusal is None) == fits
+
+
 def test_device_is_ready_only_once_it_acknowledged_its_plan():
     coordinator = make_coordinator(0)
     coordinator.join("dev_000", Join(PROFILE, SHARD, ()))
