@@ -26,7 +26,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
 from device_runtime.auth import new_nonce
-from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Reassembler, RepeatedFrame, chunk
+from device_runtime.framing import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Admit, NotAdmitted, Reassembler,
+                                   RepeatedFrame, Vouch, chunk)
 from device_runtime.inbox import Inbox, Screen
 from device_runtime.protocol import ProtocolError
 from device_runtime.topics import frame_stream
@@ -48,10 +49,14 @@ MAX_LOST_TOPICS = 4096
 """Topics of pushed-out messages an endpoint keeps for ``take_lost``, at most."""
 StatusFrames = Callable[[bool, str], bytes]
 """(online, connection nonce) -> the sealed status payload (status.StatusSigner)."""
-STAT_KEYS = ("frames_in", "frames_rejected", "frames_repeated", "messages_in", "messages_expired",
+STAT_KEYS = ("frames_in", "frames_rejected", "frames_repeated", "frames_unadmitted", "messages_in", "messages_expired",
              "messages_evicted", "bytes_out", "bytes_in", "reconnects", "sessions_lost")
 """``sessions_lost`` counts the reconnects whose broker held no session of this client (CONNACK session present
-0): what was published to it while it was away is gone, where a kept session queued it."""
+0): what was published to it while it was away is gone, where a kept session queued it. ``frames_unadmitted`` counts
+the frames admitted for no sender (``framing.NotAdmitted``), dropped at the frame, one log line per
+UNADMITTED_LOG_EVERY."""
+UNADMITTED_LOG_EVERY = 1000
+"""A flood of frames from no sender is logged once per this many (the counter counts each)."""
 
 
 class TransportError(RuntimeError):
@@ -139,7 +144,8 @@ class MqttEndpoint:
     offline under that nonce, and publishes a retained online frame with it once the subscriptions are
     acknowledged, so a peer that answers the status reaches this endpoint (and the offline frame on a clean
     stop()). `max_pending_bytes` bounds the chunks held for incomplete messages over all topics together
-    (default: `max_message_bytes`). Complete messages wait in an Inbox (device_runtime/inbox.py): with `screen`, what
+    (default: `max_message_bytes`); `admit` and `vouch` name each frame's sender and rank a sender's messages, and
+    `max_pending_per_sender`, `max_pending_bytes_per_sender` bound what one sender holds (framing.Reassembler). Complete messages wait in an Inbox (device_runtime/inbox.py): with `screen`, what
     it drops never queues and the queue keeps the newest message per kind, within `max_queued_bytes` (None: no bound).
     With `backpressure` the queue drops nothing: past `max_queued_bytes` the network thread waits for the reader, so
     the broker holds what this process has no room for (a server's updates: none may be lost).
@@ -161,7 +167,9 @@ class MqttEndpoint:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
                  max_pending_messages: int = DEFAULT_MAX_PENDING_MESSAGES,
-                 max_pending_bytes: int | None = None, clean_session: bool = False, qos: int = 1,
+                 max_pending_bytes: int | None = None, admit: Admit | None = None, vouch: Vouch | None = None,
+                 max_pending_per_sender: int | None = None, max_pending_bytes_per_sender: int | None = None,
+                 clean_session: bool = False, qos: int = 1,
                  screen: Screen | None = None, max_queued_bytes: int | None = None, backpressure: bool = False,
                  inbox: Inbox | None = None) -> None:
         if not client_id:
@@ -188,7 +196,9 @@ class MqttEndpoint:
         self._armed_nonce: str | None = None  # nonce of the will registered for the next CONNECT
         self._nonce: str | None = None  # nonce of the current connection
         self._reassembler = Reassembler(max_message_bytes, reassembly_timeout_s, max_pending_messages,
-                                        max_pending_bytes)
+                                        max_pending_bytes, admit=admit, vouch=vouch,
+                                        max_pending_per_sender=max_pending_per_sender,
+                                        max_pending_bytes_per_sender=max_pending_bytes_per_sender)
         self._next_expiry = 0.0
         self._inbox = inbox if inbox is not None else Inbox(max_queued_bytes, screen, wait=backpressure)
         self._lost: dict[str, None] = {}  # topics of incomplete messages pushed out, until the owner takes them
@@ -533,6 +543,13 @@ class MqttEndpoint:
             return  # a payload's retained frame deleted by its publisher (clear_retained): nothing to read
         try:
             payload = self._reassembler.feed(frame, now, stream=topic)
+        except NotAdmitted as exc:
+            with self._stats_lock:
+                self._stats["frames_unadmitted"] += 1
+                unadmitted = self._stats["frames_unadmitted"]
+            if unadmitted % UNADMITTED_LOG_EVERY == 1:
+                LOG.warning("%s: dropped frame on %s: %s (%d so far)", self.client_id, topic, exc, unadmitted)
+            payload = None
         except RepeatedFrame as exc:
             LOG.info("%s: ignored a frame on %s: %s", self.client_id, topic, exc)
             self._bump("frames_repeated")
