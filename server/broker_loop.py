@@ -348,7 +348,7 @@ class Federation:
 
     def _publish_payload(self, ref: PayloadRef, data: bytes) -> None:
         """A plan's payload, retained (a device that subscribes later gets it), in frames of --max-message-bytes."""
-        topic = payload_topic(self.args.prefix, ref.sha256)
+        topic = payload_topic(self.args.prefix, self.engine.run_id, ref.sha256)
         self.retained[topic] = self.endpoint.publish_retained(topic, data, new_msg_id(MessageType.TASK))
         LOG.info("published payload %s (%d bytes, %d frames)", ref.sha256[:12], len(data), self.retained[topic])
 
