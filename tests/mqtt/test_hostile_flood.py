@@ -8,6 +8,10 @@ The unenrolled id's frames are dropped at the frame (counted, logged as ``[not_a
 enrolled id's junk fills only that id's own reassembly budget, where it ranks below the device's authenticated update
 (framing.Reassembler, server/mqtt/admission.py). Every round folds every honest update, none is pushed out and asked
 again, and the final model is bit-identical to an undisturbed run of the same seed.
+
+Before the attacked run, a junk frame claiming the genuine payload's hash and size is retained on every payload topic
+the undisturbed run used (the same seed: the same payload hashes). Payload topics carry the run's id, so none of it
+is on the attacked run's topics: its payload bytes of every round equal the undisturbed run's.
 """
 from __future__ import annotations
 
@@ -20,13 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
 from device_runtime.framing import FRAME_HEADER_BYTES, chunk
 from device_runtime.topics import Topics
 from server.mqtt.enrollment import enroll, save_enrollment
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from tests.support.broker import MosquittoProcess, attack_broker, mosquitto_pub
+from server.outputs.report import METRICS_FILE, read_metrics
+from tests.support.broker import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub
 from tests.support.broker_capture import PREFIX, finish, wait_for_line
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -55,6 +62,32 @@ def server(out: Path, url: str, cache: Path, enrollment: Path) -> subprocess.Pop
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def watch_payload_topics(port: int) -> tuple[mqtt.Client, set[str]]:
+    """A plain subscriber noting every payload topic (``PREFIX/payload/RUN/SHA256``) it sees a frame on."""
+    topics: set[str] = set()
+    subscribed = threading.Event()
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="payload-watcher", protocol=mqtt.MQTTv311)
+    client.on_connect = lambda c, *_: c.subscribe(f"{PREFIX}/payload/#", qos=1)
+    client.on_subscribe = lambda *_: subscribed.set()
+    client.on_message = lambda c, u, message: topics.add(message.topic.rsplit("/", 1)[0])
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    assert subscribed.wait(30), "the payload watcher did not subscribe"
+    return client, topics
+
+
+def retain_junk_before_the_run(port: int, topics: set[str], folder: Path) -> None:
+    """On each payload topic of an earlier run, frame 0 retained: junk claiming that payload's hash (and its size)."""
+    for topic in sorted(topics):
+        digest = bytes.fromhex(topic.rsplit("/", 1)[1])
+        (frame,) = chunk(b"\0" * 1000, FRAME_BYTES, f"junk-{digest.hex()[:8]}")
+        frame = frame[:FRAME_HEADER_BYTES - 32] + digest + frame[FRAME_HEADER_BYTES:]
+        path = folder / "retained.bin"
+        path.write_bytes(frame)
+        subprocess.run([MOSQUITTO_PUB, "-h", "127.0.0.1", "-p", str(port), "-q", "1", "-r", "-t", f"{topic}/0", "-f",
+                        str(path)], check=True, capture_output=True)
+
+
 @dataclass
 class Runs:
     clean: Path
@@ -62,6 +95,7 @@ class Runs:
     server_log: str
     lines: list[str]
     sent: dict[str, int]
+    junk_topics: int
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +108,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: Path) 
 def attack(base: Path, broker: MosquittoProcess, cache: Path) -> Runs:
     enrollment = save_enrollment(base / "enroll.json", enroll({}, [f"dev_{i:03d}" for i in range(3)]))
     lines: list[str] = []
+    watcher, payload_topics = watch_payload_topics(broker.port)
     finish(server(base / "clean", broker.url, cache, enrollment), lines)
+    watcher.loop_stop()
+    watcher.disconnect()
+    retain_junk_before_the_run(broker.port, payload_topics, base)
     proc = server(base / "attacked", broker.url, cache, enrollment)
     wait_for_line(proc, "round 1/", lines)
     stop, sent, lock = threading.Event(), {UNENROLLED: 0, ENROLLED: 0}, threading.Lock()
@@ -97,7 +135,7 @@ def attack(base: Path, broker: MosquittoProcess, cache: Path) -> Runs:
         for worker in workers:
             worker.join(30)
     attacked = base / "attacked"
-    return Runs(base / "clean", attacked, (attacked / "server.log").read_text(), lines, dict(sent))
+    return Runs(base / "clean", attacked, (attacked / "server.log").read_text(), lines, dict(sent), len(payload_topics))
 
 
 def test_the_flood_landed_on_both_ids_while_the_run_ran(runs: Runs):
@@ -125,3 +163,12 @@ def test_the_flooded_runs_final_model_is_bit_identical_to_the_undisturbed_run(ru
     assert attacked.round == clean.round == ROUNDS and clean.tensors.keys() == attacked.tensors.keys()
     for name in clean.tensors:
         np.testing.assert_array_equal(attacked.tensors[name], clean.tensors[name], err_msg=name)
+
+
+def test_junk_retained_before_the_run_changes_no_rounds_payload_bytes(runs: Runs):
+    clean, attacked = (read_metrics(run / METRICS_FILE) for run in (runs.clean, runs.attacked))
+    print(f"junk retained on {runs.junk_topics} payload topics of the undisturbed run; flood frames sent {runs.sent}; "
+          f"round seconds undisturbed {[round(r['seconds'], 2) for r in clean]}, "
+          f"flooded {[round(r['seconds'], 2) for r in attacked]}")
+    assert runs.junk_topics >= ROUNDS
+    assert [r["bytes_down"] for r in attacked] == [r["bytes_down"] for r in clean]
