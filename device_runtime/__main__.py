@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                                 status=(topics.status, link.status_signer(args.device_id)), username=username,
                                 password=args.password or os.environ.get(PASSWORD_ENV), tls_ca=args.tls_ca,
                                 max_frame_bytes=args.max_message_bytes, max_message_bytes=max_inbound,
-                                admit=admission.admit, vouch=admission.vouch,
+                                admit=admission.admit, check=admission.check, vouch=admission.vouch,
                                 clean_session=False, screen=inbound_screen(link, args.device_id, topics.down,
                                                                       topics.payloads, admission),
                                 max_queued_bytes=max_inbound)

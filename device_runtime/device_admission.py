@@ -26,7 +26,7 @@ SERVER, PAYLOAD = "server", "payload"
 
 
 class DeviceAdmission:
-    """The device's admission (``admit``, ``vouch``) and its payload check (``takes_payload``); the agent names the
+    """The device's admission (``admit``, ``check``, ``vouch``) and its payload check (``takes_payload``); the agent names the
     payload it waits for (``await_payload``, ``clear``) from its thread, the network thread reads it."""
 
     def __init__(self, down_topic: str, key: bytes) -> None:
@@ -41,14 +41,17 @@ class DeviceAdmission:
         """No payload awaited: payload frames are dropped at the frame."""
         self._awaited = None
 
-    def admit(self, stream: str, frame: Frame) -> Hashable | None:
-        """SERVER for the down topic, PAYLOAD for a frame of the awaited payload's size and hash, else None."""
+    def admit(self, stream: str) -> Hashable | None:
+        """SERVER for the down topic, PAYLOAD for the awaited payload's topic, else None."""
         if stream == self.down_topic:
             return SERVER
         awaited = self._awaited
-        if awaited is not None and stream == awaited[0] and frame.digest == awaited[1] and frame.total == awaited[2]:
-            return PAYLOAD
-        return None
+        return PAYLOAD if awaited is not None and stream == awaited[0] else None
+
+    def check(self, sender: Hashable, frame: Frame) -> bool:
+        """Whether a frame's header claims what this device takes: any down frame; of the payload, its size and hash."""
+        awaited = self._awaited
+        return sender == SERVER or (awaited is not None and frame.digest == awaited[1] and frame.total == awaited[2])
 
     def vouch(self, sender: Hashable, chunk: memoryview) -> int | None:
         """The counter of a down message whose chunk 0 carries a header tagged under this device's key."""

@@ -26,8 +26,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
 from device_runtime.auth import new_nonce
-from device_runtime.framing import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Admit, NotAdmitted, Reassembler,
-                                   RepeatedFrame, Vouch, chunk)
+from device_runtime.framing import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Admit, Check, NotAdmitted,
+                                   Reassembler, RepeatedFrame, Vouch, chunk)
 from device_runtime.inbox import Inbox, Screen
 from device_runtime.protocol import ProtocolError
 from device_runtime.topics import frame_stream
@@ -144,7 +144,8 @@ class MqttEndpoint:
     offline under that nonce, and publishes a retained online frame with it once the subscriptions are
     acknowledged, so a peer that answers the status reaches this endpoint (and the offline frame on a clean
     stop()). `max_pending_bytes` bounds the chunks held for incomplete messages over all topics together
-    (default: `max_message_bytes`); `admit` and `vouch` name each frame's sender and rank a sender's messages, and
+    (default: `max_message_bytes`); `admit`, `check` and `vouch` name each frame's sender, check its header's claims and
+    rank a sender's messages, and
     `max_pending_per_sender`, `max_pending_bytes_per_sender` bound what one sender holds (framing.Reassembler). Complete messages wait in an Inbox (device_runtime/inbox.py): with `screen`, what
     it drops never queues and the queue keeps the newest message per kind, within `max_queued_bytes` (None: no bound).
     With `backpressure` the queue drops nothing: past `max_queued_bytes` the network thread waits for the reader, so
@@ -167,7 +168,8 @@ class MqttEndpoint:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
                  max_pending_messages: int = DEFAULT_MAX_PENDING_MESSAGES,
-                 max_pending_bytes: int | None = None, admit: Admit | None = None, vouch: Vouch | None = None,
+                 max_pending_bytes: int | None = None, admit: Admit | None = None, check: Check | None = None,
+                 vouch: Vouch | None = None,
                  max_pending_per_sender: int | None = None, max_pending_bytes_per_sender: int | None = None,
                  clean_session: bool = False, qos: int = 1,
                  screen: Screen | None = None, max_queued_bytes: int | None = None, backpressure: bool = False,
@@ -196,7 +198,7 @@ class MqttEndpoint:
         self._armed_nonce: str | None = None  # nonce of the will registered for the next CONNECT
         self._nonce: str | None = None  # nonce of the current connection
         self._reassembler = Reassembler(max_message_bytes, reassembly_timeout_s, max_pending_messages,
-                                        max_pending_bytes, admit=admit, vouch=vouch,
+                                        max_pending_bytes, admit=admit, check=check, vouch=vouch,
                                         max_pending_per_sender=max_pending_per_sender,
                                         max_pending_bytes_per_sender=max_pending_bytes_per_sender)
         self._next_expiry = 0.0
@@ -423,8 +425,8 @@ class MqttEndpoint:
             return dict(self._stats, messages_dropped=self._inbox.dropped, inbox_peak_bytes=self._inbox.peak_bytes)
 
     def take_lost(self) -> list[str]:
-        """The topics of the incomplete messages pushed out of the reassembly budget since the last call (their
-        senders are to be asked again: nothing else brings them back)."""
+        """The topics of the incomplete messages pushed out of the reassembly budget, or expired incomplete, since the
+        last call (their senders are to be asked again: nothing else brings them back)."""
         with self._stats_lock:
             lost, self._lost = list(self._lost), {}
         return lost
@@ -565,10 +567,7 @@ class MqttEndpoint:
                         self._reassembler.max_pending, self._reassembler.pending_bytes,
                         self._reassembler.max_pending_bytes, ", ".join(msg_id for _, msg_id in evicted[:3]))
             self._bump("messages_evicted", len(evicted))
-            with self._stats_lock:  # each topic once, the newest MAX_LOST_TOPICS (an owner that never asks stays bounded)
-                self._lost.update(dict.fromkeys(stream for stream, _ in evicted))
-                for stale in list(self._lost)[:-MAX_LOST_TOPICS]:
-                    del self._lost[stale]
+            self._note_lost(evicted)
         if payload is not None:
             self._bump("messages_in")
             self._inbox.put(topic, payload)
@@ -576,10 +575,19 @@ class MqttEndpoint:
             self._next_expiry = now + EXPIRE_INTERVAL_S
             self._expire(now)
 
+    def _note_lost(self, lost: list[tuple[str, str]]) -> None:
+        with self._stats_lock:  # each topic once, the newest MAX_LOST_TOPICS (an owner that never asks stays bounded)
+            self._lost.update(dict.fromkeys(stream for stream, _ in lost))
+            for stale in list(self._lost)[:-MAX_LOST_TOPICS]:
+                del self._lost[stale]
+
     def _expire(self, now: float) -> None:
         for msg_id in self._reassembler.expire(now):
             LOG.warning("%s: incomplete message %s expired", self.client_id, msg_id)
             self._bump("messages_expired")
+        if self._reassembler.expired_lost:  # their senders are asked again, as for those pushed out (take_lost)
+            lost, self._reassembler.expired_lost = self._reassembler.expired_lost, []
+            self._note_lost(lost)
 
     @property
     def pending_bytes(self) -> int:

@@ -15,19 +15,24 @@ from collections.abc import Hashable
 
 from device_runtime.auth import KeyRing
 from device_runtime.envelope import tagged_counter
-from device_runtime.framing import Admit, Frame, Vouch
+from device_runtime.framing import Admit, Vouch
 from device_runtime.protocol import ProtocolError
 from device_runtime.topics import device_id_from_topic
 from server.mqtt.aggregation_wire import aggregator_from_topic
 
 PENDING_PER_SENDER = 4
 """Incomplete messages one sender may hold at once: a device's update, a re-send of it and a small message or two."""
+STREAMS_REMEMBERED = 8192
+"""Streams whose admission the server remembers (a flood on one topic costs a dict lookup a frame); past it, forgotten
+all at once (a flood over fresh topics costs the topic's parse a frame)."""
 
 
 def server_admission(prefix: str, keys: KeyRing, aggregators: tuple[str, ...] = ()) -> tuple[Admit, Vouch]:
     """The server endpoint's admission (enrolled devices and the run's aggregators, see the module docstring) and
     vouch (a device message's chunk 0 whose tag verifies under that device's key ranks by its counter)."""
-    def admit(stream: str, frame: Frame) -> Hashable | None:
+    known: dict[str, Hashable | None] = {}
+
+    def sender_of(stream: str) -> Hashable | None:
         if aggregators:
             name = aggregator_from_topic(prefix, stream)
             if name is not None:
@@ -37,6 +42,15 @@ def server_admission(prefix: str, keys: KeyRing, aggregators: tuple[str, ...] = 
         except ProtocolError:
             return None
         return device_id if keys.enrolled(device_id) else None
+
+    def admit(stream: str) -> Hashable | None:
+        try:
+            return known[stream]
+        except KeyError:
+            if len(known) >= STREAMS_REMEMBERED:
+                known.clear()
+            sender = known[stream] = sender_of(stream)
+            return sender
 
     def vouch(sender: Hashable, chunk: memoryview) -> int | None:
         key = keys.key_for(sender) if isinstance(sender, str) else None

@@ -276,7 +276,7 @@ def awaiting_device(url: str, client_id: str, topic: str, ref: PayloadRef | None
     if ref is not None:
         admission.await_payload(topic, ref)
     device = payload_endpoint(url, client_id, subscriptions=["unused/topic"], admit=admission.admit,
-                              vouch=admission.vouch,
+                              check=admission.check, vouch=admission.vouch,
                               screen=lambda t, p: t if admission.takes_payload(t, p) else None)
     return device, admission
 

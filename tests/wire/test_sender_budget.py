@@ -23,7 +23,7 @@ def payload_of(size: int, seed: int = 0) -> bytes:
     return random.Random(size * 31 + seed).randbytes(size)
 
 
-def by_stream(stream: str, frame) -> str | None:
+def by_stream(stream: str) -> str | None:
     """Each stream its own sender, but for the stream named ``stranger``."""
     return None if stream == "stranger" else stream
 
@@ -132,12 +132,11 @@ def test_tagged_counter_refuses_a_chunk_under_another_key_or_cut_inside_its_head
 
 def test_the_server_admits_enrolled_devices_and_the_runs_aggregators_only():
     admit, _ = server_admission("fedara", KeyRing({"dev_001": KEY}), aggregators=("agg-0",))
-    frame = None  # the server's admission reads the topic only
-    assert admit(Topics("fedara", "dev_001").update, frame) == "dev_001"
-    assert admit(Topics("fedara", "dev_009").up, frame) is None
-    assert admit("fedara/agg/agg-0/up", frame) == ("aggregator", "agg-0")
-    assert admit("fedara/agg/agg-9/up", frame) is None
-    assert admit("elsewhere/dev/dev_001/up", frame) is None
+    assert admit(Topics("fedara", "dev_001").update) == "dev_001"
+    assert admit(Topics("fedara", "dev_009").up) is None
+    assert admit("fedara/agg/agg-0/up") == ("aggregator", "agg-0")
+    assert admit("fedara/agg/agg-9/up") is None
+    assert admit("elsewhere/dev/dev_001/up") is None
 
 
 def test_the_server_vouches_for_a_message_sealed_under_the_devices_key_only():
@@ -145,3 +144,10 @@ def test_the_server_vouches_for_a_message_sealed_under_the_devices_key_only():
     data = sealed("update-1")
     assert vouch("dev_001", memoryview(data)) == tagged_counter(data, KEY)
     assert vouch("dev_002", memoryview(data)) is None
+
+
+def test_an_authenticated_message_that_expires_incomplete_is_named_for_asking_again_and_junk_is_not():
+    r = reassembler(vouch=vouch_by_tag, timeout_s=5.0)
+    r.feed(chunk(sealed("update-1"), FRAME_1K, "update-1")[0], 0.0, stream=FLOODED)
+    r.feed(chunk(payload_of(3000), FRAME_1K, "junk")[0], 0.0, stream=FLOODED)
+    assert sorted(r.expire(6.0)) == ["junk", "update-1"] and r.expired_lost == [(FLOODED, "update-1")]
