@@ -199,10 +199,10 @@ class Reassembler:
     one of that sender's own messages, never another sender's: the unvouched first (oldest first), then the vouched
     one with the lowest counter (``vouch``: chunk 0 carries the envelope's tagged header, so a flood of junk under an
     enrolled id cannot push out that device's own update, nor can replays of its older messages); where the newcomer
-    ranks lowest, the newcomer is the one dropped. The total bound is the last guard: beyond it the oldest unvouched,
-    then the oldest vouched messages of any sender go. A pushed-out message is lost like any message on a lossy link;
-    its frames still to come are dropped (it cannot complete), so they push out nothing more; that msg_id stays
-    refused for ``timeout_s`` even if re-delivered whole (a QoS 1 re-delivery, a retained copy fetched again): every
+    ranks lowest, the newcomer is the one dropped. The total bound is the last guard: beyond it the oldest unvouched
+    messages of any sender go first, then the newest vouched (the least received: the others complete). A pushed-out
+    message is lost like any message on a lossy link; its frames still to come are dropped (it cannot complete), so
+    they push out nothing more; that msg_id stays refused for ``timeout_s`` even if re-delivered whole (a QoS 1 re-delivery, a retained copy fetched again): every
     re-send of this protocol (a saved answer resealed, a payload published again) has a new msg_id. Those of them
     the owner may want back (vouched ones, or any where nothing vouches) wait in ``evicted``. A frame that contradicts
     earlier frames of its msg_id (its count, total, chunk length or payload hash) is rejected and ignored. A frame of a
@@ -353,7 +353,12 @@ class Reassembler:
                 return None
             self._evict(victim, now)
         while len(self._pending) >= self.max_pending:
-            self._evict(self._oldest(keep=None), now)
+            victim = self._total_victim(keep=None)
+            if victim is None:  # every message held is vouched: the newcomer is the newest, the one to go
+                self._note_evicted(key, pending)
+                self._remember_pushed_out(key, now)
+                return None
+            self._evict(victim, now)
         self._pending[key] = pending
         self._senders.setdefault(sender, _Sender()).keys[key] = None
         return pending
@@ -366,18 +371,22 @@ class Reassembler:
                 lowest = key
         return lowest
 
-    def _oldest(self, keep: tuple[str, str] | None) -> tuple[str, str] | None:
-        """The oldest unvouched incomplete message but ``keep``, else the oldest vouched one (the total bound's
-        victim); None when ``keep`` is the only one."""
-        first = None
+    def _total_victim(self, keep: tuple[str, str] | None) -> tuple[str, str] | None:
+        """The total bound's victim to make room for ``keep`` (None: a newcomer, not held yet, and newer than all): the
+        oldest unvouched incomplete message but ``keep`` (junk, or what nothing vouches for), else the newest vouched
+        one, ``keep`` included (it holds the least: under a burst of many senders' interleaved frames the older ones
+        complete and the newest is asked again; pushing out the oldest, which holds the most, cascaded). None where
+        ``keep`` is the one to go."""
+        newest = None
         for key, pending in self._pending.items():
-            if key == keep:
-                continue
             if pending.rank is None:
-                return key
-            if first is None:
-                first = key
-        return first
+                if key != keep:
+                    return key
+            else:
+                newest = key
+        if keep is None or self._pending[keep].rank is None or newest == keep:
+            return None
+        return newest
 
     def _make_room(self, size: int, keep: tuple[str, str], now: float) -> bool:
         """Make room for ``size`` more bytes of ``keep``: its sender's lower-ranked messages go first, then, for the
@@ -391,7 +400,7 @@ class Reassembler:
                 return False
             self._evict(victim, now)
         while self._held + size > self.max_pending_bytes:
-            victim = self._oldest(keep)
+            victim = self._total_victim(keep)
             if victim is None:
                 self._evict(keep, now)
                 return False

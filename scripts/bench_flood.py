@@ -81,7 +81,8 @@ def run(name: str, folder: Path, url: str, port: int, enrollment: Path, args: ar
     out = folder / name
     command = [sys.executable, "-m", "server.broker_loop", "--dataset", "digits", "--max-samples", "600",
                "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--threads", "1", "--join-timeout", "300",
-               "--round-deadline", "300", "--prefix", PREFIX, "--rounds", str(args.rounds), "--local-devices", "3",
+               "--round-deadline", str(args.round_deadline), "--prefix", PREFIX, "--rounds", str(args.rounds),
+               "--local-devices", "3",
                "--seed", "0", "--max-message-bytes", str(args.frame_bytes), "--broker", url, "--enroll",
                str(enrollment), "--out", str(out)]
     if args.cache_dir:
@@ -120,6 +121,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=10_000.0, help="flood frames per second")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--frame-bytes", type=int, default=16 * 1024, help="the run's --max-message-bytes")
+    p.add_argument("--round-deadline", type=float, default=120.0, help="the run's --round-deadline")
     p.add_argument("--cache-dir", default=None, help="the runs' --cache-dir (compiled artifacts)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()

@@ -151,3 +151,22 @@ def test_an_authenticated_message_that_expires_incomplete_is_named_for_asking_ag
     r.feed(chunk(sealed("update-1"), FRAME_1K, "update-1")[0], 0.0, stream=FLOODED)
     r.feed(chunk(payload_of(3000), FRAME_1K, "junk")[0], 0.0, stream=FLOODED)
     assert sorted(r.expire(6.0)) == ["junk", "update-1"] and r.expired_lost == [(FLOODED, "update-1")]
+
+
+def test_past_the_total_budget_the_newest_authenticated_message_goes_and_the_older_ones_complete():
+    r = reassembler(vouch=vouch_by_tag, max_pending=2, max_pending_per_sender=1)
+    payloads = {s: sealed(f"update-{s}") for s in ("a", "b", "c")}
+    frames = {s: chunk(p, FRAME_1K, f"update-{s}") for s, p in payloads.items()}
+    for s in payloads:  # interleaved, as a burst of many devices reaches the server
+        r.feed(frames[s][0], 0.0, stream=f"dev/{s}/update")
+    assert r.evicted == [("dev/c/update", "update-c")]  # the newcomer, asked again; not "a", which holds the most
+    done = [r.feed(f, 1.0, stream=f"dev/{s}/update") for s in ("a", "b") for f in frames[s][1:]]
+    assert [d for d in done if d is not None] == [payloads["a"], payloads["b"]]
+
+
+def test_past_the_total_budget_unauthenticated_junk_goes_before_any_authenticated_message():
+    r = reassembler(vouch=vouch_by_tag, max_pending=2, max_pending_per_sender=1)
+    r.feed(chunk(payload_of(3000), FRAME_1K, "junk")[0], 0.0, stream="dev/x/update")
+    r.feed(chunk(sealed("update-a"), FRAME_1K, "update-a")[0], 0.0, stream="dev/a/update")
+    r.feed(chunk(sealed("update-b"), FRAME_1K, "update-b")[0], 0.0, stream="dev/b/update")
+    assert r.pending_ids == ("update-a", "update-b") and r.evicted == []
