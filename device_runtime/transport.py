@@ -539,8 +539,9 @@ class MqttEndpoint:
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         now = time.monotonic()
         topic, frame = frame_stream(message.topic), message.payload
-        self._bump("frames_in")
-        self._bump("bytes_in", len(frame))
+        with self._stats_lock:  # one lock a frame, not two
+            self._stats["frames_in"] += 1
+            self._stats["bytes_in"] += len(frame)
         if not frame and topic != message.topic:
             return  # a payload's retained frame deleted by its publisher (clear_retained): nothing to read
         try:
