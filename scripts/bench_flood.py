@@ -125,6 +125,12 @@ def main() -> None:
     p.add_argument("--cache-dir", default=None, help="the runs' --cache-dir (compiled artifacts)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
+    for flag, value, lowest in (("--rate", args.rate, 1.0), ("--rounds", args.rounds, 2),
+                                ("--frame-bytes", args.frame_bytes, FRAME_HEADER_BYTES + 1),
+                                ("--round-deadline", args.round_deadline, 1.0)):
+        if not value >= lowest:
+            print(f"error: {flag} must be >= {lowest:g}, got {value:g}", file=sys.stderr)
+            raise SystemExit(2)
     with tempfile.TemporaryDirectory(prefix="bench-flood-") as tmp:
         folder, port = Path(tmp), free_port()
         conf = write_mosquitto_conf(folder / "mosquitto.conf", port, args.frame_bytes,
