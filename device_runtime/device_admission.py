@@ -26,8 +26,8 @@ SERVER, PAYLOAD = "server", "payload"
 
 
 class DeviceAdmission:
-    """The device's admission (``admit``, ``check``, ``vouch``) and its payload check (``takes_payload``); the agent names the
-    payload it waits for (``await_payload``, ``clear``) from its thread, the network thread reads it."""
+    """The device's admission (``admit``, ``check``, ``vouch``) and its payload check (``takes_payload``); the agent
+    names the payload it waits for (``await_payload``, ``clear``) from its thread, the network thread reads it."""
 
     def __init__(self, down_topic: str, key: bytes) -> None:
         self.down_topic, self._key = down_topic, key

@@ -191,23 +191,23 @@ class Reassembler:
     """Joins frames back into payloads, per stream (an MQTT topic), tolerating reordering and
     duplicates.
 
-    Every frame is first admitted for a sender by its stream (``admit``; without it the stream is the sender) and, once
-    parsed, by what its header claims (``check``): a frame admitted for none is dropped at the frame (``NotAdmitted``),
-    buffering nothing. Memory is bounded per sender and in total: one
-    sender holds at most ``max_pending_per_sender`` incomplete messages of at most ``max_pending_bytes_per_sender``,
-    and all together at most ``max_pending`` of ``max_pending_bytes``. A message beyond a sender's bound pushes out
-    one of that sender's own messages, never another sender's: the unvouched first (oldest first), then the vouched
-    one with the lowest counter (``vouch``: chunk 0 carries the envelope's tagged header, so a flood of junk under an
-    enrolled id cannot push out that device's own update, nor can replays of its older messages); where the newcomer
-    ranks lowest, the newcomer is the one dropped. The total bound is the last guard: beyond it the oldest unvouched
-    messages of any sender go first, then the newest vouched (the least received: the others complete). A pushed-out
-    message is lost like any message on a lossy link; its frames still to come are dropped (it cannot complete), so
-    they push out nothing more; that msg_id stays refused for ``timeout_s`` even if re-delivered whole (a QoS 1 re-delivery, a retained copy fetched again): every
-    re-send of this protocol (a saved answer resealed, a payload published again) has a new msg_id. Those of them
-    the owner may want back (vouched ones, or any where nothing vouches) wait in ``evicted``. A frame that contradicts
-    earlier frames of its msg_id (its count, total, chunk length or payload hash) is rejected and ignored. A frame of a
-    recently delivered msg_id (an MQTT QoS 1 re-delivery, or an exact replay) raises RepeatedFrame: nothing is
-    delivered twice, and the caller can say why.
+    Every frame is first admitted for a sender by its stream (``admit``; without it the stream is the sender) and,
+    once parsed, by what its header claims (``check``): a frame admitted for none is dropped at the frame
+    (``NotAdmitted``), buffering nothing. Memory is bounded per sender and in total: one sender holds at most
+    ``max_pending_per_sender`` incomplete messages of at most ``max_pending_bytes_per_sender``, and all together at
+    most ``max_pending`` of ``max_pending_bytes``. A message beyond a sender's bound pushes out one of that sender's
+    own messages, never another sender's: the unvouched first (oldest first), then the vouched one with the lowest
+    counter (``vouch``: chunk 0 carries the envelope's tagged header, so a flood of junk under an enrolled id cannot
+    push out that device's own update, nor can replays of its older messages); where the newcomer ranks lowest, the
+    newcomer is the one dropped. The total bound is the last guard: beyond it the oldest unvouched messages of any
+    sender go first, then the newest vouched (the least received: the others complete). A pushed-out message is lost
+    like any message on a lossy link; its frames still to come are dropped (it cannot complete), so they push out
+    nothing more; that msg_id stays refused for ``timeout_s`` even if re-delivered whole (a QoS 1 re-delivery, a
+    retained copy fetched again): every re-send of this protocol (a saved answer resealed, a payload published again)
+    has a new msg_id. Those of them the owner may want back (vouched ones, or any where nothing vouches) wait in
+    ``evicted``. A frame that contradicts earlier frames of its msg_id (its count, total, chunk length or payload
+    hash) is rejected and ignored. A frame of a recently delivered msg_id (an MQTT QoS 1 re-delivery, or an exact
+    replay) raises RepeatedFrame: nothing is delivered twice, and the caller can say why.
 
     The payload hash the frames carry names the message; it is not computed again over the joined bytes: anyone
     on an open broker can write frames whose hash matches bytes of their choosing, so it proves nothing, and what
@@ -390,7 +390,7 @@ class Reassembler:
 
     def _make_room(self, size: int, keep: tuple[str, str], now: float) -> bool:
         """Make room for ``size`` more bytes of ``keep``: its sender's lower-ranked messages go first, then, for the
-        total bound, the oldest of anyone's; False where ``keep`` itself had to go."""
+        total bound, ``_total_victim``'s; False where ``keep`` itself had to go."""
         pending = self._pending[keep]
         own = self._senders[pending.sender]
         while own.held + size > self.max_pending_bytes_per_sender:

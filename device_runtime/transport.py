@@ -140,25 +140,22 @@ def rotate_brokers(text: str, by: int) -> str:
 class MqttEndpoint:
     """One MQTT client: chunked publish with optional PUBACK wait, reassembled inbound queue.
 
-    `status=(status_topic, frames)` gives every CONNECT a fresh nonce, sets a retained last will saying
-    offline under that nonce, and publishes a retained online frame with it once the subscriptions are
-    acknowledged, so a peer that answers the status reaches this endpoint (and the offline frame on a clean
-    stop()). `max_pending_bytes` bounds the chunks held for incomplete messages over all topics together
-    (default: `max_message_bytes`); `admit`, `check` and `vouch` name each frame's sender, check its header's claims and
-    rank a sender's messages, and
-    `max_pending_per_sender`, `max_pending_bytes_per_sender` bound what one sender holds (framing.Reassembler). Complete messages wait in an Inbox (device_runtime/inbox.py): with `screen`, what
-    it drops never queues and the queue keeps the newest message per kind, within `max_queued_bytes` (None: no bound).
-    With `backpressure` the queue drops nothing: past `max_queued_bytes` the network thread waits for the reader, so
-    the broker holds what this process has no room for (a server's updates: none may be lost).
-    `inbox` replaces that queue (a process hosting many simulated devices hands all their messages to one).
-    `unsubscriptions` are filters this endpoint must not hold: each CONNECT drops them first, since a persistent
-    session (same client id, clean_session False) keeps an earlier run's subscriptions.
-    An incomplete message pushed out of the reassembly budget is lost: its topic waits in ``take_lost`` for the owner
-    to ask its sender again.
-    `broker_url` may list several brokers (``parse_brokers``): a lost connection or a failed attempt moves to the next.
-    Credentials given as arguments take precedence over those in the URL. `connected` is set
-    while the broker has accepted the connection and acknowledged the subscriptions.
-    """
+    `status=(status_topic, frames)` gives every CONNECT a fresh nonce, sets a retained last will saying offline under
+    that nonce, and publishes a retained online frame with it once the subscriptions are acknowledged, so a peer that
+    answers the status reaches this endpoint (and the offline frame on a clean stop()). `max_pending_bytes` bounds the
+    chunks held for incomplete messages over all topics together (default: `max_message_bytes`); `admit`, `check` and
+    `vouch` name each frame's sender, check its header's claims and rank a sender's messages, and
+    `max_pending_per_sender`, `max_pending_bytes_per_sender` bound what one sender holds (framing.Reassembler).
+    Complete messages wait in an Inbox (device_runtime/inbox.py): with `screen`, what it drops never queues and the
+    queue keeps the newest message per kind, within `max_queued_bytes` (None: no bound). With `backpressure` the queue
+    drops nothing: past `max_queued_bytes` the network thread waits for the reader, so the broker holds what this
+    process has no room for (a server's updates: none may be lost). `inbox` replaces that queue (a process hosting
+    many simulated devices hands all their messages to one). `unsubscriptions` are filters this endpoint must not
+    hold: each CONNECT drops them first, since a persistent session (same client id, clean_session False) keeps an
+    earlier run's subscriptions. An incomplete message pushed out of the reassembly budget is lost: its topic waits in
+    ``take_lost`` for the owner to ask its sender again. `broker_url` may list several brokers (``parse_brokers``): a
+    lost connection or a failed attempt moves to the next. Credentials given as arguments take precedence over those
+    in the URL. `connected` is set while the broker has accepted the connection and acknowledged the subscriptions."""
 
     def __init__(self, client_id: str, broker_url: str, *, subscriptions: list[str] | tuple[str, ...] = (),
                  unsubscriptions: list[str] | tuple[str, ...] = (), status: tuple[str, StatusFrames] | None = None,

@@ -148,7 +148,8 @@ def main() -> None:
             broker.terminate()
             broker.wait()
     base = results[0]["round_seconds"]
-    print(f"{'run':<12} {'flood /s':>9} {'frames':>8} {'asked again':>11} {'model equal':>11}  round s (vs undisturbed)")
+    print(f"{'run':<12} {'flood /s':>9} {'frames':>8} {'asked again':>11} {'model equal':>11}  "
+          "round s (vs undisturbed)")
     for r in results:
         rounds = " ".join(f"{s:.2f}({s - b:+.2f})" for s, b in zip(r["round_seconds"], base))
         print(f"{r['run']:<12} {r['flood_rate']:>9.0f} {r['flood_frames']:>8} {r['asked_again']:>11} "
