@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     hold_back_floods()
 
     from device_runtime.agent import DeviceAgent, DeviceRefused, Interrupted, inbound_screen
+    from device_runtime.device_admission import DeviceAdmission
     from device_runtime.workdir import Workdir
     from device_runtime.auth import read_key_file
     from device_runtime.broker_wait import BrokerUnreachableError
@@ -145,12 +146,14 @@ def main(argv: list[str] | None = None) -> int:
         link = Link.device(args.device_id, key, os.path.join(args.workdir, AUTH_DIR), max_inbound)
         flag = "--broker"
         username = args.username or brokers[0].username or args.device_id
+        admission = DeviceAdmission(topics.down, key)
         endpoint = MqttEndpoint(args.device_id, args.broker, subscriptions=[topics.down],
                                 status=(topics.status, link.status_signer(args.device_id)), username=username,
                                 password=args.password or os.environ.get(PASSWORD_ENV), tls_ca=args.tls_ca,
                                 max_frame_bytes=args.max_message_bytes, max_message_bytes=max_inbound,
+                                admit=admission.admit, check=admission.check, vouch=admission.vouch,
                                 clean_session=False, screen=inbound_screen(link, args.device_id, topics.down,
-                                                                      topics.payloads),
+                                                                      topics.payloads, admission),
                                 max_queued_bytes=max_inbound)
     except (ProtocolError, ShardError, ProfileError, RuntimeUnavailable, ValueError, OSError) as exc:
         print(f"error: {flag}: {exc}", file=sys.stderr)
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             "may be killed at the limit", profile.memory_budget_mb, profile.memory_limit_mb,
             profile.memory_limit_source)
     agent = DeviceAgent(args.device_id, shard, profile, endpoint, workdir, topics, link, threads=args.threads,
-                        connect_timeout_s=args.connect_timeout, keep_models=args.keep_models)
+                        connect_timeout_s=args.connect_timeout, keep_models=args.keep_models, admission=admission)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

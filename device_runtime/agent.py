@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from device_runtime.artifact_contract import ArtifactError, artifact_files, verify_artifacts
+from device_runtime.device_admission import DeviceAdmission
 from device_runtime.broker_wait import wait_for_broker
 from device_runtime.device_rules import (TaskAction, answered, on_task, starts_new_run,
                                          takes_initial_tensors)
@@ -42,14 +43,20 @@ PLAN_HEADROOM = 8
 later run's plan may be denser (the smallest default tier, 0.125, stores about 1/8 of a dense layer)."""
 
 
-def inbound_screen(link: Link, device_id: str, down_topic: str, payloads: str | None = None) -> Screen:
+def inbound_screen(link: Link, device_id: str, down_topic: str, payloads: str | None = None,
+                   admission: DeviceAdmission | None = None) -> Screen:
     """The screen of a device's inbox (device_runtime/inbox.py): only what its link would take now is queued, under
     its message type; the rest is dropped on arrival with the reason the agent would log, so a device that trains
     holds no junk and at most one message per type. A payload (on a topic under ``payloads``, the prefix's payload
-    level) is queued under its topic, the newest one per topic: the agent checks it against its TASK."""
+    level) is queued under its topic when ``admission`` says it is the awaited one (its size and SHA-256: junk that
+    completes after the genuine payload cannot replace it); the agent checks it against its TASK again."""
     def screen(topic: str, payload: bytes) -> str | None:
         if payloads is not None and topic.startswith(payloads):
-            return topic
+            if admission is None or admission.takes_payload(topic, payload):
+                return topic
+            LOG.warning("dropped a payload of %d bytes on %s: not the size and SHA-256 the task names [bad_hash]",
+                        len(payload), topic)
+            return None
         if topic != down_topic:
             return None
         try:
@@ -73,7 +80,7 @@ class DeviceAgent:
 
     def __init__(self, device_id: str, shard: Shard, profile: ResourceProfile, endpoint: MqttEndpoint,
                  workdir: Workdir, topics: Topics, link: Link, *, threads: int = 1, connect_timeout_s: float = 0.0,
-                 keep_models: int = DEFAULT_KEEP):
+                 keep_models: int = DEFAULT_KEEP, admission: DeviceAdmission | None = None):
         self.device_id = device_id
         self.shard = shard
         self.profile = profile
@@ -91,6 +98,7 @@ class DeviceAgent:
         self.plan_tier: tuple[float, str] | None = None  # the loaded plan's (ratio, description), for model.json
         self.payload: tuple[PayloadRef, dict[str, np.ndarray]] | None = None  # the last payload fetched, checked
         self.waiting: PayloadWait | None = None  # a TASK whose payload is being fetched
+        self.admission = admission  # the endpoint's: told which payload's frames to take (device_admission.py)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -138,7 +146,7 @@ class DeviceAgent:
 
         Other topics are ignored: amqtt 0.12 also hands new subscribers retained messages of other topics."""
         if topic != self.topics.down:
-            if self.waiting is not None and topic == payload_topic(self.topics.prefix, self.waiting.ref.sha256):
+            if self.waiting is not None and topic == self._payload_topic(self.waiting):
                 self._on_payload(payload)
             else:
                 LOG.debug("ignored a message on %s", topic)
@@ -285,7 +293,9 @@ class DeviceAgent:
             return None
         self._stop_waiting()
         self.waiting = PayloadWait(ref, msg, time.monotonic())
-        self.endpoint.follow(payload_filter(self.topics.prefix, ref.sha256))  # the retained copy comes on subscribe
+        if self.admission is not None:  # before the subscription: its frames are taken from the first one
+            self.admission.await_payload(self._payload_topic(self.waiting), ref)
+        self.endpoint.follow(self._payload_filter(self.waiting))  # the retained copy comes on subscribe
         LOG.info("round %d: fetching payload %s (%d bytes)", msg.round, ref.sha256[:12], ref.nbytes)
         return None
 
@@ -315,17 +325,26 @@ class DeviceAgent:
         if wait is None:
             return
         refused = wait.refused
-        if not wait.ask_now(now, self.endpoint.granted_at(payload_filter(self.topics.prefix, wait.ref.sha256))):
+        if not wait.ask_now(now, self.endpoint.granted_at(self._payload_filter(wait))):
             return
         detail = (f"a payload that did not match {wait.ref.sha256[:12]} came" if refused
                   else f"payload {wait.ref.sha256[:12]} not whole after {now - wait.since:.0f} s")
         self._send(payload_request_message(wait.ref, detail, device_id=self.device_id, run_id=self.state.run_id,
                                            round_index=wait.task.round))
-        self.endpoint.follow(payload_filter(self.topics.prefix, wait.ref.sha256))
+        self.endpoint.follow(self._payload_filter(wait))
+
+    def _payload_topic(self, wait: PayloadWait) -> str:
+        """The topic of the payload ``wait`` fetches: its TASK's run and the payload's hash."""
+        return payload_topic(self.topics.prefix, wait.task.run_id, wait.ref.sha256)
+
+    def _payload_filter(self, wait: PayloadWait) -> str:
+        return payload_filter(self.topics.prefix, wait.task.run_id, wait.ref.sha256)
 
     def _stop_waiting(self) -> None:
         if self.waiting is not None:
-            self.endpoint.unfollow(payload_filter(self.topics.prefix, self.waiting.ref.sha256))
+            if self.admission is not None:
+                self.admission.clear()
+            self.endpoint.unfollow(self._payload_filter(self.waiting))
             self.waiting = None
 
     def _kept_by(self, task: Task) -> dict[str, np.ndarray]:

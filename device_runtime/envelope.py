@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from device_runtime.auth import TAG_BYTES, Direction, compute_tag, is_counter
+from device_runtime.auth import TAG_BYTES, Direction, compute_tag, is_counter, tag_matches
 from device_runtime.protocol import PROTOCOL_VERSION, ProtocolError, Reason, check_device_id, check_id, is_int
 
 MAGIC = b"FAR2"
@@ -444,6 +444,27 @@ def decode(data: bytes, *, max_bytes: int, allow_nonfinite: bool = False) -> Mes
     blobs = {e["name"]: bytes(body[e["offset"]:e["offset"] + e["nbytes"]]) for e in blob_entries}
     return Message(mtype, run_id, round_, device_id, msg_id, meta, tensors, blobs, direction, counter,
                    tag, hashlib.sha256(raw_header).digest())
+
+
+def tagged_counter(chunk: bytes | memoryview, key: bytes) -> int | None:
+    """The counter of the envelope ``chunk`` begins with (chunk 0 of its frames), when its header is whole in the chunk
+    and its tag verifies under ``key``; else None. A receiver ranks the incomplete messages of a sender with it
+    (``framing.Vouch``): junk under an enrolled device's id has no valid tag, and a replay of its earlier messages an
+    older counter. It authenticates the header only: the whole message is checked again once complete."""
+    if len(chunk) < _PREFIX.size:
+        return None
+    magic, header_len, tag = _PREFIX.unpack_from(chunk)
+    end = _PREFIX.size + header_len
+    if magic != MAGIC or header_len > MAX_HEADER_BYTES or end > len(chunk):
+        return None
+    raw = bytes(chunk[_PREFIX.size:end])
+    if not tag_matches(key, hashlib.sha256(raw).digest(), tag):
+        return None
+    try:
+        counter = json.loads(raw).get("counter")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return counter if is_counter(counter) else None
 
 
 def envelope_limit(payload_bytes: int) -> int:

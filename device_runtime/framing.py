@@ -6,13 +6,16 @@ Frame (one MQTT publish), for brokers with a message-size limit:
     count u32 | total length u64 | SHA-256 of the whole payload (32 B) | chunk bytes
 
 Every payload travels as frames, even one that fits in a single frame, so the receiver has
-one path. ``Reassembler`` joins frames back into payloads.
+one path. ``Reassembler`` joins frames back into payloads, admitting each frame for a sender first (``Admit``):
+on an open broker anyone publishes on any topic, so what one sender may hold half-received is bounded per sender.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from device_runtime.protocol import MAX_ID_LEN, PROTOCOL_VERSION, ProtocolError, Reason, check_id, is_int
@@ -29,6 +32,14 @@ duplicates."""
 _FRAME_HEADER = struct.Struct("<4sBB%dsIIQ32s" % MAX_ID_LEN)
 FRAME_HEADER_BYTES = _FRAME_HEADER.size
 """Fixed size of a frame header; a frame is this header plus at least one payload byte."""
+
+
+class NotAdmitted(ProtocolError):
+    """A frame its receiver takes from no sender (a topic of a device not enrolled, a payload not awaited, one of
+    another size or hash than the awaited one): dropped at the frame, before anything of it is buffered."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(Reason.NOT_ADMITTED, f"a frame on {stream!r:.200} from no sender this receiver takes")
 
 
 class RepeatedFrame(ProtocolError):
@@ -70,7 +81,9 @@ def chunk(payload: bytes, max_frame_bytes: int, msg_id: str) -> list[bytes]:
 
 
 @dataclass(frozen=True)
-class _Frame:
+class Frame:
+    """One parsed frame: what its header says and its chunk."""
+
     msg_id: str
     index: int
     count: int
@@ -96,11 +109,12 @@ def frame_msg_id(frame: bytes) -> str:
     return _parse_frame(frame).msg_id
 
 
-def _parse_frame(frame: object) -> _Frame:
-    """Parse one frame and check what it can say about itself alone."""
+def _parse_frame(frame: object) -> Frame:
+    """Parse one frame and check what it can say about itself alone (no copy: a 50 MB junk frame costs no second
+    50 MB here)."""
     if not isinstance(frame, (bytes, bytearray)):
         raise ProtocolError(Reason.BAD_INPUT, f"expected bytes, got {type(frame).__name__}")
-    raw = bytes(frame)
+    raw = frame
     if len(raw) < FRAME_HEADER_BYTES:
         raise ProtocolError(
             Reason.TRUNCATED,
@@ -131,7 +145,19 @@ def _parse_frame(frame: object) -> _Frame:
             f"chunk {index} of {len(data)} bytes cannot be part of {count} chunks totalling "
             f"{total} bytes (equal chunks, the last one shorter or equal, none empty)",
         )
-    return _Frame(msg_id, index, count, total, digest, step, data)
+    return Frame(msg_id, index, count, total, digest, step, data)
+
+
+Admit = Callable[[str], "Hashable | None"]
+"""stream -> the sender its frames count for, or None: dropped at the frame (``NotAdmitted``) before the frame is even
+parsed, never buffered. A server admits the streams of enrolled devices (each its own sender), a device its down topic
+and the topic of the one payload it waits for."""
+Check = Callable[[Hashable, "Frame"], bool]
+"""(sender, frame) -> whether what the frame's header claims is what the receiver takes from that sender (a device: the
+awaited payload's size and hash); False drops it at the frame like an unadmitted one."""
+Vouch = Callable[[Hashable, memoryview], "int | None"]
+"""(sender, chunk 0 of a message) -> the sender's counter when the chunk opens a message the sender authenticated
+(its envelope's tag verifies under the sender's key), else None."""
 
 
 @dataclass
@@ -141,8 +167,23 @@ class _Pending:
     total: int
     digest: bytes
     step: int
+    sender: Hashable
+    seq: int  # order of admission
+    rank: int | None = None  # the sender's counter once chunk 0 vouched for the message (Vouch), else None
     pieces: dict[int, memoryview] = field(default_factory=dict)
     held: int = 0  # bytes in pieces
+
+    def keeps_over(self, other: _Pending) -> bool:
+        """Whether, of two incomplete messages of one sender, this one stays when one must go: a vouched one over an
+        unvouched one, then the higher counter (the sender's newest message: a replay has an older one), then the
+        newer admission."""
+        return (self.rank is not None, self.rank or 0, self.seq) > (other.rank is not None, other.rank or 0, other.seq)
+
+
+@dataclass
+class _Sender:
+    keys: dict[tuple[str, str], None] = field(default_factory=dict)  # its incomplete messages, in admission order
+    held: int = 0
 
 
 
@@ -150,17 +191,23 @@ class Reassembler:
     """Joins frames back into payloads, per stream (an MQTT topic), tolerating reordering and
     duplicates.
 
-    Memory is bounded in total, over all streams: at most ``max_pending`` incomplete messages
-    holding at most ``max_pending_bytes`` of chunks. A new message beyond ``max_pending``, or a
-    chunk beyond ``max_pending_bytes``, evicts the oldest incomplete messages (of any stream) first.
-    A frame flood on many topics thus costs a bounded amount of memory; it can still push out a
-    genuine message in flight, which is then lost like any message on a lossy link; the frames of a
-    pushed-out message that still come are dropped (it cannot complete), so they push out nothing more; that
-    msg_id stays refused for ``timeout_s`` even if re-delivered whole (a QoS 1 re-delivery, a retained copy fetched
-    again): every re-send of this protocol (a saved answer resealed, a payload published again) has a new
-    msg_id. A frame that contradicts earlier frames of its msg_id (its count, total, chunk length or payload hash)
-    is rejected and ignored. A frame of a recently delivered msg_id (an MQTT QoS 1 re-delivery, or an
-    exact replay) raises RepeatedFrame: nothing is delivered twice, and the caller can say why.
+    Every frame is first admitted for a sender by its stream (``admit``; without it the stream is the sender) and,
+    once parsed, by what its header claims (``check``): a frame admitted for none is dropped at the frame
+    (``NotAdmitted``), buffering nothing. Memory is bounded per sender and in total: one sender holds at most
+    ``max_pending_per_sender`` incomplete messages of at most ``max_pending_bytes_per_sender``, and all together at
+    most ``max_pending`` of ``max_pending_bytes``. A message beyond a sender's bound pushes out one of that sender's
+    own messages, never another sender's: the unvouched first (oldest first), then the vouched one with the lowest
+    counter (``vouch``: chunk 0 carries the envelope's tagged header, so a flood of junk under an enrolled id cannot
+    push out that device's own update, nor can replays of its older messages); where the newcomer ranks lowest, the
+    newcomer is the one dropped. The total bound is the last guard: beyond it the oldest unvouched messages of any
+    sender go first, then the newest vouched (the least received: the others complete). A pushed-out message is lost
+    like any message on a lossy link; its frames still to come are dropped (it cannot complete), so they push out
+    nothing more; that msg_id stays refused for ``timeout_s`` even if re-delivered whole (a QoS 1 re-delivery, a
+    retained copy fetched again): every re-send of this protocol (a saved answer resealed, a payload published again)
+    has a new msg_id. Those of them the owner may want back (vouched ones, or any where nothing vouches) wait in
+    ``evicted``. A frame that contradicts earlier frames of its msg_id (its count, total, chunk length or payload
+    hash) is rejected and ignored. A frame of a recently delivered msg_id (an MQTT QoS 1 re-delivery, or an exact
+    replay) raises RepeatedFrame: nothing is delivered twice, and the caller can say why.
 
     The payload hash the frames carry names the message; it is not computed again over the joined bytes: anyone
     on an open broker can write frames whose hash matches bytes of their choosing, so it proves nothing, and what
@@ -170,7 +217,9 @@ class Reassembler:
     221 MB and bought nothing."""
 
     def __init__(self, max_message_bytes: int, timeout_s: float, max_pending: int,
-                 max_pending_bytes: int | None = None) -> None:
+                 max_pending_bytes: int | None = None, *, admit: Admit | None = None, check: Check | None = None,
+                 vouch: Vouch | None = None,
+                 max_pending_per_sender: int | None = None, max_pending_bytes_per_sender: int | None = None) -> None:
         if not is_int(max_message_bytes) or max_message_bytes < 0:
             raise ValueError(
                 f"max_message_bytes must be a non-negative int, got {max_message_bytes!r}"
@@ -185,16 +234,32 @@ class Reassembler:
                 f"max_pending_bytes must be an int >= max_message_bytes ({max_message_bytes}), "
                 f"got {budget!r}: a message of the largest size must be able to complete"
             )
+        per_sender = max_pending if max_pending_per_sender is None else max_pending_per_sender
+        if not is_int(per_sender) or not 1 <= per_sender <= max_pending:
+            raise ValueError(f"max_pending_per_sender must be an int in 1..{max_pending}, got {per_sender!r}")
+        sender_budget = budget if max_pending_bytes_per_sender is None else max_pending_bytes_per_sender
+        if not is_int(sender_budget) or not max_message_bytes <= sender_budget <= budget:
+            raise ValueError(f"max_pending_bytes_per_sender must be an int in {max_message_bytes}..{budget}, got "
+                             f"{sender_budget!r}: a message of the largest size must be able to complete")
         self.max_message_bytes = max_message_bytes
         self.timeout_s = timeout_s
         self.max_pending = max_pending
         self.max_pending_bytes = budget
+        self.max_pending_per_sender = per_sender
+        self.max_pending_bytes_per_sender = sender_budget
+        self._admit_stream, self._check = admit, check
+        self._vouch = vouch
         self._pending: dict[tuple[str, str], _Pending] = {}
-        self._delivered: dict[tuple[str, str], float] = {}
-        self._pushed_out: dict[tuple[str, str], float] = {}  # (stream, msg_id) evicted for room -> when
+        self._senders: dict[Hashable, _Sender] = {}
+        # OrderedDicts: the oldest is forgotten first, in O(1) (a plain dict's first key, after many deletions at its
+        # front, costs a scan of the deleted slots: 60 µs a frame under a junk flood)
+        self._delivered: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._pushed_out: OrderedDict[tuple[str, str], float] = OrderedDict()  # (stream, msg_id) evicted -> when
         self._held = 0
-        self.evicted: list[tuple[str, str]] = []  # (stream, msg_id) of incomplete messages pushed out for room, until
-        # the caller takes them
+        self._seq = 0
+        self.evicted: list[tuple[str, str]] = []  # (stream, msg_id) of incomplete messages pushed out for room that
+        # the owner may want back (see the class docstring), until the caller takes them
+        self.expired_lost: list[tuple[str, str]] = []  # (stream, msg_id) of those expired that the owner may want back
 
     @property
     def pending_ids(self) -> tuple[str, ...]:
@@ -207,11 +272,11 @@ class Reassembler:
         return self._held
 
     def set_max_message_bytes(self, max_message_bytes: int) -> None:
-        """Change the largest message accepted from now on (up to ``max_pending_bytes``); a
+        """Change the largest message accepted from now on (up to ``max_pending_bytes_per_sender``); a
         device lowers it to its model's size once it knows its plan."""
-        if not is_int(max_message_bytes) or not 0 <= max_message_bytes <= self.max_pending_bytes:
+        if not is_int(max_message_bytes) or not 0 <= max_message_bytes <= self.max_pending_bytes_per_sender:
             raise ValueError(
-                f"max_message_bytes must be an int in 0..{self.max_pending_bytes}, got "
+                f"max_message_bytes must be an int in 0..{self.max_pending_bytes_per_sender}, got "
                 f"{max_message_bytes!r}"
             )
         self.max_message_bytes = max_message_bytes
@@ -219,7 +284,12 @@ class Reassembler:
     def feed(self, frame: bytes, now: float, stream: str = "") -> bytearray | None:
         """Take one frame of ``stream`` received at time ``now``; return the payload once it is
         complete: a new bytearray the caller owns (``envelope.decode`` reads tensors in place from it)."""
+        sender = stream if self._admit_stream is None else self._admit_stream(stream)
+        if sender is None:
+            raise NotAdmitted(stream)
         f = _parse_frame(frame)
+        if self._check is not None and not self._check(sender, f):
+            raise NotAdmitted(stream)
         if f.total > self.max_message_bytes:
             raise ProtocolError(
                 Reason.OVERSIZE,
@@ -232,16 +302,20 @@ class Reassembler:
             return None  # the rest of a message pushed out for room: it cannot complete any more, so it takes none
         pending = self._pending.get(key)
         if pending is None:
-            pending = self._admit(key, f, now)
-        elif (f.count, f.total, f.step, f.digest) != (
-            pending.count, pending.total, pending.step, pending.digest
+            pending = self._admit(key, f, sender, now)
+            if pending is None:
+                return None  # the sender's lowest-ranked message: dropped, its place kept for what ranks higher
+        elif (f.count, f.total, f.step, f.digest, sender) != (
+            pending.count, pending.total, pending.step, pending.digest, pending.sender
         ):
             raise ProtocolError(
                 Reason.INCONSISTENT_CHUNK,
                 f"message {f.msg_id!r}: frame says count {f.count}, total {f.total}, chunk "
                 f"length {f.step}; earlier frames said {pending.count}, {pending.total}, "
-                f"{pending.step} (or another hash)",
+                f"{pending.step} (or another hash or sender)",
             )
+        elif f.index == 0 and pending.rank is None and self._vouch is not None and 0 not in pending.pieces:
+            pending.rank = self._vouch(sender, f.data)  # chunk 0 came after others: vouched from now on
         known = pending.pieces.get(f.index)
         if known is not None:
             if known != f.data:
@@ -250,9 +324,11 @@ class Reassembler:
                     f"message {f.msg_id!r}: chunk {f.index} re-sent with other bytes",
                 )
             return None
-        self._make_room(len(f.data), keep=key, now=now)
+        if not self._make_room(len(f.data), key, now):
+            return None
         pending.pieces[f.index] = f.data
         pending.held += len(f.data)
+        self._senders[sender].held += len(f.data)
         self._held += len(f.data)
         if len(pending.pieces) < pending.count:
             return None
@@ -261,43 +337,117 @@ class Reassembler:
         self._remember_delivered(key, now)
         return payload
 
-    def _admit(self, key: tuple[str, str], f: _Frame, now: float) -> _Pending:
+    def _admit(self, key: tuple[str, str], f: Frame, sender: Hashable, now: float) -> _Pending | None:
+        """A new incomplete message of ``sender``, room made for it (its own messages first); None where it ranks
+        lowest of the sender's (it is pushed out at once)."""
+        self._seq += 1
+        pending = _Pending(now, f.count, f.total, f.digest, f.step, sender, self._seq)
+        if f.index == 0 and self._vouch is not None:
+            pending.rank = self._vouch(sender, f.data)
+        own = self._senders.get(sender)
+        if own is not None and len(own.keys) >= self.max_pending_per_sender:
+            victim = self._lowest(own.keys)
+            if self._pending[victim].keeps_over(pending):
+                self._note_evicted(key, pending)  # the newcomer ranks lowest: its frames still to come take nothing
+                self._remember_pushed_out(key, now)
+                return None
+            self._evict(victim, now)
         while len(self._pending) >= self.max_pending:
-            self._evict(next(iter(self._pending)), now)
-        pending = _Pending(now, f.count, f.total, f.digest, f.step)
+            victim = self._total_victim(keep=None)
+            if victim is None:  # every message held is vouched: the newcomer is the newest, the one to go
+                self._note_evicted(key, pending)
+                self._remember_pushed_out(key, now)
+                return None
+            self._evict(victim, now)
         self._pending[key] = pending
+        self._senders.setdefault(sender, _Sender()).keys[key] = None
         return pending
 
-    def _make_room(self, size: int, keep: tuple[str, str], now: float) -> None:
-        """Evict the oldest incomplete messages but ``keep`` until ``size`` more bytes fit."""
+    def _lowest(self, keys: dict[tuple[str, str], None]) -> tuple[str, str]:
+        """The key of the message that goes first of one sender's ``keys`` (``_Pending.keeps_over``)."""
+        lowest = None
+        for key in keys:
+            if lowest is None or self._pending[lowest].keeps_over(self._pending[key]):
+                lowest = key
+        return lowest
+
+    def _total_victim(self, keep: tuple[str, str] | None) -> tuple[str, str] | None:
+        """The total bound's victim to make room for ``keep`` (None: a newcomer, not held yet, and newer than all): the
+        oldest unvouched incomplete message but ``keep`` (junk, or what nothing vouches for), else the newest vouched
+        one, ``keep`` included (it holds the least: under a burst of many senders' interleaved frames the older ones
+        complete and the newest is asked again; pushing out the oldest, which holds the most, cascaded). None where
+        ``keep`` is the one to go."""
+        newest = None
+        for key, pending in self._pending.items():
+            if pending.rank is None:
+                if key != keep:
+                    return key
+            else:
+                newest = key
+        if keep is None or self._pending[keep].rank is None or newest == keep:
+            return None
+        return newest
+
+    def _make_room(self, size: int, keep: tuple[str, str], now: float) -> bool:
+        """Make room for ``size`` more bytes of ``keep``: its sender's lower-ranked messages go first, then, for the
+        total bound, ``_total_victim``'s; False where ``keep`` itself had to go."""
+        pending = self._pending[keep]
+        own = self._senders[pending.sender]
+        while own.held + size > self.max_pending_bytes_per_sender:
+            victim = self._lowest({k: None for k in own.keys if k != keep})
+            if victim is None or self._pending[victim].keeps_over(pending):
+                self._evict(keep, now)
+                return False
+            self._evict(victim, now)
         while self._held + size > self.max_pending_bytes:
-            oldest = next(k for k in self._pending if k != keep)
-            self._evict(oldest, now)
+            victim = self._total_victim(keep)
+            if victim is None:
+                self._evict(keep, now)
+                return False
+            self._evict(victim, now)
+        return True
 
     def _evict(self, key: tuple[str, str], now: float) -> None:
         """Push out an incomplete message; its frames still to come are dropped (remembered like delivered ids),
         so they hold no room that complete-able messages need (under a burst of interleaved messages they did, and
         pushed out more)."""
-        self.evicted.append(key)
+        self._note_evicted(key, self._pending[key])
         self._drop(key)
+        self._remember_pushed_out(key, now)
+
+    def _remember_pushed_out(self, key: tuple[str, str], now: float) -> None:
         self._pushed_out[key] = now
         while len(self._pushed_out) > COMPLETED_IDS_REMEMBERED:
-            del self._pushed_out[next(iter(self._pushed_out))]
+            self._pushed_out.popitem(last=False)
+
+    def _note_evicted(self, key: tuple[str, str], pending: _Pending) -> None:
+        if self._vouch is None or pending.rank is not None:  # an unvouched one, where chunk 0 vouches: likely junk
+            self.evicted.append(key)
 
     def _drop(self, key: tuple[str, str]) -> None:
-        self._held -= self._pending.pop(key).held
+        pending = self._pending.pop(key)
+        self._held -= pending.held
+        own = self._senders[pending.sender]
+        own.held -= pending.held
+        del own.keys[key]
+        if not own.keys:
+            del self._senders[pending.sender]
 
     def _remember_delivered(self, key: tuple[str, str], now: float) -> None:
         self._delivered[key] = now
         while len(self._delivered) > COMPLETED_IDS_REMEMBERED:
-            del self._delivered[next(iter(self._delivered))]
+            self._delivered.popitem(last=False)
 
     def expire(self, now: float) -> list[str]:
         """Drop incomplete messages first seen more than ``timeout_s`` before ``now`` (and
-        forget delivered ids as old); return the dropped messages' ids."""
+        forget delivered ids as old); return the dropped messages' ids. Those the owner may want back wait in
+        ``expired_lost`` (a frame the broker dropped, its queue for this client full under a flood, leaves its message
+        incomplete for good)."""
         expired = [k for k, p in self._pending.items() if now - p.first_seen > self.timeout_s]
         for key in expired:
+            if self._vouch is None or self._pending[key].rank is not None:
+                self.expired_lost.append(key)
             self._drop(key)
-        self._delivered = {k: t for k, t in self._delivered.items() if now - t <= self.timeout_s}
-        self._pushed_out = {k: t for k, t in self._pushed_out.items() if now - t <= self.timeout_s}
+        self._delivered = OrderedDict((k, t) for k, t in self._delivered.items() if now - t <= self.timeout_s)
+        self._pushed_out = OrderedDict((k, t) for k, t in self._pushed_out.items() if now - t <= self.timeout_s)
         return [msg_id for _, msg_id in expired]

@@ -42,6 +42,7 @@ class Reason(str, Enum):
     BAD_INDEX = "bad_index"
     INCONSISTENT_CHUNK = "inconsistent_chunk"
     REPEAT = "repeat"
+    NOT_ADMITTED = "not_admitted"
 
 
 class ProtocolError(ValueError):

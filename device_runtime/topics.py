@@ -95,21 +95,24 @@ def server_subscriptions(prefix: str) -> list[str]:
 
 
 PAYLOAD_LEVEL = "payload"
-_PAYLOAD_FRAME = re.compile(r"(.+/%s/[0-9a-f]{64})/(0|[1-9][0-9]{0,9})" % PAYLOAD_LEVEL)
+_PAYLOAD_FRAME = re.compile(r"(.+/%s/[A-Za-z0-9_.-]{1,64}/[0-9a-f]{64})/(0|[1-9][0-9]{0,9})" % PAYLOAD_LEVEL)
 
 
-def payload_topic(prefix: str, sha256: str) -> str:
-    """The topic a plan's payload (device_runtime/payload.py) is published under: ``PREFIX/payload/<sha256>``; frame
-    i of it is retained on ``PREFIX/payload/<sha256>/<i>`` (a broker retains one message per topic)."""
+def payload_topic(prefix: str, run_id: str, sha256: str) -> str:
+    """The topic a plan's payload (device_runtime/payload.py) is published under: ``PREFIX/payload/<run_id>/<sha256>``;
+    frame i of it is retained on ``.../<sha256>/<i>`` (a broker retains one message per topic). The run id (random,
+    named in the sealed TASK) is the topic's per-run nonce: the same tensors of another run, or of a run not started
+    yet, go elsewhere, so nobody can leave junk there before the run."""
     check_topic_prefix(prefix)
+    check_id(run_id, "run_id")
     if not re.fullmatch(r"[0-9a-f]{64}", sha256):
         raise ProtocolError(Reason.BAD_TOPIC, f"payload sha256 must be 64 lowercase hex digits, got {sha256!r:.80}")
-    return f"{prefix}/{PAYLOAD_LEVEL}/{sha256}"
+    return f"{prefix}/{PAYLOAD_LEVEL}/{run_id}/{sha256}"
 
 
-def payload_filter(prefix: str, sha256: str) -> str:
+def payload_filter(prefix: str, run_id: str, sha256: str) -> str:
     """The filter of every frame of one payload (a device subscribes to it while it fetches the payload)."""
-    return f"{payload_topic(prefix, sha256)}/+"
+    return f"{payload_topic(prefix, run_id, sha256)}/+"
 
 
 def frame_stream(topic: str) -> str:

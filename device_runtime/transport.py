@@ -26,7 +26,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
 from device_runtime.auth import new_nonce
-from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Reassembler, RepeatedFrame, chunk
+from device_runtime.framing import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Admit, Check, NotAdmitted,
+                                   Reassembler, RepeatedFrame, Vouch, chunk)
 from device_runtime.inbox import Inbox, Screen
 from device_runtime.protocol import ProtocolError
 from device_runtime.topics import frame_stream
@@ -48,10 +49,14 @@ MAX_LOST_TOPICS = 4096
 """Topics of pushed-out messages an endpoint keeps for ``take_lost``, at most."""
 StatusFrames = Callable[[bool, str], bytes]
 """(online, connection nonce) -> the sealed status payload (status.StatusSigner)."""
-STAT_KEYS = ("frames_in", "frames_rejected", "frames_repeated", "messages_in", "messages_expired",
+STAT_KEYS = ("frames_in", "frames_rejected", "frames_repeated", "frames_unadmitted", "messages_in", "messages_expired",
              "messages_evicted", "bytes_out", "bytes_in", "reconnects", "sessions_lost")
 """``sessions_lost`` counts the reconnects whose broker held no session of this client (CONNACK session present
-0): what was published to it while it was away is gone, where a kept session queued it."""
+0): what was published to it while it was away is gone, where a kept session queued it. ``frames_unadmitted`` counts
+the frames admitted for no sender (``framing.NotAdmitted``), dropped at the frame, one log line per
+UNADMITTED_LOG_EVERY."""
+UNADMITTED_LOG_EVERY = 1000
+"""A flood of frames from no sender is logged once per this many (the counter counts each)."""
 
 
 class TransportError(RuntimeError):
@@ -135,23 +140,22 @@ def rotate_brokers(text: str, by: int) -> str:
 class MqttEndpoint:
     """One MQTT client: chunked publish with optional PUBACK wait, reassembled inbound queue.
 
-    `status=(status_topic, frames)` gives every CONNECT a fresh nonce, sets a retained last will saying
-    offline under that nonce, and publishes a retained online frame with it once the subscriptions are
-    acknowledged, so a peer that answers the status reaches this endpoint (and the offline frame on a clean
-    stop()). `max_pending_bytes` bounds the chunks held for incomplete messages over all topics together
-    (default: `max_message_bytes`). Complete messages wait in an Inbox (device_runtime/inbox.py): with `screen`, what
-    it drops never queues and the queue keeps the newest message per kind, within `max_queued_bytes` (None: no bound).
-    With `backpressure` the queue drops nothing: past `max_queued_bytes` the network thread waits for the reader, so
-    the broker holds what this process has no room for (a server's updates: none may be lost).
-    `inbox` replaces that queue (a process hosting many simulated devices hands all their messages to one).
-    `unsubscriptions` are filters this endpoint must not hold: each CONNECT drops them first, since a persistent
-    session (same client id, clean_session False) keeps an earlier run's subscriptions.
-    An incomplete message pushed out of the reassembly budget is lost: its topic waits in ``take_lost`` for the owner
-    to ask its sender again.
-    `broker_url` may list several brokers (``parse_brokers``): a lost connection or a failed attempt moves to the next.
-    Credentials given as arguments take precedence over those in the URL. `connected` is set
-    while the broker has accepted the connection and acknowledged the subscriptions.
-    """
+    `status=(status_topic, frames)` gives every CONNECT a fresh nonce, sets a retained last will saying offline under
+    that nonce, and publishes a retained online frame with it once the subscriptions are acknowledged, so a peer that
+    answers the status reaches this endpoint (and the offline frame on a clean stop()). `max_pending_bytes` bounds the
+    chunks held for incomplete messages over all topics together (default: `max_message_bytes`); `admit`, `check` and
+    `vouch` name each frame's sender, check its header's claims and rank a sender's messages, and
+    `max_pending_per_sender`, `max_pending_bytes_per_sender` bound what one sender holds (framing.Reassembler).
+    Complete messages wait in an Inbox (device_runtime/inbox.py): with `screen`, what it drops never queues and the
+    queue keeps the newest message per kind, within `max_queued_bytes` (None: no bound). With `backpressure` the queue
+    drops nothing: past `max_queued_bytes` the network thread waits for the reader, so the broker holds what this
+    process has no room for (a server's updates: none may be lost). `inbox` replaces that queue (a process hosting
+    many simulated devices hands all their messages to one). `unsubscriptions` are filters this endpoint must not
+    hold: each CONNECT drops them first, since a persistent session (same client id, clean_session False) keeps an
+    earlier run's subscriptions. An incomplete message pushed out of the reassembly budget is lost: its topic waits in
+    ``take_lost`` for the owner to ask its sender again. `broker_url` may list several brokers (``parse_brokers``): a
+    lost connection or a failed attempt moves to the next. Credentials given as arguments take precedence over those
+    in the URL. `connected` is set while the broker has accepted the connection and acknowledged the subscriptions."""
 
     def __init__(self, client_id: str, broker_url: str, *, subscriptions: list[str] | tuple[str, ...] = (),
                  unsubscriptions: list[str] | tuple[str, ...] = (), status: tuple[str, StatusFrames] | None = None,
@@ -161,7 +165,10 @@ class MqttEndpoint:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
                  max_pending_messages: int = DEFAULT_MAX_PENDING_MESSAGES,
-                 max_pending_bytes: int | None = None, clean_session: bool = False, qos: int = 1,
+                 max_pending_bytes: int | None = None, admit: Admit | None = None, check: Check | None = None,
+                 vouch: Vouch | None = None,
+                 max_pending_per_sender: int | None = None, max_pending_bytes_per_sender: int | None = None,
+                 clean_session: bool = False, qos: int = 1,
                  screen: Screen | None = None, max_queued_bytes: int | None = None, backpressure: bool = False,
                  inbox: Inbox | None = None) -> None:
         if not client_id:
@@ -188,7 +195,9 @@ class MqttEndpoint:
         self._armed_nonce: str | None = None  # nonce of the will registered for the next CONNECT
         self._nonce: str | None = None  # nonce of the current connection
         self._reassembler = Reassembler(max_message_bytes, reassembly_timeout_s, max_pending_messages,
-                                        max_pending_bytes)
+                                        max_pending_bytes, admit=admit, check=check, vouch=vouch,
+                                        max_pending_per_sender=max_pending_per_sender,
+                                        max_pending_bytes_per_sender=max_pending_bytes_per_sender)
         self._next_expiry = 0.0
         self._inbox = inbox if inbox is not None else Inbox(max_queued_bytes, screen, wait=backpressure)
         self._lost: dict[str, None] = {}  # topics of incomplete messages pushed out, until the owner takes them
@@ -413,8 +422,8 @@ class MqttEndpoint:
             return dict(self._stats, messages_dropped=self._inbox.dropped, inbox_peak_bytes=self._inbox.peak_bytes)
 
     def take_lost(self) -> list[str]:
-        """The topics of the incomplete messages pushed out of the reassembly budget since the last call (their
-        senders are to be asked again: nothing else brings them back)."""
+        """The topics of the incomplete messages pushed out of the reassembly budget, or expired incomplete, since the
+        last call (their senders are to be asked again: nothing else brings them back)."""
         with self._stats_lock:
             lost, self._lost = list(self._lost), {}
         return lost
@@ -527,12 +536,20 @@ class MqttEndpoint:
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         now = time.monotonic()
         topic, frame = frame_stream(message.topic), message.payload
-        self._bump("frames_in")
-        self._bump("bytes_in", len(frame))
+        with self._stats_lock:  # one lock a frame, not two
+            self._stats["frames_in"] += 1
+            self._stats["bytes_in"] += len(frame)
         if not frame and topic != message.topic:
             return  # a payload's retained frame deleted by its publisher (clear_retained): nothing to read
         try:
             payload = self._reassembler.feed(frame, now, stream=topic)
+        except NotAdmitted as exc:
+            with self._stats_lock:
+                self._stats["frames_unadmitted"] += 1
+                unadmitted = self._stats["frames_unadmitted"]
+            if unadmitted % UNADMITTED_LOG_EVERY == 1:
+                LOG.warning("%s: dropped frame on %s: %s (%d so far)", self.client_id, topic, exc, unadmitted)
+            payload = None
         except RepeatedFrame as exc:
             LOG.info("%s: ignored a frame on %s: %s", self.client_id, topic, exc)
             self._bump("frames_repeated")
@@ -548,10 +565,7 @@ class MqttEndpoint:
                         self._reassembler.max_pending, self._reassembler.pending_bytes,
                         self._reassembler.max_pending_bytes, ", ".join(msg_id for _, msg_id in evicted[:3]))
             self._bump("messages_evicted", len(evicted))
-            with self._stats_lock:  # each topic once, the newest MAX_LOST_TOPICS (an owner that never asks stays bounded)
-                self._lost.update(dict.fromkeys(stream for stream, _ in evicted))
-                for stale in list(self._lost)[:-MAX_LOST_TOPICS]:
-                    del self._lost[stale]
+            self._note_lost(evicted)
         if payload is not None:
             self._bump("messages_in")
             self._inbox.put(topic, payload)
@@ -559,10 +573,19 @@ class MqttEndpoint:
             self._next_expiry = now + EXPIRE_INTERVAL_S
             self._expire(now)
 
+    def _note_lost(self, lost: list[tuple[str, str]]) -> None:
+        with self._stats_lock:  # each topic once, the newest MAX_LOST_TOPICS (an owner that never asks stays bounded)
+            self._lost.update(dict.fromkeys(stream for stream, _ in lost))
+            for stale in list(self._lost)[:-MAX_LOST_TOPICS]:
+                del self._lost[stale]
+
     def _expire(self, now: float) -> None:
         for msg_id in self._reassembler.expire(now):
             LOG.warning("%s: incomplete message %s expired", self.client_id, msg_id)
             self._bump("messages_expired")
+        if self._reassembler.expired_lost:  # their senders are asked again, as for those pushed out (take_lost)
+            lost, self._reassembler.expired_lost = self._reassembler.expired_lost, []
+            self._note_lost(lost)
 
     @property
     def pending_bytes(self) -> int:

@@ -194,7 +194,8 @@ class SimDevice:
 
     def handle(self, topic: str, data: bytes) -> None:
         if topic != self.topics.down:
-            if self.waiting is not None and topic == payload_topic(PREFIX, self.waiting.ref.sha256):
+            wait = self.waiting
+            if wait is not None and topic == payload_topic(PREFIX, wait.task.run_id, wait.ref.sha256):
                 self.on_payload(data)
             return
         try:
@@ -228,9 +229,9 @@ class SimDevice:
         if ref is not None and (self.payload is None or self.payload[0] != ref):
             if self.waiting is None or self.waiting.ref != ref:
                 if self.waiting is not None:
-                    self.endpoint.unfollow(payload_filter(PREFIX, self.waiting.ref.sha256))
+                    self.endpoint.unfollow(payload_filter(PREFIX, self.waiting.task.run_id, self.waiting.ref.sha256))
                 self.waiting = PayloadWait(ref, msg, time.monotonic())
-                self.endpoint.follow(payload_filter(PREFIX, ref.sha256))
+                self.endpoint.follow(payload_filter(PREFIX, msg.run_id, ref.sha256))
             self.waiting.task = msg
             return
         self.host.later(self.host.delay(), self.device_id, msg)
@@ -248,7 +249,7 @@ class SimDevice:
             return
         self.stats["payload_bytes"] += len(data)
         self.payload = (wait.ref, self.host.synthetic(wait.ref, tensors))
-        self.endpoint.unfollow(payload_filter(PREFIX, wait.ref.sha256))
+        self.endpoint.unfollow(payload_filter(PREFIX, wait.task.run_id, wait.ref.sha256))
         self.waiting = None
         self.on_task(wait.task)
 
@@ -257,7 +258,7 @@ class SimDevice:
         wait = self.waiting
         if wait is None:
             return
-        topic_filter = payload_filter(PREFIX, wait.ref.sha256)
+        topic_filter = payload_filter(PREFIX, wait.task.run_id, wait.ref.sha256)
         refused = wait.refused
         if wait.ask_now(now, self.endpoint.granted_at(topic_filter)):
             self.stats["payload_asks"] += 1
@@ -288,7 +289,8 @@ class SimDevice:
         """Churn: drop the connection (its will says offline) and connect again as a new connection."""
         self.endpoint.stop()
         self.endpoint = self._endpoint()
-        follow = [] if self.waiting is None else [payload_filter(PREFIX, self.waiting.ref.sha256)]
+        wait = self.waiting
+        follow = [] if wait is None else [payload_filter(PREFIX, wait.task.run_id, wait.ref.sha256)]
         self.endpoint.subscriptions += tuple(follow)
         self.endpoint.start()
         self.stats["reconnects"] += 1

@@ -91,6 +91,7 @@ from server.engine.run_config import FederationConfig, RunError
 from server.run_setup import Deployment, RunFolder, assemble
 from server.data.shards import DEVICE_SHARD_FILENAME
 from server.mqtt.aggregator_channel import AggregatorChannel
+from server.mqtt.admission import PENDING_PER_SENDER, server_admission
 from server.mqtt.lost_updates import LostUpdates
 from server.mqtt.local_processes import LocalDevices, aggregator_command, device_command
 
@@ -350,7 +351,7 @@ class Federation:
 
     def _publish_payload(self, ref: PayloadRef, data: bytes) -> None:
         """A plan's payload, retained (a device that subscribes later gets it), in frames of --max-message-bytes."""
-        topic = payload_topic(self.args.prefix, ref.sha256)
+        topic = payload_topic(self.args.prefix, self.engine.run_id, ref.sha256)
         self.retained[topic] = self.endpoint.publish_retained(topic, data, new_msg_id(MessageType.TASK))
         LOG.info("published payload %s (%d bytes, %d frames)", ref.sha256[:12], len(data), self.retained[topic])
 
@@ -649,6 +650,7 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
     subscriptions = server_subscriptions(args.prefix)  # with aggregators: the updates when no member is left
     subscriptions += [wire.engine_filter(args.prefix)] if aggregators else []
     anything_a_server_held = [*server_subscriptions(args.prefix), wire.engine_filter(args.prefix)]
+    admit, vouch = server_admission(args.prefix, keys, aggregators)  # frames of enrolled senders only, bounded each
     local, local_aggregators = LocalDevices(on_oom=engine.demote), LocalDevices("aggregator")
     with contextlib.ExitStack() as status_stack:  # the page outlives the broker and the devices by --status-linger
         status = None
@@ -663,7 +665,8 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
                                     tls_cert=args.tls_cert, tls_key=args.tls_key,
                                     max_frame_bytes=args.max_message_bytes, max_message_bytes=max_inbound,
                                     max_pending_bytes=PENDING_UPDATES_BUDGETED * max_inbound,
-                                    max_pending_messages=PENDING_MESSAGES,
+                                    max_pending_messages=PENDING_MESSAGES, admit=admit, vouch=vouch,
+                                    max_pending_per_sender=PENDING_PER_SENDER, max_pending_bytes_per_sender=max_inbound,
                                     max_queued_bytes=QUEUED_UPDATES_BUDGETED * max_inbound, backpressure=True,
                                     clean_session=False)
             endpoint.start()

@@ -34,6 +34,7 @@ def count_refusal(counts: Counter, label: str) -> None:
 
 
 TRANSPORT_REFUSALS = (("frames_rejected", "frame rejected"), ("frames_repeated", "frame repeated"),
+                      ("frames_unadmitted", "frame from no sender"),
                       ("messages_expired", "message expired"))
 """The endpoint's counters of frames it refused, and their refusal label."""
 

@@ -167,8 +167,10 @@ def test_junk_and_replayed_payloads_on_the_payload_topics_change_nothing(start_m
     for name, value in expected.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
     refused = sum(log.read_text().count("refused a payload") for log in (tmp_path / "run" / "devices").glob("*.log"))
-    print(f"devices refused {refused} junk or replayed payload(s); the server published "
-          f"{(tmp_path / 'run' / broker_loop.SERVER_LOG).read_text().count('published again')} again on request")
+    again = (tmp_path / "run" / broker_loop.SERVER_LOG).read_text().count("published again")
+    print(f"devices refused {refused} junk or replayed payload(s); the server published {again} again on request; "
+          f"bytes down by round {[r['bytes_down'] for r in records]}, undisturbed "
+          f"{[r['bytes_down'] for r in read_metrics(embedded_run / METRICS_FILE)]}")
 
 
 # -- transport must not change the math ------------------------------------------------------

@@ -2,12 +2,17 @@
 from the broker and believes only the payload its authenticated TASK names."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
+import paho.mqtt.publish
 import pytest
 
+from device_runtime.device_admission import DeviceAdmission
 from device_runtime.envelope import MessageType
+from device_runtime.framing import FRAME_HEADER_BYTES, chunk
+from device_runtime.protocol import PROTOCOL_VERSION
 from device_runtime.messages import (ErrorCode, parse_error, parse_payload_request, plan_message, task_message,
                                      task_payload)
 from device_runtime.payload import PayloadMismatch, PayloadRef, decode_payload, encode_payload, payload_ref
@@ -16,7 +21,8 @@ from device_runtime.topics import frame_stream, payload_filter, payload_topic
 from device_runtime.transport import MqttEndpoint
 from server.engine.plan_payloads import REPUBLISH_MAX_S, REPUBLISH_MIN_S, PlanPayloads
 from tests.support.mqtt_peer import WAIT_S
-from tests.support.sealing import read
+from tests.support.sealing import FRAME_LAYOUT, read
+from tests.support.waiting import wait_for
 from tests.support.device_agent import artifact_files, dense_task, deliver, make_agent, plan_for, tiny_shard
 
 PREFIX = "fedara"
@@ -66,7 +72,7 @@ def read_back(msg):
 
 
 def test_payload_frames_join_as_one_stream_whatever_their_index():
-    topic = payload_topic(PREFIX, "0f" * 32)
+    topic = payload_topic(PREFIX, "run1", "0f" * 32)
     assert frame_stream(f"{topic}/0") == frame_stream(f"{topic}/17") == topic
     assert frame_stream(f"{PREFIX}/dev/dev_0/down") == f"{PREFIX}/dev/dev_0/down"
     assert frame_stream(f"{topic}/x") == f"{topic}/x"
@@ -160,7 +166,7 @@ class PayloadWorld:
         return data, ref
 
     def give(self, ref: PayloadRef, data: bytes) -> None:
-        self.agent.handle(payload_topic(PREFIX, ref.sha256), data)
+        self.agent.handle(payload_topic(PREFIX, "run1", ref.sha256), data)
 
     def sent(self, kind: MessageType) -> list:
         return [m for m in self.endpoint.messages() if m.type == kind]
@@ -173,7 +179,7 @@ def world(dense_artifacts, tmp_path: Path) -> PayloadWorld:
 
 def test_a_device_fetches_the_payload_its_task_names_and_answers(world: PayloadWorld):
     data, ref = world.task(1)
-    assert world.endpoint.followed == [payload_filter(PREFIX, ref.sha256)] and not world.sent(MessageType.UPDATE)
+    assert world.endpoint.followed == [payload_filter(PREFIX, "run1", ref.sha256)] and not world.sent(MessageType.UPDATE)
     world.give(ref, data)
     (update,) = world.sent(MessageType.UPDATE)
     assert update.round == 1 and world.endpoint.followed == []  # it stops listening once it holds it
@@ -226,12 +232,12 @@ def payload_endpoint(url: str, client_id: str, **kwargs) -> MqttEndpoint:
 
 def test_a_device_that_subscribes_after_the_publish_gets_the_retained_payload(mosquitto_broker):
     data = encode_payload({"fe.w": np.arange(20000, dtype=np.float32)})  # 80 kB: 10 frames of 8 KiB
-    ref, topic = payload_ref(data), payload_topic(PREFIX, payload_ref(data).sha256)
+    ref, topic = payload_ref(data), payload_topic(PREFIX, "run1", payload_ref(data).sha256)
     server = payload_endpoint(mosquitto_broker.url, "server")
     assert server.publish_retained(topic, data, "p-1") == 10
     server.publish(f"{PREFIX}/flush", b"", "flush-1", wait=True)  # the broker holds every frame before a device asks
     device = payload_endpoint(mosquitto_broker.url, "dev_late", subscriptions=["unused/topic"])
-    device.follow(payload_filter(PREFIX, ref.sha256))
+    device.follow(payload_filter(PREFIX, "run1", ref.sha256))
     assert device.get(WAIT_S) == (topic, data)
     device.stop()
     server.stop()
@@ -239,9 +245,9 @@ def test_a_device_that_subscribes_after_the_publish_gets_the_retained_payload(mo
 
 def test_a_device_away_when_the_payload_was_published_gets_it_when_it_reconnects(mosquitto_broker):
     data = encode_payload({"fe.w": np.arange(20000, dtype=np.float32)})
-    ref, topic = payload_ref(data), payload_topic(PREFIX, payload_ref(data).sha256)
+    ref, topic = payload_ref(data), payload_topic(PREFIX, "run1", payload_ref(data).sha256)
     device = payload_endpoint(mosquitto_broker.url, "dev_away", subscriptions=["unused/topic"])
-    device.follow(payload_filter(PREFIX, ref.sha256))
+    device.follow(payload_filter(PREFIX, "run1", ref.sha256))
     following = device.subscriptions
     device.stop()  # gone mid-round, its task in hand
     server = payload_endpoint(mosquitto_broker.url, "server")
@@ -251,4 +257,91 @@ def test_a_device_away_when_the_payload_was_published_gets_it_when_it_reconnects
     assert back.get(WAIT_S) == (topic, data)
     back.stop()
     server.clear_retained(topic, 10)
+    server.stop()
+
+
+# -- junk that cannot displace the payload, a restarted device (issue 44) ---------------------------------------------
+
+
+def retain_frame(broker, topic: str, frame: bytes) -> None:
+    """One raw frame retained on ``topic``, as anyone on an open broker can."""
+    paho.mqtt.publish.single(topic, frame, qos=1, retain=True, hostname="127.0.0.1", port=broker.port)
+
+
+def awaiting_device(url: str, client_id: str, topic: str, ref: PayloadRef | None) -> tuple[MqttEndpoint,
+                                                                                          DeviceAdmission]:
+    """A device's endpoint with its admission (device_admission.py), awaiting payload ``ref`` on ``topic`` (None:
+    none yet)."""
+    admission = DeviceAdmission(f"{PREFIX}/dev/{client_id}/down", bytes(32))
+    if ref is not None:
+        admission.await_payload(topic, ref)
+    device = payload_endpoint(url, client_id, subscriptions=["unused/topic"], admit=admission.admit,
+                              check=admission.check, vouch=admission.vouch,
+                              screen=lambda t, p: t if admission.takes_payload(t, p) else None)
+    return device, admission
+
+
+def test_junk_retained_on_the_payloads_topic_neither_displaces_it_nor_costs_a_byte_of_the_payload(mosquitto_broker):
+    """Junk of the payload's claimed size and hash (a candidate, kept beside the genuine frames) and junk of another
+    size (dropped at its first frame), both retained on the payload's topic: the device queues the genuine payload
+    once, and nothing else."""
+    data = encode_payload({"fe.w": np.arange(20000, dtype=np.float32)})
+    ref, topic = payload_ref(data), payload_topic(PREFIX, "run1", payload_ref(data).sha256)
+    server = payload_endpoint(mosquitto_broker.url, "server")
+    frames = server.publish_retained(topic, data, "p-3")
+    claims_the_hash = chunk(bytes(len(data)), FRAME, "junk-same-claim")
+    claims_the_hash = [f[:FRAME_HEADER_BYTES - 32] + bytes.fromhex(ref.sha256) + f[FRAME_HEADER_BYTES:]
+                       for f in claims_the_hash]
+    retain_frame(mosquitto_broker, f"{topic}/{frames}", claims_the_hash[0])
+    retain_frame(mosquitto_broker, f"{topic}/{frames + 1}", chunk(os.urandom(3000), FRAME, "junk-other")[0])
+    device, _ = awaiting_device(mosquitto_broker.url, "dev_junk", topic, ref)
+    device.follow(payload_filter(PREFIX, "run1", ref.sha256))
+    assert device.get(WAIT_S) == (topic, data)
+    wait_for(lambda: device.stats["frames_in"] == frames + 2, WAIT_S, "every retained frame")
+    assert device.get(0.5) is None and device.stats["messages_dropped"] == 0
+    assert device.stats["frames_unadmitted"] == 1 and device.pending_bytes == len(claims_the_hash[0]) - \
+        FRAME_HEADER_BYTES
+    device.stop()
+    server.clear_retained(topic, frames + 2)
+    server.stop()
+
+
+def test_an_oversized_retained_frame_is_refused_at_its_first_frame(mosquitto_broker):
+    """A frame announcing a 50 MB message on the awaited payload's topic: refused by the size the TASK names at its
+    first frame, nothing of it held."""
+    data = encode_payload({"fe.w": np.arange(2000, dtype=np.float32)})
+    ref, topic = payload_ref(data), payload_topic(PREFIX, "run1", payload_ref(data).sha256)
+    step = FRAME - FRAME_HEADER_BYTES
+    huge = FRAME_LAYOUT.pack(b"FACK", PROTOCOL_VERSION, 9, b"junk-huge", 0, -(-50_000_000 // step), 50_000_000,
+                             bytes.fromhex(ref.sha256)) + bytes(step)
+    retain_frame(mosquitto_broker, f"{topic}/0", huge)
+    device, _ = awaiting_device(mosquitto_broker.url, "dev_huge", topic, ref)
+    device.follow(payload_filter(PREFIX, "run1", ref.sha256))
+    wait_for(lambda: device.stats["frames_unadmitted"] == 1, WAIT_S, "the oversized frame refused")
+    assert device.pending_bytes == 0 and device.get(0.2) is None
+    device.stop()
+    retain_frame(mosquitto_broker, f"{topic}/0", b"")
+
+
+def test_a_restarted_device_fetches_its_payload_without_waiting_to_ask_again(mosquitto_broker):
+    """Killed while it fetched a payload, a device's persistent session keeps the subscription, and the broker queues
+    the payload for it. Its restarted process takes none of that copy (no payload awaited yet: dropped at the frame),
+    so the retained copy the broker sends when it subscribes again reassembles at once, instead of being refused as
+    a repeat of the copy it dropped (then it waited ASK_AGAIN_S for the server to publish again)."""
+    data = encode_payload({"fe.w": np.arange(20000, dtype=np.float32)})
+    ref, topic = payload_ref(data), payload_topic(PREFIX, "run1", payload_ref(data).sha256)
+    topic_filter = payload_filter(PREFIX, "run1", ref.sha256)
+    device = payload_endpoint(mosquitto_broker.url, "dev_restart", subscriptions=[topic_filter])
+    device.stop()  # killed mid-fetch: the subscription stays in its session
+    server = payload_endpoint(mosquitto_broker.url, "server")
+    frames = server.publish_retained(topic, data, "p-4")
+    server.publish(f"{PREFIX}/flush", b"", "flush-4", wait=True)
+    restarted, admission = awaiting_device(mosquitto_broker.url, "dev_restart", topic, None)  # no TASK again yet
+    wait_for(lambda: restarted.stats["frames_in"] >= frames, WAIT_S, "the copy queued in the session")
+    assert restarted.get(0) is None and restarted.stats["frames_unadmitted"] == frames
+    admission.await_payload(topic, ref)  # the TASK again: the payload awaited, its filter followed again
+    restarted.follow(topic_filter)
+    assert restarted.get(ASK_AGAIN_S - 1) == (topic, data)
+    restarted.stop()
+    server.clear_retained(topic, frames)
     server.stop()

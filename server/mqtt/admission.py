@@ -1,0 +1,59 @@
+"""Who the server takes frames from, before it buffers any (framing.Admit, framing.Vouch).
+
+On an open broker anyone publishes on any topic the server reads. A frame on a device topic counts for that device
+only when the device is enrolled (its key is in the run's key ring): every other frame is dropped at the frame,
+counted (the transport's ``frames_unadmitted``), never buffered. A frame on an aggregator's up topic counts for that
+aggregator when it is one of the run's. Each sender then holds at most PENDING_PER_SENDER incomplete messages of at
+most one largest inbound message in all (the endpoint's per-sender budget): a flood under one id, enrolled or not,
+pushes out only that id's messages, and of those the unauthenticated first: chunk 0 of a device's message carries
+its envelope's tagged header, so the device's own update (tag valid, newest counter) outranks junk and replays
+under its id (``envelope.tagged_counter``).
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from device_runtime.auth import KeyRing
+from device_runtime.envelope import tagged_counter
+from device_runtime.framing import Admit, Vouch
+from device_runtime.protocol import ProtocolError
+from device_runtime.topics import device_id_from_topic
+from server.mqtt.aggregation_wire import aggregator_from_topic
+
+PENDING_PER_SENDER = 4
+"""Incomplete messages one sender may hold at once: a device's update, a re-send of it and a small message or two."""
+STREAMS_REMEMBERED = 8192
+"""Streams whose admission the server remembers (a flood on one topic costs a dict lookup a frame); past it, forgotten
+all at once (a flood over fresh topics costs the topic's parse a frame)."""
+
+
+def server_admission(prefix: str, keys: KeyRing, aggregators: tuple[str, ...] = ()) -> tuple[Admit, Vouch]:
+    """The server endpoint's admission (enrolled devices and the run's aggregators, see the module docstring) and
+    vouch (a device message's chunk 0 whose tag verifies under that device's key ranks by its counter)."""
+    known: dict[str, Hashable | None] = {}
+
+    def sender_of(stream: str) -> Hashable | None:
+        if aggregators:
+            name = aggregator_from_topic(prefix, stream)
+            if name is not None:
+                return ("aggregator", name) if name in aggregators else None
+        try:
+            device_id, _ = device_id_from_topic(prefix, stream)
+        except ProtocolError:
+            return None
+        return device_id if keys.enrolled(device_id) else None
+
+    def admit(stream: str) -> Hashable | None:
+        try:
+            return known[stream]
+        except KeyError:
+            if len(known) >= STREAMS_REMEMBERED:
+                known.clear()
+            sender = known[stream] = sender_of(stream)
+            return sender
+
+    def vouch(sender: Hashable, chunk: memoryview) -> int | None:
+        key = keys.key_for(sender) if isinstance(sender, str) else None
+        return None if key is None else tagged_counter(chunk, key)
+
+    return admit, vouch
