@@ -27,6 +27,7 @@ from device_runtime.secagg_graph import neighbours
 from device_runtime.secagg_noise import skellam
 from device_runtime.secagg_quantize import Quantizer
 from device_runtime.secagg_shamir import ShamirError, share_from_bytes, share_to_bytes, split
+from device_runtime.task import Task, Update
 
 MASK_KEY, SELF_SEED = "mask_key", "self_seed"
 """What an unmasking share opens: a dropped device's mask key, or a survivor's self-mask seed."""
@@ -178,3 +179,10 @@ class SecAggClient:
             raise SecAggRefusal(f"{len(alive)} survivor(s), below the {self.spec.min_survivors} the round needs")
         self.step = "done"  # once: a second list of survivors could ask for both shares of one neighbour
         return {v: (SELF_SEED, seed) if v in alive else (MASK_KEY, key) for v, (key, seed) in self._held.items()}
+
+
+def secure_answer(update: Update, task: Task, rng: np.random.Generator) -> tuple[Update, np.ndarray]:
+    """A trained update split for a secure round: the update without its tensors (what the server may read: sample
+    count, loss, metrics) and the integers to mask (``secure_input`` of what it returned against what it was sent)."""
+    x = secure_input(update.weights, task.weights, task.secure, rng)
+    return replace(update, weights={}), x

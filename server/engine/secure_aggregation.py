@@ -188,7 +188,7 @@ class SecAggServer:
 
     def summary(self) -> dict[str, Any]:
         """The metrics row's ``secagg`` object."""
-        return {"participants": len(self.spec.participants), "survivors": len(self.masked),
+        return {"participants": len(self.spec.participants), "dimension": self.dimension, "survivors": len(self.masked),
                 "dropped": len(set(self.sealed) - set(self.masked)), "recovered": len(self.recovered),
                 "threshold": self.spec.threshold, "neighbors": self.spec.neighbors,
                 "aggregated": self.phase == "done", "failure": self.failure, "bits": self.spec.quantizer.bits,

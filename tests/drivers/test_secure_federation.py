@@ -1,0 +1,90 @@
+"""Secure aggregation inside a run (``server.simulate --secure-aggregation``): the model equals the plain engine's
+within the quantization bound, every metrics row carries its ``secagg`` object, devices dropping after sharing are
+recovered, distributed DP charges the Skellam accountant and stops at the target, and the combinations it cannot
+serve are refused in one line. Runs are tiny (digits, 4 devices, 1 epoch, torch backend)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from device_runtime.dense_delta import dimension
+from server.engine.accountant import SkellamAccountant
+from server.engine.run_config import DpSettings
+from server.engine.secure_rounds import dp_noise
+from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from server.outputs.report import METRICS_FILE, REPORT_FILE, read_metrics
+from server.simulate import main
+
+QUICK = ["--dataset", "digits", "--clients", "4", "--local-epochs", "1", "--batch-size", "32", "--max-samples", "600",
+         "--lr", "0.05", "--lam", "1", "--lam-warmup", "1", "--aggregate", "updates"]
+SECURE = ["--secure-aggregation"]
+
+
+def run(out, *flags: str) -> list[dict]:
+    assert main([*QUICK, "--out", str(out), *flags]) == 0
+    return read_metrics(out / METRICS_FILE)
+
+
+def shared(out) -> dict[str, np.ndarray]:
+    tensors = load_checkpoint(out / CHECKPOINT_NAME).tensors
+    return {k: v for k, v in tensors.items() if not k.startswith("device/")}
+
+
+def test_the_secure_model_equals_the_plain_one_within_the_quantization_bound(tmp_path):
+    secure = run(tmp_path / "secure", "--rounds", "1", *SECURE)
+    run(tmp_path / "plain", "--rounds", "1")
+    bound = secure[0]["secagg"]["quantization_bound"]
+    ours, theirs = shared(tmp_path / "secure"), shared(tmp_path / "plain")
+    assert ours.keys() == theirs.keys() and 0 < bound < 1e-6
+    for key in theirs:  # both float32: the bound plus one rounding of each to float32
+        slack = bound + 2 * np.spacing(np.abs(theirs[key]).astype(np.float32))
+        assert np.all(np.abs(ours[key].astype(np.float64) - theirs[key]) <= slack), key
+
+
+def test_every_row_says_what_the_secure_round_did(tmp_path):
+    records = run(tmp_path / "run", "--rounds", "2", *SECURE)
+    for row in records:
+        s = row["secagg"]
+        assert (s["survivors"], s["dropped"], s["recovered"], s["threshold"], s["aggregated"]) == (4, 0, 0, 2, True)
+        assert set(s["phases"]) == {"keys", "shares", "masked", "unmask"}
+        assert s["phases"]["masked"]["bytes_in"] == 4 * 4 * s["dimension"]
+    assert "secure aggregation" in (tmp_path / "run" / REPORT_FILE).read_text()
+
+
+def test_devices_dropping_after_sharing_are_recovered_or_the_round_is_not_aggregated(tmp_path):
+    records = run(tmp_path / "run", "--rounds", "6", *SECURE, "--secagg-drop", "0.3", "--seed", "3")
+    rounds = [r["secagg"] for r in records]
+    recovered = [s for s in rounds if s["dropped"] == 1]
+    failed = [s for s in rounds if s["dropped"] >= 2]
+    assert recovered and all(s["aggregated"] and s["recovered"] == 1 for s in recovered)
+    assert failed and all(not s["aggregated"] and s["failure"] for s in failed)
+
+
+def test_distributed_dp_charges_the_skellam_mechanism_and_stops_at_the_target(tmp_path):
+    dp = ["--dp-noise-multiplier", "2.0", "--dp-clip", "0.05", "--join-ratio", "1"]
+    records = run(tmp_path / "run", "--rounds", "5", *SECURE, *dp, "--dp-target-epsilon", "1")
+    shapes = {k: v.shape for k, v in shared(tmp_path / "run").items()}
+    settings = DpSettings(2.0, 1.0, 4, 0.05)
+    mu, l2 = dp_noise(settings, dimension(shapes))
+    accountant = SkellamAccountant(1.0, mu, l2, dimension(shapes), 4 ** -1.1)
+    assert [r["epsilon"] for r in records] == pytest.approx([accountant.epsilon_after(i + 1)
+                                                            for i in range(len(records))])
+    assert len(records) == 3 and accountant.epsilon_after(4) > 1  # (0.18, 0.56, 0.89, 1.14, ...)
+    assert all(r["secagg"]["noise_mu_per_device"] > 0 for r in records)
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--mode", "async"], "--mode sync"),
+    (["--update-norm-bound", "1"], "leave --update-norm-bound out"),
+    (["--aggregate", "weights"], "use --aggregate updates"),
+    (["--dp-noise-multiplier", "1", "--dp-clip-quantile", "0.5"], "fixed --dp-clip"),
+])
+def test_what_secure_aggregation_cannot_serve_is_refused_in_one_line(flags, says, tmp_path, capsys):
+    assert main([*QUICK, "--out", str(tmp_path / "run"), *SECURE, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]
+
+
+def test_secagg_drop_needs_secure_aggregation(tmp_path, capsys):
+    assert main([*QUICK, "--out", str(tmp_path / "run"), "--secagg-drop", "0.2"]) == 2
+    assert "needs --secure-aggregation" in capsys.readouterr().err
