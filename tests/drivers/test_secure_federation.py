@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from device_runtime.dense_delta import dimension
 from server.engine.accountant import SkellamAccountant
@@ -13,7 +15,11 @@ from server.engine.run_config import DpSettings
 from server.engine.secure_rounds import dp_noise
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.outputs.report import METRICS_FILE, REPORT_FILE, read_metrics
-from server.simulate import main
+from server.outputs.prometheus_metrics import SnapshotCollector
+from server.outputs.status_page import meta_parts
+from server.outputs.status_snapshot import fleet_snapshot
+from server.run_setup import RunFolder
+from server.simulate import Simulation, build_parser, main
 
 QUICK = ["--dataset", "digits", "--clients", "4", "--local-epochs", "1", "--batch-size", "32", "--max-samples", "600",
          "--lr", "0.05", "--lam", "1", "--lam-warmup", "1", "--aggregate", "updates"]
@@ -41,14 +47,25 @@ def test_the_secure_model_equals_the_plain_one_within_the_quantization_bound(tmp
         assert np.all(np.abs(ours[key].astype(np.float64) - theirs[key]) <= slack), key
 
 
-def test_every_row_says_what_the_secure_round_did(tmp_path):
-    records = run(tmp_path / "run", "--rounds", "2", *SECURE)
+def test_every_row_says_what_the_secure_round_did_and_the_report_status_and_metrics_show_it(tmp_path):
+    args = build_parser().parse_args([*QUICK, "--rounds", "2", *SECURE, "--out", str(tmp_path / "run")])
+    simulation = Simulation(args, RunFolder(tmp_path / "run"))
+    records = simulation.run()
+    RunFolder(tmp_path / "run").report(records, simulation.settings)
     for row in records:
         s = row["secagg"]
         assert (s["survivors"], s["dropped"], s["recovered"], s["threshold"], s["aggregated"]) == (4, 0, 0, 2, True)
         assert set(s["phases"]) == {"keys", "shares", "masked", "unmask"}
         assert s["phases"]["masked"]["bytes_in"] == 4 * 4 * s["dimension"]
-    assert "secure aggregation" in (tmp_path / "run" / REPORT_FILE).read_text()
+    assert "| 2 | 4 | 0 | 0 | 2 | yes |" in (tmp_path / "run" / REPORT_FILE).read_text()
+    snapshot = fleet_snapshot(simulation.engine, now=0.0, wall=0.0)
+    assert "secure aggregation round 2: 4 survivors, 0 dropped, 0 recovered, t 2, aggregated" in meta_parts(snapshot)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snapshot))
+    values = {(m.name, tuple(m.labels.values())): m.value
+              for family in text_string_to_metric_families(generate_latest(registry).decode()) for m in family.samples}
+    assert values[("fedara_secagg", ("survivors",))] == 4 and values[("fedara_secagg", ("aggregated",))] == 1
+    assert values[("fedara_secagg_phase_bytes", ("in", "masked"))] == records[-1]["secagg"]["phases"]["masked"]["bytes_in"]
 
 
 def test_devices_dropping_after_sharing_are_recovered_or_the_round_is_not_aggregated(tmp_path):
