@@ -660,6 +660,9 @@ class RoundEngine:
         for phase in summary.get("phases", {}).values():
             self._book.bytes_up += phase["bytes_in"]
             self._book.bytes_down += phase["bytes_out"]
+        server = self.secure.server
+        for device_id in server.masked if server is not None else ():  # each survivor's masked vector, by tier
+            self._book.count(tier_label(self.coordinator.devices[device_id].ratio), "up", server.masked_bytes)
         return summary
 
     def _complete_previous(self, result: RoundResult) -> dict[str, Any] | None:

@@ -57,6 +57,11 @@ class SecAggServer:
     def __post_init__(self) -> None:
         self.graph = self.spec.graph()
 
+    @property
+    def masked_bytes(self) -> int:
+        """A masked input's size: d integers of b bits."""
+        return self.dimension * self.spec.quantizer.bits // 8
+
     # -- what came in ---------------------------------------------------------------------------
 
     def _refuse(self, phase: str, device_id: str, members: Any, seen: Mapping[str, Any]) -> str | None:
@@ -112,7 +117,7 @@ class SecAggServer:
             problem = f"the masked input of {device_id} is not {self.dimension} integers below 2^{self.spec.quantizer.bits}"
         if problem is None:
             self.masked[device_id] = y
-            self.costs["masked"].bytes_in += self.dimension * self.spec.quantizer.bits // 8
+            self.costs["masked"].bytes_in += self.masked_bytes
         return problem
 
     def close_masked(self, now: float) -> tuple[str, ...]:
