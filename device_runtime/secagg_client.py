@@ -21,8 +21,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from device_runtime.dense_delta import change, clip_l2
-from device_runtime.secagg_crypto import CryptoError, KeyPair, agree, mask, open_sealed, random_seed, seal
+from device_runtime.dense_delta import reconstruct
+from device_runtime.secagg_crypto import (CryptoError, KeyPair, MaskStream, agree, mask, open_sealed, random_seed,
+                                          seal)
 from device_runtime.secagg_graph import neighbours
 from device_runtime.secagg_noise import skellam
 from device_runtime.secagg_quantize import Quantizer
@@ -87,14 +88,46 @@ def share_context(spec: SecureSpec, sender: str, recipient: str) -> bytes:
     return spec.context + b"|" + sender.encode() + b">" + recipient.encode()
 
 
+CHUNK = 1 << 16
+"""Values handled at once where a whole vector's temporaries would raise the device's peak memory."""
+
+
 def secure_input(returned: dict[str, np.ndarray], sent: dict[str, np.ndarray], spec: SecureSpec,
                  rng: np.random.Generator) -> np.ndarray:
-    """The integers a device masks: Δ at full rank, clipped (L2 to C under DP, else each coordinate to ±R), times
-    its weight, stochastically rounded into Z_{2^b}, plus its share of the Skellam noise (under DP)."""
-    delta = change(returned, sent, spec.dense_shapes)
-    clipped = clip_l2(delta, spec.clip) if spec.l2 else np.clip(delta, -spec.clip, spec.clip)
-    q = spec.quantizer
-    return q.add(q.encode(clipped * spec.weight, rng), q.wrap(skellam(spec.noise_mu, delta.size, rng)))
+    """The integers a device masks: Δ at full rank (``dense_delta``; one tensor at a time), clipped (L2 to C under
+    DP, else each coordinate to ±R), times its weight, stochastically rounded into Z_{2^b}, plus its share of the
+    Skellam noise (under DP). Memory: the float64 Δ and the result, each d values, beyond one tensor's."""
+    keys = sorted(spec.dense_shapes)
+    delta = np.empty(sum(int(np.prod(spec.dense_shapes[k])) for k in keys), dtype=np.float64)
+    at, used = 0, set()
+    for key in keys:  # the same layout as dense_delta.change, without both models whole at once
+        only = {key: spec.dense_shapes[key]}
+        used |= set(_tensors_of(returned, key))
+        after = reconstruct(_tensors_of(returned, key), only)[key]
+        before = reconstruct(_tensors_of(sent, key), only)[key]
+        delta[at:at + after.size] = (after - before).ravel()
+        at += after.size
+    if set(returned) - used:
+        raise ValueError(f"the update has tensors the shared model does not: {sorted(set(returned) - used)[:5]}")
+    if spec.l2:
+        norm = float(np.linalg.norm(delta))
+        delta *= spec.weight * (1.0 if norm <= spec.clip else spec.clip / norm)
+    else:
+        np.clip(delta, -spec.clip, spec.clip, out=delta)
+        delta *= spec.weight
+    q, x = spec.quantizer, np.empty(delta.size, dtype=np.uint64)
+    for start in range(0, delta.size, CHUNK):
+        part = delta[start:start + CHUNK]
+        x[start:start + CHUNK] = q.add(q.encode(part, rng), q.wrap(skellam(spec.noise_mu, part.size, rng)))
+    return x
+
+
+def _tensors_of(tensors: dict[str, np.ndarray], key: str) -> dict[str, np.ndarray]:
+    """The tensors that make shared tensor ``key``: itself, or its layer's two factors."""
+    if key in tensors:
+        return {key: tensors[key]}
+    layer = key.rsplit(".", 1)[0]
+    return {name: tensors[name] for name in (layer + ".u", layer + ".v") if name in tensors}
 
 
 @dataclass
@@ -159,11 +192,17 @@ class SecAggClient:
             except (CryptoError, ShamirError) as exc:
                 raise SecAggRefusal(f"the share from {sender} does not open: {exc}") from None
         self._held = held
-        q, d = self.spec.quantizer, x.size
-        y = q.add(x, mask(self._b, d, q.bits))
-        for v in sorted(held):
-            m = pairwise_mask(self._s.private, self._neighbour_keys[v].masking, self.spec, d)
-            y = q.add(y, m) if mask_sign(self.device_id, v) > 0 else q.subtract(y, m)
+        q = self.spec.quantizer
+        streams = [(1, MaskStream(self._b, q.bits))] + [
+            (mask_sign(self.device_id, v), MaskStream(agree(self._s.private, self._neighbour_keys[v].masking, "mask",
+                                                            self.spec.context), q.bits)) for v in sorted(held)]
+        y = np.array(x, dtype=np.uint64)
+        for start in range(0, y.size, CHUNK):  # every mask in pieces: no whole mask is ever held
+            part = y[start:start + CHUNK]
+            for sign, stream in streams:
+                m = stream.take(part.size)
+                part = q.add(part, m) if sign > 0 else q.subtract(part, m)
+            y[start:start + CHUNK] = part
         self.step = "unmask"
         return y
 

@@ -76,16 +76,27 @@ def open_sealed(key: bytes, sealed: bytes, associated: bytes) -> bytes:
         raise CryptoError("the share does not open: another key, another context, or altered bytes") from None
 
 
+class MaskStream:
+    """Pseudo-random values in Z_{2^bits} (uint64): ChaCha20's keystream under a 32-byte seed (nonce 0: a seed
+    serves one mask), 8 bytes a value, reduced to ``bits``; taken in pieces, so a long mask needs no whole copy."""
+
+    def __init__(self, seed: bytes, bits: int):
+        if len(seed) != KEY_BYTES:
+            raise CryptoError(f"a mask seed is {KEY_BYTES} bytes, got {len(seed)}")
+        if not 1 <= bits <= 64:
+            raise CryptoError(f"masks live in Z_(2^b) with 1 <= b <= 64, got b = {bits}")
+        self._stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
+        self._reduce = None if bits == 64 else np.uint64((1 << bits) - 1)
+
+    def take(self, size: int) -> np.ndarray:
+        """The next ``size`` values."""
+        values = np.frombuffer(self._stream.update(bytes(8 * size)), dtype="<u8").astype(np.uint64)
+        return values if self._reduce is None else values & self._reduce
+
+
 def mask(seed: bytes, size: int, bits: int) -> np.ndarray:
-    """``size`` pseudo-random values in Z_{2^bits} (uint64): ChaCha20's keystream under ``seed`` (nonce 0: a seed
-    serves one mask), 8 bytes a value, reduced to ``bits``."""
-    if len(seed) != KEY_BYTES:
-        raise CryptoError(f"a mask seed is {KEY_BYTES} bytes, got {len(seed)}")
-    if not 1 <= bits <= 64:
-        raise CryptoError(f"masks live in Z_(2^b) with 1 <= b <= 64, got b = {bits}")
-    stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor().update(bytes(8 * size))
-    values = np.frombuffer(stream, dtype="<u8").astype(np.uint64)
-    return values if bits == 64 else values & np.uint64((1 << bits) - 1)
+    """The first ``size`` values of ``MaskStream(seed, bits)``."""
+    return MaskStream(seed, bits).take(size)
 
 
 def random_seed() -> bytes:
