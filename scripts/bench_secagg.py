@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drop-seeds", type=int, default=1, help="secure runs with --secagg-drop (seeds 0..)")
     p.add_argument("--out", default="docs/secagg.json")
     p.add_argument("--render-only", action="store_true")
+    p.add_argument("--costs-only", action="store_true", help="only the per-tier step costs and the z table (seconds)")
     return p.parse_args(argv)
 
 
@@ -99,6 +100,61 @@ def noise_table() -> list[dict]:
              "epsilon_at_z": spent(high)}]
 
 
+def step_costs(devices: int = 10, dropped: int = 3) -> list[dict]:
+    """Per tier of fedavgcnn on Fashion-MNIST: the factors' bytes, the masked upload's, the device's secure step
+    (Δ, quantization, masking against 8 neighbours: seconds and tracemalloc peak) and the server's unmasking of
+    ``devices`` of which ``dropped`` dropped after sharing (seconds)."""
+    import tracemalloc
+
+    from device_runtime.dense_delta import dimension
+    from device_runtime.secagg_client import SecAggClient, SecureSpec, secure_input
+    from device_runtime.secagg_noise import secure_generator
+    from device_runtime.secagg_quantize import plain_quantizer
+    from fedcore.lowrank import factorize_state, rank_for_ratio
+    from fedcore.models import build_model
+    from server.engine.secure_aggregation import SecAggServer
+    model = build_model("fedavgcnn", (1, 28, 28), 10)
+    fe = {k: v.detach() for k, v in model.state_dict().items() if k.startswith("fe.")}
+    shapes = {k: tuple(v.shape) for k, v in fe.items()}
+    d, ids = dimension(shapes), tuple(f"d{i:02d}" for i in range(devices))
+    rows = []
+    for ratio in (1.0, 0.5, 0.25):
+        ranks = {} if ratio == 1.0 else {k.rsplit(".", 1)[0]: rank_for_ratio(ratio, tuple(v.shape))
+                                         for k, v in fe.items() if k.endswith(".weight")}
+        sent = {k: v.numpy() for k, v in factorize_state(fe, ranks).items()}
+        returned = {k: v + np.float32(0.01) for k, v in sent.items()}
+        spec = SecureSpec(b"bench|1", ids, 8, 5, 5, b"graph", plain_quantizer(8.0, devices), 8.0, False, 0.0, shapes,
+                          1 / devices)
+        clients = {i: SecAggClient(i, spec) for i in ids}
+        server = SecAggServer(spec, d)
+        for i, c in clients.items():
+            server.receive_keys(i, c.advertise())
+        keys = server.close_keys(0.0)
+        for i, c in clients.items():
+            server.receive_shares(i, c.share_keys(keys[i]))
+        shares = server.close_shares(0.0)
+        tracemalloc.start()
+        start = time.perf_counter()
+        first = clients[ids[0]].masked_input(secure_input(returned, sent, spec, secure_generator()), shares[ids[0]])
+        device_s = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        server.receive_masked(ids[0], first)
+        for i in ids[1:devices - dropped]:
+            server.receive_masked(i, clients[i].masked_input(secure_input(returned, sent, spec, secure_generator()),
+                                                             shares[i]))
+        survivors = server.close_masked(0.0)
+        for i in survivors:
+            server.receive_unmasking(i, clients[i].unmask(survivors))
+        start = time.perf_counter()
+        assert server.finish(0.0) is not None
+        rows.append({"tier": ratio, "factor_bytes": sum(v.nbytes for v in sent.values()), "masked_bytes": d * 4,
+                     "device_step_s": device_s, "device_peak_mb": peak / 1e6,
+                     "server_unmask_s": time.perf_counter() - start, "devices": devices, "dropped": dropped,
+                     "dimension": d})
+    return rows
+
+
 def tables(doc: dict) -> str:
     lines = ["| seed | plain final acc | secure final acc | secure − plain (pp) | max abs model diff |",
              "| --- | --- | --- | --- | --- |"]
@@ -120,6 +176,11 @@ def tables(doc: dict) -> str:
                   "| round | survivors | dropped | recovered | threshold | aggregated |", "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['round']} | {r['survivors']} | {r['dropped']} | {r['recovered']} | {r['threshold']} | "
                   f"{'yes' if r['aggregated'] else 'no: ' + str(r['failure'])} |" for r in run["rounds"]]
+    lines += ["", "| tier (fedavgcnn, fmnist) | factors up (bytes) | masked up (bytes) | device secure step s | "
+              "device peak MB (tracemalloc) | server unmask s (10 devices, 3 dropped) |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['tier']:g} | {r['factor_bytes']:,} | {r['masked_bytes']:,} | {r['device_step_s']:.2f} | "
+              f"{r['device_peak_mb']:.1f} | {r['server_unmask_s']:.2f} |" for r in doc.get("costs", [])]
     lines += ["", "| mechanism (ε = 8, bench_privacy's schedule) | z | d |", "| --- | --- | --- |"]
     lines += [f"| {row['mechanism']} | {row['z']:.4f} | {row['dimension']:,} |" for row in doc.get("noise", [])]
     return "\n".join(lines)
@@ -131,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.render_only:
         print(tables(json.loads(out.read_text())))
         return 0
+    if a.costs_only:
+        print(tables({"config": vars(a), "pairs": [], "costs": step_costs(), "noise": noise_table()}))
+        return 0
     doc = {"config": vars(a), "pairs": [], "drop_runs": [], "note": "measured on a shared, busy 2-core machine",
-           "noise": noise_table()}
+           "noise": noise_table(), "costs": step_costs()}
     for seed in range(max(a.seeds, a.drop_seeds)):  # each seed's pair, then its dropout run: partial results stand
         if seed < a.seeds:
             plain = execute(run_argv(a, seed))
