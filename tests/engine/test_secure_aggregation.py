@@ -180,3 +180,40 @@ def test_the_secure_sum_of_weighted_changes_equals_the_plain_mean_within_the_bou
     bound = base.quantizer.sum_error(len(alive)) / share
     assert np.all(np.abs(secure - plain) <= bound + 1e-12)
     assert bound < 1e-7
+
+
+def exchanged(s: SecureSpec):
+    """Clients and server after the first two exchanges, every participant taking part."""
+    clients = {d: SecAggClient(d, s) for d in s.participants}
+    server = SecAggServer(s, D)
+    for d, c in clients.items():
+        server.receive_keys(d, c.advertise())
+    keys = server.close_keys(0.0)
+    for d, c in clients.items():
+        server.receive_shares(d, c.share_keys(keys[d]))
+    return clients, server, server.close_shares(0.0)
+
+
+def test_a_masked_input_from_outside_the_round_or_malformed_is_refused():
+    clients, server, shares = exchanged(spec())
+    assert "not in this phase" in server.receive_masked("intruder", np.zeros(D, np.uint64))
+    assert "integers below 2^32" in server.receive_masked("d00", np.full(D, 2 ** 40, np.uint64))
+    assert "integers below 2^32" in server.receive_masked("d00", np.zeros(D + 1, np.uint64))
+    y = clients["d00"].masked_input(inputs()["d00"], shares["d00"])
+    assert server.receive_masked("d00", y) is None
+    assert "second masked" in server.receive_masked("d00", y)  # a replay
+    assert list(server.masked) == ["d00"]
+
+
+def test_unmasking_shares_of_the_wrong_kind_or_from_a_non_survivor_are_refused():
+    clients, server, shares = exchanged(spec())
+    for d in IDS[1:]:
+        server.receive_masked(d, clients[d].masked_input(inputs()[d], shares[d]))
+    survivors = server.close_masked(0.0)
+    assert "d00" not in survivors
+    honest = clients["d01"].unmask(survivors)
+    forged = {v: ("self_seed", share) for v, (_, share) in honest.items()}  # asks for the dropped device's seed
+    assert "wrong kind" in server.receive_unmasking("d01", forged)
+    assert "not in this phase" in server.receive_unmasking("d00", honest)
+    assert server.revealed == {}
+    assert server.receive_unmasking("d01", honest) is None
