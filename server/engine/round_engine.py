@@ -383,11 +383,13 @@ class RoundEngine:
         config = self.config
         fit = self.algorithm.configure_fit(opened.round, bool(plan.resolved.ranks)) if training else None
         deadline = None if wall is None else wall + max(0.0, opened.deadline - now)
+        secure = self.secure.spec_for(device_id) if self._secure_round and training else None
+        # a secure round that could not be set up (too few participants) asks for nothing back: never in the clear
+        returns = "none" if fit is None or (self._secure_round and secure is None) else fit.returns
         task = Task(round=opened.round, weights=weights, lam=fit.lam if fit else 0.0, mu=fit.mu if fit else 0.0,
                     lr=config.lr, phases=fit.phases if fit else (), batch_size=config.batch_size,
                     seed=batch_seed(config.seed, opened.round, device_id) if training else 0,
-                    returns=fit.returns if fit else "none", deadline=deadline, aggregator=self.route(device_id),
-                    secure=self.secure.spec_for(device_id) if self._secure_round and training else None)
+                    returns=returns, deadline=deadline, aggregator=self.route(device_id), secure=secure)
         if self.payloads is None:  # the tensors go with each task; else once per plan (see payload)
             self._book_down(plan, training, tensor_bytes(weights))
         return task
@@ -654,7 +656,7 @@ class RoundEngine:
             self.global_state = {k: (v.double() + torch.from_numpy(step[k])).to(v.dtype)
                                  for k, v in self.global_state.items()}
         summary = dict(self.secure.summary(), aggregated=step is not None)
-        if not result.enough:
+        if not result.enough and not summary.get("failure"):
             summary["failure"] = (f"{len(result.accepted)} of {len(result.train)} updates, below --min-completion "
                                   f"{self.coordinator.config.min_completion:g}")
         for phase in summary.get("phases", {}).values():

@@ -105,3 +105,19 @@ def test_what_secure_aggregation_cannot_serve_is_refused_in_one_line(flags, says
 def test_secagg_drop_needs_secure_aggregation(tmp_path, capsys):
     assert main([*QUICK, "--out", str(tmp_path / "run"), "--secagg-drop", "0.2"]) == 2
     assert "needs --secure-aggregation" in capsys.readouterr().err
+
+
+def test_a_round_too_small_to_aggregate_securely_asks_for_nothing_in_the_clear(tmp_path):
+    """Poisson sampling at rate 0.5 of 4 devices under DP draws rounds of fewer than 3: SecAgg+ cannot run them, the
+    devices return no tensor, the round is not aggregated and says why."""
+    args = build_parser().parse_args([*QUICK, "--rounds", "1", *SECURE, "--dp-noise-multiplier", "1",
+                                      "--dp-clip", "0.05", "--join-ratio", "0.5", "--dp-test-seed", "2",
+                                      "--out", str(tmp_path / "run")])
+    engine = Simulation(args, RunFolder(tmp_path / "run")).engine
+    tasks = engine.open_round(1, 0.0)
+    trainers = [d for d, t in tasks.items() if not t.evaluate_only]
+    assert len(trainers) < 3, "this --dp-test-seed drew 3 or more: pick another"
+    assert engine.secure_round is None and all(tasks[d].returns == "none" for d in trainers)
+    _, _ = engine.close_round(1.0)
+    assert engine.pending["secagg"]["aggregated"] is False
+    assert "at least 3 participants" in engine.pending["secagg"]["failure"]
