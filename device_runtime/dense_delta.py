@@ -53,15 +53,9 @@ def reconstruct(tensors: dict[str, np.ndarray], dense_shapes: dict[str, tuple[in
     return out
 
 
-def change(returned: dict[str, np.ndarray], sent: dict[str, np.ndarray],
-           dense_shapes: dict[str, tuple[int, ...]]) -> np.ndarray:
-    """Δ as one float64 vector over ``dense_shapes``'s keys in sorted order (what ``unflatten`` reads back)."""
-    after, before = reconstruct(returned, dense_shapes), reconstruct(sent, dense_shapes)
-    return np.concatenate([(after[k] - before[k]).ravel() for k in sorted(dense_shapes)])
-
-
 def unflatten(vector: np.ndarray, dense_shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """The tensors of a vector ``change`` laid out."""
+    """The tensors of a vector laid out over ``dense_shapes``'s keys in sorted order (``secagg_client.secure_input``'s
+    layout)."""
     out, at = {}, 0
     for key in sorted(dense_shapes):
         size = math.prod(dense_shapes[key])
@@ -75,9 +69,3 @@ def unflatten(vector: np.ndarray, dense_shapes: dict[str, tuple[int, ...]]) -> d
 def dimension(dense_shapes: dict[str, tuple[int, ...]]) -> int:
     """d: the shared model's size at full rank (what a secure upload carries)."""
     return sum(math.prod(s) for s in dense_shapes.values())
-
-
-def clip_l2(vector: np.ndarray, clip: float) -> np.ndarray:
-    """The vector scaled onto the L2 ball of radius ``clip`` (unchanged within it)."""
-    norm = float(np.linalg.norm(vector))
-    return vector if norm <= clip else vector * (clip / norm)

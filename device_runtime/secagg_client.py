@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from device_runtime.dense_delta import reconstruct
+from device_runtime.dense_delta import dimension, reconstruct
 from device_runtime.secagg_crypto import (CryptoError, KeyPair, MaskStream, agree, mask, open_sealed, random_seed,
                                           seal)
 from device_runtime.secagg_graph import neighbours
@@ -98,7 +98,7 @@ def secure_input(returned: dict[str, np.ndarray], sent: dict[str, np.ndarray], s
     DP, else each coordinate to ±R), times its weight, stochastically rounded into Z_{2^b}, plus its share of the
     Skellam noise (under DP). Memory: the float64 Δ and the result, each d values, beyond one tensor's."""
     keys = sorted(spec.dense_shapes)
-    delta = np.empty(sum(int(np.prod(spec.dense_shapes[k])) for k in keys), dtype=np.float64)
+    delta = np.empty(dimension(spec.dense_shapes), dtype=np.float64)
     at, used = 0, set()
     for key in keys:  # the same layout as dense_delta.change, without both models whole at once
         only = {key: spec.dense_shapes[key]}
