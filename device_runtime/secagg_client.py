@@ -79,8 +79,9 @@ def mask_sign(device_id: str, peer: str) -> int:
     return 1 if device_id < peer else -1
 
 
-def pairwise_mask(private: bytes, peer_public: bytes, spec: SecureSpec, dimension: int) -> np.ndarray:
-    return mask(agree(private, peer_public, "mask", spec.context), dimension, spec.quantizer.bits)
+def pairwise_mask(private: bytes, peer_public: bytes, spec: SecureSpec, size: int) -> np.ndarray:
+    """The mask two devices agree (its sign: ``mask_sign``); the server rebuilds it for a dropped device."""
+    return mask(agree(private, peer_public, "mask", spec.context), size, spec.quantizer.bits)
 
 
 def share_context(spec: SecureSpec, sender: str, recipient: str) -> bytes:
