@@ -116,3 +116,22 @@ def test_noise_margin_holds_the_sum_of_noise():
     rng = np.random.default_rng(4)
     draws = skellam(1e4, 100_000, rng)
     assert np.abs(draws).max() < noise_margin(1e4, 100_000)
+
+
+def test_dp_quantization_holds_n_devices_at_the_clip_with_their_noise():
+    """n devices at +C (and at −C) with their Skellam shares: the decoded sum is nC within the noise's margin,
+    never wrapped around."""
+    from device_runtime.secagg_noise import total_mu
+    clip, d, n, s, z = 0.5, 1000, 50, 26, 1.0
+    q = dp_quantizer(clip, d, n, lambda g: n / s * total_mu(z, g, clip, d))
+    mu = total_mu(z, q.scale, clip, d) / s
+    rng = np.random.default_rng(7)
+    for sign in (1.0, -1.0):
+        x = np.zeros(d)
+        x[0] = sign * clip
+        total = np.zeros(d, dtype=np.uint64)
+        for _ in range(n):
+            total = q.add(total, q.add(q.encode(x, rng), q.wrap(skellam(mu, d, rng))))
+        margin = noise_margin(n * mu, d) / q.scale + q.sum_error(n)
+        assert abs(q.decode(total)[0] - sign * n * clip) < margin
+        assert np.all(np.abs(q.decode(total)[1:]) < margin)
