@@ -129,3 +129,9 @@ def test_the_broker_loop_refuses_secure_aggregation_in_one_line(tmp_path, capsys
                         "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not yet carried over MQTT" in err[0]
+
+
+@pytest.mark.parametrize("algo", ["fedavg", "fedrep"])
+def test_every_algorithm_with_a_shared_model_aggregates_securely(algo, tmp_path):
+    records = run(tmp_path / "run", "--rounds", "1", "--algo", algo, *SECURE)
+    assert records[0]["aggregated"] and records[0]["secagg"]["survivors"] == 4
