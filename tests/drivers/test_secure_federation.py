@@ -37,8 +37,10 @@ def shared(out) -> dict[str, np.ndarray]:
 
 
 def test_the_secure_model_equals_the_plain_one_within_the_quantization_bound(tmp_path):
-    secure = run(tmp_path / "secure", "--rounds", "1", *SECURE)
-    run(tmp_path / "plain", "--rounds", "1")
+    """Dense tiers: the plain engine's change is then exact in float64 (with factors it multiplies them in float32,
+    a few ulp off; mixed-rank sums against a float64 reference: tests/engine/test_secure_aggregation.py)."""
+    secure = run(tmp_path / "secure", "--rounds", "1", "--rank-ratio", "1.0", *SECURE)
+    run(tmp_path / "plain", "--rounds", "1", "--rank-ratio", "1.0")
     bound = secure[0]["secagg"]["quantization_bound"]
     ours, theirs = shared(tmp_path / "secure"), shared(tmp_path / "plain")
     assert ours.keys() == theirs.keys() and 0 < bound < 1e-6

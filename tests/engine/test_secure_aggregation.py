@@ -218,3 +218,21 @@ def test_unmasking_shares_of_the_wrong_kind_or_from_a_non_survivor_are_refused()
     assert "not in this phase" in server.receive_unmasking("d00", honest)
     assert server.revealed == {}
     assert server.receive_unmasking("d01", honest) is None
+
+
+def test_mixed_rank_changes_sum_securely_to_the_plain_mean_of_their_reconstructions():
+    """Devices at different ranks send factors' changes at full rank: the secure mean equals the float64 mean of
+    reconstruct(returned) − reconstruct(sent) within the quantization bound."""
+    rng = np.random.default_rng(8)
+    shapes = {"fe.fc.weight": (3, 2)}  # d = 6, as the round's vectors
+    ranks = {d: 1 + i % 2 for i, d in enumerate(IDS)}
+    sent = {d: {"fe.fc.u": rng.normal(size=(3, ranks[d])), "fe.fc.v": rng.normal(size=(2, ranks[d]))} for d in IDS}
+    returned = {d: {k: v + rng.normal(scale=0.05, size=v.shape) for k, v in sent[d].items()} for d in IDS}
+    base = SecureSpec(b"run|4", IDS, 8, 5, 5, b"graph", plain_quantizer(8.0, len(IDS)), 8.0, False, 0.0, shapes)
+    xs = {d: secure_input(returned[d], sent[d], base.for_device(1 / len(IDS)), rng) for d in IDS}
+    _, total, _, _ = run(base, xs, {"d03"})
+    alive = [d for d in IDS if d != "d03"]
+    secure = base.quantizer.decode(total) / (len(alive) / len(IDS))
+    plain = np.mean([(reconstruct(returned[d], shapes)["fe.fc.weight"] - reconstruct(sent[d], shapes)["fe.fc.weight"])
+                     .ravel() for d in alive], axis=0)
+    assert np.all(np.abs(secure - plain) <= base.quantizer.sum_error(len(alive)) / (len(alive) / len(IDS)) + 1e-12)
