@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +37,9 @@ class Task:
     """Round ``round``: load ``weights`` (the shared tensors, factorized at the device's plan), train ``phases``.
 
     ``weights`` may be empty (local training: the device keeps its own model). ``aggregator`` names the aggregator
-    process whose update topic takes the answer (``Topics.update_via``); None: the server's own update topic."""
+    process whose update topic takes the answer (``Topics.update_via``); None: the server's own update topic.
+    ``secure``: the round's SecAgg+ parameters for this device (``device_runtime.secagg_client.SecureSpec``), or
+    None; its change then travels masked and its update carries no tensor."""
 
     round: int
     weights: dict[str, np.ndarray]
@@ -49,6 +52,7 @@ class Task:
     returns: str = "fe"
     deadline: float | None = None
     aggregator: str | None = None
+    secure: Any = None  # a device_runtime.secagg_client.SecureSpec: the round aggregates securely
     version: int | None = None  # async mode: the model version ``weights`` are; None: round ``round - 1``'s model
 
     @property

@@ -5,12 +5,13 @@
 The tarball holds one folder, ``fedara-device-<version>/``, with
 - the ``device_runtime`` wheel (pure Python, py3-none-any), built from a minimal project generated in a temporary
   folder that names only that package (version from pyproject.toml);
-- ``requirements-device.txt``: numpy and paho-mqtt pinned to the versions installed here and stock onnxruntime
-  pinned to the release tested with them (STOCK_ONNXRUNTIME), all installed with --no-deps from the package
+- ``requirements-device.txt``: numpy, paho-mqtt and cryptography (with cffi, pycparser) pinned to the versions installed here and
+  stock onnxruntime pinned to the release tested with them (STOCK_ONNXRUNTIME), all installed with --no-deps from the package
   index (never torch or onnx); every pin has wheels for aarch64 and x86_64 (CPython 3.11+);
 - ``fedara-device.env`` (settings template), ``fedara-device.service`` (systemd unit), ``install.sh`` and
   ``DEVICE.md`` (the board owner's guide), from scripts/device_bundle/.
-It refuses to bundle a device_runtime that imports anything beyond the stdlib, numpy, paho and onnxruntime.
+It refuses to bundle a device_runtime that imports anything beyond the stdlib, numpy, paho, cryptography and
+onnxruntime.
 """
 from __future__ import annotations
 
@@ -29,13 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "device_runtime"
 DISTRIBUTION = "fedara-device"
 WHEEL_PREFIX = "fedara_device"
-ALLOWED_IMPORTS = frozenset({"numpy", "paho", "onnxruntime", PACKAGE})
-PINNED = ("numpy", "paho-mqtt")  # as installed here
+ALLOWED_IMPORTS = frozenset({"numpy", "paho", "onnxruntime", "cryptography", PACKAGE})
+PINNED = ("numpy", "paho-mqtt", "cryptography", "cffi", "pycparser")  # as installed here (secure aggregation: cryptography)
 # The stock build the bundle and arm64 tests run (tests/scripts/test_device_bundle.py, test_arm64.py). Measured under
 # qemu-user 7.2 (Debian bookworm's arm64 emulation): the aarch64 wheels of 1.19.2, 1.22.0, 1.24.4 and 1.27.0
 # import, those of 1.30.0 and 1.32.0 segfault on import; 1.27.0 is the newest verified there.
 STOCK_ONNXRUNTIME = "1.27.0"
-WHEEL_REQUIREMENTS = ("numpy>=1.24", "paho-mqtt>=2,<3")  # onnxruntime comes from requirements-device.txt
+WHEEL_REQUIREMENTS = ("numpy>=1.24", "paho-mqtt>=2,<3", "cryptography>=42")  # onnxruntime comes from requirements-device.txt
 TEMPLATES = ROOT / "scripts" / "device_bundle"
 TEMPLATE_FILES = ("install.sh", "fedara-device.service", "fedara-device.env", "DEVICE.md")
 REQUIREMENTS_NAME = "requirements-device.txt"

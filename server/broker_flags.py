@@ -92,6 +92,9 @@ def check_broker_reachable(args: argparse.Namespace) -> None:
 
 def check_broker_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first broker/device flag out of range (before anything heavy starts)."""
+    if args.secure_aggregation:
+        raise ValueError("--secure-aggregation runs in the simulator (python -m server.simulate) only: its four "
+                         "exchanges are not yet carried over MQTT; leave it out here")
     if args.mode == "async" and args.aggregators:
         raise ValueError(f"--mode async with --aggregators {args.aggregators}: aggregator processes fold sync rounds; "
                          "leave --aggregators out, or use --mode sync")

@@ -26,9 +26,10 @@ from server.data import DATASETS, NPZ_PREFIX, dataset_arg
 from server.data.datasets import DatasetFormatError, DatasetUnavailable, check_available
 from server.outputs.checkpoint import folder_taken
 from server.engine.run_config import (AGGREGATION_RULES, ALGORITHMS, BN_STATS, DEFAULT_BN_STATS, DEFAULT_LAM_WARMUP,
-                                      DEFAULT_MU, DEFAULT_TIERS, MODELS, FederationConfig, add_async_arguments,
-                                      add_dp_arguments, add_norm_bound_arguments, async_flags_given,
-                                      async_rule_from_args, dp_from_args, norm_bound_from_args)
+                                      DEFAULT_MU, DEFAULT_TIERS, MODELS, SECAGG_DEFAULT_RANGE, FederationConfig,
+                                      add_async_arguments, add_dp_arguments, add_norm_bound_arguments,
+                                      async_flags_given, async_rule_from_args, dp_from_args, norm_bound_from_args,
+                                      secure_from_args)
 
 RUNS_DIR = "runs"
 DEFAULT_CACHE_DIR = "artifacts_cache"
@@ -153,6 +154,7 @@ def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
     algo.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="ONNX artifact cache")
     add_norm_bound_arguments(algo)
     add_dp_arguments(p.add_argument_group("differential privacy (user-level DP-FedAvg, see docs/privacy.md)"))
+    add_secagg_arguments(p.add_argument_group("secure aggregation (SecAgg+, see docs/privacy.md)"))
     add_async_arguments(p)
     out = p.add_argument_group("output")
     out.add_argument("--out", default=None,
@@ -167,6 +169,21 @@ def model_list_arg(text: str) -> str:
     """--model's type: the comma list with each model file's path made absolute (the spec travels to other
     processes and to a resumed run, whatever their working directory)."""
     return ",".join(absolute_spec(name) for name in text.split(","))
+
+
+def add_secagg_arguments(group: argparse._ArgumentGroup) -> None:
+    """Secure aggregation's flags (``server.engine.secure_rounds``; the simulator adds --secagg-drop)."""
+    group.add_argument("--secure-aggregation", action="store_true",
+                       help="SecAgg+: each device masks its full-rank change (clipped, quantized into Z_2^32) so the "
+                            "server learns only the round's sum; with --dp-noise-multiplier the devices add the "
+                            "noise (distributed Skellam); needs --aggregate updates, --mode sync")
+    group.add_argument("--secagg-neighbors", type=int, default=None, metavar="K",
+                       help="each device's neighbours in the round's random K-regular graph (even, or n-1); "
+                            "default: 2*ceil(log2 n) capped at n-1")
+    group.add_argument("--secagg-threshold", type=int, default=None, metavar="T",
+                       help="shares that rebuild a device's secrets, K/2 < T <= K; default: K/2 + 1 (a majority)")
+    group.add_argument("--secagg-range", type=float, default=SECAGG_DEFAULT_RANGE, metavar="R",
+                       help="without DP: each coordinate of a device's change is clipped to +-R before quantization")
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -275,6 +292,7 @@ def check_args(args: argparse.Namespace) -> FederationConfig:
         raise ValueError(f"{' '.join(given)} {'is' if len(given) == 1 else 'are'} for --mode async and would be "
                          f"ignored in --mode {args.mode}: add --mode async, or leave {'it' if len(given) == 1 else 'them'}"
                          " out")
+    secure_from_args(args)
     if async_rule_from_args(args) is not None and args.update_norm_bound is not None:
         raise ValueError("--mode async does not take --update-norm-bound (it bounds a sync round's updates); "
                          "leave one of them out")

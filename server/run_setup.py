@@ -36,7 +36,7 @@ from server.engine.round_engine import Predictor, RoundEngine, algorithm_for
 from server.engine.rank_assignment import check_tiers, load_overrides, tier_predictor
 from server.engine.async_engine import AsyncEngine
 from server.engine.run_config import (DEFAULT_TIERS, FederationConfig, RunError, async_rule_from_args, dp_from_args,
-                                      norm_bound_from_args)
+                                      norm_bound_from_args, secure_from_args)
 from server.outputs.report import METRICS_CSV, METRICS_FILE, write_metrics, write_metrics_csv, write_report
 from server.data.shards import DEVICE_ID, data_from_args, partition_from_args
 from server.engine.sampling import to_numpy
@@ -48,6 +48,8 @@ RESUME_IGNORED = ("rounds",)
 DP_SETTINGS = ("dp_noise_multiplier", "dp_clip", "dp_clip_quantile", "dp_clip_lr", "dp_target_epsilon", "dp_delta",
                "dp_accountant", "dp_test_seed")
 """The differential-privacy flags a resumed run must match, where DP is on (its budget too: a resume keeps spending it)."""
+SECAGG_SETTINGS = ("secure_aggregation", "secagg_neighbors", "secagg_threshold", "secagg_range")
+"""The secure-aggregation flags a resumed run must match, where it is on."""
 
 
 def device_ids(count: int) -> list[str]:
@@ -243,6 +245,8 @@ def run_settings(args: argparse.Namespace, config_dict: dict[str, Any], extra: t
             "rank_ratio", "rank_tiers", "update_norm_bound", "update_norm_action", *extra)
     if args.dp_noise_multiplier is not None:  # DP's settings where it is on (a run without DP resumes as before)
         keys += DP_SETTINGS
+    if getattr(args, "secure_aggregation", False):
+        keys += SECAGG_SETTINGS
     settings = dict(config_dict, **{k: getattr(args, k) for k in keys})
     if args.rank_ratio is None:  # the tiers offered, also when they are the defaults
         settings["rank_tiers"] = ",".join(f"{t:g}" for t in tiers_from_args(args))
@@ -339,7 +343,8 @@ def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder,
     models_of = device_models(list(shards), model_names(args))
     if not deployment.budgets:
         overrides = round_robin_tiers(sorted(shards), tiers, overrides)
-    engine_kind, mode = (RoundEngine, {}) if rule is None else (AsyncEngine, {"rule": rule})
+    engine_kind, mode = ((RoundEngine, {"secure": secure_from_args(args)}) if rule is None
+                         else (AsyncEngine, {"rule": rule}))
     engine = engine_kind(algorithm, config, coordinator, plans, global_state(model, algorithm),
                          initial_personal(list(models.values()), algorithm), tiers=tiers, overrides=overrides,
                          device_models=models_of,

@@ -12,7 +12,11 @@ from collections.abc import Iterator
 
 import torch
 
+import numpy as np
+
 from device_runtime.messages import Join, ShardInfo, update_message
+from device_runtime.secagg_client import SecAggClient, secure_answer
+from device_runtime.secagg_noise import secure_generator
 from device_runtime.profile import ResourceProfile
 from device_runtime.task import Task, Update, non_finite
 from server.in_process import InProcessDevice, Trainers
@@ -49,6 +53,8 @@ class Simulation:
         self.trainers = Trainers(args.backend, self.by_hash, args.threads, args.device)
         self.devices = {d: InProcessDevice(d, shard, self.trainers, args.threads) for d, shard in run.shards.items()}
         self.pool: DevicePool | None = None
+        self._dropped: set[str] = set()  # --secagg-drop: the round's devices that dropped after sharing
+        self._shares: dict[str, dict[str, bytes]] = {}
         self.first_round = run.first_round()
         if self.saved:
             self._restore()
@@ -130,20 +136,53 @@ class Simulation:
             late = {d for d, end in ends.items() if end > self.clock + deadline}
             tasks = {d: t for d, t in tasks.items() if d not in late}
             ends = {d: min(end, self.clock + deadline) for d, end in ends.items()}
+        secure = engine.secure_round
+        clients = self._share_keys(round_index, tasks) if secure is not None else {}
+        tasks = {d: t for d, t in tasks.items() if d not in self._dropped}
         for device_id, update in self._answers(tasks):
             problem = non_finite(update)
             if problem is not None:  # the device says so instead of answering, as a device process does
                 verdict = engine.decline(device_id, round_index, problem)
                 log.warning("%s has no answer to round %d: %s", device_id, round_index, verdict.reason)
                 continue
+            if device_id in clients:  # its change goes masked; the update keeps its count, loss and metrics
+                update, x = secure_answer(update, tasks[device_id], secure_generator())
+                refusal = secure.receive_masked(device_id, clients[device_id].masked_input(x, self._shares[device_id]))
+                if refusal:
+                    log.warning("secure aggregation refused %s: %s", device_id, refusal)
             msg = update_message(update, plan_hash=self.devices[device_id].plan_hash, device_id=device_id,
                                  run_id=self.run_id)
             verdict = engine.receive(device_id, msg, time.monotonic())
             if not verdict.accepted:
                 log.warning("dropped %s's update (round %d): %s", device_id, round_index, verdict.reason)
+        if secure is not None:
+            self._unmask(clients)
         self.clock = max(ends.values(), default=self.clock)
         _, completed = engine.close_round(time.monotonic(), sim_time=self.clock if fleet else None)
         self.progress.evaluated(completed)
+
+    def _share_keys(self, round_index: int, tasks: dict[str, Task]) -> dict[str, SecAggClient]:
+        """SecAgg+'s first two exchanges for the round's trainers, relayed by the engine's secure round; then
+        --secagg-drop's devices (seeded by --seed and the round) drop: they answer nothing more."""
+        secure = self.engine.secure_round
+        clients = {d: SecAggClient(d, t.secure) for d, t in tasks.items() if t.secure is not None}
+        for device_id, client in clients.items():
+            secure.receive_keys(device_id, client.advertise())
+        keys = secure.close_keys(time.monotonic())
+        for device_id, client in clients.items():
+            secure.receive_shares(device_id, client.share_keys(keys[device_id]))
+        self._shares = secure.close_shares(time.monotonic())
+        draws = np.random.default_rng([self.args.seed, round_index, 0x5ECA]).random(len(clients))
+        self._dropped = {d for d, u in zip(sorted(clients), draws) if u < self.args.secagg_drop}
+        return clients
+
+    def _unmask(self, clients: dict[str, SecAggClient]) -> None:
+        """The last exchange: the survivors' shares of the dropped devices' mask keys and of their own seeds."""
+        secure = self.engine.secure_round
+        survivors = secure.close_masked(time.monotonic())
+        for device_id in survivors:
+            secure.receive_unmasking(device_id, clients[device_id].unmask(survivors))
+        self._dropped = set()
 
     def run(self) -> list[dict]:
         """Rounds up to --rounds (fewer where the privacy budget ends the run first), then the evaluation of the

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     clock.add_argument("--virtual-deadline", type=float, default=None, metavar="SECONDS",
                        help="sync: a round closes this many virtual seconds after it opens; trainers not done by then "
                             "are dropped, their work lost (default: a round waits for its slowest trainer)")
+    sim.add_argument("--secagg-drop", type=float, default=0.0, metavar="P",
+                     help="with --secure-aggregation: each device drops after sharing its keys with probability P "
+                          "(seeded by --seed and the round), to study recovery")
     return p
 
 
@@ -49,6 +52,10 @@ def check_simulate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     dp_from_args(args, args.clients)
     check_async_fleet(args, args.clients)
+    if not 0 <= args.secagg_drop < 1:
+        raise ValueError(f"--secagg-drop must be a probability in [0, 1), got {args.secagg_drop:g}")
+    if args.secagg_drop and not args.secure_aggregation:
+        raise ValueError(f"--secagg-drop {args.secagg_drop:g} needs --secure-aggregation")
     if args.mode == "async" and args.workers != 1:
         raise ValueError(f"--mode async trains each device when its task ends on the virtual clock: use --workers 1 "
                          f"(got {args.workers})")

@@ -145,3 +145,69 @@ class Accountant:
 
     def restore(self, state: dict[str, Any]) -> None:
         self.rounds = int(state["rounds"])
+
+
+# -- distributed DP under secure aggregation: the Skellam mechanism ---------------------------------------------
+
+SKELLAM_ORDERS = tuple(range(2, 257))
+"""The Rényi orders the distributed mechanism is accounted at (integers: the subsampling bound below needs them)."""
+
+
+def skellam_rdp(order: int, mu: float, l2: float, l1: float) -> float:
+    """The RDP of adding Sk(μ) to each coordinate of an integer vector whose neighbours differ by at most ``l2`` in
+    L2 and ``l1`` in L1 norm (Agarwal, Kairouz, Liu, NeurIPS 2021, Theorem 3.5): αΔ₂²/(4μ) (a Gaussian of variance
+    2μ) + min(((2α − 1)Δ₂² + 6Δ₁)/(16μ²), 3Δ₁/(4μ))."""
+    return order * l2 ** 2 / (4 * mu) + min(((2 * order - 1) * l2 ** 2 + 6 * l1) / (16 * mu ** 2), 3 * l1 / (4 * mu))
+
+
+def poisson_subsampled_rdp(rate: float, order: int, rdp) -> float:
+    """An upper bound on the RDP at integer ``order`` >= 2 of a mechanism of RDP ``rdp(α)`` run on a Poisson sample
+    of rate q, for any mechanism (Zhu & Wang, ICML 2019, Theorem 6): 1/(α−1) · log((1−q)^(α−1)(αq − q + 1)
+    + C(α,2) q² (1−q)^(α−2) e^(ε(2)) + 3 Σ_{l=3..α} C(α,l) q^l (1−q)^(α−l) e^((l−1)ε(l))), and never above ε(α)."""
+    if rate >= 1.0:
+        return rdp(order)
+    logs = [(order - 1) * math.log1p(-rate) + math.log(order * rate - rate + 1),
+            math.log(math.comb(order, 2)) + 2 * math.log(rate) + (order - 2) * math.log1p(-rate) + rdp(2)]
+    logs += [math.log(3 * math.comb(order, l)) + l * math.log(rate) + (order - l) * math.log1p(-rate)
+             + (l - 1) * rdp(l) for l in range(3, order + 1)]
+    top = max(logs)
+    return min(rdp(order), (top + math.log(sum(math.exp(x - top) for x in logs))) / (order - 1))
+
+
+def rdp_to_epsilon(orders: tuple[int, ...], rdps: list[float], delta: float) -> float:
+    """(ε, δ) from RDP (Canonne, Kamath, Steinke 2020, Proposition 12, the conversion dp-accounting uses):
+    min over α of ε(α) + log((α−1)/α) − (log δ + log α)/(α − 1)."""
+    return max(0.0, min(r + math.log((a - 1) / a) - (math.log(delta) + math.log(a)) / (a - 1)
+                        for a, r in zip(orders, rdps)))
+
+
+@functools.lru_cache(maxsize=4096)
+def skellam_epsilon(join_ratio: float, mu: float, l2: float, l1: float, rounds: int, delta: float) -> float:
+    """ε after ``rounds`` Poisson-sampled rounds of the Skellam mechanism (total parameter μ, sensitivities Δ₂, Δ₁),
+    at ``delta``: RDP composed over the rounds, then converted."""
+    if rounds == 0:
+        return 0.0
+    per_order = {}
+
+    def rdp(order: int) -> float:
+        if order not in per_order:
+            per_order[order] = skellam_rdp(order, mu, l2, l1)
+        return per_order[order]
+    rdps = [rounds * poisson_subsampled_rdp(join_ratio, a, rdp) for a in SKELLAM_ORDERS]
+    return rdp_to_epsilon(SKELLAM_ORDERS, rdps, delta)
+
+
+class SkellamAccountant(Accountant):
+    """The budget of distributed DP (``device_runtime.secagg_noise``): each round a Poisson sample whose sum
+    carries Skellam noise of total parameter at least μ (at least the round's minimum of survivors each added
+    μ/s), on integers of L2 sensitivity Δ₂ = γC + √d (stochastic rounding's worst case) and L1 sensitivity
+    Δ₁ <= min(√d·Δ₂, Δ₂²). Modular wrap-around is post-processing of the noised sum (it costs no privacy; the
+    modulus leaves room for the noise's tail, ``device_runtime.secagg_quantize``)."""
+
+    def __init__(self, join_ratio: float, mu: float, l2: float, dimension: int, delta: float,
+                 target_epsilon: float | None = None):
+        super().__init__(join_ratio, math.sqrt(2 * mu) / l2, delta, "skellam", target_epsilon)
+        self.mu, self.l2, self.l1 = mu, l2, min(math.sqrt(dimension) * l2, l2 ** 2)
+
+    def epsilon_after(self, rounds: int) -> float:
+        return skellam_epsilon(self.join_ratio, self.mu, self.l2, self.l1, rounds, self.delta)

@@ -32,8 +32,10 @@ import numpy as np
 import torch
 
 from fedcore.lowrank import reconstruct_state
-from server.engine.accountant import Accountant
+from device_runtime.dense_delta import dimension
+from server.engine.accountant import Accountant, SkellamAccountant
 from server.engine.run_config import DpSettings
+from server.engine.secure_rounds import dp_noise
 
 
 def noise_generator(test_seed: int | None = None) -> np.random.Generator:
@@ -184,11 +186,18 @@ class DpFedAvg:
     the noised release that becomes the next global model, and the budget it spends (one round charged when it
     opens, whatever it then delivers)."""
 
-    def __init__(self, settings: DpSettings, shapes: dict[str, tuple[int, ...]]):
+    def __init__(self, settings: DpSettings, shapes: dict[str, tuple[int, ...]], distributed: bool = False):
+        """``distributed``: under secure aggregation the devices add the noise (``server.engine.secure_rounds``) and
+        the Skellam mechanism is charged; the server only samples, counts the budget and applies the noised sum."""
         self.settings = settings
         self.mechanism = Privacy.of(settings, shapes)
-        self.accountant = Accountant(settings.join_ratio, settings.noise_multiplier, settings.run_delta,
-                                     settings.accountant, settings.target_epsilon)
+        if distributed:
+            mu, l2 = dp_noise(settings, dimension(shapes))
+            self.accountant: Accountant = SkellamAccountant(settings.join_ratio, mu, l2, dimension(shapes),
+                                                            settings.run_delta, settings.target_epsilon)
+        else:
+            self.accountant = Accountant(settings.join_ratio, settings.noise_multiplier, settings.run_delta,
+                                         settings.accountant, settings.target_epsilon)
         self._changes: RoundChanges | None = None
 
     def refusal(self) -> str | None:
@@ -227,6 +236,11 @@ class DpFedAvg:
 
     def to_state(self) -> dict[str, Any]:
         return {"accountant": self.accountant.to_state(), "mechanism": self.mechanism.to_state()}
+
+    @property
+    def expected(self) -> float:
+        """E, the fixed denominator of a round's mean change."""
+        return self.settings.expected
 
     def restore(self, state: dict[str, Any]) -> None:
         self.accountant.restore(state["accountant"])

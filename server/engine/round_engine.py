@@ -46,7 +46,9 @@ from server.engine.remote_folding import RemoteFolding
 from server.engine.evaluation import EVAL_DIRECTION
 from server.engine.robust import bound_update, rejection_reason
 from server.engine.round_record import RoundBook, TrainingRecord, tier_label
-from server.engine.run_config import DpSettings, FederationConfig, NormBound, RunError
+from server.engine.run_config import DpSettings, FederationConfig, NormBound, RunError, SecureSettings
+from server.engine.secure_aggregation import SecAggServer
+from server.engine.secure_rounds import SecureRounds
 from server.engine.sampling import as_torch, batch_seed, factorize_per_plan, plan_key, to_numpy, to_torch
 from server.engine.update_rule import Answer, Asked
 
@@ -105,7 +107,8 @@ class RoundEngine:
                  tiers: tuple[float, ...], overrides: dict[str, float] | None = None,
                  device_models: dict[str, str] | None = None,
                  predictor: Predictor | None = None, norm_bound: NormBound | None = None, remote: bool = False,
-                 shared_payloads: bool = False, privacy: DpSettings | None = None):
+                 shared_payloads: bool = False, privacy: DpSettings | None = None,
+                 secure: SecureSettings | None = None):
         self.algorithm, self.config, self.coordinator, self.plans = algorithm, config, coordinator, plans
         self.global_state = global_state  # what the algorithm shares and aggregates (empty: no global model)
         self.initial_personal = initial_personal  # model name -> what a device of that model starts from
@@ -124,7 +127,13 @@ class RoundEngine:
             raise ValueError("--dp-noise-multiplier clips each update's change to the shared model: it needs an "
                              "algorithm with a global model")
         self.dense_shapes = {k: tuple(v.shape) for k, v in global_state.items()}
-        self.dp = DpFedAvg(privacy, self.dense_shapes) if privacy is not None else None  # DP-FedAvg, its budget
+        if secure is not None and (remote or norm_bound is not None or not global_state):
+            raise ValueError("--secure-aggregation sums the changes of an algorithm with a global model, without "
+                             "--aggregators or --update-norm-bound (the server never sees one update)")
+        # DP-FedAvg and its budget; under secure aggregation the devices add the noise (distributed DP)
+        self.dp = DpFedAvg(privacy, self.dense_shapes, distributed=secure is not None) if privacy is not None else None
+        self.secure = SecureRounds(secure, self.dense_shapes, coordinator.run_id, privacy) if secure else None
+        self._secure_round = False  # the open round is aggregated securely
         self._private_round = False  # the open round is a DP training round
         self.remote = RemoteFolding(self.dense_shapes) if remote else None  # aggregator processes hold the updates
         self.payloads = PlanPayloads() if shared_payloads and global_state else None  # tasks name their payload
@@ -321,6 +330,12 @@ class RoundEngine:
         stop the run cleanly when it says so."""
         return None if self.dp is None else self.dp.refusal()
 
+    @property
+    def secure_round(self) -> SecAggServer | None:
+        """The open round's SecAgg+ exchanges (the drivers relay them; ``server.engine.secure_aggregation``), or
+        None: the round is not aggregated securely (not asked for, or it cannot be: the record says why)."""
+        return self.secure.server if self._secure_round else None
+
     def open_round(self, round_index: int, now: float, *, train: bool = True,
                    wall: float | None = None, away: frozenset[str] = frozenset()) -> dict[str, Task]:
         """Open a round; returns each asked device's task (trainers train, the others only evaluate), with the
@@ -332,8 +347,13 @@ class RoundEngine:
         self._book.opened_at = now  # artifacts sent since the last round closed count in this one
         plans = [self.plan_info(d).resolved for d in opened.train + opened.evaluate]
         self._round_weights = factorize_per_plan(self.global_state, plans) if self.global_state else {}
-        self._average = StreamingAverage(self.dense_shapes) if self.global_state and self.dp is None else None
+        self._secure_round = self.secure is not None and train
+        plain = self.global_state and self.dp is None and not self._secure_round
+        self._average = StreamingAverage(self.dense_shapes) if plain else None
         self._private_round = private
+        if self._secure_round:
+            self.secure.open(round_index, opened.train,
+                             {d: self.coordinator.devices[d].num_train for d in opened.train})
         if private:
             self.dp.open_round()
         self._sent_weight = {}
@@ -367,10 +387,13 @@ class RoundEngine:
         config = self.config
         fit = self.algorithm.configure_fit(opened.round, bool(plan.resolved.ranks)) if training else None
         deadline = None if wall is None else wall + max(0.0, opened.deadline - now)
+        secure = self.secure.spec_for(device_id) if self._secure_round and training else None
+        # a secure round that could not be set up (too few participants) asks for nothing back: never in the clear
+        returns = "none" if fit is None or (self._secure_round and secure is None) else fit.returns
         task = Task(round=opened.round, weights=weights, lam=fit.lam if fit else 0.0, mu=fit.mu if fit else 0.0,
                     lr=config.lr, phases=fit.phases if fit else (), batch_size=config.batch_size,
                     seed=batch_seed(config.seed, opened.round, device_id) if training else 0,
-                    returns=fit.returns if fit else "none", deadline=deadline, aggregator=self.route(device_id))
+                    returns=returns, deadline=deadline, aggregator=self.route(device_id), secure=secure)
         if self.payloads is None:  # the tensors go with each task; else once per plan (see payload)
             self._book_down(plan, training, tensor_bytes(weights))
         return task
@@ -417,6 +440,8 @@ class RoundEngine:
         record = self.coordinator.devices.get(device_id)
         if record is None or record.plan_hash is None:
             return None
+        if self._secure_round:  # its change travels masked (secure_round), the update carries no tensor
+            return {}
         personal = {k: tuple(v.shape) for k, v in self._initial(device_id).items()}
         return self.algorithm.update_shapes(self.plan_info(device_id).fe_shapes, personal)
 
@@ -450,7 +475,9 @@ class RoundEngine:
                         len(self._folds.held))
 
     def _fold(self, device_id: str, update: Update, nbytes: int) -> None:
-        if self._average is not None:
+        if self._secure_round:  # its change is in the masked sum
+            pass
+        elif self._average is not None:
             self._average.add(as_torch(update.weights), update.num_samples)
         elif self.dp is not None:
             norm = self.dp.add(to_torch(update.weights), to_torch(self._weights(device_id)),
@@ -615,7 +642,7 @@ class RoundEngine:
         """The new global model from the round's accepted updates: the algorithm's aggregate_fit over their
         float64 sample-weighted mean (each client's tensors reconstructed to full rank), under --aggregate; with
         DP, the global model plus the round's noised mean of clipped updates (``server.engine.privacy``)."""
-        if self.dp is not None:
+        if self.dp is not None and not self._secure_round:
             return self.dp.aggregate(self.global_state)
         def sent_mean() -> dict[str, torch.Tensor]:
             sent = StreamingAverage(self.dense_shapes)  # Σ p_k S_k, one factor set per plan
@@ -627,21 +654,45 @@ class RoundEngine:
 
     def _training_record(self, result: RoundResult, now: float, wire: tuple[int, int] | None,
                          sim_time: float | None = None) -> TrainingRecord:
-        folding = self._average is not None or self.dp is not None
-        if result.enough and folding:
-            model = self._aggregate()
-            if not finite(model):  # never published, evaluated or checkpointed
-                raise RunError(f"round {result.round}: the new global model is not finite, so it is not released; "
-                               f"{self.divergence_cause()}")
-            self.global_state = model
-        elif folding:
+        folding = self._average is not None or self.dp is not None or self._secure_round
+        secagg = self._secure_step(result, now) if self._secure_round else None
+        aggregated = result.enough and folding if secagg is None else secagg["aggregated"]
+        if aggregated and secagg is None:
+            self._release(result.round, self._aggregate())
+        elif folding and not result.enough:
             LOG.warning("round %d: %d of %d updates, below --min-completion %g: the global model is kept",
                         result.round, len(result.accepted), len(result.train), self.coordinator.config.min_completion)
         tiers = {d: tier_label(self.coordinator.devices[d].ratio) for d in result.train + result.evaluate}
-        return TrainingRecord.of(result, self._book, aggregated=result.enough and folding,
+        return TrainingRecord.of(result, self._book, aggregated=aggregated,
                                  algorithm=self.algorithm.name, aggregate=self.config.aggregate, tiers=tiers,
                                  now=now, wire=wire, sim_time=sim_time,
-                                 epsilon=None if self.dp is None else self.dp.epsilon)
+                                 epsilon=None if self.dp is None else self.dp.epsilon, secagg=secagg)
+
+    def _release(self, round_: int, model: dict[str, torch.Tensor]) -> None:
+        """``model`` becomes the global model; a non-finite one is never published, evaluated or checkpointed."""
+        if not finite(model):
+            raise RunError(f"round {round_}: the new global model is not finite, so it is not released; "
+                           f"{self.divergence_cause()}")
+        self.global_state = model
+
+    def _secure_step(self, result: RoundResult, now: float) -> dict[str, Any]:
+        """Unmask the round's sum and take its step (when enough devices answered); the record's ``secagg``. What
+        the exchanges moved counts as the round's bytes up (into the server) and down (out of it)."""
+        step = self.secure.step(now, self.dp.expected if self.dp is not None else None) if result.enough else None
+        if step is not None:
+            self._release(result.round, {k: (v.double() + torch.from_numpy(step[k])).to(v.dtype)
+                                         for k, v in self.global_state.items()})
+        summary = dict(self.secure.summary(), aggregated=step is not None)
+        if not result.enough and not summary.get("failure"):
+            summary["failure"] = (f"{len(result.accepted)} of {len(result.train)} updates, below --min-completion "
+                                  f"{self.coordinator.config.min_completion:g}")
+        for phase in summary.get("phases", {}).values():
+            self._book.bytes_up += phase["bytes_in"]
+            self._book.bytes_down += phase["bytes_out"]
+        server = self.secure.server
+        for device_id in server.masked if server is not None else ():  # each survivor's masked vector, by tier
+            self._book.count(tier_label(self.coordinator.devices[device_id].ratio), "up", server.masked_bytes)
+        return summary
 
     def _complete_previous(self, result: RoundResult) -> dict[str, Any] | None:
         """The evaluations that came with this round measure the previous round's model: finish its record."""

@@ -64,17 +64,19 @@ class TrainingRecord:
     wire_bytes_in: int | None = None
     epsilon: float | None = None  # DP: ε spent up to and with this round, at the run's δ (None: no DP guarantee)
     sim_time: float | None = None  # the virtual clock when it closed, where the simulator keeps one
+    secagg: dict[str, Any] | None = None  # secure aggregation: survivors, dropped, recovered, threshold, phases
 
     @classmethod
     def of(cls, result: RoundResult, book: RoundBook, *, aggregated: bool, algorithm: str, aggregate: str,
            tiers: dict[str, str], now: float, wire: tuple[int, int] | None,
-           epsilon: float | None = None, sim_time: float | None = None) -> TrainingRecord:
+           epsilon: float | None = None, sim_time: float | None = None,
+           secagg: dict[str, Any] | None = None) -> TrainingRecord:
         return cls(result.round, len(result.accepted), len(result.train), result.dropped, aggregated, algorithm,
                    aggregate, result.closed_by,
                    book.loss_sum / book.samples if book.samples else None,
                    book.accuracy_sum / book.samples if book.samples else None,
                    book.bytes_down, book.bytes_up, book.bytes_artifacts, book.bytes_down_eval, book.by_tier,
-                   now - book.opened_at, tiers, *(wire or (None, None)), epsilon, sim_time)
+                   now - book.opened_at, tiers, *(wire or (None, None)), epsilon, sim_time, secagg)
 
     def add_evaluation_bytes(self, book: RoundBook) -> None:
         """The downloads of the evaluation after the last round belong to the last round's record."""
@@ -87,7 +89,8 @@ class TrainingRecord:
     def row(self) -> dict[str, Any]:
         """The training half of the metrics row (without the evaluations)."""
         row = {k: v for k, v in asdict(self).items() if k != "tiers"}
-        return {k: v for k, v in row.items() if not ((k.startswith("wire_") or k == "sim_time") and v is None)}
+        return {k: v for k, v in row.items()
+                if not ((k.startswith("wire_") or k in ("sim_time", "secagg")) and v is None)}
 
     def completed(self, evaluations: dict[str, Evaluation]) -> dict[str, Any]:
         """The metrics row: this record with the evaluations of its model, in device-id order (never arrival

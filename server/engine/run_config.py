@@ -353,3 +353,55 @@ def async_rule_from_args(args: argparse.Namespace) -> BufferRule | None:
     given = {field_name: getattr(args, flag[2:].replace("-", "_"), None) for flag, field_name in ASYNC_ONLY}
     task_timeout = getattr(args, "task_timeout", None)  # a broker-loop flag: the simulator's devices all return
     return BufferRule(**{k: getattr(d, k) if v is None else v for k, v in given.items()}, task_timeout=task_timeout)
+
+
+SECAGG_DEFAULT_RANGE = 8.0
+"""Without DP, each coordinate of a device's change is clipped to ±R before quantization (Flower's SecAgg+ range)."""
+
+
+@dataclass(frozen=True)
+class SecureSettings:
+    """Secure aggregation (SecAgg+, ``server.engine.secure_rounds``): the neighbours k and threshold t of each round
+    (None: k = 2⌈log2 n⌉ capped at n − 1, t = k/2 + 1, from the round's n participants), and the coordinate range R
+    of a change without DP."""
+
+    neighbors: int | None = None
+    threshold: int | None = None
+    coordinate_range: float = SECAGG_DEFAULT_RANGE
+
+    def __post_init__(self) -> None:
+        if self.neighbors is not None and self.neighbors < 2:
+            raise ValueError(f"--secagg-neighbors must be >= 2, got {self.neighbors}")
+        if self.threshold is not None and self.threshold < 2:
+            raise ValueError(f"--secagg-threshold must be >= 2, got {self.threshold}")
+        if not (math.isfinite(self.coordinate_range) and self.coordinate_range > 0):
+            raise ValueError(f"--secagg-range must be a positive number, got {self.coordinate_range:g}")
+
+
+def secure_from_args(args: argparse.Namespace) -> SecureSettings | None:
+    """The secure-aggregation settings the flags ask for, or None (off); ValueError for a combination it cannot
+    serve: the async mode, aggregator processes, --update-norm-bound (the server never sees one update), an
+    aggregation other than updates, the adaptive clip."""
+    if not args.secure_aggregation:
+        asked = [f for f, v in (("--secagg-neighbors", args.secagg_neighbors), ("--secagg-threshold",
+                 args.secagg_threshold)) if v is not None]
+        if asked:
+            raise ValueError(f"{asked[0]} needs --secure-aggregation")
+        return None
+    if getattr(args, "mode", "sync") == "async":
+        raise ValueError("--secure-aggregation with --mode async: SecAgg+ sums a sync round's devices; use --mode sync")
+    if getattr(args, "aggregators", 0):
+        raise ValueError(f"--secure-aggregation with --aggregators {args.aggregators}: the server unmasks one sum "
+                         "itself; leave --aggregators out")
+    if args.update_norm_bound is not None:
+        raise ValueError("--secure-aggregation with --update-norm-bound: the server never sees one device's update "
+                         "to bound it; leave --update-norm-bound out (clip on the device with --dp-clip)")
+    if args.aggregate != "updates":
+        raise ValueError(f"--secure-aggregation sums each device's change: use --aggregate updates (got --aggregate "
+                         f"{args.aggregate})")
+    if args.algo == "local":
+        raise ValueError("--secure-aggregation with --algo local: nothing is shared; choose fedara, fedavg or fedrep")
+    if args.dp_noise_multiplier is not None and args.dp_clip_quantile is not None:
+        raise ValueError("--secure-aggregation with --dp-clip-quantile: the adaptive clip needs each device's norm at "
+                         "the server; use a fixed --dp-clip")
+    return SecureSettings(args.secagg_neighbors, args.secagg_threshold, args.secagg_range)

@@ -85,6 +85,23 @@ def metric_families(snapshot: Snapshot) -> list:
         delta = GaugeMetricFamily("fedara_privacy_delta", "The δ of every reported ε")
         delta.add_metric([], privacy["delta"])
         families += [spent, delta]
+    secure = next((c["secagg"] for c in reversed(completed) if c.get("secagg")), None)
+    if secure:
+        figures = GaugeMetricFamily("fedara_secagg", "The last secure round's devices (survivors, dropped after "
+                                    "sharing, recovered from neighbours' shares), threshold, and 1 if aggregated",
+                                    labels=["figure"])
+        for name in ("survivors", "dropped", "recovered", "threshold"):
+            figures.add_metric([name], secure[name] if secure[name] is not None else float("nan"))
+        figures.add_metric(["aggregated"], int(bool(secure["aggregated"])))
+        phase_bytes = GaugeMetricFamily("fedara_secagg_phase_bytes", "Bytes into and out of the server in each "
+                                        "SecAgg+ phase of the last secure round", labels=["phase", "direction"])
+        phase_seconds = GaugeMetricFamily("fedara_secagg_phase_seconds", "Wall seconds of each SecAgg+ phase of the "
+                                          "last secure round", labels=["phase"])
+        for phase, cost in sorted(secure["phases"].items()):
+            phase_bytes.add_metric([phase, "in"], cost["bytes_in"])
+            phase_bytes.add_metric([phase, "out"], cost["bytes_out"])
+            phase_seconds.add_metric([phase], cost["seconds"])
+        families += [figures, phase_bytes, phase_seconds]
     if snapshot["aggregators"]:
         briefed = GaugeMetricFamily("fedara_aggregator_briefed_round", "The round whose brief an aggregator holds "
                                     "(0: started, -1: not yet)", labels=["aggregator"])

@@ -295,6 +295,31 @@ def budget_stop(records: Sequence[Mapping[str, Any]], settings: Mapping[str, Any
             f"the next would have spent more than --dp-target-epsilon {target:g}")
 
 
+SECAGG_PHASES = ("keys", "shares", "masked", "unmask")
+
+
+def secure_section(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The secure-aggregation table (rows that carry ``secagg``): survivors, drops recovered, threshold, whether the
+    round was aggregated (or why not), and the bytes into the server and seconds of each SecAgg+ phase."""
+    rows = [r for r in records if r.get("secagg")]
+    if not rows:
+        return []
+    lines = ["", "## Secure aggregation (SecAgg+, docs/privacy.md)", "",
+             "The server saw only masked vectors and their sum. Per phase: MB into the server / seconds (the masked "
+             "phase's seconds include local training).", "",
+             "| round | survivors | dropped | recovered | threshold | aggregated | "
+             + " | ".join(SECAGG_PHASES) + " |", "| --- " * (6 + len(SECAGG_PHASES)) + "|"]
+    for r in rows:
+        s = r["secagg"]
+        phases = s.get("phases", {})
+        cells = [f"{phases[p]['bytes_in'] / MB:.3f} / {phases[p]['seconds']:.2f}" if p in phases else "-"
+                 for p in SECAGG_PHASES]
+        done = "yes" if s.get("aggregated") else f"no: {s.get('failure')}"
+        lines.append(f"| {r['round']} | {s.get('survivors')} | {s.get('dropped')} | {s.get('recovered')} | "
+                     f"{s.get('threshold')} | {done} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def report_markdown(records: Sequence[Mapping[str, Any]], settings: Mapping[str, Any]) -> str:
     """report.md's text: settings, summary, per-round table, per-tier and per-device accuracy, the
     evaluation note, the plots."""
@@ -344,6 +369,7 @@ def report_markdown(records: Sequence[Mapping[str, Any]], settings: Mapping[str,
     dropped = [(r["round"], d, why) for r in records for d, why in sorted(r.get("dropped", {}).items())]
     if dropped:
         lines += ["", "Dropped answers:", ""] + [f"- round {t}, {d}: {why}" for t, d, why in dropped]
+    lines += secure_section(records)
     lines += ["", *device_section(records)]
     lines += ["## How accuracy is measured", "", EVALUATION_NOTE, "",
               "## Plots", "", f"![accuracy per {unit}]({ACCURACY_PLOT})", "",

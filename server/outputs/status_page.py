@@ -52,6 +52,12 @@ def meta_parts(snapshot: Snapshot) -> list[str]:
     if privacy:
         target = "∞" if privacy["target_epsilon"] is None else f"{privacy['target_epsilon']:g}"
         parts.append(f"privacy ε {privacy['epsilon']:.3f} of {target} at δ {privacy['delta']:.2e}")
+    secagg = next((c["secagg"] for c in reversed(completed) if c.get("secagg")), None)
+    if secagg:
+        done = "aggregated" if secagg["aggregated"] else f"not aggregated ({_text(secagg.get('failure'))})"
+        parts.append(f"secure aggregation round {secagg['round']}: {secagg['survivors']} survivors, "
+                     f"{secagg['dropped']} dropped, {secagg['recovered']} recovered, t {_text(secagg['threshold'])}, "
+                     f"{done}")
     if snapshot.get("finished"):
         parts.append("run finished")
     return parts

@@ -125,7 +125,18 @@ def _completed(record: dict[str, Any]) -> dict[str, Any]:
             "accuracy": record.get("accuracy"),
             "per_tier": {t: dict(v) for t, v in record.get("per_tier", {}).items()},
             "bytes_by_tier": {t: dict(v) for t, v in record.get("bytes_by_tier", {}).items()},
-            "wire_bytes_out": record.get("wire_bytes_out", 0), "wire_bytes_in": record.get("wire_bytes_in", 0)}
+            "wire_bytes_out": record.get("wire_bytes_out", 0), "wire_bytes_in": record.get("wire_bytes_in", 0),
+            "secagg": _secagg(record)}
+
+
+def _secagg(record: dict[str, Any]) -> dict[str, Any] | None:
+    """A secure round's figures (its record's ``secagg``), or None."""
+    secagg = record.get("secagg")
+    if not secagg:
+        return None
+    return {"round": record["round"], **{k: secagg.get(k) for k in ("survivors", "dropped", "recovered", "threshold",
+                                                                      "aggregated", "failure")},
+            "phases": {p: dict(v) for p, v in secagg.get("phases", {}).items()}}
 
 
 def _aggregators(engine: Any, briefed: Mapping[str, int] | None) -> list[dict[str, Any]]:

@@ -139,10 +139,11 @@ def test_wheel_is_pure_python_and_holds_only_device_runtime(bundle_dir: Path):
     assert "Root-Is-Purelib: true" in wheel_meta and "Tag: py3-none-any" in wheel_meta
 
 
-def test_requirements_pin_numpy_paho_and_stock_onnxruntime_and_nothing_heavy(bundle_dir: Path):
+def test_requirements_pin_numpy_paho_cryptography_and_stock_onnxruntime_and_nothing_heavy(bundle_dir: Path):
     pins = [line for line in (bundle_dir / "requirements-device.txt").read_text().splitlines()
             if line and not line.startswith("#")]
-    assert [line.split("==")[0] for line in pins] == ["numpy", "paho-mqtt", "onnxruntime"]
+    assert [line.split("==")[0] for line in pins] == ["numpy", "paho-mqtt", "cryptography", "cffi", "pycparser",
+                                                     "onnxruntime"]
     assert all("==" in line for line in pins)
 
 
