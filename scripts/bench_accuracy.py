@@ -945,7 +945,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
               "clients", "threads", "jobs", "sizes", "curve_seeds", "curve_rounds", "curve_algorithms")
     overrides = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available() and args.ray is None:  # --ray: the nodes' GPUs
         raise ValueError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
                          "use --device cpu or auto")
     config = replace(PRESETS[args.preset], device=device, **overrides)

@@ -10,7 +10,7 @@ cluster at ``--ray ADDRESS``). Prints per round the seconds of each (metrics.jso
 the Ray run's device tasks took and gave back (its ``ray:`` lines), checks that both runs end with the same
 checkpoint, and projects rounds per hour for ``--project-devices`` devices on 1..64 nodes from the measured cost
 per device task and bytes per device (assumptions in the JSON and in docs/cluster.md). Ray must talk over loopback
-only here: the script refuses to start while an interface other than ``lo`` is up (run it under ``unshare -n``).
+only here: the script refuses to start where an interface other than ``lo`` exists (run it under ``unshare -n``).
 Writes ``--out`` (JSON).
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,13 +41,8 @@ NODES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def interfaces_up() -> list[str]:
-    """The network interfaces up here other than loopback."""
-    up = []
-    for interface in Path("/sys/class/net").iterdir():
-        state = (interface / "operstate").read_text().strip() if (interface / "operstate").exists() else "down"
-        if interface.name != "lo" and state != "down":
-            up.append(interface.name)
-    return up
+    """The network interfaces of this process's network namespace other than loopback."""
+    return [name for _, name in socket.if_nameindex() if name != "lo"]
 
 
 def simulate(flags: list[str], out: Path) -> tuple[list[dict], str]:

@@ -69,6 +69,6 @@ def check_simulate_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--device cuda trains with PyTorch: use --backend torch (got --backend {args.backend}; "
                              "the ONNX backends run on the CPU)")
         import torch  # only when asked: flag checks otherwise answer before torch loads
-        if not torch.cuda.is_available():
+        if args.ray is None and not torch.cuda.is_available():  # with --ray the cluster's nodes have the GPUs
             raise ValueError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
                              "use --device cpu")
