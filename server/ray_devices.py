@@ -4,7 +4,8 @@
 Each device's shard and each plan (with its ONNX files, for the onnxruntime backends) go into Ray's object store
 once, put there by this process (the driver), which owns them: Ray copies them to the nodes that run the device's
 tasks and keeps them there between rounds. A task takes a device's personal tensors (its head; for local
-training its whole model) and its task from the driver, which holds them between rounds (the checkpoint writes
+training its whole model) and its task from the driver (the task's global weights, the same for a round's devices
+of one plan, go into the object store once a round), which holds them between rounds (the checkpoint writes
 them), trains with the very ``InProcessDevice.answer`` of the sequential run at the same torch and BLAS thread
 counts, and returns the update and the personal tensors it now holds. A task on a node that dies is run again
 elsewhere by Ray (``MAX_RETRIES``) from the same inputs, which the driver's node still holds, so it returns the same
@@ -35,6 +36,9 @@ MAX_RETRIES = 5
 """Ray re-runs a device task this many times when its worker or node dies (an error in the task itself is not
 retried: it would fail again)."""
 
+WEIGHTS_KEPT = 64
+"""The global weights (per plan and version) kept in the object store for async tasks yet to be handed out."""
+
 _PLANS: dict[str, Any] = {}
 _TRAINERS: dict[WorkerSettings, Any] = {}
 """A Ray worker process's plans (by hash) and trainers (by settings), built once and kept between tasks."""
@@ -59,8 +63,9 @@ def _local_plan(plan: Any) -> Any:
 
 
 def _train(settings: WorkerSettings, device_id: str, plan_ref: list, plan_hash: str, shard: Any,
-           personal: dict[str, np.ndarray], task: Any) -> tuple[Any, dict[str, np.ndarray], str]:
-    """One device's task in a Ray worker: (update, its personal tensors now, the node it ran on)."""
+           personal: dict[str, np.ndarray], task: Any, weights_ref: list) -> tuple[Any, dict[str, np.ndarray], str]:
+    """One device's task in a Ray worker: (update, its personal tensors now, the node it ran on). The task comes
+    without its weights, which the round's devices of a plan share: ``weights_ref`` holds them (none: no weights)."""
     from server.compute_threads import use_server_threads
     from server.in_process import InProcessDevice, Trainers
 
@@ -72,6 +77,8 @@ def _train(settings: WorkerSettings, device_id: str, plan_ref: list, plan_hash: 
         _TRAINERS[settings] = Trainers(settings.backend, _PLANS, settings.threads, settings.device)
     if plan_hash not in _PLANS:
         _PLANS[plan_hash] = _local_plan(ray.get(plan_ref[0]))
+    if weights_ref:
+        task = replace(task, weights=ray.get(weights_ref[0]))
     device = InProcessDevice(device_id, shard, _TRAINERS[settings], settings.threads)
     device.plan_hash, device.personal = plan_hash, personal
     try:
@@ -126,14 +133,30 @@ class RayDevicePool:
                   f"({once / 1e6:.2f} MB); {len(alive_nodes())} node(s), "
                   f"{ray.cluster_resources().get('CPU', 0):g} CPUs")
         self.traffic = Traffic(nodes=set())
+        self._weights: dict[int, tuple[dict, Any]] = {}
+
+    def _weights_ref(self, weights: dict[str, np.ndarray]) -> list:
+        """The object holding ``weights`` (the engine hands a round's devices of one plan the same dict: it goes
+        into the object store once); [] for none."""
+        if not weights:
+            return []
+        key = id(weights)
+        if key not in self._weights:
+            while len(self._weights) >= WEIGHTS_KEPT:  # the oldest first (async keeps dispatching new versions)
+                del self._weights[next(iter(self._weights))]
+            self._weights[key] = (weights, self._ray.put(weights))  # the dict kept: its id stays its own
+            self.traffic.sent += serialized_bytes(weights)
+        return [self._weights[key][1]]
 
     def submit(self, device_id: str, task: Any) -> Any:
         """Start the device's task on the cluster with its personal tensors as the driver holds them now."""
         device = self.devices[device_id]
+        weights = self._weights_ref(task.weights)
+        bare = replace(task, weights={}) if weights else task
         self.traffic.tasks += 1
-        self.traffic.sent += serialized_bytes((device.personal, task))
+        self.traffic.sent += serialized_bytes((device.personal, bare))
         return self._remote.remote(self.settings, device_id, [self._plans[device.plan_hash]], device.plan_hash,
-                                   self._shards[device_id], device.personal, task)
+                                   self._shards[device_id], device.personal, bare, weights)
 
     def result(self, device_id: str, handle: Any) -> Any:
         """The task's update, once it is done; the device's personal tensors here become the task's."""
@@ -157,6 +180,7 @@ class RayDevicePool:
         answers = [(d, self.result(d, h), self.devices[d].personal) for d, h in handles.items()]
         self.emit(self.traffic.line())
         self.traffic = Traffic(nodes=set())
+        self._weights.clear()  # a sync round's weights are done with
         return answers
 
     def close(self) -> None:
