@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-samples", type=int, default=0, help="0: all of Fashion-MNIST")
+    p.add_argument("--min-samples", type=int, default=40, help="server.simulate's (a smaller --max-samples needs less)")
+    p.add_argument("--local-epochs", type=int, default=5, help="the paper's 5 (1: a fifth of the work)")
     p.add_argument("--ray", nargs="?", const=LOCAL_RAY, default=LOCAL_RAY, metavar="ADDRESS",
                    help="the cluster (default: a Ray the run starts here)")
     p.add_argument("--project-devices", type=int, default=1000)
@@ -82,12 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     up = interfaces_up()
     if up:
-        print(f"error: interfaces {up} are up: Ray would use them; run this under "
+        print(f"error: interfaces {up} are here: Ray would use them; run this under "
               "`unshare -n sh -c 'ip link set lo up && exec .venv/bin/python scripts/bench_ray.py'`", file=sys.stderr)
         return 2
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     job = ["--dataset", "fmnist", "--clients", str(args.clients), "--rounds", str(args.rounds), "--algo", "fedara",
            "--rank-tiers", "1.0,0.5,0.25", "--aggregate", "updates", "--max-samples", str(args.max_samples),
+           "--local-epochs", str(args.local_epochs), "--min-samples", str(args.min_samples),
            "--seed", "0"]
     load_start, started = os.getloadavg(), time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
