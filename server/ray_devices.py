@@ -44,7 +44,7 @@ _TRAINERS: dict[WorkerSettings, Any] = {}
 """A Ray worker process's plans (by hash) and trainers (by settings), built once and kept between tasks."""
 
 
-def _local_plan(plan: Any) -> Any:
+def local_plan(plan: Any) -> Any:
     """The plan with its artifact directory on this node: where the driver built it when this node sees that
     folder, else the plan's files written once under this node's temp folder."""
     if plan.artifacts is None or Path(plan.artifacts.directory).is_dir():
@@ -75,16 +75,16 @@ def _train(settings: WorkerSettings, device_id: str, plan_ref: list, plan_hash: 
     if settings not in _TRAINERS:
         use_server_threads(settings.threads)
         _TRAINERS[settings] = Trainers(settings.backend, _PLANS, settings.threads, settings.device)
-    if plan_hash not in _PLANS:
-        _PLANS[plan_hash] = _local_plan(ray.get(plan_ref[0]))
-    if weights_ref:
-        task = replace(task, weights=ray.get(weights_ref[0]))
-    device = InProcessDevice(device_id, shard, _TRAINERS[settings], settings.threads)
-    device.plan_hash, device.personal = plan_hash, personal
     try:
+        if plan_hash not in _PLANS:
+            _PLANS[plan_hash] = local_plan(ray.get(plan_ref[0]))
+        if weights_ref:
+            task = replace(task, weights=ray.get(weights_ref[0]))
+        device = InProcessDevice(device_id, shard, _TRAINERS[settings], settings.threads)
+        device.plan_hash, device.personal = plan_hash, personal
         update = device.answer(task)
     except Exception as exc:  # one line for the driver's error (the whole traceback is in the worker's log)
-        raise WorkerError(f"{device_id}: {traceback.format_exception_only(type(exc), exc)[-1].strip()}") from None
+        raise WorkerError(traceback.format_exception_only(type(exc), exc)[-1].strip()) from None
     return update, device.personal, ray.get_runtime_context().get_node_id()
 
 
@@ -163,8 +163,8 @@ class RayDevicePool:
         try:
             update, personal, node = self._ray.get(handle)
         except self._ray.exceptions.RayTaskError as exc:
-            raise WorkerError(f"ray task failed: {exc.cause}" if isinstance(exc.cause, WorkerError)
-                              else f"ray task of {device_id} failed: {str(exc).splitlines()[-1]}") from None
+            cause = exc.cause if isinstance(exc.cause, WorkerError) else str(exc).strip().splitlines()[-1]
+            raise WorkerError(f"ray task of {device_id} failed: {cause}") from None
         except self._ray.exceptions.RayError as exc:  # its worker or node died more than MAX_RETRIES times
             raise WorkerError(f"ray task of {device_id} was lost: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0]}") from None

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.outputs.report import METRICS_FILE, read_metrics
+from server.ray_devices import local_plan
 from server.simulate import main
 from tests.support.artifact_cache import session_cache
 from tests.support.machine import needs
@@ -86,6 +89,32 @@ def test_a_node_killed_while_it_trains_a_device_changes_nothing(tmp_path):
     assert_same_run(tmp_path / "ray", tmp_path / "one")
 
 
+BROKEN_PLAN = """
+from types import SimpleNamespace
+from server.cli import LOCAL_RAY
+from server.parallel_devices import WorkerError, WorkerSettings
+from server.ray_cluster import connected
+from server.ray_devices import RayDevicePool
+device = SimpleNamespace(shard=None, plan_hash="broken", personal={})
+with connected(LOCAL_RAY):
+    pool = RayDevicePool({"dev_000": device}, {"broken": None}, WorkerSettings("torch", 1), 0.0, emit=print)
+    try:
+        pool.answer({"dev_000": SimpleNamespace(weights={})})
+    except WorkerError as exc:
+        print(exc)
+"""
+
+
+@pytest.mark.slow
+@on_loopback
+def test_an_error_in_a_ray_task_names_the_device_and_the_error():
+    with short_temp() as temp:
+        done = run_on_loopback([sys.executable, "-c", BROKEN_PLAN], temp)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == (
+        "ray task of dev_000 failed: AttributeError: 'NoneType' object has no attribute 'artifacts'")
+
+
 def test_ray_flag_without_ray_installed_is_one_line_naming_the_install_command():
     hide_ray = ("import runpy, sys; sys.modules['ray'] = None; sys.argv[0] = 'server.simulate'; "
                 "runpy.run_module('server.simulate', run_name='__main__')")
@@ -102,3 +131,29 @@ def test_ray_flag_mistakes_exit_2_naming_the_flag(flags, fix):
     done = subprocess.run([sys.executable, "-m", "server.simulate", "--dataset", "digits", *flags],
                           capture_output=True, text=True, timeout=120, env=child_env())
     assert done.returncode == 2 and fix in done.stderr and "Traceback" not in done.stderr
+
+
+@dataclass(frozen=True)
+class Artifacts:
+    directory: Path
+
+
+@dataclass(frozen=True)
+class Plan:
+    hash: str
+    files: dict[str, bytes]
+    artifacts: Artifacts
+
+
+def test_a_node_without_the_drivers_artifact_folder_writes_the_plans_files_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    plan = Plan("abc", {"manifest.json": b"{}", "step.onnx": b"graph"}, Artifacts(tmp_path / "on-the-driver-only"))
+    local = local_plan(plan)
+    assert local.artifacts.directory == tmp_path / "fedara-ray-plans" / "abc"
+    assert {p.name: p.read_bytes() for p in local.artifacts.directory.iterdir()} == plan.files
+    assert local_plan(plan) == local
+
+
+def test_a_node_that_sees_the_drivers_artifact_folder_uses_it(tmp_path):
+    plan = Plan("abc", {"manifest.json": b"{}"}, Artifacts(tmp_path))
+    assert local_plan(plan) is plan
