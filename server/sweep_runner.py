@@ -75,6 +75,19 @@ def _error_line(exc: BaseException) -> str:
     return traceback.format_exception_only(type(cause or exc), cause or exc)[-1].strip()
 
 
+class _Deferred:
+    """A run of a one-job sweep: run in this process when the sweep waits for it."""
+
+    def __init__(self, call: Callable[[], Any]):
+        self.call, self.outcome, self.error = call, None, None
+
+    def run(self) -> None:
+        try:
+            self.outcome = self.call()
+        except Exception as exc:
+            self.error = exc
+
+
 class _Local:
     """Runs in this process (jobs = 1) or in a pool of spawned worker processes."""
 
@@ -85,22 +98,24 @@ class _Local:
     def capacity(self) -> int:
         return self.jobs
 
-    def submit(self, item: Any) -> Future:
+    def submit(self, item: Any) -> Future | _Deferred:
         if self.jobs == 1:
-            future: Future = Future()
-            try:
-                future.set_result(_call(self.run, self.initializer, self.init_args, item))
-            except Exception as exc:
-                future.set_exception(exc)
-            return future
+            return _Deferred(lambda: _call(self.run, self.initializer, self.init_args, item))
         if self.pool is None:
             self.pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"))
         return self.pool.submit(_call, self.run, self.initializer, self.init_args, item)
 
-    def wait(self, handles: list[Future]) -> list[Future]:
+    def wait(self, handles: list) -> list:
+        if self.jobs == 1:
+            handles[0].run()
+            return handles[:1]
         return list(wait(handles, return_when=FIRST_COMPLETED).done)
 
-    def result(self, handle: Future) -> Any:
+    def result(self, handle: Future | _Deferred) -> Any:
+        if isinstance(handle, _Deferred):
+            if handle.error is not None:
+                raise handle.error
+            return handle.outcome
         try:
             return handle.result()
         except BrokenProcessPool:  # a worker died: a new pool for what runs next
@@ -172,13 +187,15 @@ def _sweep(runner: _Local | _Ray, items: Sequence[Any], label: Callable[[Any], s
     queued = deque(range(len(items)))
     tries = [0] * len(items)
     running: dict[Any, int] = {}
-    done = 0
+    done, report = 0, False
     try:
         while queued or running:
             while queued and len(running) < runner.capacity():
                 index = queued.popleft()
                 tries[index] += 1
                 running[runner.submit(items[index])] = index
+            if report:  # after the next runs started: what runs now
+                emit(_progress(done, len(items), len(running), len(queued), len(outcome.failures)))
             for handle in runner.wait(list(running)):
                 index = running.pop(handle)
                 try:
@@ -195,12 +212,16 @@ def _sweep(runner: _Local | _Ray, items: Sequence[Any], label: Callable[[Any], s
                     if on_result is not None:
                         on_result(index, outcome.results[index])
                 done += 1
-                failed = f", {len(outcome.failures)} failed" if outcome.failures else ""
-                emit(f"sweep: {done - len(outcome.failures)}/{len(items)} done, {len(running)} running, "
-                     f"{len(queued)} queued{failed}")
+            report = True
+        emit(_progress(done, len(items), 0, 0, len(outcome.failures)))
     finally:
         runner.close()
     return outcome
+
+
+def _progress(ended: int, total: int, running: int, queued: int, failed: int) -> str:
+    return (f"sweep: {ended - failed}/{total} done, {running} running, {queued} queued"
+            + (f", {failed} failed" if failed else ""))
 
 
 def failure_lines(failures: list[Failure]) -> list[str]:

@@ -49,7 +49,7 @@ def test_a_failed_run_is_run_once_more_then_reported_and_the_others_come_back_in
 def test_progress_counts_runs_done_running_and_queued(tmp_path):
     lines: list[str] = []
     run_sweep(flaky, [(str(tmp_path), f"run{i}", 0) for i in range(3)], jobs=1, label=label, emit=lines.append)
-    assert lines == ["sweep: 1/3 done, 0 running, 2 queued", "sweep: 2/3 done, 0 running, 1 queued",
+    assert lines == ["sweep: 1/3 done, 1 running, 1 queued", "sweep: 2/3 done, 1 running, 0 queued",
                      "sweep: 3/3 done, 0 running, 0 queued"]
 
 
