@@ -36,7 +36,6 @@ import argparse
 import functools
 import json
 import math
-import multiprocessing
 import os
 import platform
 import shlex
@@ -56,7 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import server.run_setup as run_setup  # noqa: E402
 import server.data.shards as shards  # noqa: E402
 import server.simulate as simulate  # noqa: E402
+from server.cli import add_ray_flags, check_ray_args  # noqa: E402
 from server.outputs.progress import Progress  # noqa: E402
+from server.sweep_runner import Failure, Resources, SweepResult, failure_lines, run_sweep  # noqa: E402
 from server.data import DATASETS  # noqa: E402
 from server.engine.run_config import AGGREGATION_RULES, DEFAULT_LAM_WARMUP  # noqa: E402
 
@@ -398,25 +399,22 @@ def _worker_init(threads: int) -> None:
 
 
 def run_all(argvs: list[tuple[str, ...]], threads: int, jobs: int, on_result: Callable[[dict], None],
-            verbose: bool = False) -> list[dict]:
-    """Every run, in this process (jobs = 1) or in ``jobs`` worker processes; results in ``argvs`` order."""
-    results: list[dict] = []
-    if jobs == 1:
-        torch.set_num_threads(threads)
-        restore = install_dataset_cache()
-        try:
-            for argv in argvs:
-                results.append(execute(argv, verbose))
-                on_result(results[-1])
-        finally:
-            restore()
-    else:
-        with multiprocessing.get_context("spawn").Pool(jobs, _worker_init, (threads,)) as pool:
-            for result in pool.imap_unordered(execute, argvs):
-                results.append(result)
-                on_result(result)
-    order = {simulate_command(a): i for i, a in enumerate(argvs)}
-    return sorted(results, key=lambda r: order[r["command"]])
+            verbose: bool = False, ray: str | None = None, gpus: float = 0.0) -> SweepResult:
+    """Every run (``server.sweep_runner``): in this process (jobs = 1), in ``jobs`` worker processes, or as Ray
+    tasks of ``threads`` CPUs (and ``gpus`` GPUs) on the cluster at ``ray``; results in ``argvs`` order, a run
+    that fails twice reported in the result's failures."""
+    common = dict(label=simulate_command, on_result=lambda _, result: on_result(result))
+    if ray is not None:
+        return run_sweep(execute, argvs, ray=ray, resources=Resources(threads, gpus), initializer=_worker_init,
+                         init_args=(threads,), **common)
+    if jobs > 1:
+        return run_sweep(execute, argvs, jobs=jobs, initializer=_worker_init, init_args=(threads,), **common)
+    torch.set_num_threads(threads)
+    restore = install_dataset_cache()
+    try:
+        return run_sweep(functools.partial(execute, verbose=verbose), argvs, **common)
+    finally:
+        restore()
 
 
 def cells(plan: BenchPlan, runs: list[dict]) -> list[dict]:
@@ -925,6 +923,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the PyTorch runs train (server.simulate --device); auto: cuda when torch sees one")
     p.add_argument("--threads", type=_positive, help="torch threads per run (default 1)")
     p.add_argument("--jobs", type=_positive, help="parallel worker processes (default 2; --quick: 1)")
+    add_ray_flags(p)
     p.add_argument("--out-dir", type=Path, default=Path("docs/results/accuracy"))
     p.add_argument("--verbose", action="store_true", help="print every round (with --jobs 1)")
     mode = p.add_mutually_exclusive_group()
@@ -946,10 +945,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
               "clients", "threads", "jobs", "sizes", "curve_seeds", "curve_rounds", "curve_algorithms")
     overrides = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available() and args.ray is None:  # --ray: the nodes' GPUs
         raise ValueError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
                          "use --device cpu or auto")
     config = replace(PRESETS[args.preset], device=device, **overrides)
+    check_ray_args(args)
+    if args.ray is not None and args.jobs is not None:
+        raise ValueError(f"--ray runs as many runs at once as the cluster holds: leave out --jobs {args.jobs}")
     if config.lr <= 0:
         raise ValueError(f"--lr must be positive, got {config.lr:g}")
     if min(config.lambdas) < 0:
@@ -964,9 +966,10 @@ def config_from_json(saved: dict) -> BenchConfig:
 
 
 def write_json(path: Path, config: BenchConfig, command: str, plan: BenchPlan, runs: list[dict], complete: bool,
-               wall_s: float) -> None:
-    """Every run once (its command, records, test sizes) and the cells that read it."""
+               wall_s: float, failed: Sequence[Failure] = ()) -> None:
+    """Every run once (its command, records, test sizes) and the cells that read it; the runs that failed."""
     document = dict(command=command, config=config.to_dict(), complete=complete, wall_s=wall_s,
+                    failed=[asdict(f) for f in failed],
                     machine=dict(platform=platform.platform(), torch=torch.__version__),
                     summary=summarize(cells(plan, runs)),
                     cells=[dict(study=s.study, setting=s.setting, algorithm=s.algorithm, seed=s.seed, command=s.command)
@@ -1116,8 +1119,16 @@ def main(argv: list[str] | None = None) -> int:
         write_json(json_path, config, command, plan, done, complete=False, wall_s=elapsed)
 
     earlier = list(done)
-    runs = earlier + run_all([s.argv for s in unique], config.threads, config.jobs, on_result, args.verbose)
+    sweep = run_all([s.argv for s in unique], config.threads, config.jobs, on_result, args.verbose, args.ray,
+                    args.ray_gpus if config.device == "cuda" else 0.0)
+    runs = earlier + sweep.finished
     wall_s = time.perf_counter() - start
+    if sweep.failures:  # the finished runs are kept: --keep-runs reruns only the failed ones
+        write_json(json_path, config, command, plan, runs, complete=False, wall_s=wall_s, failed=sweep.failures)
+        print("\n".join(failure_lines(sweep.failures)), file=sys.stderr, flush=True)
+        print(f"{len(sweep.failures)} of {len(unique)} runs failed; {json_path} holds the others (rerun with "
+              "--keep-runs, or --render-only --partial)", file=sys.stderr, flush=True)
+        return 1
     write_json(json_path, config, command, plan, runs, complete=True, wall_s=wall_s)
     write_reports(args.out_dir, config, command, plan, runs, wall_s)
     return 0

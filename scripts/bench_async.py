@@ -33,6 +33,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import server.simulate as simulate  # noqa: E402
+from server.cli import add_ray_flags, check_ray_args  # noqa: E402
+from server.sweep_runner import failure_lines, run_sweep  # noqa: E402
 from server.outputs.report import METRICS_FILE, read_metrics  # noqa: E402
 from server.outputs.machine import cpu_name  # noqa: E402
 
@@ -66,11 +68,18 @@ def arms(args: argparse.Namespace) -> dict[str, list[str]]:
     return arms
 
 
-def run(flags: list[str], out: Path) -> tuple[list[dict[str, Any]], float]:
+KEPT = ("round", "accuracy", "sim_time", "participants", "staleness_mean", "too_stale")
+
+
+def run(flags: list[str]) -> dict[str, Any]:
+    """One arm of one seed, in this process (a sweep worker's): its command, wall time and per-version records."""
     started = time.perf_counter()
-    if simulate.main([*flags, "--out", str(out)]) != 0:
-        raise SystemExit(f"run failed: python -m server.simulate {shlex.join(flags)}")
-    return read_metrics(out / METRICS_FILE), time.perf_counter() - started
+    with tempfile.TemporaryDirectory() as tmp:
+        if simulate.main([*flags, "--out", tmp]) != 0:
+            raise RuntimeError(f"run failed: python -m server.simulate {shlex.join(flags)}")
+        records = read_metrics(Path(tmp) / METRICS_FILE)
+    return {"command": "python -m server.simulate " + shlex.join(flags), "wall_s": time.perf_counter() - started,
+            "records": [{k: r.get(k) for k in KEPT} for r in records]}
 
 
 def time_to(records: list[dict[str, Any]], target: float) -> float | None:
@@ -163,23 +172,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-lr", type=float, default=1.0)
     p.add_argument("--normalize", default="samples,staleness", help="async arms: --buffer-normalize values")
     p.add_argument("--out", default="docs/results/async/async.json")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (worker processes)")
+    add_ray_flags(p)
     args = p.parse_args(argv)
     out = Path(args.out)
-    results: dict[int, dict[str, Any]] = {}
+    try:
+        check_ray_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cells = [(seed, arm, [*common_flags(args, seed), *flags]) for seed in range(args.seeds)
+             for arm, flags in arms(args).items()]
+    finished: dict[tuple[int, str], dict[str, Any]] = {}
     load_start, started = os.getloadavg(), time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(args.seeds):
-            results[seed] = {}
-            for arm, flags in arms(args).items():
-                command = [*common_flags(args, seed), *flags]
-                records, wall = run(command, Path(tmp) / f"{seed}-{arm}")
-                results[seed][arm] = {"command": "python -m server.simulate " + shlex.join(command),
-                                      "wall_s": wall, "records": [
-                                          {k: r.get(k) for k in ("round", "accuracy", "sim_time", "participants",
-                                                                 "staleness_mean", "too_stale")} for r in records]}
-                final = records[-1]
-                print(f"seed {seed} {arm:26s} final accuracy {final['accuracy']:.4f} at virtual {final['sim_time']:.2f} s"
-                      f"  ({len(records)} rows, {wall:.0f} s wall)", flush=True)
+
+    def record(index: int, result: dict[str, Any]) -> None:
+        seed, arm, _ = cells[index]
+        finished[seed, arm] = result
+        final = result["records"][-1]
+        print(f"seed {seed} {arm:26s} final accuracy {final['accuracy']:.4f} at virtual {final['sim_time']:.2f} s"
+              f"  ({len(result['records'])} rows, {result['wall_s']:.0f} s wall)", flush=True)
+
+    sweep = run_sweep(run, [command for _, _, command in cells], jobs=args.jobs, ray=args.ray, on_result=record,
+                      label=lambda command: "python -m server.simulate " + shlex.join(command))
+    failed_seeds = {seed for seed, arm, _ in cells if (seed, arm) not in finished}
+    results = {seed: {arm: finished[seed, arm] for s, arm, _ in cells if s == seed}
+               for seed in range(args.seeds) if seed not in failed_seeds}
+    if not results:
+        print("\n".join(failure_lines(sweep.failures)), file=sys.stderr)
+        return 1
     summary = summarize(results)
     print(f"\n{'arm':26s} {'time to sync final-1pp (async/sync)':38s} {'faster':>7s} {'acc. at equal compute (pp)':>28s}")
     for arm, s in summary.items():
@@ -189,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         diff_text = "-" if diff is None else f"{100 * diff['mean']:+.2f} ± {100 * diff['se']:.2f}"
         print(f"{arm:26s} {ratio_text:38s} {s['faster']:>3d}/{s['seeds']:<3d} {diff_text:>28s}")
     document = {"settings": vars(args), "summary": summary, "results": {str(k): v for k, v in results.items()},
+                "failed": [vars(f) for f in sweep.failures], "seeds_left_out": sorted(failed_seeds),
                 "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "loadavg_at_start": list(load_start),
                             "loadavg_at_end": list(os.getloadavg())},
                 "wall_s": time.perf_counter() - started}
@@ -196,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(document, indent=1) + "\n")
     plot(results, out.with_suffix(".png"), args.dataset)
     print(f"wrote {out} and {out.with_suffix('.png')}")
+    if sweep.failures:  # reported, never dropped: the summary is over the seeds whose every arm finished
+        print("\n".join(failure_lines(sweep.failures)), file=sys.stderr)
+        print(f"seeds left out of the summary: {sorted(failed_seeds)}", file=sys.stderr)
+        return 1
     return 0
 
 

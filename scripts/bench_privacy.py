@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +33,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from server.engine.accountant import noise_multiplier_for  # noqa: E402
+from server.cli import add_ray_flags, check_ray_args  # noqa: E402
 from server.outputs.machine import cpu_name  # noqa: E402
+from server.sweep_runner import failure_lines, run_sweep  # noqa: E402
 
 SETTINGS = {"hetero": ["--rank-tiers", "1.0,0.5,0.25"], "homog": ["--rank-ratio", "1.0"]}
 
@@ -59,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accountant", default="pld")
     p.add_argument("--out", default="docs/results/privacy/privacy.json")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (child processes, one thread each)")
+    add_ray_flags(p)
     p.add_argument("--render-only", action="store_true")
     p.add_argument("--keep-runs", action="store_true", help="reuse the runs --out already holds (same commands)")
     return p.parse_args(argv)
@@ -76,6 +78,11 @@ def run_argv(a: argparse.Namespace, setting: str, seed: int, z: float | None, ep
     return argv
 
 
+def command_of(argv: list[str]) -> str:
+    """The command a run's JSON keeps (and --keep-runs finds it by)."""
+    return shlex.join(["python", "-m", "server.simulate", *argv])
+
+
 def execute(argv: list[str]) -> dict:
     """One simulate run in a child process (its memory goes back when it ends); its records from metrics.jsonl."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,7 +93,7 @@ def execute(argv: list[str]) -> dict:
             raise RuntimeError(f"{shlex.join(argv)} failed: {done.stderr.strip()[-2000:]}")
         records = [json.loads(line) for line in Path(tmp, "metrics.jsonl").read_text().splitlines()]
     accuracies = [r["accuracy"] for r in records if r.get("accuracy") is not None]
-    return {"command": shlex.join(["python", "-m", "server.simulate", *argv]), "wall_s": time.perf_counter() - start,
+    return {"command": command_of(argv), "wall_s": time.perf_counter() - start,
             "final_accuracy": accuracies[-1] if accuracies else None, "rounds_run": len(records),
             "epsilon": records[-1].get("epsilon") if records else None,
             "accuracy_by_round": [r.get("accuracy") for r in records]}
@@ -121,6 +128,11 @@ def table(doc: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    try:
+        check_ray_args(a)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     out = Path(a.out)
     if a.render_only:
         print(table(json.loads(out.read_text())))
@@ -139,23 +151,33 @@ def main(argv: list[str] | None = None) -> int:
     # seed by seed, the ε's in the order asked, both settings each: a cut-short grid keeps paired cells
     seeds = range(a.first_seed, a.first_seed + a.seeds)
     cells = [(target, seed, setting) for seed in seeds for target in targets for setting in settings]
-    with ThreadPoolExecutor(a.jobs) as pool:
-        futures = {}
-        for target, seed, setting in cells:
-            argv_ = run_argv(a, setting, seed, z_for[target], math.inf if target == "inf" else float(target))
-            kept_run = kept.get(shlex.join(["python", "-m", "server.simulate", *argv_]))
-            futures[target, seed, setting] = pool.submit(lambda k=kept_run, v=argv_: k or execute(v))
-        for target, seed, setting in cells:
-            result = dict(futures[target, seed, setting].result(), setting=setting, target=target, seed=seed,
-                          z=z_for[target])
-            doc["runs"].append(result)
-            print(f"{setting} ε {target} seed {seed}: accuracy {result['final_accuracy']:.4f}, ε spent "
-                  f"{result['epsilon']}, {result['wall_s']:.0f} s", flush=True)
-            doc["load_after"] = os.getloadavg()
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(doc, indent=1))
+    argvs = {cell: run_argv(a, cell[2], cell[1], z_for[cell[0]], math.inf if cell[0] == "inf" else float(cell[0]))
+             for cell in cells}
+    to_run = [cell for cell in cells if command_of(argvs[cell]) not in kept]
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(cell: tuple[str, int, str], run: dict) -> None:
+        target, seed, setting = cell
+        result = dict(run, setting=setting, target=target, seed=seed, z=z_for[target])
+        doc["runs"].append(result)
+        print(f"{setting} ε {target} seed {seed}: accuracy {result['final_accuracy']:.4f}, ε spent "
+              f"{result['epsilon']}, {result['wall_s']:.0f} s", flush=True)
+        doc["load_after"] = os.getloadavg()
+        out.write_text(json.dumps(doc, indent=1))
+
+    for cell in cells:
+        if cell not in to_run:
+            record(cell, kept[command_of(argvs[cell])])
+    sweep = run_sweep(execute, [argvs[cell] for cell in to_run], jobs=a.jobs, ray=a.ray, label=command_of,
+                      on_result=lambda index, run: record(to_run[index], run))
+    order = {command_of(argvs[cell]): i for i, cell in enumerate(cells)}
+    doc["runs"].sort(key=lambda r: order[r["command"]])  # seed by seed, as asked, whatever finished first
+    doc["failed"] = [vars(f) for f in sweep.failures]
+    out.write_text(json.dumps(doc, indent=1))
+    if sweep.failures:
+        print("\n".join(failure_lines(sweep.failures)), file=sys.stderr, flush=True)
     print(table(doc))
-    return 0
+    return 1 if sweep.failures else 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import heapq
 import logging
 
 from device_runtime.messages import update_message
-from device_runtime.task import Task
+from device_runtime.task import Task, Update
 from server.engine.run_config import RunError
 from server.outputs.progress import Progress, print_and_log
 from server.simulation import Simulation
@@ -26,6 +26,7 @@ class AsyncSimulation(Simulation):
     def __init__(self, *args, **kwargs):
         self._ends: list[tuple[float, int, str]] = []  # (virtual end, task number, device) of the tasks in flight
         self._tasks: dict[str, Task] = {}
+        self._started: dict[str, object] = {}  # --ray: the tasks in flight, training on the cluster meanwhile
         self._refused_in_a_row = 0
         super().__init__(*args, **kwargs)
         if kwargs.get("progress") is None:  # versions, timed on the wall clock, the virtual one beside it
@@ -50,6 +51,8 @@ class AsyncSimulation(Simulation):
             seconds = self.fleet.task_seconds(device_id, record.ratio, task, record.num_train)
             heapq.heappush(self._ends, (self.fleet.finish(device_id, self.clock, seconds), task.round, device_id))
             self._tasks[device_id] = task
+            if self.args.ray is not None:  # trains now on the cluster; the clock still decides when it arrives
+                self._started[device_id] = self._workers().submit(device_id, task)
 
     def _next_wake(self) -> float | None:
         """The first time an idle device away now comes online (it may take a free slot then), None: none."""
@@ -58,8 +61,18 @@ class AsyncSimulation(Simulation):
         idle = [d for d in self.devices if d not in self._tasks and not self.fleet.online(d, self.clock)]
         return min((self.fleet.next_online(d, self.clock) for d in idle), default=None)
 
-    def _deliver(self, device_id: str, task: Task) -> None:
-        update = self.devices[device_id].answer(task)
+    def _trained(self, device_id: str, task: Task) -> Update:
+        """The device's answer to its task in flight: computed now (one process), or the --ray task's, started at
+        dispatch (a task resumed from a checkpoint starts now) from the same personal tensors."""
+        if self.args.ray is None:
+            return self.devices[device_id].answer(task)
+        pool = self._workers()
+        handle = self._started.pop(device_id, None)
+        if handle is None:
+            handle = pool.submit(device_id, task)
+        return pool.result(device_id, handle)
+
+    def _deliver(self, device_id: str, task: Task, update: Update) -> None:
         msg = update_message(update, plan_hash=self.devices[device_id].plan_hash, device_id=device_id,
                              run_id=self.run_id)
         verdict = self.engine.receive(device_id, msg, self.clock)
@@ -74,8 +87,9 @@ class AsyncSimulation(Simulation):
 
     def _evaluate_version(self) -> None:
         """Every device evaluates the new version (no virtual time: a measurement, as sync's away devices do)."""
-        for device_id, task in self.engine.evaluation_tasks(list(self.devices)).items():
-            self._deliver(device_id, task)
+        tasks = self.engine.evaluation_tasks(list(self.devices))
+        for device_id, update in self._answers(tasks):
+            self._deliver(device_id, tasks[device_id], update)
 
     def run(self) -> list[dict]:
         """Versions up to --rounds (fewer where the privacy budget ends the run first); a checkpoint after each."""
@@ -97,7 +111,8 @@ class AsyncSimulation(Simulation):
                 end, _, device_id = heapq.heappop(self._ends)
                 self.clock = end
                 before = engine.version
-                self._deliver(device_id, self._tasks.pop(device_id))
+                task = self._tasks.pop(device_id)
+                self._deliver(device_id, task, self._trained(device_id, task))
                 self._follow()
                 if engine.version > before:
                     self._evaluate_version()

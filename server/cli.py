@@ -100,6 +100,39 @@ def check_status_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--status-port must be a TCP port in 0..65535 (0: any free port), got {args.status_port}")
 
 
+RAY_INSTALL = "pip install '.[ray]'"
+"""How to install Ray (the optional extra in pyproject.toml; scripts/setup.sh installs it for the tests)."""
+LOCAL_RAY = "local"
+"""--ray without an address: join the Ray this machine runs, else start one for the run."""
+DEFAULT_RAY_GPUS = 0.25
+
+
+def add_ray_flags(parser: argparse.ArgumentParser) -> None:
+    """--ray [ADDRESS] and --ray-gpus: the simulator's devices or a benchmark's runs as Ray tasks (docs/cluster.md)."""
+    ray = parser.add_argument_group("Ray cluster (docs/cluster.md)")
+    ray.add_argument("--ray", nargs="?", const=LOCAL_RAY, default=None, metavar="ADDRESS",
+                     help="run as Ray tasks on the cluster whose head is at ADDRESS (host:port, as `ray start --head` "
+                          "prints); --ray alone: join the Ray this machine runs, else start one for this run "
+                          f"(default: off; needs {RAY_INSTALL})")
+    ray.add_argument("--ray-gpus", type=float, default=DEFAULT_RAY_GPUS, metavar="FRACTION",
+                     help="with --ray and --device cuda: the share of a GPU each Ray task asks for (0.25: four "
+                          "tasks per GPU)")
+
+
+def check_ray_args(args: argparse.Namespace) -> None:
+    """Raise ValueError for --ray where Ray is not installed, or a --ray-gpus outside (0, 1] or not whole above 1."""
+    if args.ray is None:
+        return
+    gpus = args.ray_gpus
+    if not (math.isfinite(gpus) and gpus > 0 and (gpus <= 1 or gpus == int(gpus))):
+        raise ValueError(f"--ray-gpus must be a share of one GPU in (0, 1] or a whole number of GPUs, got {gpus:g}")
+    try:
+        import ray  # noqa: F401  (only asked for with --ray: seconds to import)
+    except ImportError:
+        raise ValueError(f"--ray needs Ray, which is not installed in {sys.prefix}: {RAY_INSTALL} (from the "
+                         "repository's root)") from None
+
+
 def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser with --config and the shared data, model, algorithm and output flags."""
     p = CommandParser(prog=prog, description=description, formatter_class=Formatter)

@@ -51,18 +51,25 @@ def assign(device_ids: Iterable[str], workers: int) -> dict[str, int]:
     return {d: i % workers for i, d in enumerate(sorted(device_ids))}
 
 
+def import_user_models(models: tuple[str, ...]) -> None:
+    """Import the code of every --model file or module in this process (a worker's, a Ray task's): a model file's
+    classes are found by the name the server imported it under, before any plan is unpickled."""
+    from fedcore.model_spec import parse_model_spec
+    from fedcore.models import ARCHITECTURES, import_model_code
+
+    for spec in (parse_model_spec(text, tuple(ARCHITECTURES)) for text in models):
+        if not spec.is_zoo:
+            import_model_code(spec)
+
+
 def _worker_main(conn: Connection, settings: WorkerSettings) -> None:
     """A worker's loop: 'adopt' devices and plans once, then answer 'tasks' until 'stop' (or the pipe closes)."""
     # Imported here: a spawned worker loads torch and the trainers only once it runs.
-    from fedcore.model_spec import parse_model_spec
-    from fedcore.models import ARCHITECTURES, import_model_code
     from server.compute_threads import use_server_threads
     from server.in_process import InProcessDevice, Trainers
 
     use_server_threads(settings.threads)
-    for spec in (parse_model_spec(text, tuple(ARCHITECTURES)) for text in settings.models):
-        if not spec.is_zoo:  # a model file's classes are found by the name the server imported it under
-            import_model_code(spec)
+    import_user_models(settings.models)
     plans: dict[str, Any] = {}
     trainers = Trainers(settings.backend, plans, settings.threads, settings.device)
     devices: dict[str, InProcessDevice] = {}

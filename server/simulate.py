@@ -8,6 +8,7 @@ MQTT server's: metrics.jsonl, metrics.csv, checkpoint.npz (``--resume``), report
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 
 from server.cli import (check_before_loading, check_inputs, console_logging, fail, parse,
                         run_folder, say_before_run)
@@ -23,6 +24,7 @@ from server.engine.run_config import RunError  # noqa: E402
 from server.outputs.checkpoint import CheckpointError  # noqa: E402
 from server.outputs.progress import final_line  # noqa: E402
 from server.parallel_devices import WorkerError  # noqa: E402
+from server.ray_cluster import connected  # noqa: E402
 from server.run_setup import RunFolder  # noqa: E402
 from server.simulation import Simulation  # noqa: E402
 
@@ -40,13 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_inputs(args)
         say_before_run(args, args.clients)
-        if args.mode == "async":
-            simulation = AsyncSimulation(args, out)
-        else:
-            simulation = Simulation(args, out)
-        out.path.mkdir(parents=True, exist_ok=True)
-        print(f"run folder: {out.path}", flush=True)
-        records = simulation.run()
+        with ExitStack() as cluster:
+            if args.ray is not None:  # joined before the data loads: a head that does not answer says so at once
+                cluster.enter_context(connected(args.ray))
+            if args.mode == "async":
+                simulation = AsyncSimulation(args, out)
+            else:
+                simulation = Simulation(args, out)
+            out.path.mkdir(parents=True, exist_ok=True)
+            print(f"run folder: {out.path}", flush=True)
+            records = simulation.run()
     except (ValueError, OSError, RunError, CheckpointError, OverrideError, WorkerError) as exc:
         return fail(str(exc))
     settings = dict(simulation.settings, run_id=simulation.run_id, driver="simulate", backend=args.backend)

@@ -21,6 +21,7 @@ from device_runtime.profile import ResourceProfile
 from device_runtime.task import Task, Update, non_finite
 from server.in_process import InProcessDevice, Trainers
 from server.parallel_devices import DevicePool, WorkerSettings
+from server.ray_devices import RayDevicePool
 from server.outputs.progress import Progress, print_and_log
 from server.engine.run_config import RunError
 from fedcore.models import ARCHITECTURES
@@ -52,7 +53,7 @@ class Simulation:
         self.by_hash: dict[str, PlanArtifacts] = {}
         self.trainers = Trainers(args.backend, self.by_hash, args.threads, args.device)
         self.devices = {d: InProcessDevice(d, shard, self.trainers, args.threads) for d, shard in run.shards.items()}
-        self.pool: DevicePool | None = None
+        self.pool: DevicePool | RayDevicePool | None = None
         self._dropped: set[str] = set()  # --secagg-drop: the round's devices that dropped after sharing
         self._shares: dict[str, dict[str, bytes]] = {}
         self.first_round = run.first_round()
@@ -102,23 +103,29 @@ class Simulation:
             device.install(admission.plan)
             self.engine.acknowledge(device_id, admission.plan.plan_hash)
 
+    def _workers(self) -> DevicePool | RayDevicePool:
+        """The --workers pool or the --ray tasks' (started at the first round: the plans are known then)."""
+        if self.pool is None:
+            settings = WorkerSettings(self.args.backend, self.args.threads, self.args.device,
+                                      tuple(self.args.model.split(",")))
+            if self.args.ray is not None:
+                self.pool = RayDevicePool(self.devices, self.by_hash, settings, self.args.ray_gpus, print_and_log)
+            else:
+                self.pool = DevicePool(self.devices, self.by_hash, settings, self.args.workers)
+        return self.pool
+
     def _answers(self, tasks: dict[str, Task]) -> Iterator[tuple[str, Update]]:
         """Each device's update, in the order of ``tasks``: trained here one after another, or by the --workers
-        pool (started at the first round; the devices' personal tensors here follow the workers')."""
-        if self.args.workers == 1:
+        pool or the --ray tasks (the devices' personal tensors here follow theirs)."""
+        if self.args.workers == 1 and self.args.ray is None:
             yield from ((device_id, self.devices[device_id].answer(task)) for device_id, task in tasks.items())
             return
-        if self.pool is None:
-            self.pool = DevicePool(self.devices, self.by_hash,
-                                   WorkerSettings(self.args.backend, self.args.threads, self.args.device,
-                                                  tuple(self.args.model.split(","))),
-                                   self.args.workers)
-        for device_id, update, personal in self.pool.answer(tasks):
+        for device_id, update, personal in self._workers().answer(tasks):
             self.devices[device_id].personal = personal
             yield device_id, update
 
     def close(self) -> None:
-        """Stop the --workers pool, if one runs."""
+        """Stop the --workers pool or drop the --ray tasks' objects, if either runs."""
         if self.pool is not None:
             self.pool.close()
             self.pool = None

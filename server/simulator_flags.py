@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
-from server.cli import check_async_fleet, new_parser
+from server.cli import add_ray_flags, check_async_fleet, check_ray_args, new_parser
 from server.engine.device_trace import Availability, SpeedModel
 from server.engine.run_config import dp_from_args
 
@@ -26,9 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "or its portable step graph on stock onnxruntime (portable, what devices run by default)")
     sim.add_argument("--workers", type=int, default=1,
                      help="train a round's devices in this many worker processes (each owns a share of the devices); "
-                          "the model is bit-identical to --workers 1")
+                          "the model is bit-identical to --workers 1 (--ray: Ray tasks instead)")
     sim.add_argument("--device", choices=TRAIN_DEVICES, default="cpu",
                      help="where --backend torch trains the devices' models (cuda: an NVIDIA GPU)")
+    add_ray_flags(p)
     clock = p.add_argument_group("virtual clock (every metrics row's sim_time: the cost model's step time per tier)")
     clock.add_argument("--device-speed", default=None, metavar="lognormal:SIGMA",
                        help="each device's step time is its tier's times a seeded factor exp(SIGMA·z) (default: all 1)")
@@ -56,9 +57,12 @@ def check_simulate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--secagg-drop must be a probability in [0, 1), got {args.secagg_drop:g}")
     if args.secagg_drop and not args.secure_aggregation:
         raise ValueError(f"--secagg-drop {args.secagg_drop:g} needs --secure-aggregation")
+    if args.ray is not None and args.workers != 1:
+        raise ValueError(f"--ray trains the devices as Ray tasks, as many at once as the cluster has CPUs: leave out "
+                         f"--workers {args.workers}")
     if args.mode == "async" and args.workers != 1:
         raise ValueError(f"--mode async trains each device when its task ends on the virtual clock: use --workers 1 "
-                         f"(got {args.workers})")
+                         f"or --ray (got --workers {args.workers})")
     if args.virtual_deadline is not None and not args.virtual_deadline > 0:
         raise ValueError(f"--virtual-deadline must be positive virtual seconds, got {args.virtual_deadline:g}")
     if args.virtual_deadline is not None and args.mode == "async":
@@ -67,11 +71,12 @@ def check_simulate_args(args: argparse.Namespace) -> None:
         SpeedModel.parse(args.device_speed)
     if args.availability:
         Availability.parse(args.availability)
+    check_ray_args(args)
     if args.device == "cuda":
         if args.backend != "torch":
             raise ValueError(f"--device cuda trains with PyTorch: use --backend torch (got --backend {args.backend}; "
                              "the ONNX backends run on the CPU)")
         import torch  # only when asked: flag checks otherwise answer before torch loads
-        if not torch.cuda.is_available():
+        if args.ray is None and not torch.cuda.is_available():  # with --ray the cluster's nodes have the GPUs
             raise ValueError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
                              "use --device cpu")
