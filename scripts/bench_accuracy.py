@@ -5,6 +5,7 @@
     .venv/bin/python scripts/bench_accuracy.py --preset paper --estimate  # time a sample, print the expected total
     .venv/bin/python scripts/bench_accuracy.py --preset paper --jobs 8    # the paper's schedule (GPU: --device cuda)
     .venv/bin/python scripts/bench_accuracy.py --study curves --out-dir docs/results/accuracy/curves  # learning curves vs data size
+    .venv/bin/python scripts/bench_accuracy.py --ray HEAD_IP:6379       # each run a Ray task (docs/cluster.md)
 
 Fashion-MNIST, four studies (``--study``; the first three by default), each cell paired by seed (a seed is a
 partition and an initial model):

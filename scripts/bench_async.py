@@ -2,6 +2,7 @@
 
     nice -n 5 .venv/bin/python scripts/bench_async.py                 # docs/results/async/async.json, docs/results/async/async.png
     .venv/bin/python scripts/bench_async.py --seeds 1 --rounds 3      # a smoke run
+    .venv/bin/python scripts/bench_async.py --jobs 2                  # two runs at once (--ray ADDRESS: on a cluster)
 
 Heterogeneous FedARA (rank tiers round-robin by device id) under ``--aggregate updates`` on sklearn's digits
 (``--dataset fmnist --max-samples M``: Fashion-MNIST), with

@@ -5,6 +5,7 @@
     .venv/bin/python scripts/bench_privacy.py --first-seed 1 --seeds 2 --out part.json   # more seeds elsewhere
     .venv/bin/python scripts/bench_privacy.py --render-only                   # the table again from the JSON
     .venv/bin/python scripts/bench_privacy.py --keep-runs                     # finish an interrupted run
+    .venv/bin/python scripts/bench_privacy.py --ray HEAD_IP:6379              # each run a Ray task (docs/cluster.md)
 
 For each ε in ``--epsilons`` (inf: no DP, the same schedule) the noise multiplier is the smallest that keeps
 ``--rounds`` rounds within ε at δ = 1/N^1.1 (``server.engine.accountant.noise_multiplier_for``, PLD); every run

@@ -5,6 +5,8 @@ its plan, answers each task with the same local round a real device runs (``devi
 and keeps its personal tensors (its head; for local training its whole model). ``--backend torch`` trains with
 the PyTorch reference, ``--backend ort`` with the device runtime's onnxruntime trainer. The run folder is the
 MQTT server's: metrics.jsonl, metrics.csv, checkpoint.npz (``--resume``), report.md with plots.
+``--workers N`` trains a round's devices in N local processes (``server.parallel_devices``), ``--ray [ADDRESS]`` as
+Ray tasks on a cluster (``server.ray_devices``, joined by ``server.ray_cluster``): the same results bit for bit.
 """
 from __future__ import annotations
 

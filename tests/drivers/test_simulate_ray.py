@@ -58,7 +58,9 @@ def simulate_on_ray(out: Path, flags: list[str]) -> str:
 @pytest.mark.slow
 @on_loopback
 @pytest.mark.parametrize("flags", [pytest.param(FEDARA, id="sync"), pytest.param([*FEDARA, *ASYNC], id="async"),
-                                   pytest.param([*FEDARA, *DP], id="dp")])
+                                   pytest.param([*FEDARA, *DP], id="dp"),
+                                   pytest.param(["--algo", "local"], id="local-whole-model-personal"),
+                                   pytest.param(["--algo", "fedrep"], id="fedrep")])
 def test_ray_tasks_give_the_one_process_runs_metrics_and_checkpoint_bit_for_bit(flags, tmp_path):
     output = simulate_on_ray(tmp_path / "ray", [*SMALL, *flags])
     assert "device task(s) on 1 node(s)" in output and "MB to them" in output  # the traffic line of each round
