@@ -37,17 +37,42 @@ def test_a_block_that_runs_uses_the_venvs_python(block: Block):
     assert all(p == ".venv/bin/python" for p in pythons), f"{block.name}: {pythons} (write .venv/bin/python)"
 
 
+def _defined_flags(source: str) -> set[str]:
+    return set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", source))
+
+
+@functools.cache
+def _cli_helpers() -> dict[str, frozenset[str]]:
+    """server/cli.py's functions that add flags to a parser (``add_ray_flags``, ...), by name: what they add."""
+    source = (REPO / "server" / "cli.py").read_text()
+    bodies = re.split(r"\n(?=def )", source)
+    return {m[1]: frozenset(_defined_flags(body)) for body in bodies
+            if (m := re.match(r"def (add_\w+)\(", body)) and _defined_flags(body)}
+
+
 @functools.cache
 def script_flags(script: str) -> frozenset[str]:
-    """The flags a script's argparse parser defines, read from its source (no torch import, no process)."""
-    return frozenset(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", (REPO / script).read_text()))
+    """The flags a script's argparse parser defines, read from its source (no torch import, no process), with those
+    of the server/cli.py helpers it calls (``add_ray_flags(p)``)."""
+    source = (REPO / script).read_text()
+    shared = [flags for name, flags in _cli_helpers().items() if re.search(rf"\b{name}\(", source)]
+    return frozenset(_defined_flags(source).union(*shared))
 
 
 def commands_of(text: str) -> list[tuple[str, tuple[str, ...]]]:
     """(scripts/X.py, its flags) of each script command in ``text``."""
     joined = text.replace("\\\n", " ")
-    return [(m[1], tuple(FLAG.findall(" ".join(w for w in shlex.split(m[2], comments=True) if w.startswith("--")))))
+    return [(m[1], tuple(FLAG.findall(" ".join(w for w in _words(m[2]) if w.startswith("--")))))
             for line in joined.splitlines() for m in SCRIPT.finditer(line)]
+
+
+def _words(tail: str) -> list[str]:
+    """A command's words after the script; a tail that closes a quote opened before the script (``sh -c '...
+    scripts/x.py --flag'``) is split at blanks."""
+    try:
+        return shlex.split(tail, comments=True)
+    except ValueError:
+        return tail.split()
 
 
 @pytest.mark.parametrize("block", command_blocks(), ids=lambda b: b.name)
