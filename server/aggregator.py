@@ -43,6 +43,7 @@ from server.mqtt import aggregation_wire as wire
 from server.engine.aggregate import StreamingAverage
 from server.engine.privacy import RoundChanges
 from server.cli import PASSWORD_ENV, add_broker_flags, check_broker_connect_timeout, fail
+from server.mqtt.admission import PENDING_PER_SENDER, aggregator_admission
 from server.mqtt.enrollment import EnrollmentError, load_enrollment, load_server_key
 from server.engine.sampling import as_torch
 from server.engine.update_rule import Answer, body_problem, header_problem
@@ -248,12 +249,15 @@ def run(args: argparse.Namespace) -> None:
     workdir = Path(args.workdir or Path("aggregators") / args.name)
     workdir.mkdir(parents=True, exist_ok=True)
     link = wire.aggregator_link(server_key, workdir, BRIEF_BYTES)
-    core = Aggregator(args.name, KeyRing(keys))
+    ring = KeyRing(keys)
+    core = Aggregator(args.name, ring)
     subscriptions = [wire.member_update_filter(args.prefix, args.name), wire.down_topic(args.prefix, args.name)]
+    admit, vouch = aggregator_admission(args.prefix, args.name, ring, server_key)  # enrolled senders, bounded each
     endpoint = MqttEndpoint(f"fedara-aggregator-{args.name}", args.broker, subscriptions=subscriptions,
                             username=args.username, password=args.password, tls_ca=args.tls_ca,
                             tls_cert=args.tls_cert, tls_key=args.tls_key, max_frame_bytes=args.max_message_bytes,
-                            max_message_bytes=BRIEF_BYTES, clean_session=True)
+                            max_message_bytes=BRIEF_BYTES, admit=admit, vouch=vouch,
+                            max_pending_per_sender=PENDING_PER_SENDER, clean_session=True)
     endpoint.start()
     try:
         wait_for_broker(endpoint, threading.Event(), args.broker_connect_timeout, flag="--broker-connect-timeout",

@@ -7,7 +7,8 @@ aggregator when it is one of the run's. Each sender then holds at most PENDING_P
 most one largest inbound message in all (the endpoint's per-sender budget): a flood under one id, enrolled or not,
 pushes out only that id's messages, and of those the unauthenticated first: chunk 0 of a device's message carries
 its envelope's tagged header, so the device's own update (tag valid, newest counter) outranks junk and replays
-under its id (``envelope.tagged_counter``).
+under its id (``envelope.tagged_counter``). An aggregator process (server/aggregator.py) admits the same way the
+updates routed to it (``aggregator_admission``) and the engine's messages on its down topic.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from device_runtime.envelope import tagged_counter
 from device_runtime.framing import Admit, Vouch
 from device_runtime.protocol import ProtocolError
 from device_runtime.topics import device_id_from_topic
-from server.mqtt.aggregation_wire import aggregator_from_topic
+from server.mqtt.aggregation_wire import aggregator_from_topic, device_from_member_topic, down_topic
 
 PENDING_PER_SENDER = 4
 """Incomplete messages one sender may hold at once: a device's update, a re-send of it and a small message or two."""
@@ -27,11 +28,46 @@ STREAMS_REMEMBERED = 8192
 all at once (a flood over fresh topics costs the topic's parse a frame)."""
 
 
+def _remembered(sender_of: Admit) -> Admit:
+    """``sender_of`` with each stream's answer remembered (STREAMS_REMEMBERED at most)."""
+    known: dict[str, Hashable | None] = {}
+
+    def admit(stream: str) -> Hashable | None:
+        try:
+            return known[stream]
+        except KeyError:
+            if len(known) >= STREAMS_REMEMBERED:
+                known.clear()
+            sender = known[stream] = sender_of(stream)
+            return sender
+
+    return admit
+
+
+def aggregator_admission(prefix: str, name: str, keys: KeyRing, server_key: bytes) -> tuple[Admit, Vouch]:
+    """Aggregator ``name``'s admission: the updates routed to it of enrolled devices (each its own sender, vouched
+    under its key) and the engine's messages on its down topic (vouched under the server key)."""
+    engine_topic = down_topic(prefix, name)
+
+    def sender_of(stream: str) -> Hashable | None:
+        if stream == engine_topic:
+            return ("engine",)
+        try:
+            device_id = device_from_member_topic(prefix, name, stream)
+        except ProtocolError:
+            return None
+        return device_id if keys.enrolled(device_id) else None
+
+    def vouch(sender: Hashable, chunk: memoryview) -> int | None:
+        key = keys.key_for(sender) if isinstance(sender, str) else server_key
+        return None if key is None else tagged_counter(chunk, key)
+
+    return _remembered(sender_of), vouch
+
+
 def server_admission(prefix: str, keys: KeyRing, aggregators: tuple[str, ...] = ()) -> tuple[Admit, Vouch]:
     """The server endpoint's admission (enrolled devices and the run's aggregators, see the module docstring) and
     vouch (a device message's chunk 0 whose tag verifies under that device's key ranks by its counter)."""
-    known: dict[str, Hashable | None] = {}
-
     def sender_of(stream: str) -> Hashable | None:
         if aggregators:
             name = aggregator_from_topic(prefix, stream)
@@ -43,17 +79,8 @@ def server_admission(prefix: str, keys: KeyRing, aggregators: tuple[str, ...] = 
             return None
         return device_id if keys.enrolled(device_id) else None
 
-    def admit(stream: str) -> Hashable | None:
-        try:
-            return known[stream]
-        except KeyError:
-            if len(known) >= STREAMS_REMEMBERED:
-                known.clear()
-            sender = known[stream] = sender_of(stream)
-            return sender
-
     def vouch(sender: Hashable, chunk: memoryview) -> int | None:
         key = keys.key_for(sender) if isinstance(sender, str) else None
         return None if key is None else tagged_counter(chunk, key)
 
-    return admit, vouch
+    return _remembered(sender_of), vouch

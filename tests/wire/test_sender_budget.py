@@ -12,7 +12,7 @@ from device_runtime.auth import KeyRing
 from device_runtime.envelope import Message, MessageType, tagged_counter
 from device_runtime.framing import FRAME_HEADER_BYTES, NotAdmitted, Reassembler, chunk
 from device_runtime.topics import Topics
-from server.mqtt.admission import server_admission
+from server.mqtt.admission import aggregator_admission, server_admission
 from tests.support.sealing import KEY, seal_up
 
 FRAME_1K = FRAME_HEADER_BYTES + 1000
@@ -170,3 +170,13 @@ def test_past_the_total_budget_unauthenticated_junk_goes_before_any_authenticate
     r.feed(chunk(sealed("update-a"), FRAME_1K, "update-a")[0], 0.0, stream="dev/a/update")
     r.feed(chunk(sealed("update-b"), FRAME_1K, "update-b")[0], 0.0, stream="dev/b/update")
     assert r.pending_ids == ("update-a", "update-b") and r.evicted == []
+
+
+def test_an_aggregator_admits_the_updates_routed_to_it_of_enrolled_devices_and_its_engine_only():
+    admit, vouch = aggregator_admission("fedara", "agg-0", KeyRing({"dev_001": KEY}), server_key=bytes(32))
+    assert admit(f"{Topics('fedara', 'dev_001').update}/agg-0") == "dev_001"
+    assert admit(f"{Topics('fedara', 'dev_009').update}/agg-0") is None
+    assert admit(f"{Topics('fedara', 'dev_001').update}/agg-1") is None
+    assert admit("fedara/agg/agg-0/down") == ("engine",)
+    data = sealed("update-1")
+    assert vouch("dev_001", memoryview(data)) == tagged_counter(data, KEY) and vouch(("engine",), data) is None
