@@ -33,6 +33,7 @@ from device_runtime.artifact_contract import (ANCHOR_MASK, ANCHORS, ARTIFACT_FIL
 from device_runtime.batching import epoch_batches
 from device_runtime.frobenius import factor_pairs, frobenius_decay_step
 from device_runtime.task import PARAM_GROUPS
+from device_runtime.batchnorm import is_statistic
 from device_runtime.tensor_check import check_tensors
 from device_runtime.atomic_file import write_atomic
 
@@ -238,10 +239,13 @@ class LocalTrainer(ABC):
             self._write({u_name: u, v_name: v})
 
     def _trained_names(self, params: str) -> tuple[str, ...]:
+        """The tensors a phase changes: its parameter group, and in a head-only phase the FE's BatchNorm statistics
+        too (a forward in train mode updates them whatever trains, as PyTorch's does)."""
         if params not in PARAM_GROUPS:
             raise ValueError(f"params must be one of {', '.join(PARAM_GROUPS)}, got {params!r}")
+        statistics = tuple(name for name in self._fe_shapes if is_statistic(name))
         return {"all": (*self._fe_shapes, *self._head_shapes), "fe": tuple(self._fe_shapes),
-                "head": tuple(self._head_shapes)}[params]
+                "head": (*self._head_shapes, *statistics)}[params]
 
     def train(self, x: np.ndarray, y: np.ndarray, *, anchors: np.ndarray | None, mask: np.ndarray | None,
               lam: float, mu: float, lr: float, epochs: int, batch_size: int, rng: np.random.Generator,
