@@ -5,6 +5,8 @@ anchors, mask, λ, lr and every parameter and returns loss, logits and every par
 eval graph (logits, features). The parameters live here, in numpy arrays: each step feeds them in and takes the
 new ones out (free at this size: measured, docs/benchmarks.md). Needs only onnxruntime ≥ 1.17 and numpy, so it
 runs wherever onnxruntime ships a wheel (aarch64 included); never torch or onnx.
+Step state (tensors the manifest marks ``state``: BatchNorm's running statistics) takes the step's ``.next``
+value in every step, whichever group trains, as PyTorch's training-mode forward updates it (``server.training``).
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ class PortableTrainer(LocalTrainer):
         with np.load(files["initial_weights"], allow_pickle=False) as archive:
             if set(archive.files) != set(self._names):
                 raise ArtifactError(f"initial weights {sorted(archive.files)} differ from the manifest's tensors")
-            self._params = {name: np.ascontiguousarray(archive[name]) for name in self._names}
+            self._params = {name: np.asarray(archive[name], order="C") for name in self._names}  # 0-d stays 0-d
         self._step_session = open_session(files["step_model"], threads)
         self._eval_session = open_session(files["eval_model"], threads)
         self._step_outputs = [*STEP_OUTPUTS, *(next_name(n) for n in self._names)]
@@ -102,11 +104,11 @@ class PortableTrainer(LocalTrainer):
         return logits, features
 
     def _step(self, x, labels, anchors, mask, lam, lr, trained):
-        """One run of the step graph; only the ``trained`` tensors take their new values."""
+        """One run of the step graph; the ``trained`` tensors and the step state take their new values."""
         feeds = dict(zip(STEP_DATA_INPUTS, (np.ascontiguousarray(x), labels, anchors, mask, lam,
                                             np.array(lr, np.float32))))
         loss, logits, *updated = self._step_session.run(self._step_outputs, feeds | self._params)
-        wanted = set(trained)
+        wanted = set(trained) | self._state_names
         for name, value in zip(self._names, updated):
             if name in wanted:
                 self._params[name] = value

@@ -33,7 +33,6 @@ from device_runtime.artifact_contract import (ANCHOR_MASK, ANCHORS, ARTIFACT_FIL
 from device_runtime.batching import epoch_batches
 from device_runtime.frobenius import factor_pairs, frobenius_decay_step
 from device_runtime.task import PARAM_GROUPS
-from device_runtime.batchnorm import is_statistic
 from device_runtime.tensor_check import check_tensors
 from device_runtime.atomic_file import write_atomic
 
@@ -136,6 +135,8 @@ class LocalTrainer(ABC):
         self.manifest = read_manifest(self.directory)
         self._fe_shapes = {t["name"]: tuple(t["shape"]) for t in self.manifest["fe"]}
         self._head_shapes = {t["name"]: tuple(t["shape"]) for t in self.manifest["head"]}
+        self._state_names = frozenset(t["name"] for t in (*self.manifest["fe"], *self.manifest["head"])
+                                      if t.get("state"))
         self._factor_pairs = factor_pairs(tuple(self._fe_shapes))
         self.input_shape = tuple(self.manifest["input_shape"])
         self.num_classes = int(self.manifest["num_classes"])
@@ -239,13 +240,10 @@ class LocalTrainer(ABC):
             self._write({u_name: u, v_name: v})
 
     def _trained_names(self, params: str) -> tuple[str, ...]:
-        """The tensors a phase changes: its parameter group, and in a head-only phase the FE's BatchNorm statistics
-        too (a forward in train mode updates them whatever trains, as PyTorch's does)."""
         if params not in PARAM_GROUPS:
             raise ValueError(f"params must be one of {', '.join(PARAM_GROUPS)}, got {params!r}")
-        statistics = tuple(name for name in self._fe_shapes if is_statistic(name))
         return {"all": (*self._fe_shapes, *self._head_shapes), "fe": tuple(self._fe_shapes),
-                "head": (*self._head_shapes, *statistics)}[params]
+                "head": tuple(self._head_shapes)}[params]
 
     def train(self, x: np.ndarray, y: np.ndarray, *, anchors: np.ndarray | None, mask: np.ndarray | None,
               lam: float, mu: float, lr: float, epochs: int, batch_size: int, rng: np.random.Generator,
@@ -328,7 +326,7 @@ class DeviceTrainer(LocalTrainer):
 
     def _write(self, tensors: dict[str, np.ndarray]) -> None:
         for name, value in tensors.items():
-            contiguous = np.ascontiguousarray(value)  # must outlive the OrtValue, which borrows its memory
+            contiguous = np.asarray(value, order="C")  # outlives the OrtValue, which borrows it; 0-d stays 0-d
             self._state.copy_parameter_from(name, self._capi.OrtValue.ortvalue_from_numpy(contiguous, self._device))
 
     def _forward(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

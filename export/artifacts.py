@@ -172,8 +172,10 @@ def _ort_chatter_filtered() -> Iterator[None]:
             sys.stderr.write(kept.decode(errors="replace"))
 
 
-def _tensor_entries(shapes: dict[str, tuple[int, ...]]) -> list[dict]:
-    return [{"name": name, "shape": list(shape), "dtype": "float32"} for name, shape in shapes.items()]
+def _tensor_entries(shapes: dict[str, tuple[int, ...]], state: tuple[str, ...]) -> list[dict]:
+    """Manifest entries; ``state`` marks step state (BatchNorm running statistics: updated by every step)."""
+    return [{"name": name, "shape": list(shape), "dtype": "float32", "state": name in state}
+            for name, shape in shapes.items()]
 
 
 def _write_training_artifacts(client: SplitModel, input_shape: tuple[int, ...], directory: Path) -> None:
@@ -220,8 +222,8 @@ def _write_artifacts(client: SplitModel, config: dict, digest: str, directory: P
         "input_shape": config["input_shape"],
         "num_classes": client.num_classes,
         "feature_dim": client.feature_dim,
-        "fe": _tensor_entries(fe_shapes),
-        "head": _tensor_entries(head_shapes),
+        "fe": _tensor_entries(fe_shapes, state_names(client)),
+        "head": _tensor_entries(head_shapes, state_names(client)),
         "files": {key: {"path": name, "sha256": file_sha256(directory / name),
                         "bytes": (directory / name).stat().st_size}
                   for key, name in ARTIFACT_FILES_BY_KIND[kind].items()},

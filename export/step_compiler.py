@@ -18,6 +18,21 @@ factor is column-major in torch, which had hidden U's Linear from that form); Re
 over the batch into a MatMul is broadcast instead, and dead nodes are dropped.
 Silent errors of any kind are why every compiled set passes :func:`check_parity` (one step in onnxruntime
 against PyTorch eager on a random batch, max |Δ| ≤ PARITY_ATOL) before it is published.
+Real edge models (issue 42), each form parity-checked at two batch sizes with the batch axis checked free:
+- BatchNorm 1-D/2-D trains with its running statistics as step STATE: graph inputs named by their state_dict key
+  (``fe.bn1.running_mean``), ``.next`` outputs that the training-mode forward updates, never differentiated
+  (``fedcore.tensors``: the ``num_batches_tracked`` counter is dropped, ``momentum=None`` refused); through
+  torch's own decompositions (the exporter would emit an inference-mode BatchNormalization); the eval graph is
+  traced in eval mode, on the running statistics;
+- grouped and depthwise convolutions (forward: Conv; backward: :func:`_convolution_backward`), 1-D convolutions
+  (as 2-D ones with a unit height axis), global average pools after any convolution form (:class:`_GlobalAvgPool`),
+  ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` by the math attention path (:func:`_math_attention`),
+  ReLU6/Hardswish/GELU/SiLU, LayerNorm, residual adds;
+- Dropout with p > 0 is REFUSED (:func:`_check_modules`), not fed masks the device draws: masks shaped by every
+  layer and by the batch would widen the graph contract, and no parity check could compare a step whose
+  randomness is the device's with PyTorch's; Dropout(p=0) compiles. A model the compiler cannot take raises
+  ``fedcore.tensors.UnsupportedModel``, one line naming the layer and the op (an op with no ONNX translation is
+  traced back to its layer by an eager forward, :func:`_layer_using`), never a traceback.
 The Frobenius term is not in the step: the device applies it once per epoch (``device_runtime.frobenius``).
 Devices need onnxruntime ≥ 1.17 (opset 18; down-conversion to 17 fails on ReduceMean with input axes).
 """
@@ -27,6 +42,7 @@ import copy
 import functools
 import importlib.metadata
 import logging
+import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -42,6 +58,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from device_runtime.artifact_contract import (ANCHOR_MASK, ANCHORS, BATCH_DIM, EVAL_OUTPUTS, FEATURES, INPUT, LABELS,
                                               LAM, LOGITS, LOSS, LR, STEP_DATA_INPUTS, STEP_OUTPUTS, next_name)
@@ -136,10 +153,9 @@ class _Patches:
             self.batch_channels = False
 
 
-def _as_2d(weight: torch.Tensor, stride, padding, dilation, output_padding=None):
+def _as_2d(weight: torch.Tensor, stride, padding, dilation):
     """A 1-D convolution's weight and settings as those of the 2-D convolution with a unit height axis."""
-    extra = () if output_padding is None else ([0, *output_padding],)
-    return (weight.unsqueeze(2), [1, *stride], [0, *padding], [1, *dilation], *extra)
+    return weight.unsqueeze(2), [1, *stride], [0, *padding], [1, *dilation]
 
 
 def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, *, patches):
@@ -483,11 +499,10 @@ def _trace(function: Callable, args: tuple[torch.Tensor, ...], convolution_by_pa
     """make_fx with a symbolic batch, the decompositions above and math attention; random ops refused."""
     with _math_attention():
         traced = make_fx(function, decomposition_table=_decompositions(convolution_by_patches),
-                         tracing_mode="symbolic", record_module_stack=True)(*args)
+                         tracing_mode="symbolic")(*args)
     for node in traced.graph.nodes:
         if node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
-            raise UnsupportedModel(f"{_layer_of(node)}: the random op {node.target} (dropout?) is refused: "
-                                   f"{_RANDOM_REFUSED}")
+            raise UnsupportedModel(f"the model: the random op {node.target} is refused: {_RANDOM_REFUSED}")
     return traced
 
 
@@ -495,10 +510,66 @@ _RANDOM_REFUSED = ("a step graph's random draws are onnxruntime's, which no PyTo
                    "can reproduce: use Dropout(p=0) or none")
 
 
-def _layer_of(node: torch.fx.Node) -> str:
-    """The innermost module a traced node came from (``fe.encoder.dropout``), or "the model" if none is known."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] if stack else "the model"
+def _check_modules(model: nn.Module) -> None:
+    """UnsupportedModel for a layer the compiler refuses, named: Dropout with p > 0 (nn.Dropout*, the attention
+    dropout of nn.MultiheadAttention) and transposed convolutions. Dropout is refused rather than fed masks the
+    device draws: masks shaped by every layer and the batch would widen the graph contract, and no parity check
+    could compare a step whose randomness is the device's with PyTorch's."""
+    for name, module in model.named_modules():
+        p = module.p if isinstance(module, nn.modules.dropout._DropoutNd) else (
+            module.dropout if isinstance(module, nn.MultiheadAttention) else 0.0)
+        if p > 0:
+            raise UnsupportedModel(f"{name}: {type(module).__name__} with dropout p={p:g} is refused: "
+                                   f"{_RANDOM_REFUSED}")
+        if isinstance(module, nn.modules.conv._ConvTransposeNd):
+            raise UnsupportedModel(f"{name}: {type(module).__name__} is refused by the step compiler (no "
+                                   "transposed convolution backward): use an upsampling and a Conv")
+
+
+class _OpSites(TorchDispatchMode):
+    """The innermost module (by name) that first called each aten op in an eager forward."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.stack: list[str] = []
+        self.sites: dict[str, str] = {}
+        self._hooks = [h for name, m in model.named_modules() if name for h in (
+            m.register_forward_pre_hook(functools.partial(self._enter, name)), m.register_forward_hook(self._leave))]
+
+    def _enter(self, name: str, *_) -> None:
+        self.stack.append(name)
+
+    def _leave(self, *_) -> None:
+        self.stack.pop()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.sites.setdefault(func.overloadpacket.__name__, self.stack[-1] if self.stack else "the model")
+        return func(*args, **(kwargs or {}))
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _layer_using(model: nn.Module, op: str, input_shape: tuple[int, ...]) -> str:
+    """The layer whose forward calls aten ``op`` (or, for ``X_backward``, ``X``; else an op whose name contains
+    or is contained in it, as ``prims.bessel_i0`` for ``aten.i0``), found by one eager forward."""
+    traced = copy.deepcopy(model).train()
+    sites = _OpSites(traced)
+    try:
+        with sites, torch.no_grad():
+            traced(torch.randn(2, *input_shape))
+    except Exception:  # noqa: BLE001 - naming the layer is best effort; the refusal stands without it
+        return "the model"
+    finally:
+        sites.close()
+    base = op.split(".")[1] if "." in op else op
+    exact = [n for n in (base, base.removesuffix("_backward")) if n in sites.sites]
+    related = sorted((n for n in sites.sites if len(n) > 1 and (n in base or base in n)), key=len, reverse=True)
+    return sites.sites[(exact or related)[0]] if exact or related else "the model"
+
+
+_NO_TRANSLATION = re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)'")
 
 
 def _export(function: Callable, args: tuple[torch.Tensor, ...], input_names: list[str],
@@ -537,18 +608,19 @@ def check_dynamic_batch(model: onnx.ModelProto) -> None:
 
 
 def _pool_before_relu(model: nn.Module) -> nn.Module:
-    """``model`` with its feature extractor running each ReLU → MaxPool2d pair as MaxPool2d → ReLU: the same
+    """A copy of ``model`` whose feature extractor runs each ReLU → MaxPool2d pair as MaxPool2d → ReLU: the same
     values and the same gradients (max commutes with the monotone ReLU; a window whose maximum is ≤ 0 passes no
     gradient either way, and one whose maximum is > 0 has the same first maximum), with the ReLU and its backward
     on a quarter of the elements. Parameter names are unchanged; the parity check compares with ``model`` itself."""
     if not isinstance(model.fe, nn.Sequential):
         return model
-    layers = list(model.fe.named_children())
+    traced = copy.deepcopy(model)
+    layers = list(traced.fe.named_children())
     for i in range(len(layers) - 1):
         if isinstance(layers[i][1], nn.ReLU) and isinstance(layers[i + 1][1], nn.MaxPool2d):
             layers[i], layers[i + 1] = layers[i + 1], layers[i]
-    model.fe = nn.Sequential(OrderedDict(layers))
-    return model
+    traced.fe = nn.Sequential(OrderedDict(layers))
+    return traced
 
 
 class _GlobalAvgPool(nn.Module):
@@ -589,6 +661,20 @@ def compile_step(model: nn.Module, input_shape: tuple[int, ...], num_classes: in
     its carried tensors (``fedcore.tensors``) by state_dict name, BatchNorm's running statistics as step state.
     UnsupportedModel (one line, the layer named) for a model the compiler cannot take."""
     check_tensors(model)
+    _check_modules(model)
+    try:
+        return _compile(model, input_shape, num_classes, feature_dim)
+    except torch.onnx.errors.OnnxExporterError as e:
+        missing = _NO_TRANSLATION.search(str(e))
+        if missing is None:
+            raise
+        op = missing.group(1)
+        raise UnsupportedModel(f"{_layer_using(model, op, input_shape)}: the op {op} has no ONNX translation "
+                               "(stock onnxruntime cannot run it): replace that layer") from None
+
+
+def _compile(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
+             feature_dim: int) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     names = tuple(carried_tensors(model))
     state = state_names(model)
     # contiguous, as the graph's inputs are: the stride-keyed forms (_addmm, _mm) must see the layout ONNX has

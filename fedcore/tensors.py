@@ -38,7 +38,8 @@ def check_tensors(model: nn.Module) -> None:
     for name, value in carried_tensors(model).items():
         if not value.is_floating_point():
             raise UnsupportedModel(f"{name}: a {value.dtype} tensor is refused: every parameter and buffer the "
-                                   "runtime carries must be floating point")
+                                   "runtime carries must be floating point (a constant buffer: register it with "
+                                   "persistent=False)")
 
 
 def _is_counter(name: str) -> bool:

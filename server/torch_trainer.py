@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from device_runtime.batchnorm import is_counter
 from device_runtime.tensor_check import check_tensors
 from device_runtime.trainer import EvalResult, TrainResult
 from fedcore.lowrank import FE_PREFIX
 from fedcore.models import SplitModel
 from fedcore.objective import compute_anchors
+from fedcore.tensors import carried_tensors
 from server.engine.sampling import to_numpy, to_torch
 from server.training import evaluate, train_local
 
@@ -17,20 +17,21 @@ HEAD_PREFIX = "head."
 
 
 class TorchTrainer:
-    """A factorized client model trained with ``server.training.train_local``; tensors by state_dict name."""
+    """A factorized client model trained with ``server.training.train_local``; its carried tensors
+    (``fedcore.tensors``: parameters and BatchNorm running statistics, not the counter) by state_dict name."""
 
     def __init__(self, model: SplitModel):
         self.model = model
-        state = model.state_dict()  # BatchNorm counters are no one's business (device_runtime.batchnorm)
-        self.fe_names = tuple(k for k in state if k.startswith(FE_PREFIX) and not is_counter(k))
+        state = carried_tensors(model)
+        self.fe_names = tuple(k for k in state if k.startswith(FE_PREFIX))
         self.head_names = tuple(k for k in state if k.startswith(HEAD_PREFIX))
 
     def _read(self, names: tuple[str, ...]) -> dict[str, np.ndarray]:
-        state = self.model.state_dict()
+        state = carried_tensors(self.model)
         return to_numpy({k: state[k] for k in names})
 
     def _write(self, tensors: dict[str, np.ndarray], names: tuple[str, ...], kind: str) -> None:
-        state = self.model.state_dict()
+        state = carried_tensors(self.model)
         check_tensors(kind, tensors, {k: tuple(state[k].shape) for k in names})
         self.model.load_state_dict(to_torch(tensors), strict=False)
 

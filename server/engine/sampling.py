@@ -28,7 +28,8 @@ def batch_seed(seed: int, round_index: int, device_id: str) -> int:
 
 
 def to_numpy(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    return {k: np.ascontiguousarray(v.detach().cpu().numpy().astype(np.float32)) for k, v in tensors.items()}
+    """float32 C-ordered copies; a 0-d tensor stays 0-d (np.ascontiguousarray would make it (1,))."""
+    return {k: np.array(v.detach().cpu().numpy(), np.float32, order="C") for k, v in tensors.items()}
 
 
 def to_torch(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:

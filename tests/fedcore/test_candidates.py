@@ -106,3 +106,4 @@ def test_a_factorized_conv1d_net_keeps_its_batchnorm_and_depthwise_layers():
     x = torch.randn(3, 3, 16)
     assert isinstance(client.fe.conv2, FactorizedConv1d)
     assert client.fe.dw is not model.fe.dw and client(x).shape == (3, 4)
+

@@ -1,0 +1,123 @@
+"""Step time of the compiler's edge-model forms (issue 42) against PyTorch eager, both at 1 thread.
+
+    .venv/bin/python scripts/bench_edge_forms.py [--out FILE.json] [--batch 16] [--runs 30]
+
+Models (tests/support/edge_models.py, at edge sizes): a DS-CNN with BatchNorm over 1×49×10 (keyword-spotting
+MFCCs), the same DS-CNN without BatchNorm (BatchNorm's decomposed form is the known risk: the pair isolates its
+cost), a ResNet-8 with BatchNorm over 3×32×32, a Transformer encoder layer over 32×16 sequences and a Conv1d net
+over 3×128 windows. Each is compiled (export.step_compiler, parity-checked) and one SGD step of CE + λ·L_FAC timed
+in onnxruntime (the installed build, an InferenceSession as the device runs it) and in PyTorch eager (forward,
+backward, parameter update), medians of ``--runs`` after one warm-up, interleaved. Prints a table, writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from device_runtime.artifact_contract import ANCHOR_MASK, ANCHORS, INPUT, LABELS, LAM, LR  # noqa: E402
+from export import step_compiler  # noqa: E402
+from export.artifacts import inference_session  # noqa: E402
+from fedcore.objective import local_loss  # noqa: E402
+from fedcore.tensors import carried_tensors  # noqa: E402
+from tests.support.edge_models import conv1d_net, ds_cnn, resnet8, tiny_transformer  # noqa: E402
+
+
+def _no_batchnorm(model: nn.Module) -> nn.Module:
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, nn.Identity())
+    return model
+
+
+MODELS = {
+    "ds_cnn_bn": (lambda: ds_cnn((1, 49, 10), 12, width=32), (1, 49, 10)),
+    "ds_cnn_no_bn": (lambda: _no_batchnorm(ds_cnn((1, 49, 10), 12, width=32)), (1, 49, 10)),
+    "resnet8_bn": (lambda: resnet8((3, 32, 32), 10, width=16), (3, 32, 32)),
+    "transformer": (lambda: tiny_transformer((32, 16), 10, model_dim=32, heads=2), (32, 16)),
+    "conv1d_bn": (lambda: conv1d_net((3, 128), 6, width=16), (3, 128)),
+}
+
+
+def _session(model_bytes: bytes) -> onnxruntime.InferenceSession:
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+    return onnxruntime.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+def _torch_step(model: nn.Module, data: dict) -> None:
+    loss, _ = local_loss(model, data[INPUT], data[LABELS], data[ANCHORS], data[ANCHOR_MASK], float(data[LAM]))
+    model.zero_grad()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= data[LR] * p.grad
+
+
+def bench(name: str, batch: int, runs: int) -> dict:
+    factory, shape = MODELS[name]
+    model = factory()
+    t0 = time.perf_counter()
+    step, evaluate = step_compiler.compile_step(model, shape, model.num_classes, model.feature_dim)
+    compile_s = time.perf_counter() - t0
+    worst = step_compiler.check_parity(model, step, evaluate, shape, model.num_classes, model.feature_dim,
+                                       inference_session)
+    data = step_compiler.example_inputs(shape, model.num_classes, model.feature_dim, batch, 7)
+    feeds = {k: v.numpy() for k, v in data.items()} | {k: v.detach().numpy().copy()
+                                                       for k, v in carried_tensors(model).items()}
+    session = _session(step.SerializeToString())
+    eager = copy.deepcopy(model).train()
+    ort_ms, torch_ms = [], []
+    for i in range(runs + 1):
+        t = time.perf_counter()
+        session.run(None, feeds)
+        ort = time.perf_counter() - t
+        t = time.perf_counter()
+        _torch_step(eager, data)
+        eager_s = time.perf_counter() - t
+        if i:
+            ort_ms.append(1e3 * ort)
+            torch_ms.append(1e3 * eager_s)
+    o, p = float(np.median(ort_ms)), float(np.median(torch_ms))
+    return dict(model=name, batch=batch, onnxruntime_ms=o, pytorch_ms=p, ratio=o / p, parity=worst,
+                compile_s=compile_s, nodes=len(step.graph.node))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="JSON file to write")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of: " + ", ".join(MODELS))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    print(f"| model | onnxruntime {onnxruntime.__version__} step ms | PyTorch {torch.__version__} eager ms | "
+          "ratio | parity | compile s |")
+    print("|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        row = bench(name, args.batch, args.runs)
+        rows.append(row)
+        print(f"| {name} | {row['onnxruntime_ms']:.2f} | {row['pytorch_ms']:.2f} | {row['ratio']:.2f} | "
+              f"{row['parity']:.1e} | {row['compile_s']:.0f} |", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"batch": args.batch, "runs": args.runs, "threads": 1,
+                                              "onnxruntime": onnxruntime.__version__, "torch": torch.__version__,
+                                              "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
