@@ -262,7 +262,7 @@ def read_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
         if action.type is not None and not isinstance(value, bool):
             try:
                 value = action.type(value)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, argparse.ArgumentTypeError):
                 raise ValueError(f"--config {path}: {key} = {value!r} is not a valid value") from None
         if action.choices is not None and value not in action.choices:
             raise ValueError(f"--config {path}: {key} = {value!r}; choose one of {', '.join(map(str, action.choices))}")

@@ -16,7 +16,6 @@ to ``scripts/bench_device.py --memory-floor``.
 from __future__ import annotations
 
 import importlib.util
-import re
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -24,7 +23,6 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
-import torch
 
 from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.shard import Shard, save_shard
@@ -46,8 +44,6 @@ MEASURED_BY = "server.tier_measurement (scripts/bench_device.py ort-memory worke
 CHARGED_PEAK_BOUND = ("the charged peak of an open memory cgroup (scripts/bench_device.py floor-portable worker): an "
                       "upper bound of the bisected floor")
 OPEN_GROUP_TIMEOUT_S = 600
-UNTRANSLATED = re.compile(r"No ONNX function found for <OpOverload\(op='([^']+)'")
-"""The operation torch.onnx names when it has no translation for it."""
 
 
 class MeasurementError(ValueError):
@@ -84,19 +80,14 @@ def cost_key(model: SplitModel, input_shape: tuple[int, ...], cache_dir: Path, t
 
 def build_tier(kind: str, model: SplitModel, ratio: float, ranks: dict[str, int], input_shape: tuple[int, ...],
                cache_dir: Path, on_compile: Callable[[], None] | None = None) -> ArtifactSet:
-    """A tier's artifacts (``export.artifacts``, cached). A tier whose compiled step fails the parity gate, or that
-    uses an operation the ONNX exporter cannot translate, is refused as a ValueError naming the model, the tier and
-    the operation (one line; nothing is published)."""
+    """A tier's artifacts (``export.artifacts``, cached). A tier whose compiled step fails the parity gate is refused
+    as a ValueError naming the model and the tier (one line; nothing is published); a model the compiler cannot take
+    is its ``UnsupportedModel`` (a ValueError naming the layer and the op)."""
     try:
         return build_artifacts_of_kind(kind, model, ranks, input_shape, model.num_classes, cache_dir,
                                        on_compile=on_compile)
     except ParityError as exc:
         raise ValueError(f"--model {model.name} at rank ratio {ratio:g}: {exc}") from None
-    except torch.onnx.OnnxExporterError as exc:
-        found = UNTRANSLATED.search(str(exc))
-        what = f"the operation {found[1]}" if found else "an operation"
-        raise ValueError(f"--model {model.name} at rank ratio {ratio:g}: {what} has no ONNX translation (torch.onnx "
-                         "found no ONNX function for it); write that layer with other torch operations") from None
 
 
 def _portable(model: SplitModel, ratio: float, input_shape: tuple[int, ...], cache_dir: Path) -> Path:

@@ -80,3 +80,33 @@ def test_a_task_with_statistics_overwrites_them_and_gets_them_back():
 
 def test_the_batch_counter_is_no_trainer_tensor():
     assert not any("num_batches" in k for k in TorchTrainer(bn_model()).fe_names)
+
+
+@pytest.fixture(scope="module")
+def compiled_ds_cnn(tmp_path_factory):
+    """A tiny DS-CNN with BatchNorm and its portable step graph, compiled once for the tests below."""
+    from device_runtime.artifact_contract import PORTABLE_KIND
+    from export.artifacts import build_artifacts_of_kind
+    from tests.support.edge_models import ds_cnn
+
+    model = ds_cnn()
+    return model, build_artifacts_of_kind(PORTABLE_KIND, model, {}, (1, 12, 10), 4, tmp_path_factory.mktemp("art"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", ["head", "fe", "all"])
+def test_the_portable_device_and_pytorch_agree_on_batchnorm_statistics_in_every_phase(compiled_ds_cnn, params):
+    from copy import deepcopy
+
+    from device_runtime.runtimes import open_trainer
+
+    model, built = compiled_ds_cnn
+    device, reference = open_trainer(built.directory, threads=1), TorchTrainer(deepcopy(model))
+    x = np.random.default_rng(1).normal(size=(24, 1, 12, 10)).astype(np.float32)
+    y = np.arange(24) % 4
+    for trainer in (device, reference):
+        trainer.train(x, y, anchors=None, mask=None, lam=0.0, mu=0.0, lr=0.05, epochs=1, batch_size=8,
+                      rng=np.random.default_rng(0), params=params)
+    held, expected = device.get_fe(), reference.get_fe()
+    statistics = [k for k in expected if k.endswith(("running_mean", "running_var"))]
+    assert statistics and all(np.allclose(held[k], expected[k], atol=1e-5) for k in statistics)
