@@ -385,7 +385,7 @@ class DeviceAgent:
         start = time.perf_counter()
         self.computing = True
         try:
-            update = run_task(self.trainer, self.shard, task)
+            update = run_task(self.trainer, self.shard, task, self.state.personal)
         finally:
             self.computing = False
         update.metrics["seconds"] = time.perf_counter() - start

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Protocol
 
 import numpy as np
@@ -56,24 +57,35 @@ def returned_weights(trainer: Trainer, returns: str, received: dict[str, np.ndar
     return {**fe, **trainer.get_head()} if returns == "all" else fe
 
 
-def evaluate_received(trainer: Trainer, shard: Shard, task: Task) -> dict:
-    """Load the task's weights and evaluate the personalized model they make with this device's head; beside the
-    accuracy, the test split's majority-class count and how many classes the model answered (device_runtime.baseline:
-    what the accuracy is read against)."""
+def check_complete(trainer: Trainer, weights: dict[str, np.ndarray], personal: Collection[str]) -> None:
+    """ValueError for a task whose FE leaves out a tensor of the plan that is not one of the device's personal
+    tensors (those its PLAN gave it to keep): only those may be missing."""
+    if not any(k in trainer.fe_names for k in weights):
+        return
+    missing = [k for k in trainer.fe_names if k not in weights and k not in personal]
+    if missing:
+        raise ValueError(f"the task lacks tensors of the plan: {missing[:5]}")
+
+
+def evaluate_received(trainer: Trainer, shard: Shard, task: Task, personal: Collection[str] = ()) -> dict:
+    """Load the task's weights (complete but for ``personal``) and evaluate the personalized model they make with
+    this device's head; beside the accuracy, the test split's majority-class count and how many classes the model
+    answered (device_runtime.baseline: what the accuracy is read against)."""
+    check_complete(trainer, task.weights, personal)
     load_weights(trainer, task.weights)
     received = trainer.evaluate(shard.x_test, shard.y_test)
     return dict(eval_correct=received.correct, eval_total=received.total, eval_loss=received.loss,
                 eval_majority=majority(shard.y_test)[1], eval_classes=received.classes)
 
 
-def run_task(trainer: Trainer, shard: Shard, task: Task) -> Update:
+def run_task(trainer: Trainer, shard: Shard, task: Task, personal: Collection[str] = ()) -> Update:
     """Evaluate the received model, take anchors from it (when λ > 0), train each phase, return what is asked.
 
     The head (and, for local training, the FE) stays in ``trainer``: the caller persists it. The evaluation is
     of the personalized model the last aggregation produced, reported as ``metrics['eval_correct'|
     'eval_total'|'eval_loss'|'eval_majority'|'eval_classes']``; an evaluate-only task (no phases) returns just that.
     """
-    metrics = evaluate_received(trainer, shard, task)
+    metrics = evaluate_received(trainer, shard, task, personal)
     if task.evaluate_only:
         return Update(task.round, {}, 0, 0.0, 0.0, metrics)
     anchors = mask = None

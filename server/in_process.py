@@ -37,7 +37,7 @@ class InProcessDevice:
         trainer = self.trainer_for(self.plan_hash)
         load_weights(trainer, self.personal)
         with device_blas_threads(self.threads):  # a device process's BLAS threads: the same kernels, the same bits
-            update = run_task(trainer, self.shard, task)
+            update = run_task(trainer, self.shard, task, self.personal)
         if not task.evaluate_only and non_finite(update) is None:  # a diverged round keeps the tensors it had
             held = {**trainer.get_fe(), **trainer.get_head()}
             self.personal = {k: held[k] for k in self.personal}

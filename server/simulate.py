@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 
-from server.cli import (check_before_loading, check_inputs, console_logging, fail, parse,
+from server.cli import (check_args, check_before_loading, check_inputs, console_logging, fail, parse,
                         run_folder, say_before_run)
 from server.simulator_flags import build_parser, check_simulate_args
 
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     out = RunFolder(run_folder(args, "simulate"))
     try:
         check_inputs(args)
+        check_args(args)  # every refusal before the warnings and the budget's plan
         say_before_run(args, args.clients)
         with ExitStack() as cluster:
             if args.ray is not None:  # joined before the data loads: a head that does not answer says so at once
