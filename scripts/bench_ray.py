@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--project-devices", type=int, default=1000)
     p.add_argument("--cpus-per-node", type=int, default=16, help="projection: CPUs of each node")
     p.add_argument("--bandwidth-mb-s", type=float, default=125.0, help="projection: the driver's link (1 Gbit/s)")
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "cluster_bench.json")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "cluster" / "cluster_bench.json")
     args = p.parse_args(argv)
     up = interfaces_up()
     if up:

@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--drop", type=float, default=0.3, help="--secagg-drop of the dropout runs")
     p.add_argument("--drop-seeds", type=int, default=1, help="secure runs with --secagg-drop (seeds 0..)")
-    p.add_argument("--out", default="docs/secagg.json")
+    p.add_argument("--out", default="docs/results/secagg/secagg.json")
     p.add_argument("--render-only", action="store_true")
     p.add_argument("--costs-only", action="store_true", help="only the per-tier step costs and the z table (seconds)")
     return p.parse_args(argv)
