@@ -10,9 +10,11 @@ from __future__ import annotations
 import re
 from enum import Enum
 
-PROTOCOL_VERSION = 3
-"""3: a TASK may name its plan's payload (device_runtime/payload.py) instead of carrying the tensors; 2 carried them
-always (same envelope and frame layouts)."""
+PROTOCOL_VERSION = 4
+"""4: payload topics carry the run's id (``PREFIX/payload/RUN/SHA256``, device_runtime/topics.py), so a device of
+protocol 3 could not fetch a payload; an async TASK names its model version. 3: a TASK may name its plan's payload
+(device_runtime/payload.py) instead of carrying the tensors; 2 carried them always (same envelope and frame
+layouts)."""
 
 MAX_ID_LEN = 64
 
