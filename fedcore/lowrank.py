@@ -128,11 +128,11 @@ class FactorizedLinear(nn.Module):
         return F.linear(F.linear(x, self.v.T), self.u, self.bias)
 
 
-class FactorizedConv2d(nn.Module):
-    """A 1×kw conv c_in→r (width stride/padding) then a kh×1 conv r→c_out (height stride/padding, bias)."""
+class _FactorizedConv(nn.Module):
+    """A convolution's factors U, V (and bias) with the dense weight's shape, stride and padding."""
 
     def __init__(self, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, weight_shape: tuple[int, ...],
-                 stride: tuple[int, int], padding: tuple[int, int]):
+                 stride: tuple[int, ...], padding: tuple[int, ...]):
         super().__init__()
         self.u = nn.Parameter(u.detach().clone())
         self.v = nn.Parameter(v.detach().clone())
@@ -140,6 +140,10 @@ class FactorizedConv2d(nn.Module):
         self.weight_shape = tuple(int(d) for d in weight_shape)
         self.stride = stride
         self.padding = padding
+
+
+class FactorizedConv2d(_FactorizedConv):
+    """A 1×kw conv c_in→r (width stride/padding) then a kh×1 conv r→c_out (height stride/padding, bias)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c_out, c_in, kh, kw = self.weight_shape
@@ -150,18 +154,8 @@ class FactorizedConv2d(nn.Module):
         return F.conv2d(z, height_kernel, self.bias, stride=(self.stride[0], 1), padding=(self.padding[0], 0))
 
 
-class FactorizedConv1d(nn.Module):
+class FactorizedConv1d(_FactorizedConv):
     """A k-wide conv c_in→r (stride, padding) then a 1-wide conv r→c_out (bias)."""
-
-    def __init__(self, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, weight_shape: tuple[int, ...],
-                 stride: tuple[int], padding: tuple[int]):
-        super().__init__()
-        self.u = nn.Parameter(u.detach().clone())
-        self.v = nn.Parameter(v.detach().clone())
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
-        self.weight_shape = tuple(int(d) for d in weight_shape)
-        self.stride = stride
-        self.padding = padding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c_out, c_in, k = self.weight_shape

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fedcore.lowrank import FactorizedConv2d, FactorizedLinear, factorize_model, resolve_plan
+from fedcore.lowrank import FactorizedConv1d, FactorizedLayer, FactorizedLinear, factorize_model, resolve_plan
 from fedcore.models import rank_plan
 
 RUNTIME_BASE_MB = 60.0
@@ -62,6 +62,9 @@ def _factor_intermediate(module: nn.Module, x: torch.Tensor) -> int:
     rank = module.u.shape[1]
     if isinstance(module, FactorizedLinear):
         return rank
+    if isinstance(module, FactorizedConv1d):
+        _, _, k = module.weight_shape
+        return rank * ((x.shape[2] + 2 * module.padding[0] - k) // module.stride[0] + 1)
     _, _, _, kw = module.weight_shape
     width = (x.shape[3] + 2 * module.padding[1] - kw) // module.stride[1] + 1
     return rank * x.shape[2] * width
@@ -74,7 +77,7 @@ def plan_footprint(model: nn.Module, ranks: Mapping[str, int], input_shape: tupl
 
     def count(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         counts.append(output[0].numel())
-        if isinstance(module, (FactorizedLinear, FactorizedConv2d)):
+        if isinstance(module, FactorizedLayer):
             counts.append(_factor_intermediate(module, inputs[0]))
 
     leaves = [m for m in client.modules() if not list(m.children())]

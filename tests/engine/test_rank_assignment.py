@@ -7,6 +7,7 @@ import pytest
 
 from fedcore.lowrank import RankPlan, resolve_plan
 from fedcore.models import build_model
+from tests.support.edge_models import conv1d_net
 from server.engine.rank_assignment import (RUNTIME_BASE_MB, Footprint, OverrideError, assign_tier, check_tiers, choose_ratio,
                                     load_overrides, plan_footprint, predict_peak_mb, tier_predictor)
 
@@ -66,6 +67,14 @@ def test_factorized_conv_counts_its_intermediate_activation(model):
     dense = plan_footprint(model, {}, INPUT)
     half = plan_footprint(model, resolve_plan(model, RankPlan(0.5)).ranks, INPUT)
     assert half.activations_per_sample > dense.activations_per_sample
+
+
+def test_factorized_conv1d_counts_its_rank_channels_over_the_output_time_steps():
+    """conv2 (8 -> 16 channels, k 3, stride 2 over 16 steps: 7 out) at rank 2 keeps 2 x 7 floats between its halves."""
+    net = conv1d_net((3, 16), 4)
+    factorized = plan_footprint(net, {"fe.conv2": 2}, (3, 16)).activations_per_sample
+    dense = plan_footprint(net, {}, (3, 16)).activations_per_sample
+    assert factorized - dense == 2 * 7
 
 
 def test_predictor_grows_with_the_batch(model):
