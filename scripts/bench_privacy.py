@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=0.5, help="--dp-clip (the adaptive clip's start with --clip-quantile)")
     p.add_argument("--clip-quantile", type=float, default=0.0, help="--dp-clip-quantile (0: a fixed --clip)")
     p.add_argument("--accountant", default="pld")
+    p.add_argument("--dp-test-seed", type=int, default=None,
+                   help="TESTS ONLY: each run's --dp-test-seed (its noise and sampling reproducible, its guarantee gone)")
     p.add_argument("--out", default="docs/results/privacy/privacy.json")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (child processes, one thread each)")
     add_ray_flags(p)
@@ -76,6 +78,7 @@ def run_argv(a: argparse.Namespace, setting: str, seed: int, z: float | None, ep
         argv += ["--dp-noise-multiplier", f"{z:.6g}", "--dp-clip", str(a.clip), "--dp-target-epsilon", f"{eps:g}",
                  "--dp-accountant", a.accountant]
         argv += ["--dp-clip-quantile", str(a.clip_quantile)] if a.clip_quantile else []
+        argv += ["--dp-test-seed", str(a.dp_test_seed)] if a.dp_test_seed is not None else []
     return argv
 
 

@@ -18,6 +18,13 @@ def test_the_baseline_cell_has_no_dp():
     assert not any(a.startswith("--dp-") for a in bench.run_argv(bench.parse_args([]), "homog", 0, None, float("inf")))
 
 
+def test_a_test_seed_reaches_the_private_runs_only():
+    args = bench.parse_args(["--dp-test-seed", "7"])
+    private = bench.run_argv(args, "hetero", 0, 0.75, 8.0)
+    assert private[private.index("--dp-test-seed") + 1] == "7"
+    assert "--dp-test-seed" not in bench.run_argv(args, "hetero", 0, None, float("inf"))
+
+
 def test_the_table_pairs_each_private_run_with_its_seeds_baseline():
     runs = [dict(setting="hetero", target=t, seed=s, final_accuracy=acc, z=z, epsilon=e, rounds_run=10)
             for t, s, acc, z, e in [("inf", 0, 0.60, None, None), ("inf", 1, 0.70, None, None),
