@@ -50,8 +50,8 @@ class SecureRelay:
         """A round opened (its tasks went out): the keys phase runs until ``phase_timeout`` from now."""
         self.round, self.phase_deadline, self.unmask_asked = round_index, now + self.phase_timeout, False
 
-    def _refuse(self, device_id: str, what: str, problem: str) -> None:
-        LOG.warning("secure aggregation refused %s from %s (round %d): %s", what, device_id, self.round, problem)
+    def _refuse(self, device_id: str, round_index: int, what: str, problem: str) -> None:
+        LOG.warning("secure aggregation refused %s from %s (round %d): %s", what, device_id, round_index, problem)
         count_refusal(self.refusals, f"secagg {what}")
 
     # -- inbound --------------------------------------------------------------------------------
@@ -62,10 +62,10 @@ class SecureRelay:
         try:
             phase = secagg_wire.phase_of(msg)
         except MessageError as exc:
-            self._refuse(device_id, "a message", str(exc))
+            self._refuse(device_id, msg.round, "a message", str(exc))
             return
         if server is None or msg.round != self.round:
-            self._refuse(device_id, phase, f"for round {msg.round}, not a secure round under way")
+            self._refuse(device_id, msg.round, phase, f"round {msg.round} has no secure exchange under way")
             return
         neighbours = server.graph.get(device_id, ())
         try:
@@ -78,7 +78,7 @@ class SecureRelay:
         except MessageError as exc:
             problem = str(exc)
         if problem is not None:
-            self._refuse(device_id, phase, problem)
+            self._refuse(device_id, msg.round, phase, problem)
 
     def takes_masked(self, device_id: str, msg: Message) -> bool:
         """Whether an UPDATE of the open round is a secure participant's (its masked input goes to ``on_masked``)."""
@@ -95,7 +95,7 @@ class SecureRelay:
         except MessageError as exc:
             problem = str(exc)
         if problem is not None:
-            self._refuse(device_id, "a masked input", problem)
+            self._refuse(device_id, msg.round, "a masked input", problem)
         return problem is None
 
     # -- the phases -----------------------------------------------------------------------------

@@ -23,6 +23,8 @@ import json
 import subprocess
 import sys
 import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -42,7 +44,9 @@ from server.outputs.report import METRICS_FILE, read_metrics
 from server.run_setup import RunFolder, load_shards
 from tests.support.broker import mosquitto_pub
 from tests.support.broker_capture import Capture, record
-from tests.support.sealing import enrollment_file, read, seal_down, seal_up, write_key
+from device_runtime.auth import CounterSource, Direction
+from device_runtime.envelope import seal
+from tests.support.sealing import KEY, enrollment_file, read, seal_up, write_key
 from tests.support.waiting import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +60,8 @@ SLOW_REPEAT = 30
 RUN_TIMEOUT_S = 240.0
 POLL_S = 0.05
 STOP_TIMEOUT_S = 10.0
+FORGER = CounterSource(int(time.time()) + 10**6)
+"""Counters above any a process of this test run holds: a forgery is refused for what it is, not as stale."""
 
 
 def device_ids(n: int) -> list[str]:
@@ -229,7 +235,7 @@ class Attacker(Capture):
 
     def publish(self, topic: str, frames: list[bytes], what: str) -> None:
         for i, frame in enumerate(frames):
-            mosquitto_pub(self.port, topic, frame, self.folder / f"frame-{len(self.done)}-{i}.bin")
+            mosquitto_pub(self.port, topic, frame, self.folder / f"frame-{uuid.uuid4().hex}.bin")
         self.done.append(what)
 
     def on_message(self, client, userdata, message) -> None:
@@ -248,44 +254,35 @@ class Attacker(Capture):
     def attack(self, topic: str, nth: int, frame: bytes) -> None:
         """The ``nth`` secagg message seen on ``topic`` (whole in one frame: they are small)."""
         up0, down0, down1 = (f"{PREFIX}/dev/dev_000/up", f"{PREFIX}/dev/dev_000/down", f"{PREFIX}/dev/dev_001/down")
-        if topic == up0 and nth == 2:  # dev_000's sealed shares
+        run_id = read(frame[FRAME_HEADER_BYTES:]).run_id
+        insider = f"{PREFIX}/dev/{INSIDER}"
+        if topic == up0 and nth == 1:  # dev_000 advertised its keys: the keys phase is open
+            self.publish(f"{insider}/up", self.frames_of(seal_up(secagg_wire.keys_message(
+                AdvertisedKeys(bytes(32), bytes(32)), device_id=INSIDER, run_id=run_id, round_index=1))),
+                "keys from outside the round")
+            masked = update_message(Update(1, {}, 50, 1.0, 0.5, {}), plan_hash="0" * 64, device_id=INSIDER,
+                                    run_id=run_id)
+            masked.blobs[secagg_wire.MASKED_BLOB] = bytes(8)
+            self.publish(f"{insider}/update", self.frames_of(seal_up(masked)), "masked input from outside the round")
+            answer = secagg_wire.unmasking_message({"dev_000": (SELF_SEED, 1)}, device_id=INSIDER, run_id=run_id,
+                                                   round_index=1)
+            self.publish(f"{insider}/up", self.frames_of(seal_up(answer)), "forged unmasking answer")
+        elif topic == up0 and nth == 2:  # dev_000's sealed shares
             self.publish(up0, [frame], "replayed share")
-            keys = AdvertisedKeys(bytes(32), bytes(32))
-            self.publish(f"{PREFIX}/dev/{INSIDER}/up", self.frames_of(seal_up(secagg_wire.keys_message(
-                keys, device_id=INSIDER, run_id=self.run_id(), round_index=1))), "keys from outside the round")
         elif topic == down1 and nth == 2:  # the shares relayed to dev_001
             self.publish(f"{PREFIX}/dev/dev_002/down", [frame], "share for another device")
         elif topic == down1 and nth == 3:  # dev_001's unmasking request
             self.publish(down1, [frame], "replayed unmasking request")
-            forged = secagg_wire.survivors_message(self.participants[:2], device_id="dev_000", run_id=self.run_id(),
+            forged = secagg_wire.survivors_message(self.participants[:2], device_id="dev_000", run_id=run_id,
                                                    round_index=1)
-            self.publish(down0, self.frames_of(seal_down(forged, session=None)), "forged unmasking request")
-            masked = update_message(Update(1, {}, 50, 1.0, 0.5, {}), plan_hash="0" * 64, device_id=INSIDER,
-                                    run_id=self.run_id())
-            masked.blobs[secagg_wire.MASKED_BLOB] = bytes(8)
-            self.publish(f"{PREFIX}/dev/{INSIDER}/update", self.frames_of(seal_up(masked)),
-                         "masked input from outside the round")
-            answer = secagg_wire.unmasking_message({"dev_000": (SELF_SEED, 1)}, device_id=INSIDER,
-                                                   run_id=self.run_id(), round_index=1)
-            self.publish(f"{PREFIX}/dev/{INSIDER}/up", self.frames_of(seal_up(answer)), "forged unmasking answer")
+            self.publish(down0, self.frames_of(seal(forged, KEY, Direction.DOWN, FORGER.next())),
+                         "forged unmasking request")
         elif topic == up0 and nth == 3:  # dev_000's unmasking answer
             self.publish(up0, [frame], "replayed unmasking answer")
 
-    def run_id(self) -> str:
-        """The run's id, as every device's down topic shows it (a TASK's header names it)."""
-        for topic, frame in list(self.frames):
-            if topic.endswith("/down") and frame_msg_id(frame).startswith("secagg-"):
-                return read(frame_payload(frame)).run_id
-        raise AssertionError("no secagg message seen yet")
-
     @staticmethod
     def frames_of(envelope: bytes) -> list[bytes]:
-        return chunk(envelope, DEFAULT_MAX_FRAME_BYTES, f"attack-{np.random.default_rng().integers(1 << 62)}")
-
-
-def frame_payload(frame: bytes) -> bytes:
-    """The chunk a one-frame message carries: its envelope."""
-    return frame[FRAME_HEADER_BYTES:]
+        return chunk(envelope, DEFAULT_MAX_FRAME_BYTES, f"attack-{uuid.uuid4().hex}")
 
 
 @pytest.mark.slow
@@ -299,6 +296,7 @@ def test_replayed_misaddressed_and_forged_exchanges_are_refused_and_move_nothing
     try:
         federation.start()
         row, model = federation.finish()
+        wait_for(lambda: len(attacker.done) == 8, 30, "every attack sent")
     finally:
         stop.set()
         recorder.join(10)
@@ -310,13 +308,13 @@ def test_replayed_misaddressed_and_forged_exchanges_are_refused_and_move_nothing
     assert (s["survivors"], s["dropped"], s["aggregated"]) == (3, 0, True)
     assert_within_bound(row, model, plain_reference(cache, shards, tmp_path / "reference", monkeypatch))
     server = federation.server_log()
-    assert f"secure aggregation refused keys from {INSIDER} (round 1)" in server
-    assert f"secure aggregation refused unmask from {INSIDER} (round 1)" in server
-    assert f"dropped an update from {INSIDER}" in server  # the masked input of a device not asked
-    assert server.count("replay") + server.count("repeated") >= 2, "the replayed share and answer, refused"
-    assert "dropped a message" in federation.log_of("dev_002")  # the share sealed for dev_001
-    assert federation.log_of("dev_000").count("dropped a message") >= 1  # the forged request (no session)
-    assert federation.log_of("dev_001").count("dropped a message") >= 1  # the replayed request
+    assert "ignored a frame on fedara/dev/dev_000/up" in server and "[repeat]" in server  # the replayed share
+    assert f"refused keys from {INSIDER} (round 1): keys from {INSIDER}, who is not in this phase" in server
+    assert f"refused unmask from {INSIDER} (round 1): unmasking shares for ['dev_000'], not this round" in server
+    assert f"dropped an update from {INSIDER} (round 1): unknown device" in server  # its masked input
+    assert "a message of 'dev_001' on a topic of 'dev_002'" in federation.log_of("dev_002")  # sealed for dev_001
+    assert "dropped a message: secagg" in federation.log_of("dev_000")  # the forged request: no session of it
+    assert "[repeat]" in federation.log_of("dev_001")  # the replayed request
 
 
 # -- a device SIGKILLed after sharing ----------------------------------------------------------------------------
