@@ -210,15 +210,14 @@ def mqtt_run(a: argparse.Namespace, secure: bool) -> dict:
 def mqtt_tables(doc: dict) -> str:
     lines = [f"{doc['config']['mqtt']} device processes, {doc['config']['rounds']} rounds (digits, dense tier, "
              "embedded broker)", "",
-             "| run | mean round s | server CPU s | device CPU s (all) | device CPU s / device / round | "
+             "| run | mean round s | server CPU s (run) | device CPU s (run, all devices) | device CPU s / device (run) | "
              "MB into server / round | MB out of server / round |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name in ("plain", "secure"):
         run = doc.get(name)
         if run is None:
             continue
-        rounds = max(1, len(run["round_s"]))
         lines.append(f"| {name} | {np.mean(run['round_s']):.2f} | {run['server_cpu_s']:.1f} | "
-                     f"{run['device_cpu_s']:.1f} | {run['device_cpu_s'] / max(1, run['device_processes']) / rounds:.2f} | "
+                     f"{run['device_cpu_s']:.1f} | {run['device_cpu_s'] / max(1, run['device_processes']):.2f} | "
                      f"{np.mean(run['bytes_in']) / 1e6:.2f} | {np.mean(run['bytes_out']) / 1e6:.2f} |")
     secure = doc.get("secure")
     if secure and secure["secagg"]:
