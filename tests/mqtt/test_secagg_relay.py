@@ -14,8 +14,9 @@ import torch
 
 from device_runtime import secagg_wire as wire
 from device_runtime.envelope import Message
-from device_runtime.messages import task_message
+from device_runtime.messages import update_message
 from device_runtime.secagg_client import SecAggClient
+from device_runtime.task import Update
 from fedcore.models import build_model
 from server.engine.coordinator import Coordinator, CoordinatorConfig
 from server.engine.round_engine import RoundEngine, algorithm_for
@@ -65,13 +66,17 @@ class Round:
             self.relay.on_message(d, wire.shares_message(sealed, device_id=d, run_id=RUN, round_index=1))
 
     def masked(self, device_id: str, x: np.ndarray) -> tuple[Message, bool]:
-        """The device's UPDATE carrying its masked input; whether the relay took it."""
+        """The device's UPDATE carrying its masked input, handled as the broker loop does (the relay first, then the
+        engine); whether the relay took it."""
         y = self.clients[device_id].masked_input(x, wire.parse_shares(self.last(device_id), self.graph[device_id]))
-        msg = task_message(self.tasks[device_id], plan_hash="a" * 64, device_id=device_id, run_id=RUN)
-        msg.round, msg.tensors = 1, {}
+        update = Update(1, {}, 50, 1.0, 0.5, {"eval_correct": 5, "eval_total": 10, "eval_loss": 1.0})
+        msg = update_message(update, plan_hash=self.engine.plan_info(device_id).hash, device_id=device_id, run_id=RUN)
         msg.blobs[wire.MASKED_BLOB] = wire.masked_blob(y, self.server.spec.quantizer.bits)
         assert self.relay.takes_masked(device_id, msg)
-        return msg, self.relay.on_masked(device_id, msg)
+        taken = self.relay.on_masked(device_id, msg)
+        if taken:
+            assert self.engine.receive(device_id, msg, 1.0).accepted
+        return msg, taken
 
     def unmask(self, ids) -> None:
         for d in ids:
@@ -165,3 +170,21 @@ def test_messages_for_a_phase_not_open_or_from_outside_the_round_change_nothing(
     assert "keys from dev_099, who is not in this phase" in caplog.text
     assert "round 2 has no secure exchange under way" in caplog.text
     assert secure.relay.refusals == {"secagg unmask": 1, "secagg keys": 2}
+
+
+def test_too_few_survivors_asks_nobody_for_a_share_and_the_round_says_so_in_one_line(secure: Round, caplog):
+    xs = inputs(secure.server.dimension)
+    secure.keys()
+    secure.relay.tend(1.0)
+    secure.shares()
+    secure.relay.tend(1.0)
+    for d in IDS[:2]:
+        secure.masked(d, xs[d])
+    sent = {d: len(m) for d, m in secure.sent.items()}
+    assert secure.relay.tend(100.0) and secure.server.phase == "failed"
+    assert {d: len(m) for d, m in secure.sent.items()} == sent  # no survivors named: no share revealed
+    secure.engine.close_round(101.0)
+    record = secure.engine.pending["secagg"]
+    assert record["aggregated"] is False and "surviving neighbours" in record["failure"]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round not aggregated")]
+    assert len(lines) == 1 and "\n" not in lines[0]
