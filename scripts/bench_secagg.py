@@ -203,14 +203,16 @@ def mqtt_run(a: argparse.Namespace, secure: bool) -> dict:
     return {"command": shlex.join(["python", "-m", "server.broker_loop", *argv]), "wall_s": time.perf_counter() - start,
             "round_s": [r["seconds"] for r in trained], "server_cpu_s": cpu.get(server.pid, 0.0),
             "device_cpu_s": sum(devices), "device_processes": len(devices),
-            "bytes_in": [r.get("wire_bytes_in") for r in trained], "bytes_out": [r.get("wire_bytes_out") for r in trained],
+            "bytes_in": [r.get("wire_bytes_in") for r in trained],
+            "bytes_out": [r.get("wire_bytes_out") for r in trained],
             "secagg": [r.get("secagg") for r in trained]}
 
 
 def mqtt_tables(doc: dict) -> str:
     lines = [f"{doc['config']['mqtt']} device processes, {doc['config']['rounds']} rounds (digits, dense tier, "
              "embedded broker)", "",
-             "| run | mean round s | server CPU s (run) | device CPU s (run, all devices) | device CPU s / device (run) | "
+             "| run | mean round s | server CPU s (run) | device CPU s (run, all devices) | "
+             "device CPU s / device (run) | "
              "MB into server / round | MB out of server / round |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name in ("plain", "secure"):
         run = doc.get(name)
@@ -226,7 +228,8 @@ def mqtt_tables(doc: dict) -> str:
         for phase in ("keys", "shares", "masked", "unmask"):
             cells = [row["phases"][phase] for row in secure["secagg"] if row and "phases" in row]
             lines.append(f"| {phase} | {np.mean([c['bytes_in'] for c in cells]):,.0f} | "
-                         f"{np.mean([c['bytes_out'] for c in cells]):,.0f} | {np.mean([c['seconds'] for c in cells]):.3f} |")
+                         f"{np.mean([c['bytes_out'] for c in cells]):,.0f} | "
+                         f"{np.mean([c['seconds'] for c in cells]):.3f} |")
     return "\n".join(lines)
 
 
