@@ -1,25 +1,25 @@
 """Secure aggregation over MQTT (``python -m server.broker_loop --secure-aggregation``): the server and real device
 processes (``python -m device_runtime``) over Debian's mosquitto, SecAgg+'s four exchanges in sealed envelopes.
 
-Each run is one round of digits on dense tiers (rank 1.0), so its model is the plain engine's on the same updates
-within the round's quantization bound (``secagg.quantization_bound``, stated in its metrics row) plus float32
-rounding: the reference is the in-process federation (``server.simulate --backend portable``, the runtime the
-devices run), plain, on the same shards and seeds (devices train the same batches whatever the transport). Later
-rounds would train on models that already differ by that much, so one round is what the bound speaks for.
+- a clean run: 4 devices, 3 rounds, every device a survivor of every round;
+- an attacked run (one round): anyone on the open broker replays a device's sealed shares, re-addresses a relayed
+  share to another device, replays and forges unmasking requests and answers (``mosquitto_pub``-made frames), and
+  an enrolled device outside the round sends keys, a masked input and unmasking shares: each is refused with a
+  logged reason, and the model is the plain engine's on the same updates within the bound;
+- a device SIGKILLed after sharing (one round; its training made slow by a repeated shard, so the kill lands
+  between its shares and its masked input by construction): its masks are removed with its neighbours' shares and
+  the model is the plain aggregate of the three survivors within the bound.
 
-- a clean run: 3 devices, every one a survivor;
-- an attacked run: anyone on the open broker replays a device's sealed shares, re-addresses a relayed share to
-  another device, replays and forges unmasking requests and answers (``mosquitto_pub``-made frames), and an
-  enrolled device outside the round sends a masked input and unmasking shares: each is refused with a logged
-  reason, and the model is the clean one's within the bound;
-- a device SIGKILLed after sharing (its training made slow by a repeated shard, so the kill lands between its
-  shares and its masked input by construction): its masks are removed with its neighbours' shares and the model is
-  the plain aggregate of the three survivors within the bound.
+Where a model is compared, the run is one round of digits on dense tiers (rank 1.0): its model is the plain
+engine's on the same updates within the round's quantization bound (``secagg.quantization_bound``, stated in its
+metrics row) plus float32 rounding. The reference is the in-process federation (``server.simulate --backend
+portable``, the runtime the devices run), plain, on the same shards and seeds (devices train the same batches
+whatever the transport). Later rounds would train on models that already differ by up to that much, so one round
+is what the bound speaks for.
 The flags secure aggregation cannot serve over MQTT are refused in one line (exit 2).
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -110,13 +110,13 @@ class Federation:
         self.server: subprocess.Popen | None = None
         self.devices: dict[str, subprocess.Popen] = {}
 
-    def start(self, *extra: str) -> None:
+    def start(self, rounds: int = 1) -> None:
         ids = list(self.shard_paths)
-        command = [sys.executable, "-m", "server.broker_loop", *QUICK, *SECURE, "--rounds", "1", "--broker",
+        command = [sys.executable, "-m", "server.broker_loop", *QUICK, *SECURE, "--rounds", str(rounds), "--broker",
                    self.broker_url, "--min-devices", str(len(ids)), "--round-deadline", str(RUN_TIMEOUT_S),
                    "--join-timeout", str(RUN_TIMEOUT_S), "--secagg-phase-timeout", str(RUN_TIMEOUT_S),
                    "--cache-dir", str(self.cache), "--out", str(self.out),
-                   "--enroll", str(enrollment_file(self.out / "enrollment.json", [*ids, INSIDER])), *extra]
+                   "--enroll", str(enrollment_file(self.out / "enrollment.json", [*ids, INSIDER]))]
         self.server = self._spawn(command, self.out / "server.out")
         for device_id, shard in self.shard_paths.items():
             self.devices[device_id] = self._spawn(
@@ -148,16 +148,16 @@ class Federation:
     def wait(self, condition: Callable[[], bool], what: str) -> None:
         wait_for(condition, RUN_TIMEOUT_S, what, alive=self.alive, poll_s=POLL_S)
 
-    def finish(self) -> tuple[dict, dict[str, np.ndarray]]:
-        """Wait for the run's end: its one metrics row and its model."""
+    def finish(self) -> tuple[list[dict], dict[str, np.ndarray]]:
+        """Wait for the run's end: its metrics rows and its model."""
         try:
             self.server.wait(RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"the run did not finish within {RUN_TIMEOUT_S:g} s") from None
         assert self.server.returncode == 0, (self.out / "server.out").read_text()[-3000:]
         tensors = load_checkpoint(self.out / CHECKPOINT_NAME).tensors
-        return read_metrics(self.out / METRICS_FILE)[0], {k: v for k, v in tensors.items()
-                                                           if not k.startswith("device/")}
+        return read_metrics(self.out / METRICS_FILE), {k: v for k, v in tensors.items()
+                                                        if not k.startswith("device/")}
 
     def stop(self) -> None:
         running = [p for p in (self.server, *self.devices.values()) if p is not None and p.poll() is None]
@@ -201,19 +201,20 @@ def assert_within_bound(row: dict, got: dict[str, np.ndarray], expected: dict[st
 
 
 @pytest.mark.slow
-def test_three_device_processes_aggregate_securely_as_the_plain_engine(processes, cache, tmp_path, monkeypatch):
-    shards = shards_for(cache, 3, tmp_path / "partition")
+def test_four_device_processes_aggregate_three_rounds_securely(processes, cache, tmp_path):
+    shards = shards_for(cache, 4, tmp_path / "partition")
     federation = processes(shards)
-    federation.start()
-    row, model = federation.finish()
-    s = row["secagg"]
-    assert (s["participants"], s["survivors"], s["dropped"], s["recovered"], s["aggregated"]) == (3, 3, 0, 0, True)
-    assert all(s["phases"][p]["bytes_in"] > 0 for p in ("keys", "shares", "masked", "unmask"))
-    assert s["phases"]["masked"]["bytes_in"] == 3 * s["dimension"] * 4
-    assert_within_bound(row, model, plain_reference(cache, shards, tmp_path / "reference", monkeypatch))
+    federation.start(rounds=3)
+    rows, _ = federation.finish()
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        s = row["secagg"]
+        assert (s["participants"], s["survivors"], s["dropped"], s["recovered"], s["aggregated"]) == (4, 4, 0, 0, True)
+        assert all(s["phases"][p]["bytes_in"] > 0 for p in ("keys", "shares", "masked", "unmask"))
+        assert s["phases"]["masked"]["bytes_in"] == 4 * s["dimension"] * 4 and 0 < s["quantization_bound"] < 1e-6
     for device_id in shards:
         log = federation.log_of(device_id)
-        assert "secure aggregation: keys advertised" in log and "unmasking share(s) sent" in log
+        assert log.count("secure aggregation: keys advertised") == log.count("unmasking share(s) sent") == 3
 
 
 # -- hostile: anyone on the open broker, and an enrolled device outside the round -------------------------------
@@ -295,7 +296,7 @@ def test_replayed_misaddressed_and_forged_exchanges_are_refused_and_move_nothing
     recorder = record(mosquitto_broker.port, stop, attacker)
     try:
         federation.start()
-        row, model = federation.finish()
+        (row,), model = federation.finish()
         wait_for(lambda: len(attacker.done) == 8, 30, "every attack sent")
     finally:
         stop.set()
@@ -342,7 +343,7 @@ def test_a_device_killed_after_sharing_is_recovered_and_the_survivors_plain_aggr
     federation.wait(lambda: "neighbour(s) shared; training" in federation.log_of(slow), f"{slow} training")
     federation.devices[slow].kill()  # it shared, and its training (a repeated shard) takes seconds: no masked input
     federation.devices[slow].wait()
-    row, model = federation.finish()
+    (row,), model = federation.finish()
     s = row["secagg"]
     assert (s["participants"], s["survivors"], s["dropped"], s["recovered"], s["aggregated"]) == (4, 3, 1, 1, True)
     assert "unmasking share(s) sent" not in federation.log_of(slow)
