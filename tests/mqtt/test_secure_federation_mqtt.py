@@ -6,6 +6,7 @@ processes (``python -m device_runtime``) over Debian's mosquitto, SecAgg+'s four
   share to another device, replays and forges unmasking requests and answers (``mosquitto_pub``-made frames), and
   an enrolled device outside the round sends keys, a masked input and unmasking shares: each is refused with a
   logged reason, and the model is the plain engine's on the same updates within the bound;
+- distributed DP over MQTT: each round charged as the Skellam mechanism, the run stopped at its target;
 - a device SIGKILLed after sharing (one round; its training made slow by a repeated shard, so the kill lands
   between its shares and its masked input by construction): its masks are removed with its neighbours' shares and
   the model is the plain aggregate of the three survivors within the bound.
@@ -39,6 +40,10 @@ from device_runtime.shard import Shard
 from device_runtime.task import Update
 from server import broker_loop, run_setup, simulate
 from server.data.partition import write_shards
+from device_runtime.dense_delta import dimension
+from server.engine.accountant import SkellamAccountant
+from server.engine.run_config import DpSettings
+from server.engine.secure_rounds import dp_noise
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.outputs.report import METRICS_FILE, read_metrics
 from server.run_setup import RunFolder, load_shards
@@ -110,13 +115,13 @@ class Federation:
         self.server: subprocess.Popen | None = None
         self.devices: dict[str, subprocess.Popen] = {}
 
-    def start(self, rounds: int = 1) -> None:
+    def start(self, rounds: int = 1, *extra: str) -> None:
         ids = list(self.shard_paths)
         command = [sys.executable, "-m", "server.broker_loop", *QUICK, *SECURE, "--rounds", str(rounds), "--broker",
                    self.broker_url, "--min-devices", str(len(ids)), "--round-deadline", str(RUN_TIMEOUT_S),
                    "--join-timeout", str(RUN_TIMEOUT_S), "--secagg-phase-timeout", str(RUN_TIMEOUT_S),
                    "--cache-dir", str(self.cache), "--out", str(self.out),
-                   "--enroll", str(enrollment_file(self.out / "enrollment.json", [*ids, INSIDER]))]
+                   "--enroll", str(enrollment_file(self.out / "enrollment.json", [*ids, INSIDER])), *extra]
         self.server = self._spawn(command, self.out / "server.out")
         for device_id, shard in self.shard_paths.items():
             self.devices[device_id] = self._spawn(
@@ -215,6 +220,25 @@ def test_four_device_processes_aggregate_three_rounds_securely(processes, cache,
     for device_id in shards:
         log = federation.log_of(device_id)
         assert log.count("secure aggregation: keys advertised") == log.count("unmasking share(s) sent") == 3
+
+
+@pytest.mark.slow
+def test_distributed_dp_over_mqtt_charges_the_skellam_mechanism_and_stops_at_the_target(cache, tmp_path):
+    """The simulator's distributed-DP run (tests/drivers/test_secure_federation.py) over MQTT, four local device
+    processes on the embedded broker: the devices add the noise, each round is charged as the Skellam mechanism, the
+    run stops at --dp-target-epsilon."""
+    out = tmp_path / "run"
+    assert broker_loop.main([*QUICK, *SECURE, "--local-devices", "4", "--rounds", "5", "--round-deadline",
+                             str(RUN_TIMEOUT_S), "--join-timeout", str(RUN_TIMEOUT_S), "--cache-dir", str(cache),
+                             "--out", str(out), "--dp-noise-multiplier", "2.0", "--dp-clip", "0.05", "--join-ratio",
+                             "1", "--dp-target-epsilon", "1"]) == 0
+    rows = read_metrics(out / METRICS_FILE)
+    model = {k: v for k, v in load_checkpoint(out / CHECKPOINT_NAME).tensors.items() if not k.startswith("device/")}
+    shapes = {k: v.shape for k, v in model.items() if not k.startswith("head.")}
+    mu, l2 = dp_noise(DpSettings(2.0, 1.0, 4, 0.05), dimension(shapes))
+    accountant = SkellamAccountant(1.0, mu, l2, dimension(shapes), 4 ** -1.1)
+    assert [r["epsilon"] for r in rows] == pytest.approx([accountant.epsilon_after(i + 1) for i in range(len(rows))])
+    assert len(rows) == 3 and all(r["secagg"]["aggregated"] and r["secagg"]["noise_mu_per_device"] > 0 for r in rows)
 
 
 # -- hostile: anyone on the open broker, and an enrolled device outside the round -------------------------------
