@@ -93,7 +93,8 @@ class SecureTask:
 
 
 class DeviceAgent:
-    """One device: answers the server's PLAN, TASK and ERROR messages on its down topic."""
+    """One device: answers the server's PLAN, TASK and ERROR messages on its down topic, and in a secure round its
+    SECAGG messages (SecAgg+'s exchanges: ``_start_secure``, ``_on_secagg``)."""
 
     def __init__(self, device_id: str, shard: Shard, profile: ResourceProfile, endpoint: MqttEndpoint,
                  workdir: Workdir, topics: Topics, link: Link, *, threads: int = 1, connect_timeout_s: float = 0.0,

@@ -5,7 +5,9 @@
   device lacks that hash, and the run's initial personal tensors.
 - ACK (device -> server): the plan's artifacts are installed and verified.
 - TASK (server -> device): one round's Task; no phases asks for an evaluation only (no training). Its weights
-  come inline or (protocol 3) from the plan's payload the TASK names by SHA-256 (device_runtime/payload.py).
+  come inline or (protocol 3) from the plan's payload the TASK names by SHA-256 (device_runtime/payload.py); in a
+  secure round (protocol 5) its ``secure`` field carries the round's SecAgg+ parameters (``secure_from_meta``), and
+  the exchanges are SECAGG messages (device_runtime/secagg_wire.py).
 - UPDATE (device -> server): the Update (the tensors its task asked back, none for an evaluation), with the evaluation of the
   received model in ``metrics`` (``eval_correct``, ``eval_total``, ``eval_loss``).
 - ERROR (either way): a code from ErrorCode and a human-readable detail.
