@@ -14,10 +14,12 @@ dropped, recovered, aggregated; (4) the noise multiplier z that ε = 8 needs on 
 central Gaussian (PLD) and the distributed Skellam accountant (computed, not trained). Writes the JSON.
 
 ``--mqtt N`` measures the cost over MQTT instead: ``python -m server.broker_loop`` with N real device processes on
-this machine (embedded broker, digits, dense tier), plain and ``--secure-aggregation`` on the same seed, ``--rounds``
-rounds each. Prints per run the round time, the CPU seconds of the server process and of the devices (each
-process's user + system time, sampled every 0.2 s until it exits: a device's last fraction of a second may be
-missed), the bytes through the server, and for the secure run the bytes and seconds of each SecAgg+ phase.
+this machine (embedded broker, digits, memory budgets ``--memory-mb`` round-robin, which give the devices their rank
+tiers), plain and ``--secure-aggregation`` on the same seed, ``--rounds`` rounds each. Prints per run the round time,
+the CPU seconds of the server process and of the devices (each process's user + system time, sampled every 0.2 s
+until it exits: a device's last fraction of a second may be missed), the bytes through the server, each tier's
+device peak RSS and the server's (the largest sample: a peak shorter than 0.2 s may be missed), and for the secure
+run the bytes and seconds of each SecAgg+ phase.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mqtt", type=int, default=0, metavar="N",
                    help="measure the cost over MQTT with N device processes, plain vs secure, --rounds rounds")
     p.add_argument("--max-samples", type=int, default=1797, help="--mqtt: the digits samples shared by the devices")
+    p.add_argument("--memory-mb", default="128,94,84",
+                   help="--mqtt: the devices' memory budgets (--local-memory-mb, round-robin): their rank tiers")
     return p.parse_args(argv)
 
 
@@ -166,51 +170,62 @@ def step_costs(devices: int = 10, dropped: int = 3) -> list[dict]:
     return rows
 
 
-def cpu_seconds(process: psutil.Process) -> float | None:
+def usage(process: psutil.Process) -> tuple[float, int, str] | None:
+    """(CPU seconds, RSS bytes, its --device-id or "") of a process now; None once it is gone."""
     try:
-        times = process.cpu_times()
+        times, rss, cmdline = process.cpu_times(), process.memory_info().rss, process.cmdline()
     except psutil.Error:
         return None
-    return times.user + times.system
+    device = cmdline[cmdline.index("--device-id") + 1] if "--device-id" in cmdline[:-1] else ""
+    return times.user + times.system, rss, device
 
 
 def mqtt_run(a: argparse.Namespace, secure: bool) -> dict:
     """One broker_loop run with --mqtt device processes: its records, wall time, and the CPU seconds of the server
     and of its device processes (sampled until each exits)."""
     argv = ["--dataset", "digits", "--local-devices", str(a.mqtt), "--rounds", str(a.rounds), "--local-epochs", "1",
-            "--max-samples", str(a.max_samples), "--aggregate", "updates", "--rank-ratio", "1.0", "--seed", "0",
+            "--max-samples", str(a.max_samples), "--aggregate", "updates", "--local-memory-mb", a.memory_mb,
+            "--seed", "0",
             "--join-timeout", "900", "--round-deadline", "900", *(["--secure-aggregation"] if secure else [])]
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         server = subprocess.Popen([sys.executable, "-m", "server.broker_loop", *argv, "--out", tmp], cwd=ROOT,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        watched, cpu = psutil.Process(server.pid), {}
+        watched, cpu, rss, names = psutil.Process(server.pid), {}, {}, {}
         while server.poll() is None:
             try:
                 processes = [watched, *watched.children(recursive=True)]
             except psutil.Error:
                 processes = []
             for proc in processes:
-                seconds = cpu_seconds(proc)
-                if seconds is not None:
-                    cpu[proc.pid] = max(cpu.get(proc.pid, 0.0), seconds)
+                now = usage(proc)
+                if now is not None:
+                    cpu[proc.pid] = max(cpu.get(proc.pid, 0.0), now[0])
+                    rss[proc.pid] = max(rss.get(proc.pid, 0), now[1])
+                    names[proc.pid] = now[2] or names.get(proc.pid, "")
             time.sleep(0.2)
         if server.returncode != 0:
             raise RuntimeError(f"broker_loop {shlex.join(argv)} failed: {server.stderr.read()[-2000:]}")
         records = [json.loads(line) for line in Path(tmp, "metrics.jsonl").read_text().splitlines()]
     devices = [s for pid, s in cpu.items() if pid != server.pid]
     trained = [r for r in records if r.get("participants")]
+    tiers = {d: row["tier"] for d, row in trained[0]["per_device"].items()} if trained else {}
+    peak_by_tier: dict[str, list[float]] = {}
+    for pid, device in names.items():
+        if device in tiers:
+            peak_by_tier.setdefault(tiers[device], []).append(rss[pid] / 2**20)
     return {"command": shlex.join(["python", "-m", "server.broker_loop", *argv]), "wall_s": time.perf_counter() - start,
             "round_s": [r["seconds"] for r in trained], "server_cpu_s": cpu.get(server.pid, 0.0),
             "device_cpu_s": sum(devices), "device_processes": len(devices),
+            "server_peak_rss_mb": rss.get(server.pid, 0) / 2**20, "device_peak_rss_mb_by_tier": peak_by_tier,
             "bytes_in": [r.get("wire_bytes_in") for r in trained],
             "bytes_out": [r.get("wire_bytes_out") for r in trained],
             "secagg": [r.get("secagg") for r in trained]}
 
 
 def mqtt_tables(doc: dict) -> str:
-    lines = [f"{doc['config']['mqtt']} device processes, {doc['config']['rounds']} rounds (digits, dense tier, "
-             "embedded broker)", "",
+    lines = [f"{doc['config']['mqtt']} device processes, {doc['config']['rounds']} rounds (digits, budgets "
+             f"{doc['config'].get('memory_mb', 'none: dense tier')} MB, embedded broker)", "",
              "| run | mean round s | server CPU s (run) | device CPU s (run, all devices) | "
              "device CPU s / device (run) | "
              "MB into server / round | MB out of server / round |", "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -221,7 +236,15 @@ def mqtt_tables(doc: dict) -> str:
         lines.append(f"| {name} | {np.mean(run['round_s']):.2f} | {run['server_cpu_s']:.1f} | "
                      f"{run['device_cpu_s']:.1f} | {run['device_cpu_s'] / max(1, run['device_processes']):.2f} | "
                      f"{np.mean(run['bytes_in']) / 1e6:.2f} | {np.mean(run['bytes_out']) / 1e6:.2f} |")
-    secure = doc.get("secure")
+    plain, secure = doc.get("plain"), doc.get("secure")
+    if plain and secure and "device_peak_rss_mb_by_tier" in secure:
+        lines += ["", "| tier | devices | device peak RSS MB, plain (mean / max) | secure (mean / max) |",
+                  "| --- | --- | --- | --- |"]
+        for tier in sorted(secure["device_peak_rss_mb_by_tier"], key=float):
+            cells = [run["device_peak_rss_mb_by_tier"].get(tier, []) for run in (plain, secure)]
+            lines.append(f"| {tier} | {len(cells[1])} | " + " | ".join(
+                f"{np.mean(c):.1f} / {max(c):.1f}" if c else "-" for c in cells) + " |")
+        lines.append(f"| server | 1 | {plain['server_peak_rss_mb']:.1f} | {secure['server_peak_rss_mb']:.1f} |")
     if secure and secure["secagg"]:
         lines += ["", "| SecAgg+ phase (secure run, mean over rounds) | bytes into server | bytes out of server | "
                   "seconds |", "| --- | --- | --- | --- |"]
