@@ -84,8 +84,8 @@ class Interrupted(BaseException):
 
 @dataclass
 class SecureTask:
-    """A secure round this device takes part in: its task (trained once its neighbours' shares came), the SecAgg+
-    client of the round, and the sealed shares addressed to it."""
+    """A secure round this device takes part in: its plan, its task (trained once its neighbours' shares came) and
+    the round's SecAgg+ client (its keys, seed and the shares it holds for its neighbours)."""
 
     plan_hash: str
     task: Task
