@@ -11,6 +11,8 @@ phase when everyone it waits for answered or at the phase's deadline.
 - ``unmask``: each survivor's unmasking shares, until all came or ``phase_timeout`` later; the engine then unmasks
   the sum when the round closes (``SecureRounds.step``), or says in one line why it cannot.
 
+A device gone offline (its last will) is not waited for in any phase: the phase closes without it.
+
 What arrives for another phase, from a device outside the phase, twice, of the wrong size or kind, is refused with a
 logged reason and changes nothing; in particular a masked input after the unmasking began never counts. Each message
 is size-checked against the round's parameters before it is kept (``device_runtime.secagg_wire``).
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable
 
 from device_runtime import secagg_wire
 from device_runtime.envelope import Message
@@ -108,16 +110,21 @@ class SecureRelay:
             return True
         while True:
             phase = server.phase
-            if phase == "keys" and (set(server.keys) >= set(server.spec.participants) or now >= self.phase_deadline):
+            if phase == "keys" and self._due(server.spec.participants, server.keys, now):
                 self._close_keys(server, now)
-            elif phase == "shares" and (set(server.sealed) >= set(server.keys) or now >= self.phase_deadline):
+            elif phase == "shares" and self._due(server.keys, server.sealed, now):
                 self._close_shares(server, now)
             elif phase == "masked" and self._masked_done(server, now):
                 self._close_masked(server, now)
             elif phase == "unmask":
-                return set(server.revealed) >= set(server.masked) or now >= self.phase_deadline
+                return self._due(server.masked, server.revealed, now)
             else:
                 return phase not in ("keys", "shares", "masked")
+
+    def _due(self, members: Iterable[str], answered: Container[str], now: float) -> bool:
+        """A phase may close: every member answered or is offline (its last will), or the phase's deadline passed."""
+        registry = self.engine.registry()
+        return now >= self.phase_deadline or not any(d not in answered and registry[d].online for d in members)
 
     def _close_keys(self, server: SecAggServer, now: float) -> None:
         relay = server.close_keys(now)
@@ -143,9 +150,9 @@ class SecureRelay:
     def _masked_done(self, server: SecAggServer, now: float) -> bool:
         """Every device that shared sent its masked input or is offline, or the round's deadline passed."""
         registry = self.engine.registry()
-        waiting = [d for d in server.sealed if d not in server.masked and registry[d].online]
         opened = self.engine.opened
-        return not waiting or opened is None or now >= opened.deadline
+        return (opened is None or now >= opened.deadline
+                or not any(d not in server.masked and registry[d].online for d in server.sealed))
 
     def _close_masked(self, server: SecAggServer, now: float) -> None:
         survivors = server.close_masked(now)

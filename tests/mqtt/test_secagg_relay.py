@@ -188,3 +188,11 @@ def test_too_few_survivors_asks_nobody_for_a_share_and_the_round_says_so_in_one_
     assert record["aggregated"] is False and "surviving neighbours" in record["failure"]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round not aggregated")]
     assert len(lines) == 1 and "\n" not in lines[0]
+
+
+def test_a_device_gone_offline_before_advertising_is_not_waited_for(secure: Round):
+    secure.keys(IDS[:3])
+    assert not secure.relay.tend(1.0)
+    secure.engine.status(IDS[3], False, "", 1.0)
+    secure.relay.tend(1.0)
+    assert secure.server.phase == "shares" and IDS[3] not in secure.server.keys
