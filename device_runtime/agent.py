@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from device_runtime.payload import PayloadRef, decode_payload
 from device_runtime.payload_wait import PayloadWait
 from device_runtime.profile import ResourceProfile
 from device_runtime.runtimes import open_trainer
+from device_runtime.secagg_client import SecAggClient, SecAggRefusal, secure_answer
+from device_runtime.secagg_noise import secure_generator
+from device_runtime import secagg_wire
 from device_runtime.shard import Shard
 from device_runtime.task import Task, Update, non_finite
 from device_runtime.protocol import ProtocolError
@@ -60,10 +64,13 @@ def inbound_screen(link: Link, device_id: str, down_topic: str, payloads: str | 
         if topic != down_topic:
             return None
         try:
-            return link.open(payload, NO_RUN, device_id=device_id, commit=False).type.value
+            msg = link.open(payload, NO_RUN, device_id=device_id, commit=False)
         except Refused as exc:  # as text: the exception's context holds the payload, and a handler may keep records
             LOG.warning("dropped a message: %s", str(exc))
             return None
+        if msg.type == MessageType.SECAGG:  # one queued per exchange: a secure round's steps come one by one
+            return f"{msg.type.value}.{msg.meta.get('phase') if msg.meta.get('phase') in secagg_wire.PHASES else ''}"
+        return msg.type.value
     return screen
 
 
@@ -75,8 +82,19 @@ class Interrupted(BaseException):
     """Raised by the signal handler while the device computes, so a stop request does not wait for a round."""
 
 
+@dataclass
+class SecureTask:
+    """A secure round this device takes part in: its plan, its task (trained once its neighbours' shares came) and
+    the round's SecAgg+ client (its keys, seed and the shares it holds for its neighbours)."""
+
+    plan_hash: str
+    task: Task
+    client: SecAggClient
+
+
 class DeviceAgent:
-    """One device: answers the server's PLAN, TASK and ERROR messages on its down topic."""
+    """One device: answers the server's PLAN, TASK and ERROR messages on its down topic, and in a secure round its
+    SECAGG messages (SecAgg+'s exchanges: ``_start_secure``, ``_on_secagg``)."""
 
     def __init__(self, device_id: str, shard: Shard, profile: ResourceProfile, endpoint: MqttEndpoint,
                  workdir: Workdir, topics: Topics, link: Link, *, threads: int = 1, connect_timeout_s: float = 0.0,
@@ -99,6 +117,7 @@ class DeviceAgent:
         self.payload: tuple[PayloadRef, dict[str, np.ndarray]] | None = None  # the last payload fetched, checked
         self.waiting: PayloadWait | None = None  # a TASK whose payload is being fetched
         self.admission = admission  # the endpoint's: told which payload's frames to take (device_admission.py)
+        self.secure: SecureTask | None = None  # the secure round under way (device_runtime/secagg_wire.py)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -157,7 +176,7 @@ class DeviceAgent:
             LOG.warning("dropped a message: %s", exc)
             return
         handlers = {MessageType.PLAN: self._on_plan, MessageType.TASK: self._on_task,
-                    MessageType.ERROR: self._on_error}
+                    MessageType.ERROR: self._on_error, MessageType.SECAGG: self._on_secagg}
         handler = handlers.get(msg.type)
         if handler is None:
             LOG.warning("dropped an unexpected %s message", msg.type.value)
@@ -256,6 +275,15 @@ class DeviceAgent:
             if weights is None:
                 return  # fetching it: the task runs when it is whole (_on_payload)
             task.weights = weights
+        if task.secure is not None and not task.evaluate_only:
+            self._start_secure(plan_hash, task, msg.run_id)
+            return
+        self._answer(plan_hash, task)
+
+    def _answer(self, plan_hash: str, task: Task, secure: SecureTask | None = None,
+                shares: dict[str, bytes] | None = None) -> None:
+        """Run the task and send its answer (committed first: saved answer, state, head, model). In a secure round
+        its change goes masked (``secure``'s client, the neighbours' ``shares``) and the UPDATE carries no tensor."""
         kept = self._kept_by(task)
         try:
             update = self._compute(task)
@@ -267,12 +295,25 @@ class DeviceAgent:
             load_weights(self.trainer, kept)
             self._send_error(ErrorCode.NON_FINITE, f"round {task.round}: {problem}: no update sent", task.round)
             return
+        masked = None
+        if secure is not None:
+            answer, x = secure_answer(update, task, secure_generator())
+            try:
+                masked = secure.client.masked_input(x, shares)
+            except SecAggRefusal as exc:
+                load_weights(self.trainer, kept)
+                LOG.warning("round %d: secure aggregation: %s: no update sent", task.round, exc)
+                self.secure = None
+                return
+            update = answer
         if not task.evaluate_only:
             held = {**self.trainer.get_fe(), **self.trainer.get_head()}
             self.workdir.save_personal(self.workdir.head_path(plan_hash, task.round),
                                        {k: held[k] for k in self.state.personal})
-        payload = self.link.seal(update_message(update, plan_hash=plan_hash, device_id=self.device_id,
-                                                run_id=self.state.run_id))
+        message = update_message(update, plan_hash=plan_hash, device_id=self.device_id, run_id=self.state.run_id)
+        if masked is not None:
+            message.blobs[secagg_wire.MASKED_BLOB] = secagg_wire.masked_blob(masked, task.secure.quantizer.bits)
+        payload = self.link.seal(message)
         self.workdir.save_answer(payload)
         self.state = answered(self.state, task.round, task.evaluate_only)
         self.workdir.save_state(self.state)
@@ -281,6 +322,51 @@ class DeviceAgent:
             self.workdir.drop_previous_run()
         self._save_model(plan_hash, task, {**kept, **task.weights}, update.metrics)
         self.endpoint.publish(self.topics.update_via(task.aggregator), payload, new_msg_id(MessageType.UPDATE))
+
+    # -- secure aggregation (device_runtime/secagg_wire.py) ---------------------------------------------------
+
+    def _start_secure(self, plan_hash: str, task: Task, run_id: str) -> None:
+        """A secure round's task: advertise this round's fresh keys; the task trains once the neighbours' shares
+        came (``_on_secagg``). A task of the round under way again (re-sent) changes nothing."""
+        if self.secure is not None and (self.secure.task.round, self.secure.client.spec.context) == (
+                task.round, task.secure.context):
+            LOG.info("round %d: secure round under way (%s): the task again changes nothing", task.round,
+                     self.secure.client.step)
+            return
+        client = SecAggClient(self.device_id, task.secure)
+        self.secure = SecureTask(plan_hash, task, client)
+        self._send(secagg_wire.keys_message(client.advertise(), device_id=self.device_id, run_id=run_id,
+                                            round_index=task.round))
+        LOG.info("round %d: secure aggregation: keys advertised (%d participants, %d neighbours, t = %d)",
+                 task.round, len(task.secure.participants), len(client.mine), task.secure.threshold)
+
+    def _on_secagg(self, msg: Message) -> None:
+        """One SecAgg+ exchange from the server, for the secure round under way; anything else is refused with its
+        reason and reveals nothing."""
+        secure = self.secure
+        phase = secagg_wire.phase_of(msg)
+        if secure is None or msg.round != secure.task.round or msg.run_id != self.state.run_id:
+            LOG.warning("refused a secagg %s message for round %d: no secure round of it under way", phase, msg.round)
+            return
+        client, round_index = secure.client, msg.round
+        try:
+            if phase == secagg_wire.KEYS:
+                sealed = client.share_keys(secagg_wire.parse_neighbour_keys(msg, client.mine))
+                self._send(secagg_wire.shares_message(sealed, device_id=self.device_id, run_id=msg.run_id,
+                                                      round_index=round_index))
+                LOG.info("round %d: secure aggregation: shares sent to %d neighbour(s)", round_index, len(sealed))
+            elif phase == secagg_wire.SHARES:
+                shares = secagg_wire.parse_shares(msg, client.mine)
+                LOG.info("round %d: secure aggregation: %d neighbour(s) shared; training", round_index, len(shares))
+                self._answer(secure.plan_hash, secure.task, secure, shares)
+            else:
+                reveals = client.unmask(secagg_wire.parse_survivors(msg, client.spec.participants))
+                self._send(secagg_wire.unmasking_message(reveals, device_id=self.device_id, run_id=msg.run_id,
+                                                         round_index=round_index))
+                LOG.info("round %d: secure aggregation: %d unmasking share(s) sent", round_index, len(reveals))
+                self.secure = None
+        except SecAggRefusal as exc:
+            LOG.warning("refused a secagg %s message for round %d: %s", phase, round_index, exc)
 
     # -- the plan's payload (device_runtime/payload.py) ---------------------------------------------------------
 

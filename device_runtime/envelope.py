@@ -77,6 +77,7 @@ class MessageType(str, Enum):
     ERROR = "error"
     ACK = "ack"
     AGGREGATION = "aggregation"  # between the round engine and its aggregator processes (server side only)
+    SECAGG = "secagg"  # either way: one of SecAgg+'s exchanges inside a secure round (device_runtime/secagg_wire.py)
 
 
 _MESSAGE_TYPES = tuple(t.value for t in MessageType)

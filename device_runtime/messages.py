@@ -5,7 +5,9 @@
   device lacks that hash, and the run's initial personal tensors.
 - ACK (device -> server): the plan's artifacts are installed and verified.
 - TASK (server -> device): one round's Task; no phases asks for an evaluation only (no training). Its weights
-  come inline or (protocol 3) from the plan's payload the TASK names by SHA-256 (device_runtime/payload.py).
+  come inline or (protocol 3) from the plan's payload the TASK names by SHA-256 (device_runtime/payload.py); in a
+  secure round (protocol 5) its ``secure`` field carries the round's SecAgg+ parameters (``secure_from_meta``), and
+  the exchanges are SECAGG messages (device_runtime/secagg_wire.py).
 - UPDATE (device -> server): the Update (the tensors its task asked back, none for an evaluation), with the evaluation of the
   received model in ``metrics`` (``eval_correct``, ``eval_total``, ``eval_loss``).
 - ERROR (either way): a code from ErrorCode and a human-readable detail.
@@ -28,7 +30,9 @@ from device_runtime.artifact_contract import ARTIFACT_FILES_BY_KIND, MANIFEST_NA
 from device_runtime.envelope import MAX_ROUND, Message, MessageType
 from device_runtime.payload import PayloadRef
 from device_runtime.profile import ProfileError, ResourceProfile
-from device_runtime.protocol import ProtocolError, check_id
+from device_runtime.protocol import ProtocolError, check_id, is_id
+from device_runtime.secagg_client import SecureSpec
+from device_runtime.secagg_quantize import BITS, Quantizer
 from device_runtime.shard import Shard
 from device_runtime.task import PARAM_GROUPS, RETURNS, Phase, Task, Update
 
@@ -231,6 +235,8 @@ def task_message(task: Task, *, plan_hash: str, device_id: str, run_id: str, pay
             "aggregator": task.aggregator, "payload": None if payload is None else payload.to_meta()}
     if task.version is not None:  # async mode only: a sync task's message is as it was
         meta["version"] = task.version
+    if task.secure is not None:  # a secure round's task (protocol 5): its SecAgg+ parameters
+        meta["secure"] = secure_to_meta(task.secure)
     return Message(MessageType.TASK, run_id, task.round, device_id, new_msg_id(MessageType.TASK), meta,
                    tensors={} if payload is not None else dict(task.weights))
 
@@ -280,7 +286,68 @@ def parse_task(msg: Message) -> tuple[str, Task]:
                 deadline=None if deadline is None else _number(deadline, "deadline"),
                 aggregator=_aggregator(meta.get("aggregator")),
                 version=None if version is None else _int(version, "version", 0, MAX_ROUND))
+    if meta.get("secure") is not None:
+        task.secure = secure_from_meta(meta["secure"], msg.run_id, task.round, msg.device_id)
     return check_hash(_field(meta, "plan_hash", kind)), task
+
+
+MAX_PARTICIPANTS = 4096
+"""The most devices a secure round's TASK may name (their ids travel in the TASK's header)."""
+MAX_DIMENSION = (1 << 31) // 8
+"""The largest shared model a secure round may sum (d integers of 64 bits at most, within one envelope)."""
+
+
+def secure_to_meta(spec: SecureSpec) -> dict[str, Any]:
+    """A secure round's parameters as a TASK's ``secure`` field."""
+    return {"context": spec.context.decode(), "participants": list(spec.participants), "neighbors": spec.neighbors,
+            "threshold": spec.threshold, "min_survivors": spec.min_survivors, "graph_seed": spec.graph_seed.hex(),
+            "bits": spec.quantizer.bits, "scale": spec.quantizer.scale, "clip": spec.clip, "l2": spec.l2,
+            "noise_mu": spec.noise_mu, "weight": spec.weight,
+            "dense_shapes": {k: list(v) for k, v in spec.dense_shapes.items()}}
+
+
+def secure_from_meta(value: Any, run_id: str, round_index: int, device_id: str) -> SecureSpec:
+    """The SecureSpec of a TASK's ``secure`` field, checked: bound to this run and round (its context), naming
+    this device among at most MAX_PARTICIPANTS distinct, sorted participants, threshold and neighbours in range."""
+    kind = MessageType.TASK
+    if not isinstance(value, dict):
+        raise MessageError("task field 'secure' must be an object")
+    context = _field(value, "context", kind)
+    if context != f"{run_id}|{round_index}":
+        raise MessageError(f"secure context {context!r:.80} is not this task's run and round ({run_id}|{round_index})")
+    participants = _field(value, "participants", kind)
+    if (not isinstance(participants, list) or not 2 <= len(participants) <= MAX_PARTICIPANTS
+            or not all(is_id(p) for p in participants) or participants != sorted(set(participants))):
+        raise MessageError(f"secure participants must be 2..{MAX_PARTICIPANTS} distinct sorted device ids")
+    if device_id not in participants:
+        raise MessageError(f"secure participants do not name {device_id}")
+    n = len(participants)
+    neighbors = _int(_field(value, "neighbors", kind), "secure neighbors", 1, n - 1)
+    threshold = _int(_field(value, "threshold", kind), "secure threshold", 1, neighbors)
+    seed = _field(value, "graph_seed", kind)
+    if not isinstance(seed, str) or _HASH_RE.fullmatch(seed) is None:
+        raise MessageError("secure graph_seed must be 64 lowercase hex digits")
+    if _field(value, "bits", kind) != BITS:
+        raise MessageError(f"secure bits must be {BITS}, got {value['bits']!r:.20}")
+    shapes = _field(value, "dense_shapes", kind)
+    if not isinstance(shapes, dict) or not shapes or not all(
+            isinstance(k, str) and isinstance(v, list) and 1 <= len(v) <= 4 and all(
+                isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= 1 << 24 for d in v)
+            for k, v in shapes.items()) or sum(math.prod(v) for v in shapes.values()) > MAX_DIMENSION:
+        raise MessageError(f"secure dense_shapes must be tensor names with 1..4 sizes each, {MAX_DIMENSION} values "
+                           "at most")
+    l2 = _field(value, "l2", kind)
+    if not isinstance(l2, bool):
+        raise MessageError("secure l2 must be true or false")
+    weight = _number(_field(value, "weight", kind), "secure weight", positive=True)
+    if weight > 1:
+        raise MessageError(f"secure weight must be in (0, 1], got {weight}")
+    return SecureSpec(context.encode(), tuple(participants), neighbors, threshold,
+                      _int(_field(value, "min_survivors", kind), "secure min_survivors", 1, n), bytes.fromhex(seed),
+                      Quantizer(BITS, _number(_field(value, "scale", kind), "secure scale", positive=True)),
+                      _number(_field(value, "clip", kind), "secure clip", positive=True), l2,
+                      _number(_field(value, "noise_mu", kind), "secure noise_mu", 0.0),
+                      {k: tuple(v) for k, v in shapes.items()}, weight)
 
 
 def _aggregator(value: Any) -> str | None:

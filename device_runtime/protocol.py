@@ -10,8 +10,10 @@ from __future__ import annotations
 import re
 from enum import Enum
 
-PROTOCOL_VERSION = 4
-"""4: payload topics carry the run's id (``PREFIX/payload/RUN/SHA256``, device_runtime/topics.py), so a device of
+PROTOCOL_VERSION = 5
+"""5: secure aggregation over MQTT: a TASK may carry the round's SecAgg+ parameters (``secure``), SECAGG messages
+carry the exchanges (device_runtime/secagg_wire.py) and a secure round's UPDATE carries the masked input as a blob.
+4: payload topics carry the run's id (``PREFIX/payload/RUN/SHA256``, device_runtime/topics.py), so a device of
 protocol 3 could not fetch a payload; an async TASK names its model version. 3: a TASK may name its plan's payload
 (device_runtime/payload.py) instead of carrying the tensors; 2 carried them always (same envelope and frame
 layouts)."""

@@ -3,6 +3,7 @@
     nice -n 5 .venv/bin/python scripts/bench_secagg.py                      # 5 seeds + the dropout run (long)
     .venv/bin/python scripts/bench_secagg.py --seeds 2 --rounds 20          # a slice
     .venv/bin/python scripts/bench_secagg.py --render-only                  # the tables again from the JSON
+    .venv/bin/python scripts/bench_secagg.py --mqtt 20 --rounds 2 --out docs/results/secagg/secagg_mqtt.json
 
 Each run is one ``python -m server.simulate`` command (a child process): digits, ``--clients`` devices, FedARA
 under ``--aggregate updates`` with rank tiers 1/0.5/0.25 round-robin, once plain and once with
@@ -11,6 +12,14 @@ under ``--aggregate updates`` with rank tiers 1/0.5/0.25 round-robin, once plain
 models; (2) bytes up per device per tier (factors vs masked integers); (3) the dropout run's rounds: survivors,
 dropped, recovered, aggregated; (4) the noise multiplier z that ε = 8 needs on bench_privacy's schedule under the
 central Gaussian (PLD) and the distributed Skellam accountant (computed, not trained). Writes the JSON.
+
+``--mqtt N`` measures the cost over MQTT instead: ``python -m server.broker_loop`` with N real device processes on
+this machine (embedded broker, digits, memory budgets ``--memory-mb`` round-robin, which give the devices their rank
+tiers), plain and ``--secure-aggregation`` on the same seed, ``--rounds`` rounds each. Prints per run the round time,
+the CPU seconds of the server process and of the devices (each process's user + system time, sampled every 0.2 s
+until it exits: a device's last fraction of a second may be missed), the bytes through the server, each tier's
+device peak RSS and the server's (the largest sample: a peak shorter than 0.2 s may be missed), and for the secure
+run the bytes and seconds of each SecAgg+ phase.
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
@@ -42,6 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="docs/results/secagg/secagg.json")
     p.add_argument("--render-only", action="store_true")
     p.add_argument("--costs-only", action="store_true", help="only the per-tier step costs and the z table (seconds)")
+    p.add_argument("--mqtt", type=int, default=0, metavar="N",
+                   help="measure the cost over MQTT with N device processes, plain vs secure, --rounds rounds")
+    p.add_argument("--max-samples", type=int, default=1797, help="--mqtt: the digits samples shared by the devices")
+    p.add_argument("--memory-mb", default="128,94,84",
+                   help="--mqtt: the devices' memory budgets (--local-memory-mb, round-robin): their rank tiers")
     return p.parse_args(argv)
 
 
@@ -155,6 +170,92 @@ def step_costs(devices: int = 10, dropped: int = 3) -> list[dict]:
     return rows
 
 
+def usage(process: psutil.Process) -> tuple[float, int, str] | None:
+    """(CPU seconds, RSS bytes, its --device-id or "") of a process now; None once it is gone."""
+    try:
+        times, rss, cmdline = process.cpu_times(), process.memory_info().rss, process.cmdline()
+    except psutil.Error:
+        return None
+    device = cmdline[cmdline.index("--device-id") + 1] if "--device-id" in cmdline[:-1] else ""
+    return times.user + times.system, rss, device
+
+
+def mqtt_run(a: argparse.Namespace, secure: bool) -> dict:
+    """One broker_loop run with --mqtt device processes: its records, wall time, and the CPU seconds of the server
+    and of its device processes (sampled until each exits)."""
+    argv = ["--dataset", "digits", "--local-devices", str(a.mqtt), "--rounds", str(a.rounds), "--local-epochs", "1",
+            "--max-samples", str(a.max_samples), "--aggregate", "updates", "--local-memory-mb", a.memory_mb,
+            "--seed", "0",
+            "--join-timeout", "900", "--round-deadline", "900", *(["--secure-aggregation"] if secure else [])]
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        server = subprocess.Popen([sys.executable, "-m", "server.broker_loop", *argv, "--out", tmp], cwd=ROOT,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        watched, cpu, rss, names = psutil.Process(server.pid), {}, {}, {}
+        while server.poll() is None:
+            try:
+                processes = [watched, *watched.children(recursive=True)]
+            except psutil.Error:
+                processes = []
+            for proc in processes:
+                now = usage(proc)
+                if now is not None:
+                    cpu[proc.pid] = max(cpu.get(proc.pid, 0.0), now[0])
+                    rss[proc.pid] = max(rss.get(proc.pid, 0), now[1])
+                    names[proc.pid] = now[2] or names.get(proc.pid, "")
+            time.sleep(0.2)
+        if server.returncode != 0:
+            raise RuntimeError(f"broker_loop {shlex.join(argv)} failed: {server.stderr.read()[-2000:]}")
+        records = [json.loads(line) for line in Path(tmp, "metrics.jsonl").read_text().splitlines()]
+    devices = [s for pid, s in cpu.items() if pid != server.pid]
+    trained = [r for r in records if r.get("participants")]
+    tiers = {d: row["tier"] for d, row in trained[0]["per_device"].items()} if trained else {}
+    peak_by_tier: dict[str, list[float]] = {}
+    for pid, device in names.items():
+        if device in tiers:
+            peak_by_tier.setdefault(tiers[device], []).append(rss[pid] / 2**20)
+    return {"command": shlex.join(["python", "-m", "server.broker_loop", *argv]), "wall_s": time.perf_counter() - start,
+            "round_s": [r["seconds"] for r in trained], "server_cpu_s": cpu.get(server.pid, 0.0),
+            "device_cpu_s": sum(devices), "device_processes": len(devices),
+            "server_peak_rss_mb": rss.get(server.pid, 0) / 2**20, "device_peak_rss_mb_by_tier": peak_by_tier,
+            "bytes_in": [r.get("wire_bytes_in") for r in trained],
+            "bytes_out": [r.get("wire_bytes_out") for r in trained],
+            "secagg": [r.get("secagg") for r in trained]}
+
+
+def mqtt_tables(doc: dict) -> str:
+    lines = [f"{doc['config']['mqtt']} device processes, {doc['config']['rounds']} rounds (digits, budgets "
+             f"{doc['config'].get('memory_mb', 'none: dense tier')} MB, embedded broker)", "",
+             "| run | mean round s | server CPU s (run) | device CPU s (run, all devices) | "
+             "device CPU s / device (run) | "
+             "MB into server / round | MB out of server / round |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name in ("plain", "secure"):
+        run = doc.get(name)
+        if run is None:
+            continue
+        lines.append(f"| {name} | {np.mean(run['round_s']):.2f} | {run['server_cpu_s']:.1f} | "
+                     f"{run['device_cpu_s']:.1f} | {run['device_cpu_s'] / max(1, run['device_processes']):.2f} | "
+                     f"{np.mean(run['bytes_in']) / 1e6:.2f} | {np.mean(run['bytes_out']) / 1e6:.2f} |")
+    plain, secure = doc.get("plain"), doc.get("secure")
+    if plain and secure and "device_peak_rss_mb_by_tier" in secure:
+        lines += ["", "| tier | devices | device peak RSS MB, plain (mean / max) | secure (mean / max) |",
+                  "| --- | --- | --- | --- |"]
+        for tier in sorted(secure["device_peak_rss_mb_by_tier"], key=float):
+            cells = [run["device_peak_rss_mb_by_tier"].get(tier, []) for run in (plain, secure)]
+            lines.append(f"| {tier} | {len(cells[1])} | " + " | ".join(
+                f"{np.mean(c):.1f} / {max(c):.1f}" if c else "-" for c in cells) + " |")
+        lines.append(f"| server | 1 | {plain['server_peak_rss_mb']:.1f} | {secure['server_peak_rss_mb']:.1f} |")
+    if secure and secure["secagg"]:
+        lines += ["", "| SecAgg+ phase (secure run, mean over rounds) | bytes into server | bytes out of server | "
+                  "seconds |", "| --- | --- | --- | --- |"]
+        for phase in ("keys", "shares", "masked", "unmask"):
+            cells = [row["phases"][phase] for row in secure["secagg"] if row and "phases" in row]
+            lines.append(f"| {phase} | {np.mean([c['bytes_in'] for c in cells]):,.0f} | "
+                         f"{np.mean([c['bytes_out'] for c in cells]):,.0f} | "
+                         f"{np.mean([c['seconds'] for c in cells]):.3f} |")
+    return "\n".join(lines)
+
+
 def tables(doc: dict) -> str:
     lines = ["| seed | plain final acc | secure final acc | secure − plain (pp) | max abs model diff |",
              "| --- | --- | --- | --- | --- |"]
@@ -190,7 +291,16 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     out = Path(a.out)
     if a.render_only:
-        print(tables(json.loads(out.read_text())))
+        doc = json.loads(out.read_text())
+        print(mqtt_tables(doc) if doc["config"].get("mqtt") else tables(doc))
+        return 0
+    if a.mqtt:
+        doc = {"config": vars(a), "note": "measured on a shared, busy 2-core machine"}
+        for name, secure in (("plain", False), ("secure", True)):
+            doc[name] = mqtt_run(a, secure)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(doc, indent=1, default=float))
+        print(mqtt_tables(doc))
         return 0
     if a.costs_only:
         print(tables({"config": vars(a), "pairs": [], "costs": step_costs(), "noise": noise_table()}))

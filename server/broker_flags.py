@@ -15,6 +15,8 @@ from server.mqtt.enrollment import ENROLL_OPEN
 DESCRIPTION = "The MQTT driver of the round engine: devices over a broker, the engine deciding every round."
 DEFAULT_ROUND_DEADLINE_S = 300.0
 DEFAULT_JOIN_TIMEOUT_S = 300.0
+DEFAULT_SECAGG_PHASE_TIMEOUT_S = 60.0
+"""The longest a secure round waits for its devices' keys, their shares, and the survivors' unmasking shares."""
 DEFAULT_AGGREGATOR_TIMEOUT_S = 60.0
 """At most this long between two messages the server sends a silent aggregator (its brief, or a partial request)."""
 
@@ -49,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--mode async: a task not answered in this many seconds ends, its slot goes to another "
                           "device and its late update is refused ([timed_out]); default: a silent device holds its "
                           "slot")
+    run.add_argument("--secagg-phase-timeout", type=float, default=DEFAULT_SECAGG_PHASE_TIMEOUT_S,
+                     metavar="SECONDS",
+                     help="with --secure-aggregation: seconds each SecAgg+ exchange waits for its devices (keys, "
+                          "shares, unmasking shares; the masked inputs come by --round-deadline): a device that "
+                          "misses the keys or shares is out of the round, one that drops after sharing is recovered")
     agg = p.add_argument_group("aggregation (see server/aggregator.py)")
     agg.add_argument("--aggregators", type=int, default=0,
                      help="start this many aggregator processes; each device's updates go to one of them, named in "
@@ -92,9 +99,8 @@ def check_broker_reachable(args: argparse.Namespace) -> None:
 
 def check_broker_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first broker/device flag out of range (before anything heavy starts)."""
-    if args.secure_aggregation:
-        raise ValueError("--secure-aggregation runs in the simulator (python -m server.simulate) only: its four "
-                         "exchanges are not yet carried over MQTT; leave it out here")
+    if not args.secagg_phase_timeout > 0:
+        raise ValueError(f"--secagg-phase-timeout must be positive seconds, got {args.secagg_phase_timeout:g}")
     if args.mode == "async" and args.aggregators:
         raise ValueError(f"--mode async with --aggregators {args.aggregators}: aggregator processes fold sync rounds; "
                          "leave --aggregators out, or use --mode sync")

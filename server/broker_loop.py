@@ -93,6 +93,7 @@ from server.data.shards import DEVICE_SHARD_FILENAME
 from server.mqtt.aggregator_channel import AggregatorChannel
 from server.mqtt.admission import PENDING_PER_SENDER, server_admission
 from server.mqtt.lost_updates import LostUpdates
+from server.mqtt.secagg_relay import SecureRelay
 from server.mqtt.local_processes import LocalDevices, aggregator_command, device_command
 
 FederationError = RunError
@@ -136,6 +137,7 @@ class Federation:
                                          send_task=self._send_task, refusals=self.refusals)
         self.retained: dict[str, int] = {}  # payload topic -> frames retained there, this round
         self.lost_updates = LostUpdates()  # updates pushed out half-received: their devices are asked again
+        self.relay = SecureRelay(engine, self._send, args.secagg_phase_timeout, self.refusals)  # secure rounds
 
     def publish_status(self, *, force: bool = False, finished: bool = False) -> None:
         """Hand --status-port a fresh snapshot of the run (at most every STATUS_EVERY_S unless ``force``; ``finished``:
@@ -247,6 +249,9 @@ class Federation:
         if msg.type == MessageType.UPDATE:
             self._on_update(device_id, msg)
             return
+        if msg.type == MessageType.SECAGG:
+            self.relay.on_message(device_id, msg)
+            return
         handlers = {MessageType.JOIN: self._on_join, MessageType.ACK: self._on_ack, MessageType.ERROR: self._on_error}
         handler = handlers.get(msg.type)
         if handler is None:
@@ -329,6 +334,10 @@ class Federation:
                 self._send(device_id, plan_message(plan, device_id=device_id, run_id=self.engine.run_id))
 
     def _on_update(self, device_id: str, msg: Message) -> None:
+        if self.relay.takes_masked(device_id, msg):  # a secure round's answer: its masked input counts first
+            if not self.relay.on_masked(device_id, msg):
+                return
+            msg.blobs = {}
         verdict = self.engine.receive(device_id, msg, time.monotonic())
         if not verdict.accepted:
             LOG.warning("dropped an update from %s (round %d): %s", device_id, msg.round, verdict.reason)
@@ -384,6 +393,7 @@ class Federation:
         for device_id, task in tasks.items():
             task.aggregator = self.engine.route(device_id)  # over the members that took the brief
             self._send_built_task(device_id, task)
+        self.relay.open(round_index, time.monotonic())
         self.gather(round_index)
         stats = self.endpoint.stats  # a snapshot: read it again
         now = time.monotonic()
@@ -395,7 +405,11 @@ class Federation:
 
     def gather(self, round_index: int) -> None:
         """Take answers until every asked device answered or the round's deadline passed, then the aggregators'
-        partial sums (and back to the answers when a member was lost meanwhile: its devices answer again)."""
+        partial sums (and back to the answers when a member was lost meanwhile: its devices answer again). A secure
+        round waits for its SecAgg+ exchanges (``SecureRelay``) and for the other devices' evaluations."""
+        if self.engine.secure_round is not None:
+            self._pump(lambda: self._secure_round_over(time.monotonic()))
+            return
         while True:
             self._pump(lambda: self.engine.closing(time.monotonic()) is not None)
             if not self.channel.names:
@@ -403,6 +417,14 @@ class Federation:
             self.channel.collect_partials(round_index)
             if self.engine.closing(time.monotonic()) is not None:
                 return
+
+    def _secure_round_over(self, now: float) -> bool:
+        """The secure exchanges are over and every device that is not a secure participant answered (or the
+        round's deadline passed): the round closes, the engine unmasks."""
+        if not self.relay.tend(now):
+            return False
+        participants = set(self.engine.secure_round.spec.participants)
+        return self.engine.closing(now) is not None or all(d in participants for d in self.engine.awaited())
 
     def run(self, first_round: int, progress: Progress) -> None:
         """Rounds first_round..rounds (fewer where the privacy budget ends the run first), then the evaluation of the

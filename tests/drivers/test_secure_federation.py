@@ -125,14 +125,6 @@ def test_a_round_too_small_to_aggregate_securely_asks_for_nothing_in_the_clear(t
     assert "at least 3 participants" in engine.pending["secagg"]["failure"]
 
 
-def test_the_broker_loop_refuses_secure_aggregation_in_one_line(tmp_path, capsys):
-    from server.broker_loop import main as broker_main
-    assert broker_main(["--dataset", "digits", "--local-devices", "3", "--aggregate", "updates", *SECURE,
-                        "--out", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not yet carried over MQTT" in err[0]
-
-
 @pytest.mark.parametrize("algo", ["fedavg", "fedrep"])
 def test_every_algorithm_with_a_shared_model_aggregates_securely(algo, tmp_path):
     records = run(tmp_path / "run", "--rounds", "1", "--algo", algo, *SECURE)
