@@ -7,7 +7,7 @@ import argparse
 from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
 from server.cli import add_ray_flags, check_async_fleet, check_ray_args, new_parser
 from server.engine.device_trace import Availability, SpeedModel
-from server.engine.run_config import dp_from_args
+from server.engine.run_config import dp_from_args, secure_from_args
 
 BACKENDS = {"torch": None, "ort": TRAINING_KIND, "portable": PORTABLE_KIND}
 """--backend -> the artifact kind its devices run: the PyTorch reference (none), onnxruntime's training API, or
@@ -52,6 +52,7 @@ def check_simulate_args(args: argparse.Namespace) -> None:
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     dp_from_args(args, args.clients)
+    secure_from_args(args, args.clients)
     check_async_fleet(args, args.clients)
     if not 0 <= args.secagg_drop < 1:
         raise ValueError(f"--secagg-drop must be a probability in [0, 1), got {args.secagg_drop:g}")

@@ -56,12 +56,12 @@ def test_every_row_says_what_the_secure_round_did_and_the_report_status_and_metr
     RunFolder(tmp_path / "run").report(records, simulation.settings)
     for row in records:
         s = row["secagg"]
-        assert (s["survivors"], s["dropped"], s["recovered"], s["threshold"], s["aggregated"]) == (4, 0, 0, 2, True)
+        assert (s["survivors"], s["dropped"], s["recovered"], s["threshold"], s["aggregated"]) == (4, 0, 0, 3, True)
         assert set(s["phases"]) == {"keys", "shares", "masked", "unmask"}
         assert s["phases"]["masked"]["bytes_in"] == 4 * 4 * s["dimension"]
-    assert "| 2 | 4 | 0 | 0 | 2 | yes |" in (tmp_path / "run" / REPORT_FILE).read_text()
+    assert "| 2 | 4 | 0 | 0 | 3 | yes |" in (tmp_path / "run" / REPORT_FILE).read_text()
     snapshot = fleet_snapshot(simulation.engine, now=0.0, wall=0.0)
-    assert "secure aggregation round 2: 4 survivors, 0 dropped, 0 recovered, t 2, aggregated" in meta_parts(snapshot)
+    assert "secure aggregation round 2: 4 survivors, 0 dropped, 0 recovered, t 3, aggregated" in meta_parts(snapshot)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(lambda: snapshot))
     values = {(m.name, tuple(m.labels.values())): m.value
@@ -99,6 +99,17 @@ def test_distributed_dp_charges_the_skellam_mechanism_and_stops_at_the_target(tm
     (["--dp-noise-multiplier", "1", "--dp-clip-quantile", "0.5"], "fixed --dp-clip"),
 ])
 def test_what_secure_aggregation_cannot_serve_is_refused_in_one_line(flags, says, tmp_path, capsys):
+    assert main([*QUICK, "--out", str(tmp_path / "run"), *SECURE, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--secagg-neighbors", "2"], "--secagg-neighbors 2: with 4 devices at --secagg-dropout-rate 0.1"),
+    (["--secagg-threshold", "2"], "--secagg-threshold 2 must be above (k + 1)/2 = 2 and at most k = 3"),
+    (["--secagg-corrupt-rate", "0.5"], "--secagg-corrupt-rate must be in [0, 0.5)"),
+])
+def test_explicit_graph_settings_that_miss_the_bounds_are_refused_in_one_line(flags, says, tmp_path, capsys):
     assert main([*QUICK, "--out", str(tmp_path / "run"), *SECURE, *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0]
