@@ -22,6 +22,7 @@ from device_runtime.dense_delta import dimension, unflatten
 from device_runtime.secagg_client import SecureSpec
 from device_runtime.secagg_noise import sensitivity, total_mu
 from device_runtime.secagg_quantize import DP_UNITS, QuantizeError, dp_quantizer, plain_quantizer
+from server.engine.accountant import SkellamAccountant
 from server.engine.run_config import DpSettings, SecureSettings
 from server.engine.secagg_parameters import parameters
 from server.engine.secure_aggregation import SecAggServer
@@ -38,6 +39,23 @@ def dp_noise(privacy: DpSettings, d: int) -> tuple[float, float]:
     """(μ, Δ₂): the Skellam parameter the round's sum carries at least, and the integers' L2 sensitivity."""
     scale = dp_scale(privacy.clip, d)
     return total_mu(privacy.noise_multiplier, scale, privacy.clip, d), sensitivity(scale, privacy.clip, d)
+
+
+def skellam_noise_multiplier_for(target_epsilon: float, rounds: int, join_ratio: float, delta: float,
+                                 d: int) -> float:
+    """The smallest z (to 0.1 %) whose ``rounds`` distributed rounds (``SkellamAccountant``) stay within the target:
+    distributed DP's counterpart of ``accountant.noise_multiplier_for`` (μ does not depend on the clip: γC is fixed
+    in units)."""
+    def spent(z: float) -> float:
+        mu, l2 = dp_noise(DpSettings(z, join_ratio, 2, 1.0), d)
+        return SkellamAccountant(join_ratio, mu, l2, d, delta).epsilon_after(rounds)
+    low, high = 1e-3, 1.0
+    while spent(high) > target_epsilon:
+        low, high = high, 2 * high
+    while high - low > 1e-3 * high:
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if spent(mid) > target_epsilon else (low, mid)
+    return high
 
 
 class SecureRounds:
