@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--secagg-drop", type=float, default=0.0, metavar="P",
                      help="with --secure-aggregation: each device drops after sharing its keys with probability P "
                           "(seeded by --seed and the round), to study recovery")
+    sim.add_argument("--secagg-test-seed", type=int, default=None, metavar="N",
+                     help="with --secure-aggregation: the devices' stochastic rounding (and distributed DP noise) from "
+                          "N, the round and the device instead of the OS's generator, so a run and its --resume are "
+                          "reproducible; for tests only: then neither the rounding nor the noise is secret")
     return p
 
 
@@ -58,6 +62,8 @@ def check_simulate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--secagg-drop must be a probability in [0, 1), got {args.secagg_drop:g}")
     if args.secagg_drop and not args.secure_aggregation:
         raise ValueError(f"--secagg-drop {args.secagg_drop:g} needs --secure-aggregation")
+    if args.secagg_test_seed is not None and not args.secure_aggregation:
+        raise ValueError(f"--secagg-test-seed {args.secagg_test_seed} needs --secure-aggregation")
     if args.ray is not None and args.workers != 1:
         raise ValueError(f"--ray trains the devices as Ray tasks, as many at once as the cluster has CPUs: leave out "
                          f"--workers {args.workers}")

@@ -148,3 +148,62 @@ def test_the_broker_loop_refuses_secure_aggregation_in_one_line(tmp_path, capsys
 def test_every_algorithm_with_a_shared_model_aggregates_securely(algo, tmp_path):
     records = run(tmp_path / "run", "--rounds", "1", "--algo", algo, *SECURE)
     assert records[0]["aggregated"] and records[0]["secagg"]["survivors"] == 4
+
+
+REPRODUCIBLE = [*SECURE, "--secagg-drop", "0.3", "--seed", "3", "--secagg-test-seed", "7", "--rank-tiers", "1.0,0.5"]
+
+
+def same_checkpoints(a, b) -> None:
+    ours, theirs = load_checkpoint(a / CHECKPOINT_NAME), load_checkpoint(b / CHECKPOINT_NAME)
+    assert ours.round == theirs.round and set(ours.tensors) == set(theirs.tensors)
+    assert all(np.array_equal(ours.tensors[k], theirs.tensors[k]) for k in ours.tensors)
+
+
+def test_a_secure_run_resumed_from_its_checkpoint_ends_with_the_same_model(tmp_path):
+    """With --secagg-test-seed the devices' rounding is a function of the round and the device, so a run stopped
+    after round 2 and resumed ends where the uninterrupted run does, bit for bit (with drops and recoveries). (Round
+    2's accuracy differs: the first run, ending there, evaluated its model on every device; the straight run on
+    round 3's devices that did not drop.)"""
+    straight = run(tmp_path / "straight", *REPRODUCIBLE, "--rounds", "4")
+    run(tmp_path / "resumed", *REPRODUCIBLE, "--rounds", "2")
+    resumed = run(tmp_path / "resumed", *REPRODUCIBLE, "--rounds", "4", "--resume")
+    assert [r["secagg"]["aggregated"] for r in straight] == [r["secagg"]["aggregated"] for r in resumed]
+    assert [r["round"] for r in straight] == [r["round"] for r in resumed] == [1, 2, 3, 4]
+    assert straight[-1]["accuracy"] == resumed[-1]["accuracy"]
+    same_checkpoints(tmp_path / "straight", tmp_path / "resumed")
+
+
+def test_a_resumed_secure_run_must_keep_its_secure_settings(tmp_path, capsys):
+    run(tmp_path / "run", *REPRODUCIBLE, "--rounds", "1")
+    assert main([*QUICK, "--out", str(tmp_path / "run"), *REPRODUCIBLE, "--rounds", "2", "--resume",
+                 "--secagg-dropout-rate", "0.2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "secagg_dropout_rate" in err[0]
+
+
+def test_secagg_test_seed_needs_secure_aggregation(tmp_path, capsys):
+    assert main([*QUICK, "--out", str(tmp_path / "run"), "--secagg-test-seed", "1"]) == 2
+    assert "--secagg-test-seed 1 needs --secure-aggregation" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_secure_run_killed_after_a_round_resumes_to_the_uninterrupted_runs_checkpoint(tmp_path):
+    """A real process SIGKILLed once a round's checkpoint is on disk; --resume finishes it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    command = [sys.executable, "-m", "server.simulate", *QUICK, *REPRODUCIBLE, "--rounds", "4"]
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([*command, "--out", str(tmp_path / "straight")], check=True, cwd=root, capture_output=True)
+    victim = subprocess.Popen([*command, "--out", str(tmp_path / "killed")], cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    for line in victim.stdout:  # round 2 has closed (its checkpoint written or about to be: either resumes)
+        if line.startswith("round 2/4"):
+            break
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert load_checkpoint(tmp_path / "killed" / CHECKPOINT_NAME).round < 4
+    subprocess.run([*command, "--out", str(tmp_path / "killed"), "--resume"], check=True, cwd=root, capture_output=True)
+    same_checkpoints(tmp_path / "straight", tmp_path / "killed")
