@@ -19,6 +19,7 @@ refused with ``SecAggRefusal`` and reveals nothing.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -94,6 +95,20 @@ def share_context(spec: SecureSpec, sender: str, recipient: str) -> bytes:
 
 CHUNK = 1 << 16
 """Values handled at once where a whole vector's temporaries would raise the device's peak memory."""
+CHUNK_TEMPORARIES = 8
+"""Arrays of CHUNK 8-byte values alive at once in a chunk's step (rounding: scaled, floor, uniform draws, the
+comparison, the sum, the integers; noise: two Poisson draws; masking: the piece, the mask, the sum)."""
+
+
+def secure_step_bytes(dense_shapes: dict[str, tuple[int, ...]]) -> int:
+    """An upper bound on what a device's secure step (``secure_input``, then ``masked_input``) allocates beyond
+    what it held, d the shared model's size and L its largest tensor, 8-byte values: while a tensor is rebuilt, the
+    float64 Δ (d) with that tensor's two reconstructions and their difference (3L); while rounding, Δ and the
+    integers (2d); while masking, the integers and their masked copy (2d); each with one chunk's temporaries.
+    The rank assignment adds it to a tier's need under --secure-aggregation (``server.run_setup.predictor_for``)."""
+    d = dimension(dense_shapes)
+    largest = max(math.prod(shape) for shape in dense_shapes.values())
+    return 8 * (max(d + 3 * largest, 2 * d) + CHUNK_TEMPORARIES * CHUNK)
 
 
 def secure_input(returned: dict[str, np.ndarray], sent: dict[str, np.ndarray], spec: SecureSpec,
