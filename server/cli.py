@@ -368,7 +368,7 @@ def say_before_run(args: argparse.Namespace, devices: int | None) -> None:
     for warning in check_async_fleet(args, devices):
         warn(warning)
     dp = dp_from_args(args, devices) if devices else None
-    if dp is not None:
+    if dp is not None and not args.secure_aggregation:  # distributed DP's plan needs the model: assemble says it
         print(dp.budget_plan(args.rounds, "version" if args.mode == "async" else "round"), flush=True)
 
 

@@ -364,6 +364,8 @@ def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder,
                          norm_bound=norm_bound_from_args(args), remote=deployment.remote,
                          shared_payloads=deployment.shared_payloads,
                          privacy=dp_from_args(args, deployment.devices), **mode)
+    if mode.get("secure") is not None and engine.dp is not None:  # distributed DP: the Skellam accountant's plan
+        (emit or print)(engine.dp.accountant.plan(args.rounds))
     for device_id in shards:
         engine.register(device_id)
     if saved:  # the global model's tensors (the simulator's checkpoint also holds its devices')

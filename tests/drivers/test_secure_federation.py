@@ -79,7 +79,7 @@ def test_devices_dropping_after_sharing_are_recovered_or_the_round_is_not_aggreg
     assert failed and all(not s["aggregated"] and s["failure"] for s in failed)
 
 
-def test_distributed_dp_charges_the_skellam_mechanism_and_stops_at_the_target(tmp_path):
+def test_distributed_dp_charges_the_skellam_mechanism_and_stops_at_the_target(tmp_path, capsys):
     dp = ["--dp-noise-multiplier", "2.0", "--dp-clip", "0.05", "--join-ratio", "1"]
     records = run(tmp_path / "run", "--rounds", "5", *SECURE, *dp, "--dp-target-epsilon", "1")
     shapes = {k: v.shape for k, v in shared(tmp_path / "run").items()}
@@ -89,6 +89,10 @@ def test_distributed_dp_charges_the_skellam_mechanism_and_stops_at_the_target(tm
     assert [r["epsilon"] for r in records] == pytest.approx([accountant.epsilon_after(i + 1)
                                                             for i in range(len(records))])
     assert len(records) == 3 and accountant.epsilon_after(4) > 1  # (0.18, 0.56, 0.89, 1.14, ...)
+    said = capsys.readouterr().out  # the plan before training is the Skellam accountant's, not the Gaussian's
+    assert (f"privacy: --dp-target-epsilon 1 stops the run after round 3 of 5 (ε = {accountant.epsilon_after(3):.4g}; "
+            f"round 4 would spend {accountant.epsilon_after(4):.4g}; δ = {4 ** -1.1:.3g}, skellam accountant") in said
+    assert "pld accountant" not in said
     assert all(r["secagg"]["noise_mu_per_device"] > 0 for r in records)
 
 
