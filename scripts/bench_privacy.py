@@ -157,8 +157,8 @@ def noise_multiplier(a: argparse.Namespace, target: str, delta: float) -> float 
 def paired_table(doc: dict, central: dict) -> str:
     """Distributed against central DP: each secure run beside the central run of its setting, ε and seed."""
     theirs = {(r["setting"], r["target"], r["seed"]): r for r in central["runs"]}
-    lines = ["| setting | ε | seed | central z | central acc | distributed z | distributed acc | distributed − central (pp) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| setting | ε | seed | central z | central acc | distributed z | distributed acc | "
+             "distributed − central (pp) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     diffs: dict[tuple[str, str], list[float]] = {}
     for r in doc["runs"]:
         other = theirs.get((r["setting"], r["target"], r["seed"]))

@@ -49,8 +49,8 @@ RESUME_IGNORED = ("rounds",)
 DP_SETTINGS = ("dp_noise_multiplier", "dp_clip", "dp_clip_quantile", "dp_clip_lr", "dp_target_epsilon", "dp_delta",
                "dp_accountant", "dp_test_seed")
 """The differential-privacy flags a resumed run must match, where DP is on (its budget too: a resume keeps spending it)."""
-SECAGG_SETTINGS = ("secure_aggregation", "secagg_neighbors", "secagg_threshold", "secagg_range", "secagg_dropout_rate",
-                   "secagg_corrupt_rate")
+SECAGG_SETTINGS = ("secure_aggregation", "secagg_neighbors", "secagg_threshold", "secagg_range",
+                   "secagg_dropout_rate", "secagg_corrupt_rate")
 """The secure-aggregation flags a resumed run must match, where it is on."""
 
 

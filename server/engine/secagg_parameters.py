@@ -40,15 +40,12 @@ DEFAULT_CORRUPT_RATE = 0.1
 
 @dataclass(frozen=True)
 class GraphParameters:
-    """A round's k and t, and the log2 of the bounds they meet (−inf: exact)."""
+    """A round's k and t (``complete``: k = n − 1), chosen for at most D drops (P(more) <= 2^-(η+1))."""
 
     neighbors: int
     threshold: int
     complete: bool
-    dropouts: int  # D: the most devices expected to drop (P(more) <= 2^-(η+1))
-    log2_disconnected: float
-    log2_exposed: float
-    log2_unrecoverable: float
+    dropouts: int
 
     def min_survivors(self, n: int) -> int:
         """The fewest survivors with which every secret can be rebuilt: each of n devices needs t surviving holders
@@ -110,10 +107,6 @@ def complete_threshold(n: int, corrupt_rate: float) -> int:
     return max(math.floor(corrupt_rate * n) + 1, n // 2 + 1)
 
 
-def _complete(n: int, t: int, dropouts: int) -> GraphParameters:
-    return GraphParameters(n - 1, t, True, dropouts, -math.inf, -math.inf, -math.inf)
-
-
 def _subgraph_threshold(n: int, k: int, dropouts: int, corrupt: int) -> int | None:
     """The smallest t that meets every bound at k (None: none does)."""
     for t in range(_majority(k), k + 1):
@@ -133,8 +126,8 @@ def choose(n: int, dropout_rate: float = DEFAULT_DROPOUT_RATE,
     for k in range(2, n - 1, 2):
         t = _subgraph_threshold(n, k, dropouts, corrupt)
         if t is not None:
-            return GraphParameters(k, t, False, dropouts, *_bounds(n, k, t, dropouts, corrupt))
-    return _complete(n, complete_threshold(n, corrupt_rate), dropouts)
+            return GraphParameters(k, t, False, dropouts)
+    return GraphParameters(n - 1, complete_threshold(n, corrupt_rate), True, dropouts)
 
 
 def violation(n: int, k: int, t: int, dropout_rate: float, corrupt_rate: float) -> str | None:
@@ -183,7 +176,4 @@ def parameters(n: int, neighbors: int | None, threshold: int | None, dropout_rat
     if problem is not None:
         raise ValueError(f"{problem}; leave it out (the rule gives k = {ruled.neighbors}, t = {ruled.threshold} for "
                          f"{n} devices)")
-    if k == n - 1:
-        return _complete(n, t, ruled.dropouts)
-    return GraphParameters(k, t, False, ruled.dropouts, *_bounds(n, k, t, ruled.dropouts,
-                                                                 math.floor(corrupt_rate * n)))
+    return GraphParameters(k, t, k == n - 1, ruled.dropouts)
