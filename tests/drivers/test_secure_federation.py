@@ -179,6 +179,7 @@ def test_a_secure_run_resumed_from_its_checkpoint_ends_with_the_same_model(tmp_p
 
 def test_a_resumed_secure_run_must_keep_its_secure_settings(tmp_path, capsys):
     run(tmp_path / "run", *REPRODUCIBLE, "--rounds", "1")
+    capsys.readouterr()
     assert main([*QUICK, "--out", str(tmp_path / "run"), *REPRODUCIBLE, "--rounds", "2", "--resume",
                  "--secagg-dropout-rate", "0.2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
