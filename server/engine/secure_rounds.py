@@ -7,7 +7,8 @@ device's count from its JOIN); the step is Σ_{survivors} p_i·Δ_i / Σ_{surviv
 sample-weighted mean of the survivors' changes within n/(γ·Σp) a coordinate (``Quantizer.sum_error``). With DP
 (``--dp-noise-multiplier z``) a device sends clip_2(Δ_i, C) plus Skellam noise of parameter μ/s, s the round's
 minimum of survivors, max(t, ⌈n·t/(k + 1)⌉) (``GraphParameters.min_survivors``): the sum of at least s survivors
-carries Sk(μ) with 2μ = (z·(γC + √d))², and the step is that sum / E (the fixed denominator of DP-FedAvg), charged by ``accountant.SkellamAccountant``.
+carries Sk(μ) with 2μ = (z·(γC + √d))², and the step is that sum / E (the fixed denominator of DP-FedAvg), charged
+by ``accountant.SkellamAccountant``.
 """
 from __future__ import annotations
 
