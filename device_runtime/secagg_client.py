@@ -3,12 +3,15 @@ round, as a state machine without I/O: four exchanges through a server that rela
 
 1. ``advertise``: two fresh X25519 public keys, c (to encrypt shares) and s (to agree pairwise masks).
 2. ``share_keys``: given its neighbours' keys, Shamir shares (threshold t) of its mask key s_sk and of a fresh
-   self-mask seed b, one per neighbour, each sealed with AES-GCM under the key agreed with that neighbour's c key.
+   self-mask seed b, one per neighbour, each sealed with AES-GCM under the key agreed with that neighbour's c key,
+   and one it keeps (the sharer holds a share of its own secrets, as in classic SecAgg: a survivor's seed is
+   rebuilt from itself and t − 1 surviving neighbours).
 3. ``masked_input``: given the sealed shares addressed to it (their senders are its neighbours that shared), its
    integers x plus PRG(b) plus ±PRG(agree(s_sk, s_pk_v)) for each such neighbour v (+ when its id sorts first),
    all in Z_{2^b}: the server sees a uniformly random vector.
-4. ``unmask``: given the survivors (those whose masked input arrived), for each neighbour that shared: the share
-   of its self-mask seed if it survived, of its mask key if it dropped, never both for one neighbour; only once,
+4. ``unmask``: given the survivors (those whose masked input arrived), for each neighbour that shared and for
+   itself: the share of its self-mask seed if it survived, of its mask key if it dropped, never both for one
+   device; only once,
    and only when at least ``min_survivors`` survive (what the DP noise of the sum is sized for).
 
 A step out of order, a neighbourhood below the threshold, a share sealed for another device or another round is
@@ -16,6 +19,7 @@ refused with ``SecAggRefusal`` and reveals nothing.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -91,6 +95,20 @@ def share_context(spec: SecureSpec, sender: str, recipient: str) -> bytes:
 
 CHUNK = 1 << 16
 """Values handled at once where a whole vector's temporaries would raise the device's peak memory."""
+CHUNK_TEMPORARIES = 8
+"""Arrays of CHUNK 8-byte values alive at once in a chunk's step (rounding: scaled, floor, uniform draws, the
+comparison, the sum, the integers; noise: two Poisson draws; masking: the piece, the mask, the sum)."""
+
+
+def secure_step_bytes(dense_shapes: dict[str, tuple[int, ...]]) -> int:
+    """An upper bound on what a device's secure step (``secure_input``, then ``masked_input``) allocates beyond
+    what it held, d the shared model's size and L its largest tensor, 8-byte values: while a tensor is rebuilt, the
+    float64 Δ (d) with that tensor's two reconstructions and their difference (3L); while rounding, Δ and the
+    integers (2d); while masking, the integers and their masked copy (2d); each with one chunk's temporaries.
+    The rank assignment adds it to a tier's need under --secure-aggregation (``server.run_setup.predictor_for``)."""
+    d = dimension(dense_shapes)
+    largest = max(math.prod(shape) for shape in dense_shapes.values())
+    return 8 * (max(d + 3 * largest, 2 * d) + CHUNK_TEMPORARIES * CHUNK)
 
 
 def secure_input(returned: dict[str, np.ndarray], sent: dict[str, np.ndarray], spec: SecureSpec,
@@ -143,6 +161,7 @@ class SecAggClient:
     _b: bytes = field(default_factory=random_seed)
     _neighbour_keys: dict[str, AdvertisedKeys] = field(default_factory=dict)
     _held: dict[str, tuple[int, int]] = field(default_factory=dict)  # sender -> (its mask key's, its seed's share)
+    _own: tuple[int, int] = (0, 0)  # this device's shares of its own two secrets
 
     def __post_init__(self) -> None:
         if self.device_id not in self.spec.participants:
@@ -164,17 +183,20 @@ class SecAggClient:
         strangers = sorted(set(keys) - set(self.mine))
         if strangers:
             raise SecAggRefusal(f"keys of {strangers[:3]}, who are not this device's neighbours")
-        if len(keys) < self.spec.threshold:
-            raise SecAggRefusal(f"{len(keys)} neighbour(s) advertised keys, below the threshold {self.spec.threshold}")
+        if len(keys) + 1 < self.spec.threshold:
+            raise SecAggRefusal(f"{len(keys)} neighbour(s) advertised keys: with this device, below the threshold "
+                                f"{self.spec.threshold}")
         self._neighbour_keys = dict(keys)
-        holders = {self.spec.holder(v): v for v in keys}
+        holders = {self.spec.holder(v): v for v in [*keys, self.device_id]}
         mask_shares = split(self._s.private, holders, self.spec.threshold)
         seed_shares = split(self._b, holders, self.spec.threshold)
+        mine = self.spec.holder(self.device_id)
+        self._own = (mask_shares[mine], seed_shares[mine])
         self.step = "masked_input"
         return {v: seal(agree(self._c.private, keys[v].encryption, "share", self.spec.context),
                         share_to_bytes(mask_shares[x]) + share_to_bytes(seed_shares[x]),
                         share_context(self.spec, self.device_id, v))
-                for x, v in holders.items()}
+                for x, v in holders.items() if v != self.device_id}
 
     def masked_input(self, x: np.ndarray, shares: Mapping[str, bytes]) -> np.ndarray:
         """x masked, given the sealed shares addressed to this device (their senders: the neighbours it masks with)."""
@@ -182,8 +204,9 @@ class SecAggClient:
         unknown = sorted(set(shares) - set(self._neighbour_keys))
         if unknown:
             raise SecAggRefusal(f"shares from {unknown[:3]}, who did not advertise keys to this device")
-        if len(shares) < self.spec.threshold:
-            raise SecAggRefusal(f"{len(shares)} neighbour(s) shared, below the threshold {self.spec.threshold}")
+        if len(shares) + 1 < self.spec.threshold:
+            raise SecAggRefusal(f"{len(shares)} neighbour(s) shared: with this device, below the threshold "
+                                f"{self.spec.threshold}")
         held = {}
         for sender, sealed in shares.items():
             key = agree(self._c.private, self._neighbour_keys[sender].encryption, "share", self.spec.context)
@@ -192,11 +215,11 @@ class SecAggClient:
                 held[sender] = (share_from_bytes(plain[:len(plain) // 2]), share_from_bytes(plain[len(plain) // 2:]))
             except (CryptoError, ShamirError) as exc:
                 raise SecAggRefusal(f"the share from {sender} does not open: {exc}") from None
-        self._held = held
         q = self.spec.quantizer
         streams = [(1, MaskStream(self._b, q.bits))] + [
             (mask_sign(self.device_id, v), MaskStream(agree(self._s.private, self._neighbour_keys[v].masking, "mask",
                                                             self.spec.context), q.bits)) for v in sorted(held)]
+        self._held = dict(held, **{self.device_id: self._own})
         y = np.array(x, dtype=np.uint64)
         for start in range(0, y.size, CHUNK):  # every mask in pieces: no whole mask is ever held
             part = y[start:start + CHUNK]
@@ -208,7 +231,7 @@ class SecAggClient:
         return y
 
     def unmask(self, survivors: Iterable[str]) -> dict[str, tuple[str, int]]:
-        """For each neighbour that shared: (what the share opens, the share)."""
+        """For each neighbour that shared, and for itself: (what the share opens, the share)."""
         self._expect("unmask")
         alive = set(survivors)
         if self.device_id not in alive:

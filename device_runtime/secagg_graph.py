@@ -1,5 +1,7 @@
 """SecAgg+'s communication graph (Bell et al., CCS 2020, section 3): a random k-regular graph on a round's
-participants, k = O(log n), so a device shares its secrets with k neighbours instead of all n − 1.
+participants, so a device shares its secrets with k neighbours (and keeps one share itself) instead of all n − 1;
+the server chooses k and the threshold t from SecAgg+'s bounds (``server.engine.secagg_parameters``): O(log n) for
+large rounds, the complete graph (classic SecAgg) where the bounds give nothing smaller.
 
 The graph is a Harary graph H(k, n) (each device joined to the k/2 nearest on either side of a ring) over a random
 order of the participants, as Bell et al. construct it; the order comes from a seed the server announces, so every
@@ -8,32 +10,25 @@ device computes the same graph from the round's participant list. k is even (or 
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 from collections.abc import Sequence
 
 
-def default_neighbors(n: int) -> int:
-    """k = 2⌈log2 n⌉ (even; capped at n − 1): O(log n), as SecAgg+ takes it."""
-    return min(n - 1, 2 * math.ceil(math.log2(max(n, 2))))
-
-
-def default_threshold(k: int) -> int:
-    """t: a majority of the neighbourhood."""
-    return k // 2 + 1
-
-
 def check_graph(n: int, k: int, t: int) -> str | None:
-    """Why (k, t) cannot serve a round of n participants (None: they can): 1 <= k <= n − 1, k even unless k = n − 1,
-    and k/2 < t <= k (a minority of a neighbourhood never holds a secret; a majority can rebuild it)."""
+    """Why (k, t) cannot serve a round of n participants (None: they can). A device's secrets are shared among its
+    k neighbours and itself (k + 1 holders, as classic SecAgg shares among every participant, the sharer
+    included): 2 <= k <= n − 1, k even unless k = n − 1 (a Harary graph), and (k + 1)/2 < t <= k (a majority of
+    the holders: honest holders each reveal one of a device's two secrets, so no server collects t shares of both;
+    at most k: a dropped device's k neighbours can rebuild its key). Whether (k, t) meet SecAgg+'s probabilistic
+    bounds for a dropout and corruption rate is the server's check (``server.engine.secagg_parameters``)."""
     if n < 3:
         return f"a secure round needs at least 3 participants, it has {n}"
     if not 2 <= k <= n - 1:
         return f"--secagg-neighbors {k} must be between 2 and n − 1 = {n - 1} for {n} participants"
     if k % 2 and k != n - 1:
         return f"--secagg-neighbors {k} must be even (a Harary graph) or n − 1 = {n - 1}"
-    if not k / 2 < t <= k:
-        return f"--secagg-threshold {t} must be above k/2 = {k / 2:g} and at most k = {k}"
+    if not (k + 1) / 2 < t <= k:
+        return f"--secagg-threshold {t} must be above (k + 1)/2 = {(k + 1) / 2:g} and at most k = {k}"
     return None
 
 

@@ -6,6 +6,7 @@
     .venv/bin/python scripts/bench_privacy.py --render-only                   # the table again from the JSON
     .venv/bin/python scripts/bench_privacy.py --keep-runs                     # finish an interrupted run
     .venv/bin/python scripts/bench_privacy.py --ray HEAD_IP:6379              # each run a Ray task (docs/cluster.md)
+    .venv/bin/python scripts/bench_privacy.py --secure --epsilons 8 --out docs/results/privacy/privacy_secure.json
 
 For each ε in ``--epsilons`` (inf: no DP, the same schedule) the noise multiplier is the smallest that keeps
 ``--rounds`` rounds within ε at δ = 1/N^1.1 (``server.engine.accountant.noise_multiplier_for``, PLD); every run
@@ -15,6 +16,11 @@ updates`` in two settings: heterogeneous (rank tiers 1/0.5/0.25 round-robin by d
 each for ``--seeds`` seeds (a seed is a partition and an initial model; DP's noise comes from the OS's generator,
 as in a real run, so a rerun differs by the noise). Prints a table (final accuracy mean ± standard error over
 seeds, and the paired drop from ε = inf) and writes the JSON (every run's command, rounds, ε spent).
+
+``--secure``: distributed DP instead (``--secure-aggregation``: the devices clip and add Skellam noise, SecAgg+ sums
+them), z the smallest the Skellam accountant allows for ε (``secure_rounds.skellam_noise_multiplier_for``); the
+table then pairs each run with the central run of the same setting, ε and seed in ``--central`` (a JSON of this
+script without --secure).
 """
 from __future__ import annotations
 
@@ -61,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accountant", default="pld")
     p.add_argument("--dp-test-seed", type=int, default=None,
                    help="TESTS ONLY: each run's --dp-test-seed (its noise and sampling reproducible, its guarantee gone)")
+    p.add_argument("--secure", action="store_true", help="distributed DP: --secure-aggregation, the Skellam accountant")
+    p.add_argument("--central", default="docs/results/privacy/privacy.json",
+                   help="with --secure: the central runs to pair with")
     p.add_argument("--out", default="docs/results/privacy/privacy.json")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (child processes, one thread each)")
     add_ray_flags(p)
@@ -75,8 +84,8 @@ def run_argv(a: argparse.Namespace, setting: str, seed: int, z: float | None, ep
             "--max-samples", str(a.max_samples), "--min-samples", str(a.min_samples), "--alpha", str(a.alpha),
             "--lr", str(a.lr), "--lam", str(a.lam), "--seed", str(seed), *SETTINGS[setting]]
     if z is not None:
-        argv += ["--dp-noise-multiplier", f"{z:.6g}", "--dp-clip", str(a.clip), "--dp-target-epsilon", f"{eps:g}",
-                 "--dp-accountant", a.accountant]
+        argv += ["--dp-noise-multiplier", f"{z:.6g}", "--dp-clip", str(a.clip), "--dp-target-epsilon", f"{eps:g}"]
+        argv += ["--secure-aggregation"] if a.secure else ["--dp-accountant", a.accountant]
         argv += ["--dp-clip-quantile", str(a.clip_quantile)] if a.clip_quantile else []
         argv += ["--dp-test-seed", str(a.dp_test_seed)] if a.dp_test_seed is not None else []
     return argv
@@ -130,6 +139,44 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def shared_dimension() -> int:
+    """d: the shared numbers of the runs' model (fedavgcnn's FE on Fashion-MNIST), what distributed DP noises."""
+    from device_runtime.dense_delta import dimension
+    from fedcore.models import build_model
+    model = build_model("fedavgcnn", (1, 28, 28), 10)
+    return dimension({k: tuple(v.shape) for k, v in model.state_dict().items() if k.startswith("fe.")})
+
+
+def noise_multiplier(a: argparse.Namespace, target: str, delta: float) -> float | None:
+    """z for a target ε: central (PLD or RDP) or, with --secure, distributed (Skellam)."""
+    if target == "inf":
+        return None
+    if a.secure:
+        from server.engine.secure_rounds import skellam_noise_multiplier_for
+        return skellam_noise_multiplier_for(float(target), a.rounds, a.join_ratio, delta, shared_dimension())
+    return noise_multiplier_for(float(target), a.rounds, a.join_ratio, delta, a.accountant)
+
+
+def paired_table(doc: dict, central: dict) -> str:
+    """Distributed against central DP: each secure run beside the central run of its setting, ε and seed."""
+    theirs = {(r["setting"], r["target"], r["seed"]): r for r in central["runs"]}
+    lines = ["| setting | ε | seed | central z | central acc | distributed z | distributed acc | "
+             "distributed − central (pp) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    diffs: dict[tuple[str, str], list[float]] = {}
+    for r in doc["runs"]:
+        other = theirs.get((r["setting"], r["target"], r["seed"]))
+        if other is None or r["target"] == "inf":
+            continue
+        diff = r["final_accuracy"] - other["final_accuracy"]
+        diffs.setdefault((r["setting"], r["target"]), []).append(diff)
+        lines.append(f"| {r['setting']} | {r['target']} | {r['seed']} | {other['z']:.3f} | "
+                     f"{other['final_accuracy']:.4f} | {r['z']:.3f} | {r['final_accuracy']:.4f} | {100 * diff:+.2f} |")
+    for (setting, target), values in diffs.items():
+        lines.append(f"| {setting} | {target} | mean of {len(values)} | | | | | "
+                     f"{100 * np.mean(values):+.2f} ± {100 * se(values):.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
@@ -139,13 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(a.out)
     if a.render_only:
-        print(table(json.loads(out.read_text())))
+        doc = json.loads(out.read_text())
+        print(table(doc))
+        if doc["config"].get("secure"):
+            print("\n" + paired_table(doc, json.loads(Path(a.central).read_text())))
         return 0
     delta = a.clients ** -1.1
     targets = a.epsilons.split(",")
     settings = a.settings.split(",")
-    z_for = {t: None if t == "inf" else noise_multiplier_for(float(t), a.rounds, a.join_ratio, delta, a.accountant)
-             for t in targets}
+    z_for = {t: noise_multiplier(a, t, delta) for t in targets}
     cpu = cpu_name()
     doc = {"config": dict(vars(a), epsilons=targets, settings=settings, delta=delta), "cpu": cpu,
            "load_before": os.getloadavg(), "noise_multipliers": z_for, "runs": []}
@@ -181,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     if sweep.failures:
         print("\n".join(failure_lines(sweep.failures)), file=sys.stderr, flush=True)
     print(table(doc))
+    if a.secure and Path(a.central).exists():
+        print("\n" + paired_table(doc, json.loads(Path(a.central).read_text())))
     return 1 if sweep.failures else 0
 
 

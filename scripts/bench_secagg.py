@@ -4,14 +4,21 @@
     .venv/bin/python scripts/bench_secagg.py --seeds 2 --rounds 20          # a slice
     .venv/bin/python scripts/bench_secagg.py --render-only                  # the tables again from the JSON
     .venv/bin/python scripts/bench_secagg.py --mqtt 20 --rounds 2 --out docs/results/secagg/secagg_mqtt.json
+    .venv/bin/python scripts/bench_secagg.py --drop-only                    # only the dropout run, checked
 
 Each run is one ``python -m server.simulate`` command (a child process): digits, ``--clients`` devices, FedARA
 under ``--aggregate updates`` with rank tiers 1/0.5/0.25 round-robin, once plain and once with
-``--secure-aggregation`` per seed; then one secure run per seed in ``--drop-seeds`` with ``--secagg-drop``. Prints
-(1) final accuracy, plain vs secure, the paired difference, and the largest difference between the two final
-models; (2) bytes up per device per tier (factors vs masked integers); (3) the dropout run's rounds: survivors,
-dropped, recovered, aggregated; (4) the noise multiplier z that ε = 8 needs on bench_privacy's schedule under the
-central Gaussian (PLD) and the distributed Skellam accountant (computed, not trained). Writes the JSON.
+``--secure-aggregation`` per seed; then one secure run per seed in ``--drop-seeds`` with ``--secagg-drop`` (and the
+same ``--secagg-dropout-rate``, so k and t are chosen for it), in this process: after every round it checks that
+a round with at least t survivors was aggregated and that its step equals the plain engine's aggregate of the
+survivors' changes (Σ n_i·clip(Δ_i, R) / Σ n_i, computed here from the updates in the clear, which only a
+benchmark holds) within the round's quantization bound plus one float32 rounding. Prints (1) final accuracy, plain
+vs secure, the paired difference, and the largest difference between the two final models; (2) bytes up per device
+per tier (factors vs masked integers); (3) the dropout run's rounds: survivors, dropped, recovered, k, t,
+aggregated, the step's error against its bound; (4) the noise multiplier z that ε = 8 needs on bench_privacy's
+schedule under the central Gaussian (PLD) and the distributed Skellam accountant (computed, not trained); (5) the
+k and t the rule chooses for rounds of 10 to 1,000 devices, their bytes per device and a device's measured
+masking time. Writes the JSON.
 
 ``--mqtt N`` measures the cost over MQTT instead: ``python -m server.broker_loop`` with N real device processes on
 this machine (embedded broker, digits, memory budgets ``--memory-mb`` round-robin, which give the devices their rank
@@ -40,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from server.engine.accountant import SkellamAccountant, noise_multiplier_for  # noqa: E402
+from server.engine.secagg_parameters import DEFAULT_CORRUPT_RATE, choose  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-samples", type=int, default=1797, help="--mqtt: the digits samples shared by the devices")
     p.add_argument("--memory-mb", default="128,94,84",
                    help="--mqtt: the devices' memory budgets (--local-memory-mb, round-robin): their rank tiers")
+    p.add_argument("--drop-only", action="store_true",
+                   help="only the dropout runs (checked), kept beside the pairs already in --out")
     return p.parse_args(argv)
 
 
@@ -96,29 +106,24 @@ def noise_table() -> list[dict]:
     Fashion-MNIST, d = its shared FE's size): the central Gaussian (PLD) and the distributed Skellam mechanism."""
     from device_runtime.dense_delta import dimension
     from server.engine.run_config import DpSettings
-    from server.engine.secure_rounds import dp_noise
+    from server.engine.secure_rounds import dp_noise, skellam_noise_multiplier_for
     from fedcore.models import build_model
     model = build_model("fedavgcnn", (1, 28, 28), 10)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k.startswith("fe.")}
     d, n, q, rounds, target = dimension(shapes), 3000, 0.1, 10, 8.0
     delta = n ** -1.1
     central = noise_multiplier_for(target, rounds, q, delta, "pld")
-    low, high = central, 10 * central
-    def spent(z: float) -> float:
-        mu, l2 = dp_noise(DpSettings(z, q, n, 0.5), d)
-        return SkellamAccountant(q, mu, l2, d, delta).epsilon_after(rounds)
-    while high - low > 1e-3 * high:
-        mid = math.sqrt(low * high)
-        low, high = (mid, high) if spent(mid) > target else (low, mid)
+    distributed = skellam_noise_multiplier_for(target, rounds, q, delta, d)
+    mu, l2 = dp_noise(DpSettings(distributed, q, n, 0.5), d)
     return [{"mechanism": "central Gaussian, PLD", "z": central, "dimension": d},
-            {"mechanism": "distributed Skellam, RDP (Zhu-Wang subsampling)", "z": high, "dimension": d,
-             "epsilon_at_z": spent(high)}]
+            {"mechanism": "distributed Skellam, RDP (Zhu-Wang subsampling)", "z": distributed, "dimension": d,
+             "epsilon_at_z": SkellamAccountant(q, mu, l2, d, delta).epsilon_after(rounds)}]
 
 
 def step_costs(devices: int = 10, dropped: int = 3) -> list[dict]:
     """Per tier of fedavgcnn on Fashion-MNIST: the factors' bytes, the masked upload's, the device's secure step
-    (Δ, quantization, masking against 8 neighbours: seconds and tracemalloc peak) and the server's unmasking of
-    ``devices`` of which ``dropped`` dropped after sharing (seconds)."""
+    (Δ, quantization, masking against the rule's k neighbours: seconds and tracemalloc peak) and the server's
+    unmasking of ``devices`` of which ``dropped`` dropped after sharing (seconds)."""
     import tracemalloc
 
     from device_runtime.dense_delta import dimension
@@ -138,8 +143,9 @@ def step_costs(devices: int = 10, dropped: int = 3) -> list[dict]:
                                          for k, v in fe.items() if k.endswith(".weight")}
         sent = {k: v.numpy() for k, v in factorize_state(fe, ranks).items()}
         returned = {k: v + np.float32(0.01) for k, v in sent.items()}
-        spec = SecureSpec(b"bench|1", ids, 8, 5, 5, b"graph", plain_quantizer(8.0, devices), 8.0, False, 0.0, shapes,
-                          1 / devices)
+        g = choose(devices)
+        spec = SecureSpec(b"bench|1", ids, g.neighbors, g.threshold, g.threshold, b"graph",
+                          plain_quantizer(8.0, devices), 8.0, False, 0.0, shapes, 1 / devices)
         clients = {i: SecAggClient(i, spec) for i in ids}
         server = SecAggServer(spec, d)
         for i, c in clients.items():
@@ -254,6 +260,113 @@ def mqtt_tables(doc: dict) -> str:
                          f"{np.mean([c['bytes_out'] for c in cells]):,.0f} | "
                          f"{np.mean([c['seconds'] for c in cells]):.3f} |")
     return "\n".join(lines)
+def dropout_run(a: argparse.Namespace, seed: int) -> dict:
+    """One secure run with --secagg-drop in this process, each round checked (module docstring)."""
+    from device_runtime.dense_delta import reconstruct
+    from server.run_setup import RunFolder
+    from server.simulate import build_parser
+    from server.simulation import Simulation
+
+    class Checked(Simulation):
+        """The simulation, keeping each round's updates in the clear (a benchmark's privilege) to check the step."""
+
+        checks: list[dict] = []
+
+        def _answers(self, tasks):
+            self.clear = {}
+            for device_id, update in super()._answers(tasks):
+                self.clear[device_id] = (dict(update.weights), tasks[device_id].weights)
+                yield device_id, update
+
+        def _round(self, round_index: int, train: bool = True) -> None:
+            before = self.engine.global_arrays()
+            super()._round(round_index, train)
+            secure = self.engine.secure
+            if not train or secure.server is None or self.engine.pending is None:
+                return
+            row = self.engine.pending["secagg"]
+            survivors = sorted(secure.server.masked)
+            check = {"round": round_index, "survivors": len(survivors), "threshold": row["threshold"],
+                     "aggregated": row["aggregated"], "error": None, "allowed": None}
+            if row["aggregated"]:
+                after, shapes = self.engine.global_arrays(), secure.dense_shapes
+                samples = {d: self.engine.registry()[d].num_train for d in survivors}
+                plain = {k: np.zeros(shape) for k, shape in shapes.items()}
+                for d in survivors:
+                    returned, sent = self.clear[d]
+                    for key, shape in shapes.items():
+                        layer = key.rsplit(".", 1)[0]
+                        def mine(t: dict) -> dict:  # the tensor itself, or its layer's two factors
+                            return {key: t[key]} if key in t else {n: t[n] for n in (layer + ".u", layer + ".v")}
+                        change = (reconstruct(mine(returned), {key: shape})[key]
+                                  - reconstruct(mine(sent), {key: shape})[key])
+                        plain[key] += samples[d] * np.clip(change, -self.args.secagg_range, self.args.secagg_range)
+                total = sum(samples.values())
+                bound = row["quantization_bound"]
+                excess, worst = 0.0, 0.0
+                for key in shapes:  # within the bound plus the float32 rounding of the new model
+                    err = np.abs(after[key].astype(np.float64) - before[key] - plain[key] / total)
+                    slack = bound + np.spacing(np.abs(after[key]).astype(np.float32)).astype(np.float64)
+                    excess = max(excess, float((err - slack).max()))
+                    worst = max(worst, float(err.max()))
+                check.update(error=worst, allowed=bound, within=excess <= 0)
+            self.checks.append(check)
+
+    argv = [*run_argv(a, seed), "--secure-aggregation", "--secagg-drop", str(a.drop), "--secagg-dropout-rate",
+            str(a.drop)]
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        args = build_parser().parse_args([*argv, "--out", tmp])
+        simulation = Checked(args, RunFolder(Path(tmp)))
+        records = simulation.run()
+    rows = [dict(r["secagg"], round=r["round"]) for r in records]
+    checks = {c["round"]: c for c in simulation.checks}
+    for r in rows:
+        c = checks.get(r["round"], {})
+        r.update(step_error=c.get("error"), within_bound=c.get("within"))
+    accuracies = [r["accuracy"] for r in records if r.get("accuracy") is not None]
+    return {"seed": seed, "command": shlex.join(["python", "-m", "server.simulate", *argv]),
+            "wall_s": time.perf_counter() - start, "final_accuracy": accuracies[-1] if accuracies else None,
+            "aggregated": sum(r["aggregated"] for r in rows), "rounds": rows,
+            "every_round_with_t_survivors_aggregated": all(r["aggregated"] for r in rows
+                                                           if r["threshold"] and r["survivors"] >= r["threshold"]),
+            "every_aggregate_within_bound": all(r["within_bound"] for r in rows if r["aggregated"])}
+
+
+def graph_costs(dropout_rate: float = 0.1, sizes: tuple[int, ...] = (10, 30, 100, 300, 1000)) -> list[dict]:
+    """The k and t the rule chooses for rounds of ``sizes`` devices, what a device sends and receives for them per
+    round (keys, sealed shares, unmasking shares), and a device's masking of fedavgcnn's d = 576,896 integers
+    against its k neighbours (seconds, measured with the real client among k + 1 devices)."""
+    from device_runtime.dense_delta import dimension
+    from device_runtime.secagg_client import SecAggClient, SecureSpec
+    from device_runtime.secagg_crypto import KEY_BYTES
+    from device_runtime.secagg_quantize import plain_quantizer
+    from device_runtime.secagg_shamir import SHARE_BYTES
+    from fedcore.models import build_model
+    model = build_model("fedavgcnn", (1, 28, 28), 10)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k.startswith("fe.")}
+    d, sealed = dimension(shapes), 12 + 2 * SHARE_BYTES + 16
+    rows, timed = [], {}
+    for n in sizes:
+        g = choose(n, dropout_rate, DEFAULT_CORRUPT_RATE)
+        k = g.neighbors
+        if k not in timed:
+            ids = tuple(f"d{i:04d}" for i in range(k + 1))
+            spec = SecureSpec(b"bench|2", ids, k, g.threshold, g.threshold, b"graph", plain_quantizer(8.0, k + 1), 8.0,
+                              False, 0.0, shapes)
+            clients = {i: SecAggClient(i, spec) for i in ids}
+            keys = {i: c.advertise() for i, c in clients.items()}
+            shares = {i: c.share_keys({v: keys[v] for v in c.mine}) for i, c in clients.items()}
+            to_first = {v: shares[v][ids[0]] for v in clients[ids[0]].mine}
+            x = np.zeros(d, dtype=np.uint64)
+            start = time.perf_counter()
+            clients[ids[0]].masked_input(x, to_first)
+            timed[k] = time.perf_counter() - start
+        rows.append({"n": n, "dropout_rate": dropout_rate, "neighbors": k, "threshold": g.threshold,
+                     "complete": g.complete, "min_survivors": g.min_survivors(n),
+                     "bytes_up": 2 * KEY_BYTES + k * sealed + (k + 1) * SHARE_BYTES,
+                     "bytes_down": 2 * KEY_BYTES * k + k * sealed, "masking_s": timed[k], "dimension": d})
+    return rows
 
 
 def tables(doc: dict) -> str:
@@ -273,15 +386,30 @@ def tables(doc: dict) -> str:
         lines.append(f"| {tier} | {plain.get(tier, 0):,.0f} | {secure.get(tier, 0):,.0f} |")
     for run in doc.get("drop_runs", []):
         lines += ["", f"Dropout run (seed {run['seed']}, --secagg-drop {doc['config']['drop']}): "
-                  f"{run['aggregated']} of {len(run['rounds'])} rounds aggregated", "",
-                  "| round | survivors | dropped | recovered | threshold | aggregated |", "| --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {r['round']} | {r['survivors']} | {r['dropped']} | {r['recovered']} | {r['threshold']} | "
-                  f"{'yes' if r['aggregated'] else 'no: ' + str(r['failure'])} |" for r in run["rounds"]]
+                  f"{run['aggregated']} of {len(run['rounds'])} rounds aggregated; every round with >= t survivors "
+                  f"aggregated: {'yes' if run.get('every_round_with_t_survivors_aggregated') else 'no'}; every "
+                  f"aggregate within its bound of the survivors' plain aggregate: "
+                  f"{'yes' if run.get('every_aggregate_within_bound') else 'no'}", "",
+                  "| round | survivors | dropped | recovered | k | t | aggregated | max step error | bound |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['round']} | {r['survivors']} | {r['dropped']} | {r['recovered']} | {r.get('neighbors')} | "
+                  f"{r['threshold']} | {'yes' if r['aggregated'] else 'no: ' + str(r['failure'])} | "
+                  f"{'-' if r.get('step_error') is None else format(r['step_error'], '.2e')} | "
+                  f"{'-' if not r['aggregated'] else format(r['quantization_bound'], '.2e')} |" for r in run["rounds"]]
     lines += ["", "| tier (fedavgcnn, fmnist) | factors up (bytes) | masked up (bytes) | device secure step s | "
               "device peak MB (tracemalloc) | server unmask s (10 devices, 3 dropped) |",
               "| --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['tier']:g} | {r['factor_bytes']:,} | {r['masked_bytes']:,} | {r['device_step_s']:.2f} | "
               f"{r['device_peak_mb']:.1f} | {r['server_unmask_s']:.2f} |" for r in doc.get("costs", [])]
+    if doc.get("graphs"):
+        lines += ["", f"k and t by round size (--secagg-dropout-rate {doc['graphs'][0]['dropout_rate']:g}, "
+                  f"--secagg-corrupt-rate {DEFAULT_CORRUPT_RATE:g}; masking: one device, d = "
+                  f"{doc['graphs'][0]['dimension']:,})", "",
+                  "| n | k | t | graph | min survivors | bytes up / device (keys, shares) | bytes down / device | "
+                  "device masking s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['n']:,} | {r['neighbors']} | {r['threshold']} | {'complete' if r['complete'] else 'Harary'} | "
+                  f"{r['min_survivors']} | {r['bytes_up']:,} | {r['bytes_down']:,} | {r['masking_s']:.2f} |"
+                  for r in doc["graphs"]]
     lines += ["", "| mechanism (ε = 8, bench_privacy's schedule) | z | d |", "| --- | --- | --- |"]
     lines += [f"| {row['mechanism']} | {row['z']:.4f} | {row['dimension']:,} |" for row in doc.get("noise", [])]
     return "\n".join(lines)
@@ -303,10 +431,22 @@ def main(argv: list[str] | None = None) -> int:
         print(mqtt_tables(doc))
         return 0
     if a.costs_only:
-        print(tables({"config": vars(a), "pairs": [], "costs": step_costs(), "noise": noise_table()}))
+        print(tables({"config": vars(a), "pairs": [], "costs": step_costs(), "noise": noise_table(),
+                      "graphs": graph_costs()}))
+        return 0
+    if a.drop_only:
+        doc = json.loads(out.read_text()) if out.exists() else {"config": vars(a), "pairs": []}
+        doc["config"].update(drop=a.drop, drop_seeds=a.drop_seeds)
+        doc["drop_runs"] = []
+        for seed in range(a.drop_seeds):
+            doc["drop_runs"].append(dropout_run(a, seed))
+            out.write_text(json.dumps(doc, indent=1, default=float))
+        doc["costs"], doc["graphs"] = step_costs(), graph_costs()
+        out.write_text(json.dumps(doc, indent=1, default=float))
+        print(tables(doc))
         return 0
     doc = {"config": vars(a), "pairs": [], "drop_runs": [], "note": "measured on a shared, busy 2-core machine",
-           "noise": noise_table(), "costs": step_costs()}
+           "noise": noise_table(), "costs": step_costs(), "graphs": graph_costs()}
     for seed in range(max(a.seeds, a.drop_seeds)):  # each seed's pair, then its dropout run: partial results stand
         if seed < a.seeds:
             plain = execute(run_argv(a, seed))
@@ -324,10 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"seed {seed}: plain {plain['final_accuracy']:.4f} secure {secure['final_accuracy']:.4f}", flush=True)
             out.write_text(json.dumps(doc, indent=1, default=float))
         if seed < a.drop_seeds:
-            run = execute([*run_argv(a, seed), "--secure-aggregation", "--secagg-drop", str(a.drop)])
-            rows = [dict(r["secagg"], round=r["round"]) for r in run["records"]]
-            doc["drop_runs"].append({"seed": seed, "command": run["command"], "final_accuracy": run["final_accuracy"],
-                                     "aggregated": sum(r["aggregated"] for r in rows), "rounds": rows})
+            doc["drop_runs"].append(dropout_run(a, seed))
             out.write_text(json.dumps(doc, indent=1, default=float))
     print(tables(doc))
     return 0

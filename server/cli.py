@@ -25,6 +25,7 @@ from fedcore.model_spec import absolute_spec, parse_model_spec
 from server.data import DATASETS, NPZ_PREFIX, dataset_arg
 from server.data.datasets import DatasetFormatError, DatasetUnavailable, check_available
 from server.outputs.checkpoint import folder_taken
+from server.engine.secagg_parameters import DEFAULT_CORRUPT_RATE, DEFAULT_DROPOUT_RATE
 from server.engine.run_config import (AGGREGATION_RULES, ALGORITHMS, BN_STATS, DEFAULT_BN_STATS, DEFAULT_LAM_WARMUP,
                                       DEFAULT_MU, DEFAULT_TIERS, MODELS, SECAGG_DEFAULT_RANGE, FederationConfig,
                                       add_async_arguments, add_dp_arguments, add_norm_bound_arguments,
@@ -212,9 +213,15 @@ def add_secagg_arguments(group: argparse._ArgumentGroup) -> None:
                             "noise (distributed Skellam); needs --aggregate updates, --mode sync")
     group.add_argument("--secagg-neighbors", type=int, default=None, metavar="K",
                        help="each device's neighbours in the round's random K-regular graph (even, or n-1); "
-                            "default: 2*ceil(log2 n) capped at n-1")
+                            "default: the smallest K that meets SecAgg+'s bounds for the round's n devices, "
+                            "--secagg-dropout-rate and --secagg-corrupt-rate (n-1, the complete graph, for small n)")
     group.add_argument("--secagg-threshold", type=int, default=None, metavar="T",
-                       help="shares that rebuild a device's secrets, K/2 < T <= K; default: K/2 + 1 (a majority)")
+                       help="shares that rebuild a device's secrets, (K+1)/2 < T <= K (a majority of its K "
+                            "neighbours and itself); default: the smallest that meets the bounds")
+    group.add_argument("--secagg-dropout-rate", type=float, default=DEFAULT_DROPOUT_RATE, metavar="P",
+                       help="the chance each device drops after sharing, that K and T are chosen to survive")
+    group.add_argument("--secagg-corrupt-rate", type=float, default=DEFAULT_CORRUPT_RATE, metavar="G",
+                       help="the largest fraction of a round's devices that may collude with the server")
     group.add_argument("--secagg-range", type=float, default=SECAGG_DEFAULT_RANGE, metavar="R",
                        help="without DP: each coordinate of a device's change is clipped to +-R before quantization")
 
@@ -361,7 +368,7 @@ def say_before_run(args: argparse.Namespace, devices: int | None) -> None:
     for warning in check_async_fleet(args, devices):
         warn(warning)
     dp = dp_from_args(args, devices) if devices else None
-    if dp is not None:
+    if dp is not None and not args.secure_aggregation:  # distributed DP's plan needs the model: assemble says it
         print(dp.budget_plan(args.rounds, "version" if args.mode == "async" else "round"), flush=True)
 
 

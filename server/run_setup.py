@@ -20,6 +20,7 @@ import torch
 
 from device_runtime.artifact_contract import MANIFEST_NAME, PORTABLE_KIND
 from device_runtime.profile import ResourceProfile
+from device_runtime.secagg_client import secure_step_bytes
 from device_runtime.shard import Shard
 from export.artifacts import ArtifactSet
 from server.algorithms.base import Algorithm
@@ -48,7 +49,8 @@ RESUME_IGNORED = ("rounds",)
 DP_SETTINGS = ("dp_noise_multiplier", "dp_clip", "dp_clip_quantile", "dp_clip_lr", "dp_target_epsilon", "dp_delta",
                "dp_accountant", "dp_test_seed")
 """The differential-privacy flags a resumed run must match, where DP is on (its budget too: a resume keeps spending it)."""
-SECAGG_SETTINGS = ("secure_aggregation", "secagg_neighbors", "secagg_threshold", "secagg_range")
+SECAGG_SETTINGS = ("secure_aggregation", "secagg_neighbors", "secagg_threshold", "secagg_range",
+                   "secagg_dropout_rate", "secagg_corrupt_rate")
 """The secure-aggregation flags a resumed run must match, where it is on."""
 
 
@@ -296,10 +298,11 @@ def round_robin_tiers(ids: list[str], tiers: tuple[float, ...], overrides: dict[
     return {d: overrides.get(d, tiers[i % len(tiers)]) for i, d in enumerate(ids)}
 
 
-def predictor_for(plans: PlanBook, batch_size: int) -> Predictor:
+def predictor_for(plans: PlanBook, batch_size: int, extra_mb: float = 0.0) -> Predictor:
     """(profile, shard samples) -> (ratio -> MiB the device needs): the measured cost model
     (device_runtime/cost_model.json: memory floors, else peaks scaled by the device's probe) where it has the
-    model and input, else the analytic footprint."""
+    model and input, else the analytic footprint; plus ``extra_mb`` at every tier (the secure step's memory under
+    --secure-aggregation: ``secure_step_mb``)."""
     analytic = tier_predictor(plans.model, plans.input_shape, batch_size)
 
     def for_profile(profile: ResourceProfile, shard_samples: int) -> Callable[[float], float]:
@@ -309,9 +312,16 @@ def predictor_for(plans: PlanBook, batch_size: int) -> Predictor:
             predict(1.0)
         except CostModelError as exc:
             LOG.info("cost model: %s; using the analytic footprint", exc)
-            return analytic
-        return predict
+            predict = analytic
+        return predict if not extra_mb else (lambda ratio: predict(ratio) + extra_mb)
     return for_profile
+
+
+def secure_step_mb(model: SplitModel, algorithm: Algorithm) -> float:
+    """MiB a device's secure step allocates beyond its training round (``secagg_client.secure_step_bytes`` of the
+    shared model at full rank, whatever its tier: it masks the full-rank change). The measured floors do not
+    include it, so under --secure-aggregation every tier needs this much more."""
+    return secure_step_bytes({k: tuple(v.shape) for k, v in global_state(model, algorithm).items()}) / (1 << 20)
 
 
 def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder, deployment: Deployment,
@@ -348,10 +358,14 @@ def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder,
     engine = engine_kind(algorithm, config, coordinator, plans, global_state(model, algorithm),
                          initial_personal(list(models.values()), algorithm), tiers=tiers, overrides=overrides,
                          device_models=models_of,
-                         predictor=predictor_for(plans, config.batch_size) if deployment.budgets else None,
+                         predictor=predictor_for(plans, config.batch_size,
+                                                 secure_step_mb(model, algorithm) if secure_from_args(args) else 0.0)
+                         if deployment.budgets else None,
                          norm_bound=norm_bound_from_args(args), remote=deployment.remote,
                          shared_payloads=deployment.shared_payloads,
                          privacy=dp_from_args(args, deployment.devices), **mode)
+    if mode.get("secure") is not None and engine.dp is not None:  # distributed DP: the Skellam accountant's plan
+        (emit or print)(engine.dp.accountant.plan(args.rounds))
     for device_id in shards:
         engine.register(device_id)
     if saved:  # the global model's tensors (the simulator's checkpoint also holds its devices')

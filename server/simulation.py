@@ -5,6 +5,7 @@ transport. Each device gets its plan, answers each task with the same local roun
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import sys
 import time
@@ -44,6 +45,8 @@ class Simulation:
         self.config = check_args(args)
         check_simulate_args(args)
         trace_keys = tuple(k for k in ("device_speed", "availability", "virtual_deadline") if getattr(args, k))
+        if args.secure_aggregation:  # who drops and how devices round are the run's math too
+            trace_keys += ("secagg_drop", "secagg_test_seed")
         deployment = Deployment(devices=args.clients, min_devices=1, round_deadline_s=NO_DEADLINE_S,
                                 onnx=args.backend != "torch", budgets=False, settings_keys=("clients", *trace_keys))
         run = assemble(args, self.config, out, deployment, emit=print_and_log)
@@ -153,7 +156,7 @@ class Simulation:
                 log.warning("%s has no answer to round %d: %s", device_id, round_index, verdict.reason)
                 continue
             if device_id in clients:  # its change goes masked; the update keeps its count, loss and metrics
-                update, x = secure_answer(update, tasks[device_id], secure_generator())
+                update, x = secure_answer(update, tasks[device_id], self._rounding(round_index, device_id))
                 refusal = secure.receive_masked(device_id, clients[device_id].masked_input(x, self._shares[device_id]))
                 if refusal:
                     log.warning("secure aggregation refused %s: %s", device_id, refusal)
@@ -167,6 +170,14 @@ class Simulation:
         self.clock = max(ends.values(), default=self.clock)
         _, completed = engine.close_round(time.monotonic(), sim_time=self.clock if fleet else None)
         self.progress.evaluated(completed)
+
+    def _rounding(self, round_index: int, device_id: str) -> np.random.Generator:
+        """A device's generator for its rounding and noise: the OS's, or --secagg-test-seed's (reproducible: a
+        function of the seed, the round and the device, so a resumed run draws what the uninterrupted one did)."""
+        if self.args.secagg_test_seed is None:
+            return secure_generator()
+        device = int.from_bytes(hashlib.sha256(device_id.encode()).digest()[:8], "big")
+        return np.random.default_rng([self.args.secagg_test_seed, round_index, device])
 
     def _share_keys(self, round_index: int, tasks: dict[str, Task]) -> dict[str, SecAggClient]:
         """SecAgg+'s first two exchanges for the round's trainers, relayed by the engine's secure round; then

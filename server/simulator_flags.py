@@ -7,7 +7,7 @@ import argparse
 from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
 from server.cli import add_ray_flags, check_async_fleet, check_ray_args, new_parser
 from server.engine.device_trace import Availability, SpeedModel
-from server.engine.run_config import dp_from_args
+from server.engine.run_config import dp_from_args, secure_from_args
 
 BACKENDS = {"torch": None, "ort": TRAINING_KIND, "portable": PORTABLE_KIND}
 """--backend -> the artifact kind its devices run: the PyTorch reference (none), onnxruntime's training API, or
@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--secagg-drop", type=float, default=0.0, metavar="P",
                      help="with --secure-aggregation: each device drops after sharing its keys with probability P "
                           "(seeded by --seed and the round), to study recovery")
+    sim.add_argument("--secagg-test-seed", type=int, default=None, metavar="N",
+                     help="with --secure-aggregation: the devices' stochastic rounding (and distributed DP noise) from "
+                          "N, the round and the device instead of the OS's generator, so a run and its --resume are "
+                          "reproducible; for tests only: then neither the rounding nor the noise is secret")
     return p
 
 
@@ -52,11 +56,14 @@ def check_simulate_args(args: argparse.Namespace) -> None:
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     dp_from_args(args, args.clients)
+    secure_from_args(args, args.clients)
     check_async_fleet(args, args.clients)
     if not 0 <= args.secagg_drop < 1:
         raise ValueError(f"--secagg-drop must be a probability in [0, 1), got {args.secagg_drop:g}")
     if args.secagg_drop and not args.secure_aggregation:
         raise ValueError(f"--secagg-drop {args.secagg_drop:g} needs --secure-aggregation")
+    if args.secagg_test_seed is not None and not args.secure_aggregation:
+        raise ValueError(f"--secagg-test-seed {args.secagg_test_seed} needs --secure-aggregation")
     if args.ray is not None and args.workers != 1:
         raise ValueError(f"--ray trains the devices as Ray tasks, as many at once as the cluster has CPUs: leave out "
                          f"--workers {args.workers}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 from dp_accounting import dp_event
@@ -77,9 +78,11 @@ def rounds_within(target_epsilon: float, join_ratio: float, noise_multiplier: fl
                   most: int) -> int:
     """The most rounds, up to ``most``, whose ε stays within ``target_epsilon`` (ε grows with the rounds: a
     bisection, about log2(most) accountant calls): the round after it is the one the budget stops the run before."""
-    def spent(rounds: int) -> float:
-        return epsilon(join_ratio, noise_multiplier, rounds, delta, kind)
+    return _rounds_within(lambda rounds: epsilon(join_ratio, noise_multiplier, rounds, delta, kind), target_epsilon,
+                          most)
 
+
+def _rounds_within(spent: Callable[[int], float], target_epsilon: float, most: int) -> int:
     if spent(most) <= target_epsilon:
         return most
     low, high = 0, most  # spent(low) <= target < spent(high)
@@ -93,17 +96,23 @@ def budget_plan(join_ratio: float, noise_multiplier: float, delta: float, kind: 
                 rounds: int, unit: str = "round") -> str:
     """The line a private run prints before it trains: where --dp-target-epsilon stops it, or the ε its --rounds
     will spend. ``unit``: what --rounds counts ("round", or "version" in async mode)."""
+    return _plan_line(lambda r: epsilon(join_ratio, noise_multiplier, r, delta, kind), delta, kind, target_epsilon,
+                      rounds, unit)
+
+
+def _plan_line(spent_after: Callable[[int], float], delta: float, kind: str, target_epsilon: float | None,
+               rounds: int, unit: str) -> str:
     at = f"δ = {delta:.3g}, {kind} accountant" + (": a δ this large is a weak guarantee (few devices)"
                                                    if delta > WEAK_DELTA else "")
     if target_epsilon is None:
-        return (f"privacy: {rounds} {unit}(s) will spend ε = {epsilon(join_ratio, noise_multiplier, rounds, delta, kind):.4g} "
-                f"({at}); no --dp-target-epsilon stops the run")
-    fits = rounds_within(target_epsilon, join_ratio, noise_multiplier, delta, kind, rounds)
-    spent = epsilon(join_ratio, noise_multiplier, fits, delta, kind)
+        return (f"privacy: {rounds} {unit}(s) will spend ε = {spent_after(rounds):.4g} ({at}); no --dp-target-epsilon "
+                "stops the run")
+    fits = _rounds_within(spent_after, target_epsilon, rounds)
+    spent = spent_after(fits)
     if fits == rounds:
         return (f"privacy: all {rounds} {unit}(s) fit --dp-target-epsilon {target_epsilon:g}: they spend ε = "
                 f"{spent:.4g} ({at})")
-    after = epsilon(join_ratio, noise_multiplier, fits + 1, delta, kind)
+    after = spent_after(fits + 1)
     return (f"privacy: --dp-target-epsilon {target_epsilon:g} stops the run after {unit} {fits} of {rounds} "
             f"(ε = {spent:.4g}; {unit} {fits + 1} would spend {after:.4g}; {at})")
 
@@ -135,6 +144,10 @@ class Accountant:
         return (f"privacy budget: round {self.rounds + 1} would spend ε = {after:.4g} > --dp-target-epsilon "
                 f"{self.target_epsilon:g} (δ = {self.delta:.3g}); the run stops with ε = {self.spent:.4g} "
                 f"after {self.rounds} private round(s)")
+
+    def plan(self, rounds: int, unit: str = "round") -> str:
+        """The line a private run prints before it trains (``budget_plan``), from this accountant's ε."""
+        return _plan_line(self.epsilon_after, self.delta, self.kind, self.target_epsilon, rounds, unit)
 
     def charge(self) -> None:
         """A training round opened: its release counts, whatever it delivers."""

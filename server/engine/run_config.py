@@ -12,6 +12,9 @@ import math
 from dataclasses import asdict, dataclass
 from enum import Enum
 
+from server.engine.secagg_parameters import DEFAULT_CORRUPT_RATE, DEFAULT_DROPOUT_RATE
+from server.engine.secagg_parameters import parameters as graph_parameters
+
 ALGORITHMS = ("fedara", "fedavg", "fedrep", "local")
 """The algorithms, one file each in server/algorithms/."""
 MODELS = ("fedavgcnn", "cnn1", "cnn2", "cnn3", "cnn4", "cnn5")
@@ -362,14 +365,21 @@ SECAGG_DEFAULT_RANGE = 8.0
 @dataclass(frozen=True)
 class SecureSettings:
     """Secure aggregation (SecAgg+, ``server.engine.secure_rounds``): the neighbours k and threshold t of each round
-    (None: k = 2⌈log2 n⌉ capped at n − 1, t = k/2 + 1, from the round's n participants), and the coordinate range R
-    of a change without DP."""
+    (None: the rule of ``server.engine.secagg_parameters`` for the round's n participants, the dropout rate δ and the
+    corrupt fraction γ), and the coordinate range R of a change without DP."""
 
     neighbors: int | None = None
     threshold: int | None = None
     coordinate_range: float = SECAGG_DEFAULT_RANGE
+    dropout_rate: float = DEFAULT_DROPOUT_RATE
+    corrupt_rate: float = DEFAULT_CORRUPT_RATE
 
     def __post_init__(self) -> None:
+        if not 0 <= self.dropout_rate < 1:
+            raise ValueError(f"--secagg-dropout-rate must be a probability in [0, 1), got {self.dropout_rate:g}")
+        if not 0 <= self.corrupt_rate < 0.5:
+            raise ValueError(f"--secagg-corrupt-rate must be in [0, 0.5) (t is a majority of each device's holders), "
+                             f"got {self.corrupt_rate:g}")
         if self.neighbors is not None and self.neighbors < 2:
             raise ValueError(f"--secagg-neighbors must be >= 2, got {self.neighbors}")
         if self.threshold is not None and self.threshold < 2:
@@ -378,10 +388,11 @@ class SecureSettings:
             raise ValueError(f"--secagg-range must be a positive number, got {self.coordinate_range:g}")
 
 
-def secure_from_args(args: argparse.Namespace) -> SecureSettings | None:
+def secure_from_args(args: argparse.Namespace, devices: int | None = None) -> SecureSettings | None:
     """The secure-aggregation settings the flags ask for, or None (off); ValueError for a combination it cannot
     serve: the async mode, aggregator processes, --update-norm-bound (the server never sees one update), an
-    aggregation other than updates, the adaptive clip."""
+    aggregation other than updates, the adaptive clip; and, given the fleet's ``devices``, an explicit
+    --secagg-neighbors / --secagg-threshold that misses SecAgg+'s bounds for the round size --join-ratio expects."""
     if not args.secure_aggregation:
         asked = [f for f, v in (("--secagg-neighbors", args.secagg_neighbors), ("--secagg-threshold",
                  args.secagg_threshold)) if v is not None]
@@ -404,4 +415,10 @@ def secure_from_args(args: argparse.Namespace) -> SecureSettings | None:
     if args.dp_noise_multiplier is not None and args.dp_clip_quantile is not None:
         raise ValueError("--secure-aggregation with --dp-clip-quantile: the adaptive clip needs each device's norm at "
                          "the server; use a fixed --dp-clip")
-    return SecureSettings(args.secagg_neighbors, args.secagg_threshold, args.secagg_range)
+    settings = SecureSettings(args.secagg_neighbors, args.secagg_threshold, args.secagg_range,
+                              args.secagg_dropout_rate, args.secagg_corrupt_rate)
+    if devices and (settings.neighbors is not None or settings.threshold is not None):
+        expected = max(1, round(args.join_ratio * devices))
+        graph_parameters(expected, settings.neighbors, settings.threshold, settings.dropout_rate,
+                         settings.corrupt_rate)
+    return settings

@@ -5,8 +5,9 @@ removes the masks, obtaining the sum of the survivors' integers and nothing else
 Phases, each closed by the driver (every device answered, or its deadline): ``keys`` (U1: who advertised),
 ``shares`` (U2: who sent shares; each device gets the sealed shares addressed to it), ``masked`` (U3: whose masked
 input arrived: the survivors), ``unmask`` (each survivor's shares: a survivor's self-mask seed, a dropped device's
-mask key), then ``done`` or ``failed``. Before it asks anyone to unmask, the server checks that every secret it will
-need can be rebuilt (each device of U2 has at least t neighbours in U3) and that at least ``min_survivors`` survive;
+mask key), then ``done`` or ``failed``. A device holds one share of its own secrets besides its neighbours' (k + 1
+holders). Before it asks anyone to unmask, the server checks that every secret it will need can be rebuilt (each
+device of U2 has at least t of its holders in U3) and that at least ``min_survivors`` survive;
 otherwise the round fails there and no share is revealed (the sum is not aggregated: said in one line). A message for
 a phase that has closed, from a device outside the phase's set, or a second one, is refused with its reason and
 changes nothing: in particular a masked input that arrives after the unmasking began (its mask key may have been
@@ -126,13 +127,13 @@ class SecAggServer:
         self._close("masked", now)
         survivors = tuple(sorted(self.masked))
         t = self.spec.threshold
-        short = [v for v in sorted(self.sealed) if sum(u in self.masked for u in self.graph[v]) < t]
+        short = [v for v in sorted(self.sealed) if sum(u in self.masked for u in self.holders(v)) < t]
         if len(survivors) < self.spec.min_survivors:
             self.failure = (f"{len(survivors)} of {len(self.spec.participants)} devices survived, below the "
                             f"{self.spec.min_survivors} the round needs")
         elif short:
             self.failure = (f"{len(short)} device(s) ({', '.join(short[:3])}) have fewer than t = {t} surviving "
-                            "neighbours: their secrets cannot be rebuilt")
+                            "holders (neighbours and itself): their secrets cannot be rebuilt")
         if self.failure is not None:
             self.phase = "failed"
             return ()
@@ -140,10 +141,11 @@ class SecAggServer:
         return survivors
 
     def receive_unmasking(self, device_id: str, reveals: Mapping[str, tuple[str, int]]) -> str | None:
-        """A survivor's shares: for each neighbour that shared, its seed's share (survivor) or mask key's (dropped)."""
+        """A survivor's shares: for each neighbour that shared and itself, a seed's share (survivor) or mask key's
+        (dropped)."""
         problem = self._refuse("unmask", device_id, self.masked, self.revealed)
         if problem is None:
-            expected = {v for v in self.graph[device_id] if v in self.sealed}
+            expected = {v for v in self.holders(device_id) if v in self.sealed}
             if set(reveals) != expected:
                 problem = f"unmasking shares from {device_id} about {sorted(reveals)[:4]}, not {sorted(expected)[:4]}"
             elif any(kind != (SELF_SEED if v in self.masked else MASK_KEY) for v, (kind, _) in reveals.items()):
@@ -179,6 +181,11 @@ class SecAggServer:
         self.recovered = tuple(sorted(keys))
         self.phase = "done"
         return total
+
+    def holders(self, device_id: str) -> tuple[str, ...]:
+        """Who holds shares of a device's secrets: its neighbours and itself (the graph is symmetric, so these are
+        also the devices whose shares it holds)."""
+        return (*self.graph[device_id], device_id)
 
     def _shares_about(self, device_id: str, kind: str) -> dict[int, int]:
         return {self.spec.holder(holder): share for holder, about in self.revealed.items()

@@ -6,8 +6,9 @@ Without DP a device sends p_i·clip_∞(Δ_i, R) with p_i its share of the round
 device's count from its JOIN); the step is Σ_{survivors} p_i·Δ_i / Σ_{survivors} p_i, the plain engine's
 sample-weighted mean of the survivors' changes within n/(γ·Σp) a coordinate (``Quantizer.sum_error``). With DP
 (``--dp-noise-multiplier z``) a device sends clip_2(Δ_i, C) plus Skellam noise of parameter μ/s, s the round's
-minimum of survivors, max(t, ⌈n·t/k⌉): the sum of at least s survivors carries Sk(μ) with 2μ = (z·(γC + √d))², and
-the step is that sum / E (the fixed denominator of DP-FedAvg), charged by ``accountant.SkellamAccountant``.
+minimum of survivors, max(t, ⌈n·t/(k + 1)⌉) (``GraphParameters.min_survivors``): the sum of at least s survivors
+carries Sk(μ) with 2μ = (z·(γC + √d))², and the step is that sum / E (the fixed denominator of DP-FedAvg), charged
+by ``accountant.SkellamAccountant``.
 """
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ import numpy as np
 
 from device_runtime.dense_delta import dimension, unflatten
 from device_runtime.secagg_client import SecureSpec
-from device_runtime.secagg_graph import check_graph, default_neighbors, default_threshold
 from device_runtime.secagg_noise import sensitivity, total_mu
 from device_runtime.secagg_quantize import DP_UNITS, QuantizeError, dp_quantizer, plain_quantizer
+from server.engine.accountant import SkellamAccountant
 from server.engine.run_config import DpSettings, SecureSettings
+from server.engine.secagg_parameters import parameters
 from server.engine.secure_aggregation import SecAggServer
 
 LOG = logging.getLogger("fedara.engine")
@@ -38,6 +40,23 @@ def dp_noise(privacy: DpSettings, d: int) -> tuple[float, float]:
     """(μ, Δ₂): the Skellam parameter the round's sum carries at least, and the integers' L2 sensitivity."""
     scale = dp_scale(privacy.clip, d)
     return total_mu(privacy.noise_multiplier, scale, privacy.clip, d), sensitivity(scale, privacy.clip, d)
+
+
+def skellam_noise_multiplier_for(target_epsilon: float, rounds: int, join_ratio: float, delta: float,
+                                 d: int) -> float:
+    """The smallest z (to 0.1 %) whose ``rounds`` distributed rounds (``SkellamAccountant``) stay within the target:
+    distributed DP's counterpart of ``accountant.noise_multiplier_for`` (μ does not depend on the clip: γC is fixed
+    in units)."""
+    def spent(z: float) -> float:
+        mu, l2 = dp_noise(DpSettings(z, join_ratio, 2, 1.0), d)
+        return SkellamAccountant(join_ratio, mu, l2, d, delta).epsilon_after(rounds)
+    low, high = 1e-3, 1.0
+    while spent(high) > target_epsilon:
+        low, high = high, 2 * high
+    while high - low > 1e-3 * high:
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if spent(mid) > target_epsilon else (low, mid)
+    return high
 
 
 class SecureRounds:
@@ -55,14 +74,14 @@ class SecureRounds:
     def open(self, round_index: int, participants: list[str], samples: dict[str, int]) -> None:
         """Set up a training round over ``participants`` (with their sample counts)."""
         self.server, self._spec, self.failure = None, None, None
-        n = len(participants)
-        k = self.settings.neighbors or default_neighbors(n)
-        t = self.settings.threshold or default_threshold(k)
-        problem = check_graph(n, k, t) if n else "no participants"
-        if problem is not None:
-            self.failure = f"round {round_index} cannot be aggregated securely: {problem}"
+        n, settings = len(participants), self.settings
+        try:
+            graph = parameters(n, settings.neighbors, settings.threshold, settings.dropout_rate, settings.corrupt_rate)
+        except ValueError as exc:
+            self.failure = f"round {round_index} cannot be aggregated securely: {exc}"
             LOG.warning(self.failure)
             return
+        k, t = graph.neighbors, graph.threshold
         context = f"{self.run_id}|{round_index}".encode()
         seed = hashlib.sha256(b"fedara-secagg-round/" + context).digest()
         total = sum(samples[d] for d in participants)
@@ -71,7 +90,7 @@ class SecureRounds:
                              clip=self.settings.coordinate_range, l2=False, noise_mu=0.0)
             self._weights = {d: samples[d] / total for d in participants}
         else:
-            s = min(n, max(t, math.ceil(n * t / k)))
+            s = graph.min_survivors(n)
             mu, _ = dp_noise(self.privacy, self.dimension)
             clip, z = self.privacy.clip, self.privacy.noise_multiplier
             try:

@@ -56,12 +56,12 @@ def test_every_row_says_what_the_secure_round_did_and_the_report_status_and_metr
     RunFolder(tmp_path / "run").report(records, simulation.settings)
     for row in records:
         s = row["secagg"]
-        assert (s["survivors"], s["dropped"], s["recovered"], s["threshold"], s["aggregated"]) == (4, 0, 0, 2, True)
+        assert (s["survivors"], s["dropped"], s["recovered"], s["threshold"], s["aggregated"]) == (4, 0, 0, 3, True)
         assert set(s["phases"]) == {"keys", "shares", "masked", "unmask"}
         assert s["phases"]["masked"]["bytes_in"] == 4 * 4 * s["dimension"]
-    assert "| 2 | 4 | 0 | 0 | 2 | yes |" in (tmp_path / "run" / REPORT_FILE).read_text()
+    assert "| 2 | 4 | 0 | 0 | 3 | yes |" in (tmp_path / "run" / REPORT_FILE).read_text()
     snapshot = fleet_snapshot(simulation.engine, now=0.0, wall=0.0)
-    assert "secure aggregation round 2: 4 survivors, 0 dropped, 0 recovered, t 2, aggregated" in meta_parts(snapshot)
+    assert "secure aggregation round 2: 4 survivors, 0 dropped, 0 recovered, t 3, aggregated" in meta_parts(snapshot)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(lambda: snapshot))
     values = {(m.name, tuple(m.labels.values())): m.value
@@ -79,7 +79,7 @@ def test_devices_dropping_after_sharing_are_recovered_or_the_round_is_not_aggreg
     assert failed and all(not s["aggregated"] and s["failure"] for s in failed)
 
 
-def test_distributed_dp_charges_the_skellam_mechanism_and_stops_at_the_target(tmp_path):
+def test_distributed_dp_charges_the_skellam_mechanism_and_stops_at_the_target(tmp_path, capsys):
     dp = ["--dp-noise-multiplier", "2.0", "--dp-clip", "0.05", "--join-ratio", "1"]
     records = run(tmp_path / "run", "--rounds", "5", *SECURE, *dp, "--dp-target-epsilon", "1")
     shapes = {k: v.shape for k, v in shared(tmp_path / "run").items()}
@@ -89,6 +89,10 @@ def test_distributed_dp_charges_the_skellam_mechanism_and_stops_at_the_target(tm
     assert [r["epsilon"] for r in records] == pytest.approx([accountant.epsilon_after(i + 1)
                                                             for i in range(len(records))])
     assert len(records) == 3 and accountant.epsilon_after(4) > 1  # (0.18, 0.56, 0.89, 1.14, ...)
+    said = capsys.readouterr().out  # the plan before training is the Skellam accountant's, not the Gaussian's
+    assert (f"privacy: --dp-target-epsilon 1 stops the run after round 3 of 5 (ε = {accountant.epsilon_after(3):.4g}; "
+            f"round 4 would spend {accountant.epsilon_after(4):.4g}; δ = {4 ** -1.1:.3g}, skellam accountant") in said
+    assert "pld accountant" not in said
     assert all(r["secagg"]["noise_mu_per_device"] > 0 for r in records)
 
 
@@ -99,6 +103,17 @@ def test_distributed_dp_charges_the_skellam_mechanism_and_stops_at_the_target(tm
     (["--dp-noise-multiplier", "1", "--dp-clip-quantile", "0.5"], "fixed --dp-clip"),
 ])
 def test_what_secure_aggregation_cannot_serve_is_refused_in_one_line(flags, says, tmp_path, capsys):
+    assert main([*QUICK, "--out", str(tmp_path / "run"), *SECURE, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--secagg-neighbors", "2"], "--secagg-neighbors 2: with 4 devices at --secagg-dropout-rate 0.1"),
+    (["--secagg-threshold", "2"], "--secagg-threshold 2 must be above (k + 1)/2 = 2 and at most k = 3"),
+    (["--secagg-corrupt-rate", "0.5"], "--secagg-corrupt-rate must be in [0, 0.5)"),
+])
+def test_explicit_graph_settings_that_miss_the_bounds_are_refused_in_one_line(flags, says, tmp_path, capsys):
     assert main([*QUICK, "--out", str(tmp_path / "run"), *SECURE, *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0]
@@ -129,3 +144,63 @@ def test_a_round_too_small_to_aggregate_securely_asks_for_nothing_in_the_clear(t
 def test_every_algorithm_with_a_shared_model_aggregates_securely(algo, tmp_path):
     records = run(tmp_path / "run", "--rounds", "1", "--algo", algo, *SECURE)
     assert records[0]["aggregated"] and records[0]["secagg"]["survivors"] == 4
+
+
+REPRODUCIBLE = [*SECURE, "--secagg-drop", "0.3", "--seed", "3", "--secagg-test-seed", "7", "--rank-tiers", "1.0,0.5"]
+
+
+def same_checkpoints(a, b) -> None:
+    ours, theirs = load_checkpoint(a / CHECKPOINT_NAME), load_checkpoint(b / CHECKPOINT_NAME)
+    assert ours.round == theirs.round and set(ours.tensors) == set(theirs.tensors)
+    assert all(np.array_equal(ours.tensors[k], theirs.tensors[k]) for k in ours.tensors)
+
+
+def test_a_secure_run_resumed_from_its_checkpoint_ends_with_the_same_model(tmp_path):
+    """With --secagg-test-seed the devices' rounding is a function of the round and the device, so a run stopped
+    after round 2 and resumed ends where the uninterrupted run does, bit for bit (with drops and recoveries). (Round
+    2's accuracy differs: the first run, ending there, evaluated its model on every device; the straight run on
+    round 3's devices that did not drop.)"""
+    straight = run(tmp_path / "straight", *REPRODUCIBLE, "--rounds", "4")
+    run(tmp_path / "resumed", *REPRODUCIBLE, "--rounds", "2")
+    resumed = run(tmp_path / "resumed", *REPRODUCIBLE, "--rounds", "4", "--resume")
+    assert [r["secagg"]["aggregated"] for r in straight] == [r["secagg"]["aggregated"] for r in resumed]
+    assert [r["round"] for r in straight] == [r["round"] for r in resumed] == [1, 2, 3, 4]
+    assert straight[-1]["accuracy"] == resumed[-1]["accuracy"]
+    same_checkpoints(tmp_path / "straight", tmp_path / "resumed")
+
+
+def test_a_resumed_secure_run_must_keep_its_secure_settings(tmp_path, capsys):
+    run(tmp_path / "run", *REPRODUCIBLE, "--rounds", "1")
+    capsys.readouterr()
+    assert main([*QUICK, "--out", str(tmp_path / "run"), *REPRODUCIBLE, "--rounds", "2", "--resume",
+                 "--secagg-dropout-rate", "0.2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "secagg_dropout_rate" in err[0]
+
+
+def test_secagg_test_seed_needs_secure_aggregation(tmp_path, capsys):
+    assert main([*QUICK, "--out", str(tmp_path / "run"), "--secagg-test-seed", "1"]) == 2
+    assert "--secagg-test-seed 1 needs --secure-aggregation" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_secure_run_killed_after_a_round_resumes_to_the_uninterrupted_runs_checkpoint(tmp_path):
+    """A real process SIGKILLed once a round's checkpoint is on disk; --resume finishes it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    command = [sys.executable, "-m", "server.simulate", *QUICK, *REPRODUCIBLE, "--rounds", "4"]
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([*command, "--out", str(tmp_path / "straight")], check=True, cwd=root, capture_output=True)
+    victim = subprocess.Popen([*command, "--out", str(tmp_path / "killed")], cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    for line in victim.stdout:  # round 2 has closed (its checkpoint written or about to be: either resumes)
+        if line.startswith("round 2/4"):
+            break
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert load_checkpoint(tmp_path / "killed" / CHECKPOINT_NAME).round < 4
+    subprocess.run([*command, "--out", str(tmp_path / "killed"), "--resume"], check=True, cwd=root, capture_output=True)
+    same_checkpoints(tmp_path / "straight", tmp_path / "killed")

@@ -30,7 +30,8 @@ def test_both_drivers_share_every_algorithm_and_data_flag_with_the_same_defaults
     sim, mqtt = simulate.build_parser(), broker_loop.build_parser()
     shared = {a.dest: a.default for a in sim._actions if a.dest not in ("help", "clients", "backend", "workers", "device",
                                                                   "device_speed", "availability", "virtual_deadline",
-                                                                  "ray", "ray_gpus", "secagg_drop")}
+                                                                  "ray", "ray_gpus", "secagg_drop",
+                                                                  "secagg_test_seed")}
     theirs = {a.dest: a.default for a in mqtt._actions}
     assert {k: theirs.get(k, "missing") for k in shared} == shared
 

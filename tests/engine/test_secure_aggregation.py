@@ -72,7 +72,23 @@ def test_fewer_survivors_than_needed_aggregates_nothing_and_asks_for_no_share():
 
 def test_a_neighbourhood_below_the_threshold_fails_the_round_before_unmasking():
     server, total, _, _ = run(spec(k=4, t=3, min_survivors=3), inputs(), {"d01", "d02", "d03", "d04"})
-    assert total is None and "fewer than t = 3 surviving neighbours" in server.failure
+    assert total is None and "fewer than t = 3 surviving holders" in server.failure
+
+
+def test_on_the_complete_graph_every_round_with_t_survivors_is_unmasked_and_one_fewer_is_not():
+    """k = n − 1 and each device holds a share of its own secrets: exactly the rounds with >= t survivors open
+    (n = 10, t = 6: 4 drop, any 4; then 5 drop)."""
+    xs = inputs()
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        dropped = set(rng.choice(IDS, 4, replace=False))
+        server, total, clients, _ = run(spec(k=9, t=6, min_survivors=6), xs, dropped)
+        assert np.array_equal(total, sum(xs[d] for d in IDS if d not in dropped))
+        assert server.summary()["recovered"] == 4
+        survivor = next(d for d in IDS if d not in dropped)
+        assert server.revealed[survivor][survivor][0] == "self_seed"  # its own share of its own seed
+    server, total, _, _ = run(spec(k=9, t=6, min_survivors=6), xs, set(IDS[:5]))
+    assert total is None and "5 of 10 devices survived, below the 6" in server.failure and server.revealed == {}
 
 
 def test_a_masked_input_after_the_unmasking_began_is_refused():
