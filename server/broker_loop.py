@@ -343,7 +343,7 @@ class Federation:
         """The TASK, naming its plan's payload (published first, once per plan and round) instead of carrying it."""
         ref = None
         if task.weights and self.engine.shares_payloads:
-            ref, data = self.engine.payload(device_id, time.monotonic())
+            ref, data = self.engine.payload(device_id, task, time.monotonic())
             if data is not None:
                 self._publish_payload(ref, data)
         self._send(device_id, task_message(task, plan_hash=self.engine.plan_info(device_id).hash,
@@ -469,6 +469,15 @@ class AsyncFederation(Federation):
         engine = self.engine
         for device_id, task in engine.dispatch(self._ready(), now=self.clock()).items():
             self._send_built_task(device_id, task)
+        self._clear_unused_payloads()
+
+    def _clear_unused_payloads(self) -> None:
+        """Delete the retained payloads of versions no task in flight or evaluation asked uses any more."""
+        for ref in self.engine.unused_payloads():
+            topic = payload_topic(self.args.prefix, self.engine.run_id, ref.sha256)
+            frames = self.retained.pop(topic, None)
+            if frames is not None:
+                self.endpoint.clear_retained(topic, frames)
 
     def _resend(self, device_id: str) -> None:
         LOG.info("sending %s its task in flight again", device_id)
@@ -574,6 +583,7 @@ class AsyncFederation(Federation):
                    time.monotonic() + (self.args.task_timeout or self.args.round_deadline))
         LOG.info("the run is over: %d task(s) in flight abandoned", len(engine.abandon()))
         engine.finish()
+        self.clear_payloads()
         self._follow()
         self.checkpoint(rounds, finished=True)
         self.publish_status(force=True, finished=True)
@@ -634,7 +644,7 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
     assembly = assemble(args, config, out, Deployment(
         devices=args.local_devices, min_devices=args.min_devices or args.local_devices or 1,
         round_deadline_s=args.round_deadline, remote=args.aggregators > 0,
-        shared_payloads=args.mode == "sync",  # an async task carries its version's weights (versions, not rounds)
+        shared_payloads=True,  # a task names its payload (sync: the round's, async: its version's) at each plan
         settings_keys=BROKER_SETTINGS),
         emit=print_and_log)
     engine, shards, settings, saved = assembly.engine, assembly.shards, assembly.settings, assembly.saved

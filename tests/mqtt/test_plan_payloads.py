@@ -125,6 +125,23 @@ def test_a_payload_of_a_closed_round_is_not_published_again():
     assert payloads.requested(PayloadRef("cd" * 32, 10), now=10.0) is None  # never one of ours
 
 
+def test_payloads_no_version_in_use_names_are_forgotten_and_handed_back_to_delete():
+    payloads = PlanPayloads()
+    old, _ = payloads.get((1, "p"), tensors(1), now=0.0)
+    kept, _ = payloads.get((2, "p"), tensors(2), now=0.0)
+    assert payloads.keep_only({(2, "p")}) == [old]
+    assert payloads.requested(old, now=10.0) is None  # no longer published again
+    assert payloads.get((2, "p"), tensors(2), now=10.0) == (kept, None)  # still published: nothing to send
+
+
+def test_a_payload_two_versions_share_is_kept_while_either_is_in_use():
+    payloads = PlanPayloads()
+    ref, _ = payloads.get((1, "p"), tensors(1), now=0.0)
+    assert payloads.get((2, "p"), tensors(1), now=0.0) == (ref, None)  # an unchanged model: the same payload
+    assert payloads.keep_only({(2, "p")}) == []
+    assert payloads.requested(ref, now=10.0) is not None
+
+
 # -- the device: fetch, check, refuse, ask again -------------------------------------------------
 
 
