@@ -333,6 +333,14 @@ class Federation:
         if not verdict.accepted:
             LOG.warning("dropped an update from %s (round %d): %s", device_id, msg.round, verdict.reason)
             count_refusal(self.refusals, update_refusal(verdict.reason))
+            return
+        self._send_receipt(device_id, msg.round)
+
+    def _send_receipt(self, device_id: str, round_index: int) -> None:
+        """Tell the device its answer to ``round_index`` is counted: a re-ask that crossed that answer is not
+        answered with it again (device_runtime/answer_receipt.py)."""
+        self._send(device_id, error_message(ErrorCode.RECEIVED, f"your answer to {round_index} is counted",
+                                            device_id=device_id, run_id=self.engine.run_id, round_index=round_index))
 
     # -- outbound ---------------------------------------------------------------------------
 
@@ -533,6 +541,8 @@ class AsyncFederation(Federation):
         if not verdict.accepted:
             LOG.warning("dropped an update from %s (task %d): %s", device_id, msg.round, verdict.reason)
             count_refusal(self.refusals, update_refusal(verdict.reason))
+        else:
+            self._send_receipt(device_id, msg.round)
         self._dispatch()
 
     def _follow(self) -> None:
