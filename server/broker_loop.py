@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from device_runtime.broker_wait import BrokerUnreachableError, wait_for_broker
-from device_runtime.transport import MqttEndpoint, TransportError, rotate_brokers
+from device_runtime.transport import MqttEndpoint, TransportError, rotate_brokers, speaks_mqtt5
 from server.mqtt import cgroups
 from server.broker_flags import build_parser, check_broker_args, check_broker_reachable, local_budgets
 from server.cli import (PASSWORD_ENV, STATUS_HOST, check_args, check_before_loading, check_inputs,
@@ -679,6 +679,10 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
             print(f"status: {status.url} (/metrics for Prometheus, /api/status), read-only, until the run ends"
                   + (f" and {args.status_linger:g} s after" if args.status_linger else ""), flush=True)
         with broker_url(args) as url, contextlib.ExitStack() as stack:
+            mqtt5 = speaks_mqtt5(url, username=args.username, password=args.password, tls_ca=args.tls_ca,
+                                 tls_cert=args.tls_cert, tls_key=args.tls_key)
+            LOG.info("the broker %s MQTT 5: connecting with MQTT %s", "speaks" if mqtt5 else "does not speak (or "
+                     "was not reachable yet)", "5 and a Maximum Packet Size" if mqtt5 else "3.1.1")
             endpoint = MqttEndpoint(f"fedara-server-{args.prefix.replace('/', '_')}", url,
                                     subscriptions=subscriptions, unsubscriptions=anything_a_server_held,
                                     username=args.username, password=args.password, tls_ca=args.tls_ca,
@@ -688,7 +692,7 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
                                     max_pending_messages=PENDING_MESSAGES, admit=admit, vouch=vouch,
                                     max_pending_per_sender=PENDING_PER_SENDER, max_pending_bytes_per_sender=max_inbound,
                                     max_queued_bytes=QUEUED_UPDATES_BUDGETED * max_inbound, backpressure=True,
-                                    clean_session=False)
+                                    clean_session=False, mqtt5=mqtt5)
             endpoint.start()
             stack.callback(endpoint.stop)
             wait_for_broker(endpoint, threading.Event(), args.broker_connect_timeout, flag="--broker-connect-timeout",
