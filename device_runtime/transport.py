@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -66,6 +67,11 @@ PACKET_HEADROOM_BYTES = 64 * 1024
 an MQTT 5 endpoint announces is its frame size plus this (server/mqtt/mosquitto_config.py caps packets the same)."""
 SESSION_NEVER_EXPIRES = 0xFFFFFFFF
 """MQTT 5's Session Expiry Interval for a persistent session: kept as long as 3.1.1's clean_session=False keeps it."""
+PUBACK = 0x40
+PUBACK_BYTES = 4
+"""An MQTT PUBACK without a reason code (3.1.1, and MQTT 5's success): its type, remaining length 2, packet id."""
+READ_BYTES = 64 * 1024
+"""An endpoint reads its socket this many bytes at a time (``_Client``)."""
 PROBE_TIMEOUT_S = 3.0
 """How long ``speaks_mqtt5`` waits for the broker's CONNACK (a 3.1.1-only broker may never answer a v5 CONNECT)."""
 UNADMITTED_LOG_EVERY = 1000
@@ -148,6 +154,46 @@ def rotate_brokers(text: str, by: int) -> str:
     entries = [entry.strip() for entry in text.split(",")]
     by %= len(entries)
     return ",".join(entries[by:] + entries[:by])
+
+
+class _Client(mqtt.Client):
+    """paho's client, reading its socket ``READ_BYTES`` at a time. paho reads a packet's fixed header byte by byte
+    and its body in a call of its own (five ``recv`` calls for a small frame); this hands those reads out of one
+    buffer filled by one ``recv``, and goes on reading packets while the buffer holds more (paho would otherwise
+    wait for the socket's next readiness, which never comes for bytes already read)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_ahead = memoryview(b"")
+        self._starved = False  # the last read found the buffer empty and the socket too
+
+    def _sock_recv(self, bufsize: int) -> bytes:
+        if not self._read_ahead:
+            try:
+                data = super()._sock_recv(READ_BYTES)
+            except BlockingIOError:
+                self._starved = True
+                raise
+            self._starved = False
+            if not data:
+                return data
+            self._read_ahead = memoryview(data)
+        taken, self._read_ahead = self._read_ahead[:bufsize], self._read_ahead[bufsize:]
+        return bytes(taken)
+
+    def _send_puback(self, mid: int) -> MQTTErrorCode:
+        """The PUBACK of a QoS 1 PUBLISH, queued (paho calls this on its network thread, handling the PUBLISH)
+        without paho's wake-up byte to that same thread's select, a ``send`` and a ``recv`` an acknowledgement:
+        the loop's next turn finds it queued and writes it."""
+        self._out_packet.append({"command": PUBACK, "mid": mid, "qos": 1, "pos": 0, "to_process": PUBACK_BYTES,
+                                 "packet": struct.pack("!BBH", PUBACK, PUBACK_BYTES - 2, mid), "info": None})
+        return MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def loop_read(self, max_packets: int = 1) -> MQTTErrorCode:
+        rc = super().loop_read(max_packets)
+        while rc == MQTTErrorCode.MQTT_ERR_SUCCESS and self._read_ahead and not self._starved:
+            rc = super().loop_read(max_packets)
+        return rc
 
 
 class MqttEndpoint:
@@ -240,10 +286,10 @@ class MqttEndpoint:
     def _make_client(self, clean_session: bool, tls_ca: str | os.PathLike[str] | None,
                      tls_cert: str | os.PathLike[str] | None, tls_key: str | os.PathLike[str] | None) -> mqtt.Client:
         if self.mqtt5:  # the session's lifetime goes in CONNECT (_connect_properties)
-            client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
+            client = _Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
         else:
-            client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id,
-                                 clean_session=clean_session, protocol=mqtt.MQTTv311)
+            client = _Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, clean_session=clean_session,
+                             protocol=mqtt.MQTTv311)
         self._set_credentials(client)
         if self.url.tls:
             client.tls_set(ca_certs=_path_or_none(tls_ca), certfile=_path_or_none(tls_cert),
