@@ -1,10 +1,11 @@
 """How fast the server's endpoint drains a junk flood, and its CPU per frame (issue 44's read path).
 
-    .venv/bin/python scripts/bench_drain.py --frames 20000 --repeats 2 --out drain.json
+    .venv/bin/python scripts/bench_drain.py --frames 9000 --repeats 2 --out drain.json
 
 Debian's mosquitto on a free loopback port (the generated config, 16 KiB frames). Per MQTT version the broker
 speaks to the endpoint (3.1.1 and 5) and per repeat: the server's endpoint (``server.broker_loop``'s admission:
 enrolled ``dev_000`` only, persistent session) subscribes once and goes away; ``--frames`` QoS 1 frames of junk
+(at most the generated config's ``max_queued_messages``, which mosquitto holds for an offline session)
 (chunk 0 of 2, the flood of scripts/bench_flood.py) are queued for it on the update topic of ``dev_009``, an id
 nobody enrolled; then it connects and drains them. Per run: the wall seconds until every frame was counted
 (``frames_unadmitted``), frames a second, and the process's CPU microseconds a frame (its network thread's: the
@@ -33,16 +34,16 @@ from device_runtime.topics import Topics, update_filter  # noqa: E402
 from device_runtime.transport import MqttEndpoint  # noqa: E402
 from bench_flood import MOSQUITTO, PREFIX, free_port, junk_frame  # noqa: E402
 from server.mqtt.admission import server_admission  # noqa: E402
-from server.mqtt.mosquitto_config import write_mosquitto_conf  # noqa: E402
+from server.mqtt.mosquitto_config import MAX_QUEUED_MESSAGES, write_mosquitto_conf  # noqa: E402
 
 FRAME_BYTES = 16 * 1024
 WAIT_S = 300.0
 VERSIONS = {"3.1.1": False, "5": True}
 
 
-def endpoint(url: str, mqtt5: bool) -> MqttEndpoint:
+def endpoint(url: str, mqtt5: bool, session: str) -> MqttEndpoint:
     admit, vouch = server_admission(PREFIX, KeyRing({"dev_000": bytes(32)}))
-    return MqttEndpoint("bench-drain-server", url, subscriptions=[update_filter(PREFIX)], admit=admit, vouch=vouch,
+    return MqttEndpoint(f"bench-drain-{session}", url, subscriptions=[update_filter(PREFIX)], admit=admit, vouch=vouch,
                         max_frame_bytes=FRAME_BYTES, backpressure=True, clean_session=False, mqtt5=mqtt5)
 
 
@@ -59,13 +60,14 @@ def queue_junk(port: int, frames: int) -> None:
     client.disconnect()
 
 
-def drain(url: str, port: int, frames: int, version: str) -> dict:
-    first = endpoint(url, VERSIONS[version])
+def drain(url: str, port: int, frames: int, version: str, repeat: int) -> dict:
+    session = f"{version}-{repeat}"  # a session of its own: no frame of another drain left in it
+    first = endpoint(url, VERSIONS[version], session)
     first.start()
     first.wait_connected(WAIT_S)
     first.stop()
     queue_junk(port, frames)
-    server = endpoint(url, VERSIONS[version])
+    server = endpoint(url, VERSIONS[version], session)
     started, cpu = time.perf_counter(), time.process_time()
     server.start()
     while server.stats["frames_unadmitted"] < frames and time.perf_counter() - started < WAIT_S:
@@ -79,13 +81,14 @@ def drain(url: str, port: int, frames: int, version: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--frames", type=int, default=20_000, help="junk frames queued for each drain")
+    p.add_argument("--frames", type=int, default=9_000,
+                   help=f"junk frames queued for each drain (1..{MAX_QUEUED_MESSAGES}: what the broker queues)")
     p.add_argument("--repeats", type=int, default=2, help="drains per MQTT version")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
-    for flag, value in (("--frames", args.frames), ("--repeats", args.repeats)):
-        if value < 1:
-            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
+    for flag, value, highest in (("--frames", args.frames, MAX_QUEUED_MESSAGES), ("--repeats", args.repeats, 100)):
+        if not 1 <= value <= highest:
+            print(f"error: {flag} must be in 1..{highest}, got {value}", file=sys.stderr)
             raise SystemExit(2)
     with tempfile.TemporaryDirectory(prefix="bench-drain-") as tmp:
         port = free_port()
@@ -96,7 +99,7 @@ def main() -> None:
         try:
             time.sleep(0.5)
             url = f"mqtt://127.0.0.1:{port}"
-            runs = [drain(url, port, args.frames, version) for _ in range(args.repeats) for version in VERSIONS]
+            runs = [drain(url, port, args.frames, version, i) for i in range(args.repeats) for version in VERSIONS]
         finally:
             broker.terminate()
             broker.wait()
