@@ -627,6 +627,10 @@ def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path, train_sampl
                                     artifact_file_bytes=shipped.sizes)
                 except UnsupportedModel as refused:  # BatchNorm: the training kind has no step state
                     training = dict(training_refused=str(refused))
+                except RuntimeError as failed:  # onnxruntime-training's gradient builder (LayerNorm, attention)
+                    last = str(failed).strip().splitlines()[-1]
+                    training = dict(training_refused="onnxruntime-training's gradient builder failed: "
+                                    + (last.split(" ", 1)[-1] if last.startswith("/") else last)[:160])
                 by_hash[portable.hash] = dict(
                     model=model_name, input_shape=list(input_shape), ratios=[], plan=plan.describe(),
                     ranks=plan.ranks, portable_artifacts=str(portable.directory),
