@@ -7,7 +7,7 @@
     .venv/bin/python scripts/bench_accuracy.py --study curves --out-dir docs/results/accuracy/curves  # learning curves vs data size
     .venv/bin/python scripts/bench_accuracy.py --ray HEAD_IP:6379       # each run a Ray task (docs/cluster.md)
 
-Fashion-MNIST, four studies (``--study``; the first three by default), each cell paired by seed (a seed is a
+Fashion-MNIST, five studies (``--study``; the first three by default), each cell paired by seed (a seed is a
 partition and an initial model):
 - headline: heterogeneous FedARA on CNN1 with five rank tiers 1.0/0.75/0.5/0.25/0.125 (round-robin by device id)
   under ``--aggregate weights`` (the paper's rule) and ``updates``, each with its λ = 0 ablation, against
@@ -21,6 +21,9 @@ partition and an initial model):
   warm-up, per amount of data per client (``--sizes``), heterogeneous FedARA (both rules) vs local CNN1..5 and
   homogeneous FedARA vs FedRep, local and FedAvg, ``--curve-seeds`` paired seeds; reports the final paired
   difference and the first round from which FedARA stays ahead, and plots ``accuracy_curves.png``.
+- models: for each ``--model SPEC`` (a model of yours, docs/your_model.md), dense FedARA with the BatchNorm
+  statistics personal and shared, FedAvg of the same model (everything shared) and local training, the headline
+  seeds; personal − shared is what ``--bn-stats``'s default is chosen from.
 The paper preset prints its measured estimate (one round of each cost class) before it starts, and every run
 trains on the GPU (``server.simulate --device cuda``) where torch sees one (``--device``).
 Every run is exactly one ``python -m server.simulate`` command (run in-process with its own functions; a run
