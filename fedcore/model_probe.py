@@ -16,6 +16,7 @@ from torch import nn
 
 from fedcore.models import SplitModel
 from fedcore.tensors import UnsupportedModel, check_tensors
+from fedcore.tokens import random_samples, token_vocabulary
 
 PROBE_BATCH = 3
 """Samples in the probing batch: neither 1 (BatchNorm refuses a single sample in train mode) nor the trace's 2."""
@@ -42,7 +43,7 @@ def probe_model(model: SplitModel, input_shape: tuple[int, ...], num_classes: in
     was_training = model.training
     try:
         generator = torch.Generator().manual_seed(0)
-        x = torch.randn(PROBE_BATCH, *input_shape, generator=generator)
+        x = random_samples(input_shape, PROBE_BATCH, generator, token_vocabulary(model))
         dims = {}
         for mode in ("train", "eval"):
             model.train(mode == "train")

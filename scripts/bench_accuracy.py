@@ -7,7 +7,7 @@
     .venv/bin/python scripts/bench_accuracy.py --study curves --out-dir docs/results/accuracy/curves  # learning curves vs data size
     .venv/bin/python scripts/bench_accuracy.py --ray HEAD_IP:6379       # each run a Ray task (docs/cluster.md)
 
-Fashion-MNIST, four studies (``--study``; the first three by default), each cell paired by seed (a seed is a
+Fashion-MNIST, five studies (``--study``; the first three by default), each cell paired by seed (a seed is a
 partition and an initial model):
 - headline: heterogeneous FedARA on CNN1 with five rank tiers 1.0/0.75/0.5/0.25/0.125 (round-robin by device id)
   under ``--aggregate weights`` (the paper's rule) and ``updates``, each with its λ = 0 ablation, against
@@ -21,6 +21,9 @@ partition and an initial model):
   warm-up, per amount of data per client (``--sizes``), heterogeneous FedARA (both rules) vs local CNN1..5 and
   homogeneous FedARA vs FedRep, local and FedAvg, ``--curve-seeds`` paired seeds; reports the final paired
   difference and the first round from which FedARA stays ahead, and plots ``accuracy_curves.png``.
+- models: for each ``--model SPEC`` (a model of yours, docs/your_model.md), dense FedARA with the BatchNorm
+  statistics personal and shared, FedAvg of the same model (everything shared) and local training, the headline
+  seeds; personal − shared is what ``--bn-stats``'s default is chosen from.
 The paper preset prints its measured estimate (one round of each cost class) before it starts, and every run
 trains on the GPU (``server.simulate --device cuda``) where torch sees one (``--device``).
 Every run is exactly one ``python -m server.simulate`` command (run in-process with its own functions; a run
@@ -68,9 +71,9 @@ HETEROGENEOUS_MODEL = "cnn1"
 LOCAL_HETEROGENEOUS_MODELS = ("cnn1", "cnn2", "cnn3", "cnn4", "cnn5")
 RANK_TIERS = ("1.0", "0.75", "0.5", "0.25", "0.125")
 FEDARA_STAR_RATIO = "0.5"
-STUDIES = ("headline", "lambda", "partition", "curves")
+STUDIES = ("headline", "lambda", "partition", "curves", "models")
 DEFAULT_STUDIES = ("headline", "lambda", "partition")
-"""What a preset runs unless --study says otherwise; the curves study (40+ rounds per run) is asked for by name."""
+"""What a preset runs unless --study says otherwise; the curves and models studies are asked for by name."""
 HETERO_LOCAL = "Local CNN1..5"
 ANALYSIS_MARKER = "<!-- analysis: text below this line is written by hand and kept when the script rewrites the file -->"
 JSON_NAME, MARKDOWN_NAME, PLOT_NAME = "accuracy.json", "accuracy.md", "accuracy.png"
@@ -109,6 +112,7 @@ class BenchConfig:
     curve_seeds: tuple[int, ...] = tuple(range(5))
     curve_rounds: int = 40
     curve_algorithms: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
     device: str = "cpu"
 
     @property
@@ -346,8 +350,45 @@ def curves_plan(config: BenchConfig) -> BenchPlan:
     return plan
 
 
+BN_PERSONAL, BN_SHARED = "FedARA BN personal", "FedARA BN shared"
+
+
+def model_algorithms(model: str, lam: float) -> list[tuple[str, list[str]]]:
+    """(label, simulate arguments) of the models study for one model (``--model`` spec): dense FedARA with the
+    BatchNorm statistics personal (FedBN) and shared (FedAvg-BN), FedAvg of the same model (everything shared,
+    the global model evaluated) and local training."""
+    fedara = ["--algo", "fedara", "--model", model, "--rank-ratio", "1.0", "--lam", f"{lam:g}"]
+    return [(BN_PERSONAL, fedara + ["--bn-stats", "personal"]), (BN_SHARED, fedara + ["--bn-stats", "shared"]),
+            ("FedAvg", ["--algo", "fedavg", "--model", model, "--bn-stats", "shared"]),
+            ("Local", ["--algo", "local", "--model", model])]
+
+
+def model_setting(model: str, partition: Partition) -> str:
+    """'dscnn.py:build, Dirichlet α=0.5': the models study's setting of one model."""
+    return f"{Path(model.split(':')[0]).name}:{model.split(':')[-1]}, {partition.label}" if ":" in model \
+        else f"{model}, {partition.label}"
+
+
+def models_plan(config: BenchConfig) -> BenchPlan:
+    """Per ``--model``: FedARA with BatchNorm statistics personal and shared against FedAvg and local training of
+    the same model, Dirichlet(α), the headline seeds; personal − shared decides ``--bn-stats``'s default."""
+    partition = Partition("dirichlet", config.alpha)
+    plan = BenchPlan()
+    for model in config.models:
+        setting = model_setting(model, partition)
+        for seed in config.seeds:
+            common = common_arguments(config, partition, seed)
+            plan.specs += [RunSpec("models", setting, label, seed, tuple(common + extra))
+                           for label, extra in model_algorithms(model, config.lam)]
+        plan.pairs += [Pair("models", setting, BN_PERSONAL, BN_SHARED), Pair("models", setting, BN_PERSONAL, "FedAvg"),
+                       Pair("models", setting, BN_PERSONAL, "Local"), Pair("models", setting, BN_SHARED, "FedAvg"),
+                       Pair("models", setting, BN_SHARED, "Local")]
+    return plan
+
+
 STUDY_PLANS: dict[str, Callable[[BenchConfig], BenchPlan]] = {
-    "headline": headline_plan, "lambda": lambda_plan, "partition": partition_plan, "curves": curves_plan}
+    "headline": headline_plan, "lambda": lambda_plan, "partition": partition_plan, "curves": curves_plan,
+    "models": models_plan}
 
 
 def bench_plan(config: BenchConfig) -> BenchPlan:
@@ -918,6 +959,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-rounds", type=_positive, help="curves study rounds (default 40; paper: 100)")
     p.add_argument("--curve-algorithms", type=_list(str, "labels"),
                    help="curves study: only these rows, e.g. 'FedARA updates,Local CNN1..5,FedARA,Local' (default all)")
+    p.add_argument("--model", action="append", dest="models", metavar="SPEC",
+                   help="models study: a model of yours (PATH.py:FUNCTION or MODULE:FUNCTION); repeat for more")
     p.add_argument("--keep-runs", action="store_true",
                    help="reuse the runs of OUT_DIR/accuracy.json that this benchmark plans (finish an interrupted one)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -945,11 +988,16 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     fields = ("studies", "seeds", "study_seeds", "lambdas", "rounds", "max_samples", "local_epochs", "lr", "dataset",
               "clients", "threads", "jobs", "sizes", "curve_seeds", "curve_rounds", "curve_algorithms")
     overrides = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+    if args.models:
+        overrides["models"] = tuple(args.models)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available() and args.ray is None:  # --ray: the nodes' GPUs
         raise ValueError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
                          "use --device cpu or auto")
     config = replace(PRESETS[args.preset], device=device, **overrides)
+    if ("models" in config.studies) != bool(config.models):
+        raise ValueError("--study models needs --model SPEC (e.g. --model examples/dscnn.py:build), and --model "
+                         "is read by the models study only")
     check_ray_args(args)
     if args.ray is not None and args.jobs is not None:
         raise ValueError(f"--ray runs as many runs at once as the cluster holds: leave out --jobs {args.jobs}")

@@ -47,6 +47,7 @@ measuring torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -411,17 +412,28 @@ class StepProcess:
         self.close()
 
 
+def has_training_kind(plan: dict) -> bool:
+    """Whether the plan has onnxruntime-training artifacts (a BatchNorm model has none: ``training_refused``)."""
+    return "training_refused" not in plan
+
+
 def measure_latency(spec: dict, steps: int) -> dict:
     """p50/p95 per (threads, variant): ORT and PyTorch step servers take turns in blocks of BLOCK timed calls,
-    so both meet the same load; the probe is taken in the ORT process before and after."""
-    with (StepProcess("ort-steps", spec) as ort, StepProcess("torch-steps", spec) as pt,
-          StepProcess("portable-steps", spec, spec["portable_python"]) as portable):
-        servers = {"ort": ort, "torch": pt, "portable": portable}
-        probes = [ort.probe()]
+    so both meet the same load; the probe is taken in the ORT process before and after (the portable one where
+    the plan has no onnxruntime-training artifacts)."""
+    training = "artifacts" in spec
+    variants = [name for name in LATENCY_VARIANTS if training or not name.startswith("ort")]
+    with contextlib.ExitStack() as stack:
+        servers = {"torch": stack.enter_context(StepProcess("torch-steps", spec)),
+                   "portable": stack.enter_context(StepProcess("portable-steps", spec, spec["portable_python"]))}
+        if training:
+            servers["ort"] = stack.enter_context(StepProcess("ort-steps", spec))
+        prober = servers["ort" if training else "portable"]
+        probes = [prober.probe()]
         per_threads = {}
         for threads in THREADS:
-            times: dict[str, list[float]] = {name: [] for name in LATENCY_VARIANTS}
-            cpu: dict[str, list[float]] = {name: [] for name in LATENCY_VARIANTS}
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            cpu: dict[str, list[float]] = {name: [] for name in variants}
             while min(len(t) for t in times.values()) < steps:
                 for name, so_far in times.items():
                     server = servers[name.split("_")[0]]
@@ -429,7 +441,7 @@ def measure_latency(spec: dict, steps: int) -> dict:
                     so_far += block["wall"]
                     cpu[name] += block["cpu"]
             per_threads[str(threads)] = {name: percentiles_ms(t, cpu[name]) for name, t in times.items()}
-        probes.append(ort.probe())
+        probes.append(prober.probe())
     return dict(threads=per_threads, probe_gflops=max(probes), probes=probes)
 
 
@@ -548,14 +560,20 @@ def run_worker(kind: str, spec: dict, python: str = sys.executable) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # Parent: artifacts, shards, orchestration
 
-def write_synthetic_shard(path: Path, input_shape: tuple[int, ...], train_samples: int = TRAIN_SAMPLES) -> None:
-    """A shard of standard-normal images with uniform labels: a step's cost does not depend on the values."""
+def write_synthetic_shard(path: Path, input_shape: tuple[int, ...], train_samples: int = TRAIN_SAMPLES,
+                          vocabulary: int | None = None) -> None:
+    """A shard of standard-normal images (token ids below ``vocabulary`` for a model that embeds them,
+    fedcore/tokens.py) with uniform labels: a step's cost does not depend on the values."""
     from device_runtime.shard import Shard, save_shard
     rng = np.random.default_rng(SEED)
-    shard = Shard(rng.standard_normal((train_samples, *input_shape), dtype=np.float32),
-                  rng.integers(0, NUM_CLASSES, train_samples).astype(np.int64),
-                  rng.standard_normal((TEST_SAMPLES, *input_shape), dtype=np.float32),
-                  rng.integers(0, NUM_CLASSES, TEST_SAMPLES).astype(np.int64), NUM_CLASSES)
+
+    def samples(n: int) -> np.ndarray:
+        if vocabulary is None:
+            return rng.standard_normal((n, *input_shape), dtype=np.float32)
+        return rng.integers(0, vocabulary, (n, *input_shape)).astype(np.float32)
+
+    shard = Shard(samples(train_samples), rng.integers(0, NUM_CLASSES, train_samples).astype(np.int64),
+                  samples(TEST_SAMPLES), rng.integers(0, NUM_CLASSES, TEST_SAMPLES).astype(np.int64), NUM_CLASSES)
     save_shard(path, shard)
 
 
@@ -588,28 +606,39 @@ def prepare_plans(configs, ratios, cache_dir: Path, shard_dir: Path, train_sampl
     from export.artifacts import build_artifacts, build_artifacts_of_kind
     from fedcore.lowrank import resolve_plan
     from fedcore.models import build_model, rank_plan
+    from fedcore.tensors import UnsupportedModel
+    from fedcore.tokens import token_vocabulary
     plans: list[dict] = []
     for model_name, input_shape in configs:
-        shard = shard_dir / f"{shape_name(input_shape)}.npz"
-        if not shard.exists():
-            write_synthetic_shard(shard, input_shape, train_samples)
         model = build_model(model_name, input_shape, NUM_CLASSES, seed=SEED)
+        vocabulary = token_vocabulary(model)
+        shard = shard_dir / f"{shape_name(input_shape)}{'' if vocabulary is None else f'-ids{vocabulary}'}.npz"
+        if not shard.exists():
+            write_synthetic_shard(shard, input_shape, train_samples, vocabulary)
         by_hash: dict[str, dict] = {}
         for ratio in ratios:
             plan = resolve_plan(model, rank_plan(model, ratio))
-            shipped = build_artifacts(model, plan.ranks, input_shape, NUM_CLASSES, cache_dir / "fedara")
-            if shipped.hash not in by_hash:
-                portable = build_artifacts_of_kind(PORTABLE_KIND, model, plan.ranks, input_shape, NUM_CLASSES,
-                                                   cache_dir / "fedara")
-                by_hash[shipped.hash] = dict(
+            portable = build_artifacts_of_kind(PORTABLE_KIND, model, plan.ranks, input_shape, NUM_CLASSES,
+                                               cache_dir / "fedara")
+            if portable.hash not in by_hash:
+                try:
+                    shipped = build_artifacts(model, plan.ranks, input_shape, NUM_CLASSES, cache_dir / "fedara")
+                    training = dict(artifacts=str(shipped.directory), artifact_bytes=shipped.total_bytes,
+                                    artifact_file_bytes=shipped.sizes)
+                except UnsupportedModel as refused:  # BatchNorm: the training kind has no step state
+                    training = dict(training_refused=str(refused))
+                except RuntimeError as failed:  # onnxruntime-training's gradient builder (LayerNorm, attention)
+                    last = str(failed).strip().splitlines()[-1]
+                    training = dict(training_refused="onnxruntime-training's gradient builder failed: "
+                                    + (last.split(" ", 1)[-1] if last.startswith("/") else last)[:160])
+                by_hash[portable.hash] = dict(
                     model=model_name, input_shape=list(input_shape), ratios=[], plan=plan.describe(),
-                    ranks=plan.ranks, artifacts=str(shipped.directory), portable_artifacts=str(portable.directory),
+                    ranks=plan.ranks, portable_artifacts=str(portable.directory),
                     portable_artifact_bytes=portable.total_bytes,
                     step_gflop=step_gflop(model_name, input_shape, plan.ranks),
-                    shard=str(shard), artifact_bytes=shipped.total_bytes, artifact_file_bytes=shipped.sizes,
-                    label=f"{model_name} {shape_name(input_shape)} {plan.describe()}")
-                plans.append(by_hash[shipped.hash])
-            by_hash[shipped.hash]["ratios"].append(ratio)
+                    shard=str(shard), label=f"{model_name} {shape_name(input_shape)} {plan.describe()}", **training)
+                plans.append(by_hash[portable.hash])
+            by_hash[portable.hash]["ratios"].append(ratio)
     return plans
 
 
@@ -623,10 +652,11 @@ def shipped_session_variant() -> str:
 
 def measure_plan(plan: dict, steps: int, portable_python: str) -> dict:
     """Every worker for one plan; the plan dict gains their results."""
-    spec = {k: plan[k] for k in ("model", "input_shape", "ranks", "artifacts", "portable_artifacts", "shard", "label")}
+    spec = {k: plan[k] for k in ("model", "input_shape", "ranks", "artifacts", "portable_artifacts", "shard", "label")
+            if k in plan}
     spec["portable_python"] = portable_python
     sessions = {name: run_worker("ort-memory", dict(spec, session=switches))
-                for name, switches in SESSION_VARIANTS.items()}
+                for name, switches in SESSION_VARIANTS.items()} if has_training_kind(plan) else {}
     portable = run_worker("ort-memory", dict(spec, session=SESSION_VARIANTS[shipped_session_variant()], portable=True),
                           portable_python)
     torch_memory = run_worker("torch-memory", spec)
@@ -912,6 +942,47 @@ def derived(result: dict, session: str) -> dict:
     return out
 
 
+def portable_derived(result: dict) -> dict:
+    """Per plan, whatever its artifact kinds: the portable step and PyTorch eager's at 1 thread (p50, the
+    per-epoch decay amortized; and in thread-CPU time), their ratio, and the peak RSS of each at batch 16."""
+    one = result["latency"]["threads"]["1"]
+    wall = {name: amortized_ms(one, name, name + "_decay", BATCH) for name in ("portable", "torch")}
+    cpu = {name: amortized_ms(one, name, name + "_decay", BATCH, "cpu_p50") for name in ("portable", "torch")}
+    return dict(portable_ms=wall["portable"], torch_ms=wall["torch"], ratio=wall["portable"] / wall["torch"],
+                cpu_ratio=cpu["portable"] / cpu["torch"],
+                peak_portable_mb={str(b): result["portable"]["rounds"][str(b)]["peak_rss_bytes"] / MIB
+                                  for b in BATCH_SIZES},
+                peak_torch_mb={str(b): result["torch"]["rounds"][str(b)]["peak_rss_bytes"] / MIB for b in BATCH_SIZES})
+
+
+def model_label(model: str) -> str:
+    """A model as the tables name it: a file of this checkout by its relative path (``examples/dscnn.py:build``)."""
+    path, colon, function = model.rpartition(":")
+    try:
+        return str(Path(path).relative_to(ROOT)) + colon + function if path else model
+    except ValueError:
+        return model
+
+
+def step_table(results: list[dict], session: str | None) -> str:
+    """One row per (model, input, ratio): the portable step (what a device runs) against PyTorch eager at 1
+    thread, peak memory, and the onnxruntime-training step or why the plan has none."""
+    lines = ["| model | input | ratio | plan | portable step ms 1t | PyTorch eager ms 1t | portable / PyTorch 1t "
+             "(thread-CPU) | peak RSS MiB b16: portable / PyTorch | peak RSS MiB b64: portable / PyTorch "
+             "| onnxruntime-training step ms 1t |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    for ratio, r in _rows(results):
+        d = portable_derived(r)
+        training = (f"{derived(r, session)['amortized_ort_ms']['1']:.1f}" if has_training_kind(r)
+                    else f"skipped: {r['training_refused']}")
+        lines.append(f"| {model_label(r['model'])} | {shape_name(r['input_shape'])} | {ratio} | {r['plan']} "
+                     f"| {d['portable_ms']:.1f} | {d['torch_ms']:.1f} | {d['ratio']:.2f} ({d['cpu_ratio']:.2f}) "
+                     f"| {d['peak_portable_mb'][str(BATCH)]:.0f} / {d['peak_torch_mb'][str(BATCH)]:.0f} "
+                     f"| {d['peak_portable_mb'][str(LARGE_BATCH)]:.0f} / {d['peak_torch_mb'][str(LARGE_BATCH)]:.0f} "
+                     f"| {training} |")
+    return "\n".join(["### Step time against PyTorch eager (batch 16, per-epoch decay amortized, p50)", "", *lines, ""])
+
+
 def cost_model_document(results: list[dict], session: str, command: str) -> dict:
     """The data file server.engine.cost_model reads: per (model, input, ratio), peak MiB per batch size and p50 step ms
     (per-epoch decay amortized) per thread count and batch size of the portable runtime (stock onnxruntime, what
@@ -1041,16 +1112,27 @@ def plot(results: list[dict], session: str, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Command line
 
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``1x28x28`` -> (1, 28, 28): 1 to 4 positive sizes."""
+    try:
+        dims = tuple(int(d) for d in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a shape like 1x28x28, got {text!r}") from None
+    if not 1 <= len(dims) <= 4 or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 to 4 positive sizes like 1x28x28, got {text!r}")
+    return dims
+
+
 def parse_config(text: str) -> tuple[str, tuple[int, ...]]:
     """``fedavgcnn:3x32x32`` -> ("fedavgcnn", (3, 32, 32)); a model of your own as ``PATH.py:FUNCTION:1x28x28``
     (or ``MODULE:FUNCTION:20x6``: a sample of 1 to 4 sizes), its path made absolute for the workers."""
     from fedcore.model_spec import absolute_spec
     model, _, shape = text.rpartition(":")
     try:
-        dims = tuple(int(d) for d in shape.split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MODEL:CxHxW, got {text!r}") from None
-    if not model or not 1 <= len(dims) <= 4 or min(dims) < 1:
+        dims = parse_shape(shape)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected MODEL:CxHxW with positive sizes, got {text!r}") from None
+    if not model:
         raise argparse.ArgumentTypeError(f"expected MODEL:CxHxW with positive sizes, got {text!r}")
     return absolute_spec(model), dims
 
@@ -1094,6 +1176,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", action="append", type=parse_config, metavar="MODEL:CxHxW",
                    help="measure this model and input shape (repeatable; default: every configuration); a model of "
                         "your own as PATH.py:FUNCTION:1x28x28 (docs/your_model.md)")
+    p.add_argument("--model", action="append", default=None, metavar="PATH.py:FUNCTION",
+                   help="measure a model of your own (repeatable; MODULE:FUNCTION too) on --input-shape samples: "
+                        "the same as --config MODEL:SHAPE")
+    p.add_argument("--input-shape", type=parse_shape, default=(1, 28, 28), metavar="CxHxW",
+                   help="with --model: the per-sample shape (default 1x28x28; a sequence e.g. 20x6)")
     p.add_argument("--ratios", type=parse_ratios, default=None, help=f"comma-separated rank ratios (default {RATIOS})")
     p.add_argument("--steps", type=int, default=None, help=f"timed steps per latency variant (default {STEPS})")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="artifact cache (built once per plan)")
@@ -1136,7 +1223,8 @@ def main(argv: list[str] | None = None) -> int:
     configs, ratios = (QUICK_CONFIGS, QUICK_RATIOS) if args.quick else (CONFIGS, RATIOS)
     if args.memory_floor and not args.quick:
         configs, ratios = FLOOR_CONFIGS, FLOOR_RATIOS
-    configs, ratios = tuple(args.config or configs), args.ratios or ratios
+    own = [parse_config(f"{model}:{shape_name(args.input_shape)}") for model in args.model or ()]
+    configs, ratios = tuple((args.config or []) + own or configs), args.ratios or ratios
     command = " ".join([".venv/bin/python", "scripts/bench_device.py", *(argv if argv is not None else sys.argv[1:])])
     if args.memory_floor:
         return run_memory_floors(args, configs, ratios, command)
@@ -1148,10 +1236,12 @@ def main(argv: list[str] | None = None) -> int:
         for plan in plans:
             results.append(measure_plan(plan, steps, args.portable_python))
             print(f"measured {plan['label']} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    shipped, best = shipped_session_variant(), best_session_variant(results)
+    full = [r for r in results if has_training_kind(r)]  # the others: the training kind refused the model
+    shipped = shipped_session_variant()
+    best = best_session_variant(full) if full else None
     for r in results:
-        r["derived"] = derived(r, shipped)
-    tables = markdown_tables(results, shipped)
+        r["derived"] = derived(r, shipped) if has_training_kind(r) else portable_derived(r)
+    tables = step_table(results, shipped) + "\n" + (markdown_tables(full, shipped) if full else "")
     report = dict(command=command, settings=dict(num_classes=NUM_CLASSES, train_samples=TRAIN_SAMPLES, batch=BATCH,
                                                  large_batch=LARGE_BATCH, threads=list(THREADS), lam=LAM, mu=MU,
                                                  lr=LR, steps=steps, block=BLOCK),
@@ -1162,14 +1252,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "bench_device.json").write_text(json.dumps(report, indent=1) + "\n")
     (args.out_dir / "bench_device.md").write_text(tables)
-    plot(results, shipped, args.out_dir / "bench_device.png")
+    if full:
+        plot(full, shipped, args.out_dir / "bench_device.png")
     if args.cost_model:
         args.cost_model.parent.mkdir(parents=True, exist_ok=True)
         old = json.loads(args.cost_model.read_text()) if args.cost_model.exists() else None
         document = merge_cost_model(old, cost_model_document(results, shipped, command))
         args.cost_model.write_text(json.dumps(document, indent=1) + "\n")
     print(tables)
-    print(f"session options: shipped {shipped}, leanest {best}")
+    print(f"session options: shipped {shipped}, leanest {best or '(not measured: no onnxruntime-training plan)'}")
     return 0
 
 

@@ -157,6 +157,11 @@ def _fmnist_folder(data_dir: Path) -> Path:
 
 NPZ_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 NPZ_STATS = ("mean", "std")
+NPZ_VOCABULARY = "vocabulary"
+"""An npz holding ``vocabulary`` (a scalar V) declares its samples token ids 0..V-1: kept as they are (float32,
+exact below MAX_TOKEN), never normalized; for a model whose FE embeds them (fedcore.tokens, docs/your_model.md)."""
+MAX_TOKEN = 2 ** 24
+"""Token ids must lie below this: float32 holds every integer up to it exactly."""
 MAX_SAMPLE_DIMS = 4
 """A sample has 1 to 4 dimensions (what a device's HELLO can state)."""
 
@@ -190,6 +195,7 @@ def load_npz(name: str) -> LabeledData:
     with np.load(path, allow_pickle=False) as archive:
         arrays = {k: archive[k] for k in NPZ_ARRAYS}
         stats = {k: archive[k].astype(np.float32) for k in NPZ_STATS if k in archive.files}
+        vocabulary = archive[NPZ_VOCABULARY] if NPZ_VOCABULARY in archive.files else None
     for split in ("train", "test"):
         x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
         if not np.issubdtype(x.dtype, np.number) or not 2 <= x.ndim <= MAX_SAMPLE_DIMS + 1:
@@ -205,6 +211,10 @@ def load_npz(name: str) -> LabeledData:
                                  f"{arrays['x_test'].shape[1:]}")
     labels = np.concatenate([arrays["y_train"], arrays["y_test"]])
     num_classes = int(labels.max()) + 1
+    if vocabulary is not None:
+        return LabeledData(_token_samples(arrays, vocabulary, stats, path),
+                           _checked_labels(labels, num_classes, str(path)), num_classes, name,
+                           (np.zeros(sample, np.float32), np.ones(sample, np.float32)))
     if set(stats) == set(NPZ_STATS):
         mean, std = stats["mean"], stats["std"]
     elif stats:
@@ -226,6 +236,22 @@ def load_npz(name: str) -> LabeledData:
         raise DatasetFormatError(f"{path}: x_train or x_test holds NaN or infinite values")
     return LabeledData(x.astype(np.float32), _checked_labels(labels, num_classes, str(path)), num_classes,
                        name, (mean, std))
+
+
+def _token_samples(arrays: dict[str, np.ndarray], vocabulary: np.ndarray, stats: dict, path: Path) -> np.ndarray:
+    """x_train and x_test of a file that states its ``vocabulary``: integer ids 0..V-1, as float32."""
+    if stats:
+        raise DatasetFormatError(f"{path} states a {NPZ_VOCABULARY} (token ids) and {sorted(stats)}: token ids are "
+                                 "not normalized, leave mean and std out")
+    if vocabulary.ndim != 0 or not np.issubdtype(vocabulary.dtype, np.integer) \
+            or not 1 <= int(vocabulary) <= MAX_TOKEN:
+        raise DatasetFormatError(f"{path}: {NPZ_VOCABULARY} must be one integer from 1 to {MAX_TOKEN}, got "
+                                 f"{vocabulary.dtype} {vocabulary.shape}")
+    x = np.concatenate([arrays["x_train"], arrays["x_test"]])
+    if not np.issubdtype(x.dtype, np.integer) or x.min() < 0 or x.max() >= int(vocabulary):
+        raise DatasetFormatError(f"{path}: with {NPZ_VOCABULARY} {int(vocabulary)} the samples must be integer token "
+                                 f"ids 0..{int(vocabulary) - 1}, got {x.dtype} from {x.min()} to {x.max()}")
+    return x.astype(np.float32)
 
 
 def check_available(name: str, data_dir: str | Path | None = None) -> None:

@@ -22,9 +22,10 @@ MODELS = ("fedavgcnn", "cnn1", "cnn2", "cnn3", "cnn4", "cnn5")
 BN_STATS = ("personal", "shared")
 """BatchNorm running statistics: kept on each device (FedBN) or averaged with the FE by samples (FedAvg-BN)."""
 DEFAULT_BN_STATS = "personal"
-"""Chosen without a paired study (not run yet, docs/your_model.md): every accuracy here is a device's own test split
-under label skew, which its own statistics describe; FedBN (Li et al., ICLR 2021) measured local statistics ahead
-under non-IID features; and they cost nothing on the wire."""
+"""Chosen by the paired study of docs/your_model.md (DS-CNN and ResNet-8, Fashion-MNIST, 20 devices, Dirichlet 0.5,
+30 rounds, 5 seeds, reduced data): personal ahead of shared in 9 of 10 paired seeds, +2.3 and +1.9 pp; every
+accuracy here is a device's own test split under label skew, which its own statistics describe, and they cost
+nothing on the wire."""
 DEFAULT_MU = 1e-3
 """The Frobenius decay μ on factorized layers (the paper's)."""
 DEFAULT_LAM_WARMUP = 10

@@ -87,3 +87,30 @@ def test_the_shards_command_writes_the_normalization_beside_the_shards(tmp_path)
     stats = np.load(tmp_path / "s" / "normalization.npz")
     train = np.load(tmp_path / "d.npz")["x_train"].astype(np.float64)
     assert stats["mean"].shape == (3, 16) and np.allclose(stats["mean"], train.mean())
+
+
+def write_tokens(path, vocabulary=10, **extra) -> str:
+    ids = np.arange(80 * 6).reshape(80, 6) % vocabulary
+    y = np.arange(80) % 4
+    np.savez(path, x_train=ids[:60], y_train=y[:60], x_test=ids[60:], y_test=y[60:], vocabulary=np.int64(vocabulary),
+             **extra)
+    return f"npz:{path}"
+
+
+def test_a_stated_vocabulary_keeps_integer_token_ids_as_they_are(tmp_path):
+    data = load_dataset(write_tokens(tmp_path / "t.npz"))
+    ids = np.concatenate([np.load(tmp_path / "t.npz")[k] for k in ("x_train", "x_test")])
+    assert data.x.dtype == np.float32 and np.array_equal(data.x, ids) and data.input_shape == (6,)
+
+
+@pytest.mark.parametrize("vocabulary, extra, message", [
+    (5, {}, "token ids 0..4, got int64 from 0 to 9"),
+    (10, {"mean": np.zeros(1), "std": np.ones(1)}, "leave mean and std out"),
+])
+def test_token_ids_outside_the_vocabulary_or_with_statistics_are_refused(tmp_path, vocabulary, extra, message):
+    path = tmp_path / "t.npz"
+    write_tokens(path, 10, **extra)
+    archive = dict(np.load(path))
+    np.savez(path, **(archive | {"vocabulary": np.int64(vocabulary)}))
+    with pytest.raises(DatasetFormatError, match=message):
+        load_dataset(f"npz:{path}")

@@ -15,7 +15,7 @@ from device_runtime.portable_trainer import PortableTrainer
 from export import step_compiler
 from export.artifacts import artifact_config, build_artifacts_of_kind, config_hash
 from fedcore.lowrank import factorize_model
-from fedcore.models import SplitModel
+from fedcore.models import SplitModel, build_model
 from fedcore.tensors import UnsupportedModel, carried_tensors, state_names
 from server.training import train_local
 from tests.support.edge_models import conv1d_net, ds_cnn, resnet8, tiny_transformer
@@ -34,6 +34,8 @@ FORMS = {
     "scalar_parameter": (lambda input_shape: _scaled(input_shape), (6,), {}),
     # an adaptive average pool to 2×2 (not global) after a convolution by patches: AveragePool, Resize backward
     "adaptive_avg_pool_2x2": (lambda input_shape: _pooled(input_shape), (8, 6, 4), {}),
+    # token ids (float32) through nn.Embedding: Cast and Gather forward, a scatter-add backward (repeated ids)
+    "embedding_of_token_ids": (lambda input_shape: _tokens(input_shape), (9,), {}),
 }
 STATS_STEPS = 6
 STATS_ATOL = 1e-5
@@ -58,6 +60,10 @@ def _pooled(input_shape) -> SplitModel:
     torch.manual_seed(0)
     fe = nn.Sequential(nn.Conv2d(input_shape[0], 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten())
     return SplitModel("pooled", fe, 32, 3)
+
+
+def _tokens(input_shape) -> SplitModel:
+    return build_model("examples/token_classifier.py:build", input_shape, 3, seed=0)
 
 
 @pytest.fixture(scope="module")

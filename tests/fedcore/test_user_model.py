@@ -142,6 +142,18 @@ def test_the_probe_leaves_weights_and_batchnorm_statistics_as_they_were():
     assert all(torch.equal(before[k], v) for k, v in checked.state_dict().items())
 
 
+def test_a_model_that_embeds_token_ids_is_probed_with_ids_below_its_vocabulary():
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(7, 4)
+
+        def forward(self, x):
+            return self.embed(x.long()).mean(1)
+
+    assert probe_model(model(Bag(), 4), (5,), 3) == 4  # normal samples would be negative ids: IndexError
+
+
 def test_factorize_and_personal_must_name_layers_of_the_fe():
     checked = model(nn.Sequential(nn.Linear(5, 4)), 4)
     checked.factorize = ("7",)

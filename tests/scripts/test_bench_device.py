@@ -109,6 +109,20 @@ def test_the_written_cost_model_predicts_for_the_measured_configuration(quick_ru
     assert prediction.step_ms == pytest.approx(step_ms(low) + weight * (step_ms(high) - step_ms(low)), rel=1e-12)
 
 
+def test_a_plan_the_training_kind_refuses_is_reported_with_its_reason_and_its_portable_step_against_pytorch():
+    bench = load_script("bench_device")
+    timing = {"p50": 10.0, "cpu_p50": 8.0}
+    decay = {"p50": 0.0, "cpu_p50": 0.0}
+    peak = {"rounds": {str(b): {"peak_rss_bytes": 100 * MIB} for b in bench.BATCH_SIZES}}
+    result = dict(model=str(bench.ROOT / "examples/dscnn.py") + ":build", input_shape=[1, 28, 28], ratios=[1.0],
+                  plan="dense", training_refused="fe.bn.running_mean: no step state", portable=peak, torch=peak,
+                  latency={"threads": {"1": {"portable": timing, "portable_decay": decay,
+                                             "torch": dict(timing, p50=20.0, cpu_p50=16.0), "torch_decay": decay}}})
+    row = bench.step_table([result], None).splitlines()[-1]
+    assert row.startswith("| examples/dscnn.py:build | 1x28x28 | 1.0 | dense | 10.0 | 20.0 | 0.50 (0.50) ")
+    assert row.endswith("| skipped: fe.bn.running_mean: no step state |")
+
+
 def test_the_leanest_session_variant_has_the_lowest_total_peak():
     bench = load_script("bench_device")
 
