@@ -8,7 +8,7 @@ from device_runtime.broker_wait import final_reason
 from device_runtime.transport import parse_brokers
 from server.cli import add_broker_flags, check_async_fleet, add_status_flags, check_broker_connect_timeout, check_status_args, new_parser
 from server.engine.cost_model import load_cost_model, smallest_floor
-from server.engine.run_config import dp_from_args
+from server.engine.run_config import dp_from_args, secure_from_args
 from server.mqtt import cgroups
 from server.mqtt.enrollment import ENROLL_OPEN
 
@@ -135,6 +135,7 @@ def check_broker_args(args: argparse.Namespace) -> None:
         raise ValueError("--dp-noise-multiplier needs the devices a round samples from (its fixed denominator and δ): "
                          "run with --local-devices N (devices from outside are not counted before they join)")
     dp_from_args(args, args.local_devices)
+    secure_from_args(args, args.local_devices or None)  # an explicit k/t checked against this fleet's rounds
     check_async_fleet(args, args.local_devices or None)  # devices from outside: not counted before they join
     if args.local_memory_limit_mb:
         try:

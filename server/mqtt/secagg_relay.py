@@ -76,7 +76,8 @@ class SecureRelay:
             elif phase == secagg_wire.SHARES:
                 problem = server.receive_shares(device_id, secagg_wire.parse_shares(msg, neighbours))
             else:
-                problem = server.receive_unmasking(device_id, secagg_wire.parse_unmasking(msg, neighbours))
+                holds = (*neighbours, device_id)  # a device holds a share of its own secrets (classic SecAgg)
+                problem = server.receive_unmasking(device_id, secagg_wire.parse_unmasking(msg, holds))
         except MessageError as exc:
             problem = str(exc)
         if problem is not None:

@@ -185,7 +185,7 @@ def test_too_few_survivors_asks_nobody_for_a_share_and_the_round_says_so_in_one_
     assert {d: len(m) for d, m in secure.sent.items()} == sent  # no survivors named: no share revealed
     secure.engine.close_round(101.0)
     record = secure.engine.pending["secagg"]
-    assert record["aggregated"] is False and "surviving neighbours" in record["failure"]
+    assert record["aggregated"] is False and "survived, below" in record["failure"]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round not aggregated")]
     assert len(lines) == 1 and "\n" not in lines[0]
 

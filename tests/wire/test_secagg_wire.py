@@ -78,7 +78,7 @@ def test_the_four_exchanges_through_sealed_envelopes_give_the_sum_and_recover_a_
         asked = wire.parse_survivors(wired(wire.survivors_message(survivors, device_id=d, run_id=RUN,
                                                                   round_index=2)), IDS)
         msg = wired(wire.unmasking_message(clients[d].unmask(asked), device_id=d, run_id=RUN, round_index=2))
-        assert server.receive_unmasking(d, wire.parse_unmasking(msg, graph[d])) is None
+        assert server.receive_unmasking(d, wire.parse_unmasking(msg, (*graph[d], d))) is None
     total = server.finish(4.0)
     expected = sum(xs[d] for d in survivors) % (1 << s.quantizer.bits)
     assert np.array_equal(total, expected) and server.recovered == (dropped,)
