@@ -44,6 +44,7 @@ from server.outputs.report import METRICS_FILE, read_metrics
 from server import run_setup, simulate
 from server.run_setup import RunFolder, load_shards
 
+from tests.support.processes import stop_processes
 from tests.support.waiting import wait_for
 from tests.support.sealing import device_link, enrollment_file, seal_down, write_key
 from tests.support.recording_endpoint import RecordingEndpoint
@@ -169,15 +170,7 @@ class FederationProcesses:
 
     def stop(self) -> None:
         """End every process of this run still running: SIGTERM, then SIGKILL after STOP_TIMEOUT_S."""
-        running = [p for p in (self.server, *self.devices.values()) if p is not None and p.poll() is None]
-        for proc in running:
-            proc.terminate()
-        for proc in running:
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes((self.server, *self.devices.values()), STOP_TIMEOUT_S)
 
 
 # -- data and the reference --------------------------------------------------------------------

@@ -47,6 +47,7 @@ from server.engine.secure_rounds import dp_noise
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.outputs.report import METRICS_FILE, read_metrics
 from server.run_setup import RunFolder, load_shards
+from tests.support.processes import stop_processes
 from tests.support.broker import mosquitto_pub
 from tests.support.broker_capture import Capture, record
 from device_runtime.auth import CounterSource, Direction
@@ -165,15 +166,7 @@ class Federation:
                                                         if not k.startswith("device/")}
 
     def stop(self) -> None:
-        running = [p for p in (self.server, *self.devices.values()) if p is not None and p.poll() is None]
-        for proc in running:
-            proc.terminate()
-        for proc in running:
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes((self.server, *self.devices.values()), STOP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from server.mqtt.mosquitto_config import write_mosquitto_conf
 from tests.support.machine import missing_binary, require
+from tests.support.processes import stop_processes
 from tests.support.waiting import wait_for
 
 MOSQUITTO_BIN = Path("/usr/sbin/mosquitto")
@@ -75,12 +76,7 @@ class MosquittoProcess:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
-        proc.terminate()
-        try:
-            proc.wait(BROKER_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc], BROKER_STOP_TIMEOUT_S)
 
 
 @contextlib.contextmanager

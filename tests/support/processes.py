@@ -7,6 +7,7 @@ from the real device processes', which inherit everything. ``tests/architecture/
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterable
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,3 +20,17 @@ def child_env(drop: Iterable[str] = (), repo_on_path: bool = False, **settings: 
     if repo_on_path:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
     return env | settings
+
+
+def stop_processes(processes: Iterable[subprocess.Popen | None], timeout_s: float) -> None:
+    """End every one of ``processes`` still running: SIGTERM to all, then SIGKILL to any still there after
+    ``timeout_s``; waits for each."""
+    running = [p for p in processes if p is not None and p.poll() is None]
+    for proc in running:
+        proc.terminate()
+    for proc in running:
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
