@@ -65,6 +65,13 @@ class Round:
             sealed = self.clients[d].share_keys(wire.parse_neighbour_keys(self.last(d), self.graph[d]))
             self.relay.on_message(d, wire.shares_message(sealed, device_id=d, run_id=RUN, round_index=1))
 
+    def shared(self) -> None:
+        """Every device through the keys and shares exchanges, each phase closed at t = 1 s."""
+        self.keys()
+        self.relay.tend(1.0)
+        self.shares()
+        self.relay.tend(1.0)
+
     def masked(self, device_id: str, x: np.ndarray) -> tuple[Message, bool]:
         """The device's UPDATE carrying its masked input, handled as the broker loop does (the relay first, then the
         engine); whether the relay took it."""
@@ -122,10 +129,7 @@ def test_a_device_silent_at_the_keys_phase_is_out_when_its_deadline_passes(secur
 
 def test_a_device_stopping_after_sharing_is_recovered_and_its_late_masked_input_is_refused(secure: Round, caplog):
     xs = inputs(secure.server.dimension)
-    secure.keys()
-    secure.relay.tend(1.0)
-    secure.shares()
-    secure.relay.tend(1.0)
+    secure.shared()
     late = IDS[2]
     for d in IDS:
         if d != late:
@@ -147,10 +151,7 @@ def test_a_device_stopping_after_sharing_is_recovered_and_its_late_masked_input_
 
 def test_a_device_gone_offline_after_sharing_closes_the_masked_phase_at_once(secure: Round):
     xs = inputs(secure.server.dimension)
-    secure.keys()
-    secure.relay.tend(1.0)
-    secure.shares()
-    secure.relay.tend(1.0)
+    secure.shared()
     for d in IDS[:3]:
         secure.masked(d, xs[d])
     secure.engine.status(IDS[3], False, "", 2.0)  # its last will
@@ -174,10 +175,7 @@ def test_messages_for_a_phase_not_open_or_from_outside_the_round_change_nothing(
 
 def test_too_few_survivors_asks_nobody_for_a_share_and_the_round_says_so_in_one_line(secure: Round, caplog):
     xs = inputs(secure.server.dimension)
-    secure.keys()
-    secure.relay.tend(1.0)
-    secure.shares()
-    secure.relay.tend(1.0)
+    secure.shared()
     for d in IDS[:2]:
         secure.masked(d, xs[d])
     sent = {d: len(m) for d, m in secure.sent.items()}
