@@ -53,7 +53,7 @@ class SecureRelay:
         self.round, self.phase_deadline, self.unmask_asked = round_index, now + self.phase_timeout, False
 
     def _refuse(self, device_id: str, round_index: int, what: str, problem: str) -> None:
-        LOG.warning("secure aggregation refused %s from %s (round %d): %s", what, device_id, round_index, problem)
+        LOG.warning("refused %s from %s for secure aggregation (round %d): %s", what, device_id, round_index, problem)
         count_refusal(self.refusals, f"secagg {what}")
 
     # -- inbound --------------------------------------------------------------------------------
