@@ -27,7 +27,8 @@ def inputs(ids=IDS) -> dict[str, np.ndarray]:
     return {d: rng.integers(0, 1000, D).astype(np.uint64) for d in ids}
 
 
-def run(s: SecureSpec, xs: dict[str, np.ndarray], drop_after_sharing=frozenset()):
+def exchanged(s: SecureSpec):
+    """Clients and server after the first two exchanges, every participant taking part."""
     clients = {d: SecAggClient(d, s) for d in s.participants}
     server = SecAggServer(s, D)
     for d, c in clients.items():
@@ -35,7 +36,11 @@ def run(s: SecureSpec, xs: dict[str, np.ndarray], drop_after_sharing=frozenset()
     keys = server.close_keys(1.0)
     for d, c in clients.items():
         assert server.receive_shares(d, c.share_keys(keys[d])) is None
-    shares = server.close_shares(2.0)
+    return clients, server, server.close_shares(2.0)
+
+
+def run(s: SecureSpec, xs: dict[str, np.ndarray], drop_after_sharing=frozenset()):
+    clients, server, shares = exchanged(s)
     masked = {d: c.masked_input(xs[d], shares[d]) for d, c in clients.items()}
     for d, y in masked.items():
         if d not in drop_after_sharing:
@@ -92,15 +97,7 @@ def test_on_the_complete_graph_every_round_with_t_survivors_is_unmasked_and_one_
 
 
 def test_a_masked_input_after_the_unmasking_began_is_refused():
-    s = spec()
-    clients = {d: SecAggClient(d, s) for d in IDS}
-    server = SecAggServer(s, D)
-    for d, c in clients.items():
-        server.receive_keys(d, c.advertise())
-    keys = server.close_keys(0.0)
-    for d, c in clients.items():
-        server.receive_shares(d, c.share_keys(keys[d]))
-    shares = server.close_shares(0.0)
+    clients, server, shares = exchanged(spec())
     late = clients["d00"].masked_input(inputs()["d00"], shares["d00"])
     for d in IDS[1:]:
         server.receive_masked(d, clients[d].masked_input(inputs()[d], shares[d]))
@@ -129,15 +126,7 @@ def test_refusals_name_their_reason_and_change_nothing():
 
 
 def test_a_share_sealed_for_another_device_does_not_open():
-    s = spec()
-    clients = {d: SecAggClient(d, s) for d in IDS}
-    server = SecAggServer(s, D)
-    for d, c in clients.items():
-        server.receive_keys(d, c.advertise())
-    keys = server.close_keys(0.0)
-    for d, c in clients.items():
-        server.receive_shares(d, c.share_keys(keys[d]))
-    shares = server.close_shares(0.0)
+    clients, server, shares = exchanged(spec())
     target = "d00"
     sender = next(iter(shares[target]))
     other = next(v for v in shares if v != target and sender in shares[v])
@@ -197,18 +186,6 @@ def test_the_secure_sum_of_weighted_changes_equals_the_plain_mean_within_the_bou
     bound = base.quantizer.sum_error(len(alive)) / share
     assert np.all(np.abs(secure - plain) <= bound + 1e-12)
     assert bound < 1e-7
-
-
-def exchanged(s: SecureSpec):
-    """Clients and server after the first two exchanges, every participant taking part."""
-    clients = {d: SecAggClient(d, s) for d in s.participants}
-    server = SecAggServer(s, D)
-    for d, c in clients.items():
-        server.receive_keys(d, c.advertise())
-    keys = server.close_keys(0.0)
-    for d, c in clients.items():
-        server.receive_shares(d, c.share_keys(keys[d]))
-    return clients, server, server.close_shares(0.0)
 
 
 def test_a_masked_input_from_outside_the_round_or_malformed_is_refused():
