@@ -124,7 +124,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"`{result['command']}`", "",
              f"{result['rounds_completed']} of {result['rounds']} rounds, final accuracy {accuracy}, "
              f"{result['wall_s']:.0f} s wall (busy shared machine)", "",
-             "| device | tier | limit MiB | predicted floor b16 MiB | need MiB | cgroup peak MiB | floor / peak | parity |",
+             "| device | tier | limit MiB | predicted floor b16 MiB | need MiB | cgroup peak MiB | floor / peak "
+             "| parity |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["devices"]:
         err = "" if r["floor_vs_peak"] is None else f"{100 * r['floor_vs_peak']:+.1f} %"

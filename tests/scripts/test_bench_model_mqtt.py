@@ -28,7 +28,8 @@ def test_a_rows_predicted_floor_is_its_tiers_charged_peak_at_batch_16_set_agains
     cost = tmp_path / "cost_model.json"
     cost.write_text(json.dumps({"entries": [
         dict(model="graphs-x", input_shape=[1, 28, 28], ratio=1.0, peak_mb={"16": 127.0, "64": 245.0},
-             step_ms={"1": {"16": 90.0, "64": 350.0}}, floors={"onnxruntime": {"floor_mb": {"16": 100.0, "64": 200.0}}}),
+             step_ms={"1": {"16": 90.0, "64": 350.0}},
+             floors={"onnxruntime": {"floor_mb": {"16": 100.0, "64": 200.0}}}),
         dict(model="graphs-y", input_shape=[1, 28, 28], ratio=0.5, peak_mb={"16": 1.0, "64": 1.0},
              step_ms={"1": {"16": 1.0, "64": 1.0}})]}))
     floors = bench.measured_floors(cost, "graphs-x", (1, 28, 28))
