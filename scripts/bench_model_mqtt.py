@@ -103,15 +103,14 @@ def tier_parity(spec: str, dataset: str, tiers: list[float], cache_dir: Path, se
 
 
 def cost_key(spec: str, dataset: str, seed: int) -> tuple[str, tuple[int, ...]]:
-    """The cost model's name for ``spec`` on ``dataset``'s samples (``server.tier_measurement``'s key)."""
-    from export.fingerprint import fingerprint
+    """The cost model's name for ``spec`` on ``dataset``'s samples (``server.tier_measurement.measured_key``)."""
     from fedcore.models import build_model
     from server.data.datasets import load_dataset
-    from server.tier_measurement import KEY_PREFIX
+    from server.tier_measurement import measured_key
 
     data = load_dataset(dataset)
     shape = tuple(data.input_shape)
-    return KEY_PREFIX + fingerprint(build_model(spec, shape, data.num_classes, seed=seed), shape)[:20], shape
+    return measured_key(build_model(spec, shape, data.num_classes, seed=seed), shape), shape
 
 
 def _mib(value: float | None) -> str:
@@ -130,7 +129,9 @@ def markdown(result: dict[str, Any]) -> str:
     for r in result["devices"]:
         err = "" if r["floor_vs_peak"] is None else f"{100 * r['floor_vs_peak']:+.1f} %"
         parity = "" if r["parity"] is None else f"{r['parity']:.1e}"
-        lines.append(f"| {r['device']} | {r['tier']:g} | {r['limit_mb']:g} | {_mib(r['predicted_floor_mb'])} | "
+        tier = "" if r["tier"] is None else f"{r['tier']:g}"
+        limit = "" if r["limit_mb"] is None else f"{r['limit_mb']:g}"
+        lines.append(f"| {r['device']} | {tier} | {limit} | {_mib(r['predicted_floor_mb'])} | "
                      f"{_mib(r['need_mb'])} | {_mib(r['cgroup_peak_mb'])} | {err} | {parity} |")
     return "\n".join(lines) + "\n"
 
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated ratios, device i the i-th (else the tier comes from --limits)")
     p.add_argument("--limits", default="400,400,400", help="--local-memory-limit-mb of the three devices")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--extra", default="", help="further broker_loop flags, one shell-quoted string")
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--lr", type=float, default=None, help="broker_loop's --lr (default: its own)")
     p.add_argument("--cache-dir", default=None, help="the artifact cache (default: the server's)")
     p.add_argument("--run-dir", default=None, help="the run's folder (default: a temporary one)")
     p.add_argument("--out-dir", default="docs/results/your_model/mqtt")
@@ -161,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="fedara-model-mqtt-"))
     command = [sys.executable, "-m", "server.broker_loop", "--model", args.model, "--dataset", args.dataset,
                "--max-samples", str(args.max_samples), "--local-devices", str(DEVICES), "--rounds", str(args.rounds),
-               "--local-epochs", "1", "--rank-tiers", args.tiers, "--local-memory-limit-mb", args.limits,
-               "--seed", str(args.seed), "--cache-dir", str(cache_dir), "--out", str(run_dir), *shlex.split(args.extra)]
+               "--local-epochs", str(args.local_epochs), "--rank-tiers", args.tiers,
+               "--local-memory-limit-mb", args.limits,
+               "--seed", str(args.seed), "--cache-dir", str(cache_dir), "--out", str(run_dir)]
+    command += ["--lr", str(args.lr)] if args.lr is not None else []
     if args.rank_overrides:
         ratios = [float(r) for r in args.rank_overrides.split(",")]
         overrides = run_dir.with_name(run_dir.name + "-tiers.json")
