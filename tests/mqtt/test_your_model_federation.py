@@ -61,6 +61,7 @@ def test_an_example_model_federates_over_mqtt_on_three_tiers_measured_on_its_fir
 
 @pytest.mark.slow
 @pytest.mark.cgroup
+@pytest.mark.timeout(1200)  # compiling and measuring three tiers: minutes each on a loaded machine
 @needs(available())
 @pytest.mark.parametrize("example", ["dscnn", "resnet8", "token_classifier"])
 def test_an_example_models_devices_in_memory_cgroups_are_charged_less_than_the_need_of_their_tier(
