@@ -98,7 +98,7 @@ def artifact_config(model: SplitModel, ranks: dict[str, int], input_shape: tuple
     """Everything that shapes the graphs, as plain JSON-able data (the hash is taken over this)."""
     versions = {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
     if kind == PORTABLE_KIND:
-        versions |= step_compiler.compiler_versions()
+        versions |= step_compiler.compiler_versions(model)
     return {
         "format_version": FORMAT_VERSION,
         "kind": kind,

@@ -3,7 +3,8 @@ model (memory budgets, ``--device-speed``) measures each rank tier's step peak m
 time in a fresh process with the onnxruntime a device runs, using the device benchmark's own worker
 (``scripts/bench_device.py``'s ``ort-memory``: a device process's local rounds on the portable step graph, peak RSS
 after each batch size, the p50 of single steps, the probe score), and keeps them in the user's cost-model file under
-the fingerprint of the model's graphs (``server.engine.cost_model.add_measured``). Later runs, and the virtual clock,
+the fingerprint of the model's graphs and the step compiler's versions for it (:func:`measured_key`;
+``server.engine.cost_model.add_measured``). Later runs, and the virtual clock,
 read them there; the zoo's measurements ship with the package.
 
 Where this process can make memory cgroups (root), each tier also runs the benchmark's ``floor-portable`` worker
@@ -15,7 +16,9 @@ to ``scripts/bench_device.py --memory-floor``.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -28,7 +31,7 @@ from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.shard import Shard, save_shard
 from export.artifacts import ArtifactSet, build_artifacts_of_kind
 from export.fingerprint import fingerprint
-from export.step_compiler import ParityError
+from export.step_compiler import ParityError, compiler_versions
 from fedcore.lowrank import resolve_plan
 from fedcore.models import ARCHITECTURES, SplitModel, rank_plan
 from fedcore.tokens import token_vocabulary
@@ -63,12 +66,11 @@ def _bench() -> ModuleType:
 
 def cost_key(model: SplitModel, input_shape: tuple[int, ...], cache_dir: Path, tiers: Sequence[float],
              emit: Callable[[str], None] | None = None) -> str:
-    """The name the cost model knows ``model`` by: a zoo name, or ``graphs-`` and the model's fingerprint
-    (``export.fingerprint``: its traced graphs, so its code), measured at every tier first where the cost model lacks
-    one of them."""
+    """The name the cost model knows ``model`` by: a zoo name, or its :func:`measured_key`, measured at every tier
+    first where the cost model lacks one of them."""
     if model.name in ARCHITECTURES:
         return model.name
-    key = KEY_PREFIX + fingerprint(model, tuple(input_shape))[:20]
+    key = measured_key(model, input_shape)
     missing = [t for t in tiers if not has_measurements(key, input_shape, [t])]
     if missing:
         if emit:
@@ -77,6 +79,15 @@ def cost_key(model: SplitModel, input_shape: tuple[int, ...], cache_dir: Path, t
         for tier in missing:  # each kept as it is measured: a tier that fails leaves the others measured
             add_measured([measure_tier(model, tier, input_shape, cache_dir, key)], MEASURED_BY)
     return key
+
+
+def measured_key(model: SplitModel, input_shape: tuple[int, ...]) -> str:
+    """``graphs-`` and a hash of the model's fingerprint (its traced forward graphs, so its code) and of the step
+    compiler's versions for it (``export.step_compiler.compiler_versions``): a change of how the compiler emits the
+    model's step (a new form of one of its ops) is a new key, so its tiers are measured again on the graphs the
+    devices will run, as the artifacts are compiled again."""
+    versions = json.dumps(compiler_versions(model), sort_keys=True)
+    return KEY_PREFIX + hashlib.sha256(f"{fingerprint(model, tuple(input_shape))} {versions}".encode()).hexdigest()[:20]
 
 
 def build_tier(kind: str, model: SplitModel, ratio: float, ranks: dict[str, int], input_shape: tuple[int, ...],

@@ -76,3 +76,15 @@ def test_a_tier_that_fails_the_parity_gate_is_refused_in_one_line_naming_model_a
         tier_measurement.build_tier("onnxruntime", SimpleNamespace(name="mine.py:build", num_classes=3), 0.5, {},
                                     (4,), tmp_path)
     assert "\n" not in str(caught.value)
+
+
+def test_a_new_step_form_for_a_models_ops_is_a_new_measured_key_and_other_models_keep_theirs(monkeypatch):
+    from export import step_compiler
+    from server.tier_measurement import measured_key
+    from tests.support.edge_models import ds_cnn, resnet8
+
+    depthwise, plain = ds_cnn((1, 12, 10)), resnet8((1, 8, 8))
+    before = measured_key(depthwise, (1, 12, 10)), measured_key(plain, (1, 8, 8))
+    monkeypatch.setattr(step_compiler, "DEPTHWISE_FORM_VERSION", step_compiler.DEPTHWISE_FORM_VERSION + 1)
+    assert measured_key(depthwise, (1, 12, 10)) != before[0] and measured_key(plain, (1, 8, 8)) == before[1]
+    assert before[0].startswith("graphs-")

@@ -23,6 +23,7 @@ from tests.support.edge_models import conv1d_net, ds_cnn, resnet8, tiny_transfor
 FORMS = {
     # name: (model factory, per-sample shape, ranks of the client)
     "ds_cnn_bn_depthwise_global_pool": (ds_cnn, (1, 12, 10), {}),
+    "depthwise_stride_2": (lambda input_shape: ds_cnn(input_shape, dw_stride=2), (1, 12, 10), {}),
     "resnet8_bn_residual": (resnet8, (1, 8, 8), {}),
     "transformer_attention_layernorm_gelu": (tiny_transformer, (6, 5), {}),
     "conv1d_bn1d_relu6_hardswish_silu": (conv1d_net, (3, 16), {}),

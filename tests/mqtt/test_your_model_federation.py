@@ -1,20 +1,37 @@
 """docs/your_model.md's worked example as a test: an example model file federated over MQTT by
 `python -m server.broker_loop` with three local device processes on three rank tiers, its tiers measured on the
-first run (``server.tier_measurement``) into a fresh user cache. Slow: the measuring and the compiles take minutes."""
+first run (``server.tier_measurement``) into a fresh user cache; and each example's devices in memory cgroups,
+charged no more than the need their tier was chosen by. Slow: the measuring and the compiles take minutes."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from server import broker_loop
 from server.engine import cost_model
+from server.mqtt.cgroups import available
 from server.outputs.report import METRICS_FILE, read_metrics
+from tests.support.machine import needs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIERS = {"dev_000": 1.0, "dev_001": 0.5, "dev_002": 0.25}
 ROUNDS = 2
+TIER_NEED = re.compile(r"(dev_\d+): tier ([\d.]+), predicted to need ([\d.]+) MiB")
+CGROUP_PEAK = re.compile(r"local device (dev_\d+): cgroup peak ([\d.]+) MiB under")
+
+
+def token_dataset(path: Path) -> str:
+    """Sequences of 12 ids of a 64-id vocabulary whose first 4 ids hint at the class (docs/your_model.md's)."""
+    rng = np.random.default_rng(0)
+    y = np.arange(600) % 3
+    x = rng.integers(0, 64, (600, 12))
+    x[:, :4] = y[:, None] * 20 + rng.integers(0, 20, (600, 4))
+    np.savez(path, x_train=x[:450], y_train=y[:450], x_test=x[450:], y_test=y[450:], vocabulary=np.int64(64))
+    return f"npz:{path}"
 
 
 @pytest.mark.slow
@@ -40,3 +57,32 @@ def test_an_example_model_federates_over_mqtt_on_three_tiers_measured_on_its_fir
     log = (out / "server.log").read_text()
     assert all(f"{device}: tier {ratio:g}," in log or f"{device} joined: budget 512.0 MiB, ratio {ratio:g}" in log
                for device, ratio in TIERS.items())
+
+
+@pytest.mark.slow
+@pytest.mark.cgroup
+@pytest.mark.timeout(1200)  # compiling and measuring three tiers: minutes each on a loaded machine
+@needs(available())
+@pytest.mark.parametrize("example", ["dscnn", "resnet8", "token_classifier"])
+def test_an_example_models_devices_in_memory_cgroups_are_charged_less_than_the_need_of_their_tier(
+        example, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+    cost_model._shipped.cache_clear()
+    overrides = tmp_path / "tiers.json"
+    overrides.write_text(json.dumps(TIERS))
+    dataset = token_dataset(tmp_path / "tokens.npz") if example == "token_classifier" else "digits"
+    out = tmp_path / "run"
+    status = broker_loop.main([
+        "--model", str(REPO_ROOT / "examples" / f"{example}.py") + ":build", "--dataset", dataset,
+        "--max-samples", "600", "--local-devices", "3", "--rounds", str(ROUNDS), "--local-epochs", "1",
+        "--rank-tiers", "1,0.5,0.25", "--rank-overrides", str(overrides), "--local-memory-limit-mb", "400",
+        "--join-timeout", "900", "--round-deadline", "300", "--cache-dir", str(tmp_path / "artifacts"),
+        "--out", str(out)])
+    cost_model._shipped.cache_clear()
+    assert status == 0
+    assert len([r for r in read_metrics(out / METRICS_FILE) if r.get("accuracy") is not None]) == ROUNDS
+    log = (out / "server.log").read_text()
+    needs_mb = {device: (float(tier), float(need)) for device, tier, need in TIER_NEED.findall(log)}
+    peaks = {device: float(peak) for device, peak in CGROUP_PEAK.findall(log)}
+    assert {device: tier for device, (tier, _) in needs_mb.items()} == TIERS
+    assert set(peaks) == set(TIERS) and all(0 < peaks[d] < needs_mb[d][1] for d in TIERS)

@@ -21,14 +21,16 @@ def _split(name: str, fe: nn.Module, feature_dim: int, num_classes: int, seed: i
     return model
 
 
-def ds_cnn(input_shape=(1, 12, 10), num_classes: int = 4, width: int = 8, act=nn.ReLU, seed: int = 0) -> SplitModel:
-    """Conv-BN-act, one depthwise-separable block (depthwise 3×3 + BN + act, pointwise 1×1 + BN + act), global
-    average pool."""
+def ds_cnn(input_shape=(1, 12, 10), num_classes: int = 4, width: int = 8, act=nn.ReLU, seed: int = 0,
+           dw_stride: int = 1) -> SplitModel:
+    """Conv-BN-act, one depthwise-separable block (depthwise 3×3 of ``dw_stride`` + BN + act, pointwise 1×1 + BN +
+    act), global average pool."""
     torch.manual_seed(seed)
     fe = nn.Sequential(OrderedDict([
         ("conv1", nn.Conv2d(input_shape[0], width, 3, stride=2, padding=1)), ("bn1", nn.BatchNorm2d(width)),
         ("act1", act()),
-        ("dw", nn.Conv2d(width, width, 3, padding=1, groups=width)), ("bn2", nn.BatchNorm2d(width)), ("act2", act()),
+        ("dw", nn.Conv2d(width, width, 3, stride=dw_stride, padding=1, groups=width)), ("bn2", nn.BatchNorm2d(width)),
+        ("act2", act()),
         ("pw", nn.Conv2d(width, 2 * width, 1)), ("bn3", nn.BatchNorm2d(2 * width)), ("act3", act()),
         ("pool", nn.AdaptiveAvgPool2d(1)), ("flatten", nn.Flatten())]))
     return _split("ds_cnn", fe, 2 * width, num_classes, seed)
