@@ -40,7 +40,12 @@ and batch size (``--batch-sizes``), the smallest cgroup limit, to 4 MiB, under w
 in a row each complete FLOOR_ROUNDS local rounds on a small synthetic shard (bisection from above the charged peak
 of a run in an open group); into memory_floor[_RUNTIMES].{md,json}, and as ``floors[kind].floor_mb[batch]`` into the
 cost-model entries (kind: the artifact kind a device reports, DEVICE_RUNTIMES), which the server's tier choice then
-prefers for devices of that runtime.
+prefers for devices of that runtime. With ``--secure`` each floor is measured twice in the same run, plain and with
+every round ending in the device's secure step (``--secure-aggregation`` under distributed DP: the full-rank change
+rounded, noised and masked against k neighbours, sent in the UPDATE's ``masked`` blob), into
+memory_floor[_RUNTIMES]_secure.{md,json} with a table of the step against its analytic bound; with ``--cost-model``
+only the secure floors are written, as ``floors[kind].secure_floor_mb[batch]``, which the tier choice uses under
+``--secure-aggregation``.
 Only the stdlib and numpy are imported at the top of this file: a worker must not carry torch unless it is the one
 measuring torch.
 """
@@ -59,12 +64,18 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from server.outputs.machine import cpu_name  # noqa: E402  (platform and pathlib only: the worker's python has it)
+
+if TYPE_CHECKING:  # names for the secure worker's hints; the worker imports them where it runs
+    from device_runtime.envelope import Message
+    from device_runtime.secagg_client import SecAggClient
+    from device_runtime.task import Task, Update
 
 CONFIGS = (("fedavgcnn", (1, 28, 28)), ("fedavgcnn", (3, 32, 32)), ("cnn1", (3, 32, 32)))
 RATIOS = (1.0, 0.75, 0.5, 0.25, 0.125)
@@ -499,7 +510,7 @@ def device_floor_worker(spec: dict, artifacts_key: str) -> dict:
     return dict(peak_rss_bytes=peak_rss_bytes(), frames=len(sent), imported_torch="torch" in sys.modules)
 
 
-def secure_round(secure: dict, round_index: int):
+def secure_round(secure: dict, round_index: int) -> tuple[SecAggClient, dict[str, bytes]]:
     """The first device's SecAgg+ client of a round of ``secure["participants"]`` devices under distributed DP
     (``--secure-aggregation --dp-noise-multiplier``), and the sealed shares its neighbours sent it: the keys and
     shares exchanged as the agent exchanges them (``device_runtime.secagg_client``), so that the round's masking is
@@ -521,10 +532,11 @@ def secure_round(secure: dict, round_index: int):
     return clients[ids[0]], {v: sealed[v][ids[0]] for v in clients[ids[0]].mine}
 
 
-def secure_message(update, task, client, shares):
+def secure_message(update: Update, task: Task, client: SecAggClient, shares: dict[str, bytes]) -> Message:
     """The UPDATE a device sends in a secure round, as the agent builds it (``Agent._answer``): the full-rank
     change clipped, rounded and noised (``secure_answer``), masked against the neighbours, in the ``masked`` blob
-    of an update without tensors."""
+    of an update without tensors. (The worker keeps the trained factors until its round ends, where the agent
+    drops them once masked: the measured floor errs high by at most their size.)"""
     from device_runtime import secagg_wire
     from device_runtime.messages import update_message
     from device_runtime.secagg_client import secure_answer
@@ -844,10 +856,7 @@ def secure_floor_table(floors: list[dict]) -> str:
         step, bound = f["floor_mb"] - base["floor_mb"], f["secure_settings"]["bound_mb"]
         lines.append(f"| {f['model']} | {shape_name(f['input_shape'])} | {','.join(f'{r:g}' for r in f['ratios'])} "
                      f"| {f['batch_size']} | {f['runtime']} | {base['floor_mb']} | {f['floor_mb']} | {step} "
-                     f"| {bound:.1f} | {base['floor_mb'] + bound:.1f} | {bound / step:.2f} |" if step > 0 else
-                     f"| {f['model']} | {shape_name(f['input_shape'])} | {','.join(f'{r:g}' for r in f['ratios'])} "
-                     f"| {f['batch_size']} | {f['runtime']} | {base['floor_mb']} | {f['floor_mb']} | {step} "
-                     f"| {bound:.1f} | {base['floor_mb'] + bound:.1f} | - |")
+                     f"| {bound:.1f} | {base['floor_mb'] + bound:.1f} | {f'{bound / step:.2f}' if step > 0 else '-'} |")
     return "\n".join(lines) + "\n"
 
 
