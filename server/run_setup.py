@@ -365,7 +365,8 @@ def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder,
                          norm_bound=norm_bound_from_args(args), remote=deployment.remote,
                          shared_payloads=deployment.shared_payloads,
                          privacy=dp_from_args(args, deployment.devices), **mode)
-    if mode.get("secure") is not None and engine.dp is not None:  # distributed DP: the Skellam accountant's plan
+    if mode.get("secure") is not None and engine.dp is not None:  # distributed DP: the Skellam accountant's check
+        engine.dp.settings.check_first_round(engine.dp.accountant.epsilon_after(1), "skellam")  # and plan
         (emit or print)(engine.dp.accountant.plan(args.rounds))
     for device_id in shards:
         engine.register(device_id)

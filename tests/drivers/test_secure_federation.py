@@ -114,6 +114,16 @@ def test_under_distributed_dp_a_round_short_of_survivors_is_not_aggregated_but_s
     assert rounds[1]["survivors"] == 3 and rounds[1]["recovered"] == 1
 
 
+def test_a_target_below_one_distributed_round_is_refused_in_one_line_on_the_skellam_accountant(tmp_path, capsys):
+    """The Gaussian PLD accountant gives this round ε = 0 at δ = 4^-1.1; the Skellam accountant that charges it
+    gives 0.18: the target is checked against the latter (once the model's size is known), not the former."""
+    dp = ["--dp-noise-multiplier", "2.0", "--dp-clip", "0.05", "--join-ratio", "1", "--dp-target-epsilon", "0.1"]
+    assert main([*QUICK, "--rounds", "3", "--out", str(tmp_path / "run"), *SECURE, *dp]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--dp-target-epsilon 0.1 fits no round: one round already spends ε = 0.18" in err[0]
+    assert "skellam accountant" in err[0]
+
+
 @pytest.mark.parametrize("flags,says", [
     (["--mode", "async"], "--mode sync"),
     (["--update-norm-bound", "1"], "leave --update-norm-bound out"),
