@@ -296,7 +296,8 @@ def test_a_device_naming_no_runtime_uses_secure_floors_only_where_every_runtime_
     runtimes, plus the bound (never a secure floor of one runtime against a plain one of the other)."""
     document_entries = [entry(0.25, 100.0, 140.0, 10.0, 34.0), entry(1.0, 160.0, 260.0, 40.0, 136.0)]
     for e in document_entries:
-        e["floors"] = {PORTABLE_KIND: dict(floor_mb={"16": 80}, floor_samples=FLOOR_SAMPLES, secure_floor_mb={"16": 90}),
+        e["floors"] = {PORTABLE_KIND: dict(floor_mb={"16": 80}, floor_samples=FLOOR_SAMPLES,
+                                           secure_floor_mb={"16": 90}),
                        TRAINING_KIND: dict(floor_mb={"16": 84}, floor_samples=FLOOR_SAMPLES)}
     model = parse_cost_model(document(*document_entries))
     prediction = predict("fedavgcnn", SHAPE, 1.0, 16, Device(runtime=None), model, secure=True)
