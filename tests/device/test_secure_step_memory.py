@@ -12,7 +12,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from device_runtime.artifact_contract import PORTABLE_KIND
+from device_runtime.artifact_contract import PORTABLE_KIND, TRAINING_KIND
 from device_runtime.profile import ResourceProfile
 from device_runtime.secagg_client import SecAggClient, SecureSpec, secure_input, secure_step_bytes
 from device_runtime.secagg_quantize import plain_quantizer
@@ -80,13 +80,16 @@ def test_under_secure_aggregation_each_tier_needs_its_floor_measured_with_the_se
     assert assign_tier(budget, DEFAULT_TIERS, secure) < 1.0
 
 
-def test_a_model_without_secure_floors_needs_its_plain_floor_plus_the_bound(tmp_path):
-    """CNN1 1×28×28 has plain floors only: under secure aggregation the tier choice adds secure_step_bytes."""
-    plans, model = plan_book("cnn1", tmp_path)
+def test_a_runtime_without_secure_floors_needs_its_plain_floor_plus_the_bound(tmp_path):
+    """onnxruntime-training has plain floors of FedAvgCNN 1×28×28 only: under secure aggregation the tier choice
+    adds secure_step_bytes to them."""
+    plans, model = plan_book("fedavgcnn", tmp_path)
     extra = secure_step_mb(model, algorithm_for(FederationConfig(algo="fedara")))
-    plain = predictor_for(plans, 16)(PORTABLE, 100)
-    secure = predictor_for(plans, 16, extra)(PORTABLE, 100)
-    assert extra > 30 and all(secure(t) == pytest.approx(plain(t) + extra) for t in DEFAULT_TIERS)
+    training = ResourceProfile(None, 1, 1, "x86_64", "Linux", None, 1.0, runtime=TRAINING_KIND)
+    plain = predictor_for(plans, 16)(training, 100)
+    secure = predictor_for(plans, 16, extra)(training, 100)
+    assert 15 < extra < 30 and all(secure(t) == pytest.approx(plain(t) + extra) for t in DEFAULT_TIERS)
+    assert predict("fedavgcnn", (1, 28, 28), 1.0, 16, training, secure=True).floor_runtime == TRAINING_KIND
 
 
 @pytest.mark.cgroup
