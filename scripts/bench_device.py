@@ -851,7 +851,8 @@ def secure_floor_table(floors: list[dict]) -> str:
     lines = ["| model | input | ratio | batch | runtime | plain floor MiB | secure floor MiB | measured secure step MiB "
              "| analytic bound MiB | plain floor + bound MiB | bound / measured step |",
              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for f in sorted((f for f in floors if f["secure"]), key=lambda f: (f["model"], f["batch_size"], -max(f["ratios"]))):
+    for f in sorted((f for f in floors if f["secure"]),
+                    key=lambda f: (f["model"], f["input_shape"], f["batch_size"], -max(f["ratios"]))):
         base = plain[(f["model"], shape_name(f["input_shape"]), f["plan"], f["batch_size"], f["runtime"])]
         step, bound = f["floor_mb"] - base["floor_mb"], f["secure_settings"]["bound_mb"]
         lines.append(f"| {f['model']} | {shape_name(f['input_shape'])} | {','.join(f'{r:g}' for r in f['ratios'])} "
