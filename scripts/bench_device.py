@@ -40,7 +40,12 @@ and batch size (``--batch-sizes``), the smallest cgroup limit, to 4 MiB, under w
 in a row each complete FLOOR_ROUNDS local rounds on a small synthetic shard (bisection from above the charged peak
 of a run in an open group); into memory_floor[_RUNTIMES].{md,json}, and as ``floors[kind].floor_mb[batch]`` into the
 cost-model entries (kind: the artifact kind a device reports, DEVICE_RUNTIMES), which the server's tier choice then
-prefers for devices of that runtime.
+prefers for devices of that runtime. With ``--secure`` each floor is measured twice in the same run, plain and with
+every round ending in the device's secure step (``--secure-aggregation`` under distributed DP: the full-rank change
+rounded, noised and masked against k neighbours, sent in the UPDATE's ``masked`` blob), into
+memory_floor[_RUNTIMES]_secure.{md,json} with a table of the step against its analytic bound; with ``--cost-model``
+only the secure floors are written, as ``floors[kind].secure_floor_mb[batch]``, which the tier choice uses under
+``--secure-aggregation``.
 Only the stdlib and numpy are imported at the top of this file: a worker must not carry torch unless it is the one
 measuring torch.
 """
@@ -59,12 +64,18 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from server.outputs.machine import cpu_name  # noqa: E402  (platform and pathlib only: the worker's python has it)
+
+if TYPE_CHECKING:  # names for the secure worker's hints; the worker imports them where it runs
+    from device_runtime.envelope import Message
+    from device_runtime.secagg_client import SecAggClient
+    from device_runtime.task import Task, Update
 
 CONFIGS = (("fedavgcnn", (1, 28, 28)), ("fedavgcnn", (3, 32, 32)), ("cnn1", (3, 32, 32)))
 RATIOS = (1.0, 0.75, 0.5, 0.25, 0.125)
@@ -480,16 +491,62 @@ def device_floor_worker(spec: dict, artifacts_key: str) -> dict:
             task = Task(round_index, decode(payload, max_bytes=len(payload)).tensors, LAM, MU, LR,
                         (Phase("all", 1),), spec["batch_size"], SEED)
             del payload
+            secure = secure_round(spec["secure"], round_index) if spec.get("secure") else None
+            if secure is not None:
+                task.secure = secure[0].spec
             update = run_task(trainer, shard, task)
             trainer.save_head(Path(workdir) / "head.npz")
-            answer = seal(Message(MessageType.UPDATE, "bench", round_index, "bench-device", "bench-update",
-                                  dict(num_samples=update.num_samples), update.weights), bytes(32), Direction.UP,
-                          index + 1)
+            if secure is None:
+                message = Message(MessageType.UPDATE, "bench", round_index, "bench-device", "bench-update",
+                                  dict(num_samples=update.num_samples), update.weights)
+            else:
+                message = secure_message(update, task, *secure)
+            answer = seal(message, bytes(32), Direction.UP, index + 1)
+            del message
             (Path(workdir) / "last_answer.bin").write_bytes(answer)
             sent = chunk(answer, FRAME_BYTES, "bench-update")
             fe = update.weights
             del task, answer, update
     return dict(peak_rss_bytes=peak_rss_bytes(), frames=len(sent), imported_torch="torch" in sys.modules)
+
+
+def secure_round(secure: dict, round_index: int) -> tuple[SecAggClient, dict[str, bytes]]:
+    """The first device's SecAgg+ client of a round of ``secure["participants"]`` devices under distributed DP
+    (``--secure-aggregation --dp-noise-multiplier``), and the sealed shares its neighbours sent it: the keys and
+    shares exchanged as the agent exchanges them (``device_runtime.secagg_client``), so that the round's masking is
+    the agent's, against k neighbours."""
+    from device_runtime.secagg_client import SecAggClient, SecureSpec
+    from device_runtime.secagg_noise import total_mu
+    from device_runtime.secagg_quantize import dp_quantizer
+    shapes = {k: tuple(v) for k, v in secure["dense_shapes"].items()}
+    d = sum(int(np.prod(v)) for v in shapes.values())
+    n, s, z, clip = secure["participants"], secure["min_survivors"], secure["noise_multiplier"], secure["clip"]
+    quantizer = dp_quantizer(clip, d, n, lambda g: n / s * total_mu(z, g, clip, d))
+    mu = total_mu(z, quantizer.scale, clip, d)
+    ids = tuple(f"dev_{i:03d}" for i in range(n))
+    spec = SecureSpec(f"bench|{round_index}".encode(), ids, secure["neighbors"], secure["threshold"], s,
+                      b"bench-graph", quantizer, clip, True, mu / s, shapes)
+    clients = {i: SecAggClient(i, spec) for i in ids}
+    keys = {i: c.advertise() for i, c in clients.items()}
+    sealed = {i: c.share_keys({v: keys[v] for v in c.mine}) for i, c in clients.items()}
+    return clients[ids[0]], {v: sealed[v][ids[0]] for v in clients[ids[0]].mine}
+
+
+def secure_message(update: Update, task: Task, client: SecAggClient, shares: dict[str, bytes]) -> Message:
+    """The UPDATE a device sends in a secure round, as the agent builds it (``Agent._answer``): the full-rank
+    change clipped, rounded and noised (``secure_answer``), masked against the neighbours, in the ``masked`` blob
+    of an update without tensors. (The worker keeps the trained factors until its round ends, where the agent
+    drops them once masked: the measured floor errs high by at most their size.)"""
+    from device_runtime import secagg_wire
+    from device_runtime.messages import update_message
+    from device_runtime.secagg_client import secure_answer
+    from device_runtime.secagg_noise import secure_generator
+    answer, x = secure_answer(update, task, secure_generator())
+    masked = client.masked_input(x, shares)
+    del x
+    message = update_message(answer, plan_hash="0" * 64, device_id=client.device_id, run_id="bench")
+    message.blobs[secagg_wire.MASKED_BLOB] = secagg_wire.masked_blob(masked, task.secure.quantizer.bits)
+    return message
 
 
 def torch_floor_worker(spec: dict) -> dict:
@@ -734,12 +791,14 @@ def run_in_group(kind: str, spec: dict, limit_mb: int, timeout_s: float, python:
                 error=None if completed or evidence.oom_killed else err.strip()[-400:])
 
 
-def measure_floor(plan: dict, runtime: str, batch_size: int, rounds: int, python: str = sys.executable) -> dict:
+def measure_floor(plan: dict, runtime: str, batch_size: int, rounds: int, python: str = sys.executable,
+                  secure: dict | None = None) -> dict:
     """The memory floor of ``plan`` on ``runtime`` (workers in ``python``): a reference run in an open group, then
     bisection; a limit passes when FLOOR_REPEATS fresh processes in a row complete under it (stopping at the first
-    that does not)."""
-    spec = {k: plan[k] for k in ("model", "input_shape", "ranks", "artifacts", "portable_artifacts", "shard", "label")}
-    spec.update(batch_size=batch_size, rounds=rounds)
+    that does not). ``secure`` (``secure_settings``): each round ends with the device's secure step instead."""
+    spec = {k: plan[k] for k in ("model", "input_shape", "ranks", "artifacts", "portable_artifacts", "shard", "label")
+            if k in plan}
+    spec.update(batch_size=batch_size, rounds=rounds, secure=secure)
     kind = f"floor-{runtime}"
     reference = run_in_group(kind, spec, FLOOR_OPEN_LIMIT_MB, timeout_s=600, python=python)
     if not reference.get("completed"):
@@ -757,9 +816,49 @@ def measure_floor(plan: dict, runtime: str, batch_size: int, rounds: int, python
 
     floor, order = bisect_floor(completes, int(reference["group_peak_mb"]) + FLOOR_HEADROOM_MB)
     return dict(model=plan["model"], input_shape=plan["input_shape"], ratios=plan["ratios"], plan=plan["plan"],
-                runtime=runtime, batch_size=batch_size, rounds=rounds, floor_mb=floor,
+                runtime=runtime, batch_size=batch_size, rounds=rounds, floor_mb=floor, secure=secure is not None,
                 reference=reference, trials=[dict(limit_mb=limit, completed=passed, runs=runs[limit])
                                              for limit, passed in order])
+
+
+SECURE_PARTICIPANTS = 10  # a round of 10: the rule's complete graph, k = 9 (masking against 9 neighbours)
+SECURE_NOISE_MULTIPLIER, SECURE_CLIP = 1.0, 0.5  # distributed DP on: the noise's temporaries count too
+
+
+def secure_settings(model_name: str, input_shape) -> dict:
+    """--secure: the round a device's secure step is measured in (SECURE_PARTICIPANTS devices under distributed DP,
+    k and t by the rule of ``server.engine.secagg_parameters``), the shared model's dense shapes (a device masks its
+    full-rank change at every tier) and the analytic bound the tier choice adds today (``secure_step_mb``)."""
+    from fedcore.models import build_model
+    from server.engine.round_engine import algorithm_for
+    from server.engine.run_config import FederationConfig
+    from server.engine.secagg_parameters import DEFAULT_CORRUPT_RATE, DEFAULT_DROPOUT_RATE, parameters
+    from server.run_setup import global_state, secure_step_mb
+    model = build_model(model_name, tuple(input_shape), NUM_CLASSES, seed=SEED)
+    algorithm = algorithm_for(FederationConfig(algo="fedara"))
+    graph = parameters(SECURE_PARTICIPANTS, None, None, DEFAULT_DROPOUT_RATE, DEFAULT_CORRUPT_RATE)
+    return dict(dense_shapes={k: list(v.shape) for k, v in global_state(model, algorithm).items()},
+                participants=SECURE_PARTICIPANTS, neighbors=graph.neighbors, threshold=graph.threshold,
+                min_survivors=graph.min_survivors(SECURE_PARTICIPANTS), noise_multiplier=SECURE_NOISE_MULTIPLIER,
+                clip=SECURE_CLIP, bound_mb=secure_step_mb(model, algorithm))
+
+
+def secure_floor_table(floors: list[dict]) -> str:
+    """--secure: per (model, input, ratio, batch, runtime), the plain floor and the floor with the secure step,
+    both measured in this run, against the plain floor plus the analytic bound the tier choice adds."""
+    plain = {(f["model"], shape_name(f["input_shape"]), f["plan"], f["batch_size"], f["runtime"]): f
+             for f in floors if not f["secure"]}
+    lines = ["| model | input | ratio | batch | runtime | plain floor MiB | secure floor MiB | measured secure step MiB "
+             "| analytic bound MiB | plain floor + bound MiB | bound / measured step |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for f in sorted((f for f in floors if f["secure"]),
+                    key=lambda f: (f["model"], f["input_shape"], f["batch_size"], -max(f["ratios"]))):
+        base = plain[(f["model"], shape_name(f["input_shape"]), f["plan"], f["batch_size"], f["runtime"])]
+        step, bound = f["floor_mb"] - base["floor_mb"], f["secure_settings"]["bound_mb"]
+        lines.append(f"| {f['model']} | {shape_name(f['input_shape'])} | {','.join(f'{r:g}' for r in f['ratios'])} "
+                     f"| {f['batch_size']} | {f['runtime']} | {base['floor_mb']} | {f['floor_mb']} | {step} "
+                     f"| {bound:.1f} | {base['floor_mb'] + bound:.1f} | {f'{bound / step:.2f}' if step > 0 else '-'} |")
+    return "\n".join(lines) + "\n"
 
 
 def floor_tables(floors: list[dict]) -> str:
@@ -794,13 +893,15 @@ def with_floors(document: dict, floors: list[dict], command: str) -> dict:
     """The cost-model document with each device runtime's floors set on its entries, under ``floors[kind]`` (the
     artifact kind a device reports: DEVICE_RUNTIMES): ``floor_mb`` by batch size, ``floor_samples`` (the samples
     of the shard they were measured with), and by batch size the command that measured each (``generated_by``)
-    and the onnxruntime distribution it ran on (``onnxruntime``);
+    and the onnxruntime distribution it ran on (``onnxruntime``); from a ``--secure`` run only the floors with the
+    secure step, as ``secure_floor_mb`` (and ``secure_generated_by``), on entries whose plain floors exist;
     floors of other runtimes and batch sizes already there are kept. KeyError names a (model, input, ratio) the
     document lacks."""
     entries = {(e["model"], tuple(e["input_shape"]), e["ratio"]): e for e in document["entries"]}
+    secure_run = any(f.get("secure") for f in floors)
     for f in floors:
-        if f["runtime"] not in DEVICE_RUNTIMES:
-            continue
+        if f["runtime"] not in DEVICE_RUNTIMES or f.get("secure", False) != secure_run:
+            continue  # a --secure run sets the secure floors only (its plain ones are the report's comparison)
         for ratio in f["ratios"]:
             key = (f["model"], tuple(f["input_shape"]), ratio)
             if key not in entries:
@@ -809,6 +910,16 @@ def with_floors(document: dict, floors: list[dict], command: str) -> dict:
                                f"{f['model']}:{shape_name(f['input_shape'])} --cost-model PATH)")
             record = entries[key].setdefault("floors", {}).setdefault(DEVICE_RUNTIMES[f["runtime"]], {})
             batch = str(f["batch_size"])
+            if secure_run:
+                if batch not in record.get("floor_mb", {}):
+                    raise KeyError(f"the cost model has no {f['runtime']} floor at batch {batch} for {f['model']} "
+                                   f"{shape_name(f['input_shape'])} ratio {ratio}: measure the plain floors first "
+                                   "(the same command without --secure)")
+                record["secure_floor_mb"] = dict(record.get("secure_floor_mb", {}), **{batch: f["floor_mb"]})
+                record["secure_generated_by"] = dict(record.get("secure_generated_by", {}), **{batch: command})
+                record["secure_onnxruntime"] = dict(record.get("secure_onnxruntime", {}),
+                                                    **{batch: f.get("onnxruntime")})
+                continue
             record["floor_mb"] = dict(record.get("floor_mb", {}), **{batch: f["floor_mb"]})
             record["floor_samples"] = FLOOR_TRAIN_SAMPLES + TEST_SAMPLES
             record["generated_by"] = dict(record.get("generated_by", {}), **{batch: command})
@@ -871,11 +982,17 @@ def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -
             for plan in plans:
                 for runtime in args.runtimes:
                     python = args.portable_python if runtime == "portable" else sys.executable
-                    floors.append(dict(measure_floor(plan, runtime, batch_size, FLOOR_ROUNDS, python),
-                                       onnxruntime=builds.get(runtime, {}).get("distributions")))
-                    print(f"floor {runtime} batch {batch_size} {plan['label']}: {floors[-1]['floor_mb']} MiB "
-                          f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    tables = floor_tables(floors)
+                    secure = secure_settings(plan["model"], plan["input_shape"]) if args.secure else None
+                    for variant in (None, secure) if args.secure else (None,):  # plain, then secure: same load
+                        floors.append(dict(measure_floor(plan, runtime, batch_size, FLOOR_ROUNDS, python, variant),
+                                           onnxruntime=builds.get(runtime, {}).get("distributions"),
+                                           secure_settings=variant))
+                        print(f"floor {runtime}{' secure' if variant else ''} batch {batch_size} {plan['label']}: "
+                              f"{floors[-1]['floor_mb']} MiB ({time.perf_counter() - started:.0f} s)",
+                              file=sys.stderr)
+    tables = floor_tables([f for f in floors if not f["secure"]])
+    if args.secure:
+        tables += "\n" + secure_floor_table(floors)
     report = dict(command=command, settings=dict(train_samples=FLOOR_TRAIN_SAMPLES, rounds=FLOOR_ROUNDS,
                                                  shard=str(args.shard) if args.shard else "synthetic",
                                                  repeats=FLOOR_REPEATS,
@@ -885,7 +1002,7 @@ def run_memory_floors(args: argparse.Namespace, configs, ratios, command: str) -
                                loadavg_at_end=list(os.getloadavg())),
                   wall_seconds=time.perf_counter() - started, floors=floors)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    name = floor_report_name(args.runtimes)
+    name = floor_report_name(args.runtimes) + ("_secure" if args.secure else "")
     (args.out_dir / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     (args.out_dir / f"{name}.md").write_text(tables)
     if args.cost_model:
@@ -1197,6 +1314,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=parse_batch_sizes, default=(BATCH,),
                    help=f"with --memory-floor: comma-separated batch sizes to measure floors at (default {BATCH}; the "
                         f"cost model's floors cover {','.join(map(str, BATCH_SIZES))})")
+    p.add_argument("--secure", action="store_true",
+                   help="with --memory-floor: measure each floor twice, plain and with the device's secure step "
+                        f"(--secure-aggregation under distributed DP, {SECURE_PARTICIPANTS} participants) ending each "
+                        "round, into memory_floor[_RUNTIMES]_secure.{md,json}")
     p.add_argument("--portable-python", default=sys.executable,
                    help="interpreter whose environment has stock onnxruntime, for the portable runtime's workers "
                         "(latency and --memory-floor; default: this one, whose training build's InferenceSession "

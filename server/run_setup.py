@@ -301,19 +301,20 @@ def round_robin_tiers(ids: list[str], tiers: tuple[float, ...], overrides: dict[
 def predictor_for(plans: PlanBook, batch_size: int, extra_mb: float = 0.0) -> Predictor:
     """(profile, shard samples) -> (ratio -> MiB the device needs): the measured cost model
     (device_runtime/cost_model.json: memory floors, else peaks scaled by the device's probe) where it has the
-    model and input, else the analytic footprint; plus ``extra_mb`` at every tier (the secure step's memory under
-    --secure-aggregation: ``secure_step_mb``)."""
+    model and input, else the analytic footprint. ``extra_mb`` (under --secure-aggregation: ``secure_step_mb``, the
+    secure step's bound): the floors measured with the secure step where the cost model has them, else the need
+    plus ``extra_mb`` at every tier."""
     analytic = tier_predictor(plans.model, plans.input_shape, batch_size)
 
     def for_profile(profile: ResourceProfile, shard_samples: int) -> Callable[[float], float]:
         predict = peak_predictor(plans.cost_key(), plans.input_shape, batch_size, profile,
-                                 shard_samples=shard_samples)
+                                 shard_samples=shard_samples, secure_step_mb=extra_mb or None)
         try:
             predict(1.0)
         except CostModelError as exc:
             LOG.info("cost model: %s; using the analytic footprint", exc)
-            predict = analytic
-        return predict if not extra_mb else (lambda ratio: predict(ratio) + extra_mb)
+            return analytic if not extra_mb else (lambda ratio: analytic(ratio) + extra_mb)
+        return predict
     return for_profile
 
 
@@ -364,7 +365,8 @@ def assemble(args: argparse.Namespace, config: FederationConfig, out: RunFolder,
                          norm_bound=norm_bound_from_args(args), remote=deployment.remote,
                          shared_payloads=deployment.shared_payloads,
                          privacy=dp_from_args(args, deployment.devices), **mode)
-    if mode.get("secure") is not None and engine.dp is not None:  # distributed DP: the Skellam accountant's plan
+    if mode.get("secure") is not None and engine.dp is not None:  # distributed DP: the Skellam accountant's check
+        engine.dp.settings.check_first_round(engine.dp.accountant.epsilon_after(1), "skellam")  # and plan
         (emit or print)(engine.dp.accountant.plan(args.rounds))
     for device_id in shards:
         engine.register(device_id)

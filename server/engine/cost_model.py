@@ -23,6 +23,9 @@ whole run). Floors are kept per runtime (the artifact kind a device names in its
 on stock onnxruntime and onnxruntime-training differ by up to 20 MiB, either way, docs/edge_envelope.md): a device
 is predicted with its own runtime's floors, a device that names none with the larger of the runtimes' floors. A runtime's floors are used only where every
 ratio of the model has one (a mix would compare unlike quantities); without them the need is the predicted peak.
+Under --secure-aggregation a device also builds, masks and sends its full-rank change each round: where the benchmark
+measured floors with that step (``--memory-floor --secure``: ``secure_floor_mb``) for every ratio of every runtime
+the floor is taken from, those are the floors; otherwise the caller adds the step's analytic bound to the plain need.
 
 A model nobody measured (a user's ``--model FILE.py:FN``) is measured on its first compile by
 ``server.tier_measurement`` with the benchmark's own device worker, and its entries, keyed by the fingerprint of its
@@ -44,7 +47,8 @@ from typing import Protocol
 
 from device_runtime.artifact_contract import KINDS
 
-COST_MODEL_FORMAT = 2  # 2: floors per runtime (``floors: {kind: {floor_mb, floor_samples, generated_by}}``)
+COST_MODEL_FORMAT = 2  # 2: floors per runtime (``floors: {kind: {floor_mb, floor_samples, generated_by}}``, and
+# optionally ``secure_floor_mb`` with ``secure_generated_by``: the floors with the secure step)
 COST_MODEL_PACKAGE = "device_runtime"
 COST_MODEL_FILE = "cost_model.json"
 FLOOR_MARGIN_MB = 8.0
@@ -73,6 +77,7 @@ class Prediction:
     step_ms: float  # one training step (forward, backward, SGD update), milliseconds
     floor_mb: float | None = None  # smallest cgroup limit under which the rounds completed, MiB; None: not measured
     floor_runtime: str | None = None  # the runtime (artifact kind) whose floor that is
+    secure_floor: bool = False  # the floor was measured with the secure step (asked for, and measured)
 
     @property
     def need_mb(self) -> float:
@@ -82,10 +87,15 @@ class Prediction:
 
 @dataclass(frozen=True)
 class Floors:
-    """The memory floors of one rank ratio on one runtime."""
+    """The memory floors of one rank ratio on one runtime: of the plain rounds, and of rounds that end with the
+    secure step (``--memory-floor --secure``: the full-rank change masked and sent), where measured."""
 
     floor_mb: dict[int, float]  # batch size -> MiB
     samples: int  # samples (train + test) of the shard they were measured with
+    secure_floor_mb: dict[int, float] | None = None  # batch size -> MiB under --secure-aggregation; None: not measured
+
+    def table(self, secure: bool) -> dict[int, float]:
+        return self.secure_floor_mb if secure else self.floor_mb
 
 
 @dataclass(frozen=True)
@@ -134,7 +144,9 @@ def _floors(record: object, what: str) -> Floors:
     samples = record.get("floor_samples")
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise CostModelError(f"{what}: floor_samples must be a positive integer, got {samples!r}")
-    return Floors(_numbers_by_size(record["floor_mb"], f"{what} floor_mb"), samples)
+    secure = record.get("secure_floor_mb")
+    return Floors(_numbers_by_size(record["floor_mb"], f"{what} floor_mb"), samples,
+                  None if secure is None else _numbers_by_size(secure, f"{what} secure_floor_mb"))
 
 
 def _entry(raw: object, index: int) -> tuple[tuple[str, tuple[int, ...]], CostEntry]:
@@ -270,14 +282,16 @@ def _by_batch(table: dict[int, float], batch_size: int) -> float:
     return _interpolate(sorted(table.items()), batch_size, extrapolate_above=True)
 
 
-def _entry_floor(entry: CostEntry, floors: Floors, batch_size: int, shard_mb: Callable[[int], float]) -> float:
-    """The floor at ``batch_size``: linear between measured batch sizes; above the largest measured one b0, the
-    floor at b0 plus what the predicted peak grows from b0 to ``batch_size``; below the smallest, the smallest's;
-    plus ``shard_mb(floors.samples)``."""
-    b0 = max(floors.floor_mb)
+def _entry_floor(entry: CostEntry, floors: Floors, batch_size: int, shard_mb: Callable[[int], float],
+                 secure: bool = False) -> float:
+    """The floor (``secure``: with the secure step) at ``batch_size``: linear between measured batch sizes; above
+    the largest measured one b0, the floor at b0 plus what the predicted peak grows from b0 to ``batch_size``; below
+    the smallest, the smallest's; plus ``shard_mb(floors.samples)``."""
+    table = floors.table(secure)
+    b0 = max(table)
     batch_growth = max(0.0, _by_batch(entry.peak_mb, batch_size) - _by_batch(entry.peak_mb, b0))
-    at_batch = (floors.floor_mb[b0] + batch_growth if batch_size > b0 else
-                _interpolate(sorted(floors.floor_mb.items()), batch_size, extrapolate_above=False))
+    at_batch = (table[b0] + batch_growth if batch_size > b0 else
+                _interpolate(sorted(table.items()), batch_size, extrapolate_above=False))
     return at_batch + shard_mb(floors.samples)
 
 
@@ -287,19 +301,24 @@ def _entry_prediction(entry: CostEntry, batch_size: int, threads: int, probe_gfl
     return Prediction(_by_batch(entry.peak_mb, batch_size), step)
 
 
-def _floor_runtimes(entries: Sequence[CostEntry], runtime: str | None) -> list[str]:
-    """The runtimes whose floors predict for a device of ``runtime``: its own where every ratio has one (else
-    none); a device that names no runtime: every runtime whose floors cover every ratio (the larger one wins)."""
-    complete = [kind for kind in KINDS if all(kind in e.floors for e in entries)]
+def _floor_runtimes(entries: Sequence[CostEntry], runtime: str | None, secure: bool = False) -> list[str]:
+    """The runtimes whose floors (``secure``: with the secure step) predict for a device of ``runtime``: its own
+    where every ratio has one (else none); a device that names no runtime: every runtime whose floors cover every
+    ratio (the larger one wins)."""
+    complete = [kind for kind in KINDS
+                if all(kind in e.floors and e.floors[kind].table(secure) is not None for e in entries)]
     return complete if runtime is None else [kind for kind in complete if kind == runtime]
 
 
 def predict(model_name: str, input_shape: Sequence[int], ratio: float, batch_size: int, profile: DeviceProfile,
-            cost_model: CostModel | None = None, shard_samples: int | None = None) -> Prediction:
+            cost_model: CostModel | None = None, shard_samples: int | None = None,
+            secure: bool = False) -> Prediction:
     """Peak MiB, step ms and floor MiB of ``model_name`` on ``input_shape`` at rank ``ratio`` and ``batch_size`` on
     the device described by ``profile`` (its probe score, thread count and runtime: the floor is that runtime's,
     or the larger runtime's where the profile names none), whose shard holds ``shard_samples`` samples (train +
-    test; None: as many as the floors were measured with); ``cost_model`` None: the shipped one."""
+    test; None: as many as the floors were measured with); ``cost_model`` None: the shipped one. ``secure``: the
+    rounds end with the secure step: the floors measured with it where every runtime the floor is taken from has
+    them at every ratio (``Prediction.secure_floor``), else the plain ones (the caller adds the step's bound)."""
     model = _shipped() if cost_model is None else cost_model
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"rank ratio must be in (0, 1], got {ratio!r}")
@@ -322,19 +341,28 @@ def predict(model_name: str, input_shape: Sequence[int], ratio: float, batch_siz
     per_ratio = [(e.ratio, _entry_prediction(e, batch_size, threads, probe)) for e in entries]
     peak = _interpolate([(r, p.peak_mb) for r, p in per_ratio], ratio, extrapolate_above=False)
     step = _interpolate([(r, p.step_ms) for r, p in per_ratio], ratio, extrapolate_above=False)
-    floors = {kind: _interpolate([(e.ratio, _entry_floor(e, e.floors[kind], batch_size, shard_mb)) for e in entries],
-                                 ratio, extrapolate_above=False)
-              for kind in _floor_runtimes(entries, getattr(profile, "runtime", None))}
+    runtime = getattr(profile, "runtime", None)
+    plain_kinds = _floor_runtimes(entries, runtime)  # secure floors count only where every runtime used has them
+    measured_secure = secure and bool(plain_kinds) and _floor_runtimes(entries, runtime, secure=True) == plain_kinds
+    floors = {kind: _interpolate([(e.ratio, _entry_floor(e, e.floors[kind], batch_size, shard_mb, measured_secure))
+                                  for e in entries], ratio, extrapolate_above=False)
+              for kind in _floor_runtimes(entries, runtime, measured_secure)}
     if not floors:
         return Prediction(peak, step)
     kind = max(floors, key=floors.__getitem__)
-    return Prediction(peak, step, floors[kind], kind)
+    return Prediction(peak, step, floors[kind], kind, measured_secure)
 
 
 def peak_predictor(model_name: str, input_shape: Sequence[int], batch_size: int, profile: DeviceProfile,
-                   cost_model: CostModel | None = None, shard_samples: int | None = None) -> Callable[[float], float]:
+                   cost_model: CostModel | None = None, shard_samples: int | None = None,
+                   secure_step_mb: float | None = None) -> Callable[[float], float]:
     """``ratio -> the MiB the device needs`` (``Prediction.need_mb``: the measured floor plus margin where the cost
     model has floors, else the predicted peak) for one device: the predictor ``server.engine.rank_assignment.assign_tier``
-    compares with the device's budget."""
-    return lambda ratio: predict(model_name, input_shape, ratio, batch_size, profile, cost_model,
-                                 shard_samples).need_mb
+    compares with the device's budget. ``secure_step_mb`` (under --secure-aggregation): the floors measured with
+    the secure step where the cost model has them, else the need plus this bound on the step."""
+    secure = secure_step_mb is not None
+
+    def need(ratio: float) -> float:
+        p = predict(model_name, input_shape, ratio, batch_size, profile, cost_model, shard_samples, secure)
+        return p.need_mb + (secure_step_mb if secure and not p.secure_floor else 0.0)
+    return need

@@ -170,11 +170,17 @@ class DpSettings:
         if self.target_epsilon is None:
             return
         from server.engine.accountant import epsilon  # dp-accounting loads only for a private run
-        first = epsilon(self.join_ratio, self.noise_multiplier, 1, self.run_delta, self.accountant)
-        if first > self.target_epsilon:
+        self.check_first_round(epsilon(self.join_ratio, self.noise_multiplier, 1, self.run_delta, self.accountant))
+
+    def check_first_round(self, first: float, accountant: str | None = None) -> None:
+        """Raise ValueError when ``first``, what one round spends (on ``accountant``, when it is not the run's
+        --dp-accountant: distributed DP's Skellam one), is above --dp-target-epsilon."""
+        if self.target_epsilon is not None and first > self.target_epsilon:
             raise ValueError(f"--dp-target-epsilon {self.target_epsilon:g} fits no round: one round already spends "
                              f"ε = {first:.4g} (--dp-noise-multiplier {self.noise_multiplier:g}, rate "
-                             f"{self.join_ratio:g}, δ = {self.run_delta:.3g}); raise the target or the noise multiplier")
+                             f"{self.join_ratio:g}, δ = {self.run_delta:.3g}"
+                             f"{'' if accountant is None else f', {accountant} accountant'}); raise the target or the "
+                             "noise multiplier")
 
     def budget_plan(self, rounds: int, unit: str = "round") -> str:
         """The line a private run prints before it trains (``accountant.budget_plan``)."""

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,9 +30,8 @@ from server.engine.run_config import DEFAULT_TIERS, FederationConfig
 from server.mqtt.cgroups import available
 from server.run_setup import PlanBook, global_state, initial_personal, predictor_for
 from tests.support.machine import missing_fmnist, needs
-from tests.support.scripts import load_script
 from tests.support.confined_group import confined_devices
-from tests.support.processes import child_env
+from tests.support.stock_python import stock_python  # noqa: F401 (a fixture)
 
 CGROUPS = available()
 pytestmark = [pytest.mark.cgroup, pytest.mark.slow, needs(CGROUPS), needs(missing_fmnist())]
@@ -44,23 +41,6 @@ BATCH_SIZE, ROUNDS = 16, 2
 SAMPLES, DEVICES = 3000, 5
 DEVICE_ID = "dev_000"
 TIER = 0.5  # the tier the limits are set around: tiers above and below it exist
-INSTALL_TIMEOUT_S = 300
-
-
-@pytest.fixture(scope="module")
-def stock_python(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """An interpreter whose environment holds what the device bundle pins (stock onnxruntime, numpy, paho-mqtt)."""
-    bundle = load_script("build_device_bundle")
-    venv = tmp_path_factory.mktemp("stock") / "venv"
-    requirements = venv.parent / bundle.REQUIREMENTS_NAME
-    requirements.write_text(bundle.pinned_requirements(bundle.installed_versions(bundle.PINNED)))
-    for command in ([sys.executable, "-m", "venv", str(venv)],
-                    [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--quiet",
-                     "--disable-pip-version-check", "-r", str(requirements)]):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
-                              env=child_env(drop=("PYTHONPATH", "VIRTUAL_ENV")))
-        assert done.returncode == 0, done.stdout + done.stderr
-    return str(venv / "bin" / "python")
 
 
 @pytest.fixture(scope="module")

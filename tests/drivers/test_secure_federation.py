@@ -96,6 +96,34 @@ def test_distributed_dp_charges_the_skellam_mechanism_and_stops_at_the_target(tm
     assert all(r["secagg"]["noise_mu_per_device"] > 0 for r in records)
 
 
+@pytest.mark.slow
+def test_under_distributed_dp_a_round_short_of_survivors_is_not_aggregated_but_still_charged(tmp_path):
+    """--secagg-drop 0.3 with DP (seed 3: rounds 1 and 3 keep fewer than s = 3 of the 4 devices, round 2 three):
+    every round is charged when it opens, released or not, so ε stays an upper bound; the run stops at the target
+    after three rounds as without drops."""
+    dp = ["--dp-noise-multiplier", "2.0", "--dp-clip", "0.05", "--join-ratio", "1"]
+    records = run(tmp_path / "run", "--rounds", "5", *SECURE, *dp, "--dp-target-epsilon", "1", "--secagg-drop",
+                  "0.3", "--seed", "3")
+    shapes = {k: v.shape for k, v in shared(tmp_path / "run").items()}
+    mu, l2 = dp_noise(DpSettings(2.0, 1.0, 4, 0.05), dimension(shapes))
+    accountant = SkellamAccountant(1.0, mu, l2, dimension(shapes), 4 ** -1.1)
+    rounds = [r["secagg"] for r in records]
+    assert [r["epsilon"] for r in records] == pytest.approx([accountant.epsilon_after(i + 1) for i in range(3)])
+    assert [s["aggregated"] for s in rounds] == [False, True, False]
+    assert all(s["survivors"] < s["min_survivors"] == 3 for s in rounds if not s["aggregated"])
+    assert rounds[1]["survivors"] == 3 and rounds[1]["recovered"] == 1
+
+
+def test_a_target_below_one_distributed_round_is_refused_in_one_line_on_the_skellam_accountant(tmp_path, capsys):
+    """The Gaussian PLD accountant gives this round ε = 0 at δ = 4^-1.1; the Skellam accountant that charges it
+    gives 0.18: the target is checked against the latter (once the model's size is known), not the former."""
+    dp = ["--dp-noise-multiplier", "2.0", "--dp-clip", "0.05", "--join-ratio", "1", "--dp-target-epsilon", "0.1"]
+    assert main([*QUICK, "--rounds", "3", "--out", str(tmp_path / "run"), *SECURE, *dp]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--dp-target-epsilon 0.1 fits no round: one round already spends ε = 0.18" in err[0]
+    assert "skellam accountant" in err[0]
+
+
 @pytest.mark.parametrize("flags,says", [
     (["--mode", "async"], "--mode sync"),
     (["--update-norm-bound", "1"], "leave --update-norm-bound out"),

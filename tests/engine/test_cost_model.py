@@ -256,3 +256,50 @@ def test_the_peak_predictor_drives_tier_assignment():
     predictor = peak_predictor("fedavgcnn", SHAPE, 16, Device(), MODEL)
     assert assign_tier(150.0, (1.0, 0.5, 0.25), predictor) == 0.5
     assert assign_tier(90.0, (1.0, 0.5, 0.25), predictor) == 0.25
+
+
+def with_secure_floors(secure: dict[float, float]) -> object:
+    """FLOORED's portable floors, with floors measured with the secure step (batch 16) at each ratio of ``secure``."""
+    entries = [entry(0.25, 100.0, 140.0, 10.0, 34.0), entry(0.5, 120.0, 180.0, 20.0, 68.0),
+               entry(1.0, 160.0, 260.0, 40.0, 136.0)]
+    plain = {0.25: 60.0, 0.5: 80.0, 1.0: 130.0}
+    for e in entries:
+        e["floors"] = {PORTABLE_KIND: dict(floor_mb={"16": plain[e["ratio"]]}, floor_samples=FLOOR_SAMPLES)}
+        if e["ratio"] in secure:
+            e["floors"][PORTABLE_KIND]["secure_floor_mb"] = {"16": secure[e["ratio"]]}
+    return parse_cost_model(document(*entries))
+
+
+SECURE_FLOORED = with_secure_floors({0.25: 84.0, 0.5: 96.0, 1.0: 140.0})
+
+
+def test_under_secure_aggregation_the_floors_measured_with_the_secure_step_are_the_need():
+    predictor = peak_predictor("fedavgcnn", SHAPE, 16, Device(), SECURE_FLOORED, secure_step_mb=20.0)
+    assert [predictor(r) for r in (0.25, 0.5, 1.0)] == [84.0 + FLOOR_MARGIN_MB, 96.0 + FLOOR_MARGIN_MB,
+                                                       140.0 + FLOOR_MARGIN_MB]
+    assert predict("fedavgcnn", SHAPE, 0.5, 16, Device(), SECURE_FLOORED, secure=True).secure_floor
+
+
+def test_without_secure_aggregation_the_secure_floors_are_not_used():
+    predictor = peak_predictor("fedavgcnn", SHAPE, 16, Device(), SECURE_FLOORED)
+    assert predictor(0.5) == 80.0 + FLOOR_MARGIN_MB
+
+
+def test_secure_floors_on_only_some_ratios_fall_back_to_the_plain_floor_plus_the_bound():
+    predictor = peak_predictor("fedavgcnn", SHAPE, 16, Device(), with_secure_floors({0.5: 96.0}), secure_step_mb=20.0)
+    assert predictor(0.5) == 80.0 + FLOOR_MARGIN_MB + 20.0
+    assert not predict("fedavgcnn", SHAPE, 0.5, 16, Device(), with_secure_floors({0.5: 96.0}), secure=True).secure_floor
+
+
+def test_a_device_naming_no_runtime_uses_secure_floors_only_where_every_runtime_has_them():
+    """Only the portable runtime has secure floors: a profile without a runtime gets the larger plain floor of the
+    runtimes, plus the bound (never a secure floor of one runtime against a plain one of the other)."""
+    document_entries = [entry(0.25, 100.0, 140.0, 10.0, 34.0), entry(1.0, 160.0, 260.0, 40.0, 136.0)]
+    for e in document_entries:
+        e["floors"] = {PORTABLE_KIND: dict(floor_mb={"16": 80}, floor_samples=FLOOR_SAMPLES,
+                                           secure_floor_mb={"16": 90}),
+                       TRAINING_KIND: dict(floor_mb={"16": 84}, floor_samples=FLOOR_SAMPLES)}
+    model = parse_cost_model(document(*document_entries))
+    prediction = predict("fedavgcnn", SHAPE, 1.0, 16, Device(runtime=None), model, secure=True)
+    assert (prediction.floor_mb, prediction.floor_runtime, prediction.secure_floor) == (84.0, TRAINING_KIND, False)
+    assert predict("fedavgcnn", SHAPE, 1.0, 16, Device(), model, secure=True).floor_mb == 90.0

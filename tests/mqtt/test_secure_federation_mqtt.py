@@ -6,7 +6,8 @@ processes (``python -m device_runtime``) over Debian's mosquitto, SecAgg+'s four
   share to another device, replays and forges unmasking requests and answers (``mosquitto_pub``-made frames), and
   an enrolled device outside the round sends keys, a masked input and unmasking shares: each is refused with a
   logged reason, and the model is the plain engine's on the same updates within the bound;
-- distributed DP over MQTT: each round charged as the Skellam mechanism, the run stopped at its target;
+- distributed DP over MQTT: each round charged as the Skellam mechanism, the run stopped at its target; and with a
+  device SIGKILLed after sharing: the survivors' noise shares still carry what is charged;
 - a device SIGKILLed after sharing (one round; its training made slow by a repeated shard, so the kill lands
   between its shares and its masked input by construction): its masks are removed with its neighbours' shares and
   the model is the plain aggregate of the three survivors within the bound.
@@ -21,6 +22,7 @@ The flags secure aggregation cannot serve over MQTT are refused in one line (exi
 """
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import threading
@@ -30,6 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from device_runtime import secagg_wire
@@ -41,7 +44,8 @@ from device_runtime.task import Update
 from server import broker_loop, run_setup, simulate
 from server.data.partition import write_shards
 from device_runtime.dense_delta import dimension
-from server.engine.accountant import SkellamAccountant
+from device_runtime.secagg_quantize import DP_UNITS
+from server.engine.accountant import SkellamAccountant, epsilon, skellam_epsilon
 from server.engine.run_config import DpSettings
 from server.engine.secure_rounds import dp_noise
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
@@ -367,6 +371,89 @@ def test_a_device_killed_after_sharing_is_recovered_and_the_survivors_plain_aggr
     assert "unmasking share(s) sent" not in federation.log_of(slow)
     reference = plain_reference(cache, shards, tmp_path / "reference", monkeypatch, silent=frozenset({slow}))
     assert_within_bound(row, model, reference)
+
+
+# -- distributed DP with a device SIGKILLed after sharing -------------------------------------------------------
+
+DP_EPOCHS = "30"
+"""Local epochs of the DP run: a round's training takes seconds, so a device killed as it starts training (its
+log's 'neighbour(s) shared; training') dies between its shares and its masked input."""
+
+
+def device_process(server: subprocess.Popen, device_id: str) -> psutil.Process | None:
+    """The server's local device process running ``device_id`` (named by its ``--device-id``), None: none."""
+    for child in psutil.Process(server.pid).children():
+        try:
+            command = child.cmdline()
+        except psutil.Error:  # ended since children() listed it
+            continue
+        if "--device-id" in command and command[command.index("--device-id") + 1] == device_id:
+            return child
+    return None
+
+
+@pytest.mark.slow
+def test_distributed_dp_over_mqtt_with_a_device_killed_after_sharing_charges_what_the_survivors_guarantee(
+        mosquitto_broker, cache, tmp_path):
+    """Four local device processes over mosquitto, --dp-noise-multiplier 2 --dp-target-epsilon 1: the first device
+    to start round 1's training is SIGKILLed. Round 1 opens with the n = 3 or 4 devices ready then (--min-devices 3,
+    so that the later rounds run without the dead one); each device adds Sk(μ/s), s the round's minimum of survivors
+    (2 for 3 devices, 3 for 4), so the n − 1 >= s survivors carry at least μ: the round is aggregated from them,
+    recovering the dead device's masks. ε is what the Skellam accountant gives for μ = s · (a device's share), the
+    same μ whatever the round's n, computed here from the rows and the accountant module (and never below
+    dp-accounting's Gaussian of the same variance), and the run stops before the round that would pass ε = 1."""
+    out = tmp_path / "run"
+    quick = [*QUICK[:QUICK.index("--local-epochs")], "--local-epochs", DP_EPOCHS,
+             *QUICK[QUICK.index("--local-epochs") + 2:]]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "server.broker_loop", *quick, *SECURE, "--local-devices", "4", "--min-devices", "3",
+         "--broker", mosquitto_broker.url, "--rounds", "5", "--round-deadline", str(RUN_TIMEOUT_S), "--join-timeout",
+         str(RUN_TIMEOUT_S), "--secagg-phase-timeout", str(RUN_TIMEOUT_S), "--cache-dir", str(cache), "--out",
+         str(out), "--dp-noise-multiplier", "2.0", "--dp-clip", "0.05", "--join-ratio", "1",
+         "--dp-target-epsilon", "1"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+    try:
+        def alive() -> None:
+            assert server.poll() is None, f"the server ended with {server.returncode}"
+
+        def training() -> str | None:
+            logs = {d: out / broker_loop.DEVICES_DIR / f"{d}.log" for d in device_ids(4)}
+            return next((d for d, log in logs.items()
+                         if log.exists() and "round 1: secure aggregation:" in log.read_text()
+                         and "neighbour(s) shared; training" in log.read_text()), None)
+        victim = wait_for(training, RUN_TIMEOUT_S, "a device training round 1", alive=alive, poll_s=POLL_S)
+        process = device_process(server, victim)
+        process.kill()  # SIGKILL: no goodbye, its last will says it is gone
+        process.wait(STOP_TIMEOUT_S)
+        said, _ = server.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        stop_processes((server,), STOP_TIMEOUT_S)
+    assert server.returncode == 0, said[-3000:]
+    victim_log = (out / broker_loop.DEVICES_DIR / f"{victim}.log").read_text()
+    assert "unmasking share(s) sent" not in victim_log  # killed before its masked input
+    rows = read_metrics(out / METRICS_FILE)
+    first = rows[0]["secagg"]
+    n = first["participants"]
+    assert (first["survivors"], first["dropped"], first["recovered"], first["aggregated"]) == (n - 1, 1, 1, True)
+    assert first["min_survivors"] <= n - 1 < n
+    later = [r["secagg"] for r in rows[1:]]  # the three left: every one a survivor
+    assert all(s["aggregated"] and s["participants"] <= 3 and s["dropped"] == 0 for s in later)
+    model = {k: v for k, v in load_checkpoint(out / CHECKPOINT_NAME).tensors.items() if not k.startswith("device/")}
+    d = dimension({k: v.shape for k, v in model.items() if not k.startswith("head.")})
+    # what each round's survivors guarantee: s shares of μ/s, the same μ every round whatever its n
+    guaranteed = {r["secagg"]["min_survivors"] * r["secagg"]["noise_mu_per_device"] for r in rows}
+    assert max(guaranteed) == pytest.approx(min(guaranteed), rel=1e-12)
+    mu = min(guaranteed)
+    scale = max(DP_UNITS, 100 * math.sqrt(d)) / 0.05  # γ: C = 0.05 is that many integer units
+    l2 = scale * 0.05 + math.sqrt(d)  # Δ₂: the clipped change plus stochastic rounding's worst case
+    assert 2 * mu == pytest.approx((2.0 * l2) ** 2)  # the target z = 2 on Δ₂
+    delta = 4 ** -1.1  # 1/N^1.1, N = --local-devices
+    spent = [skellam_epsilon(1.0, mu, l2, min(math.sqrt(d) * l2, l2 ** 2), r, delta) for r in range(1, 6)]
+    assert [r["epsilon"] for r in rows] == pytest.approx(spent[:len(rows)])
+    assert len(rows) == 3 and spent[2] <= 1 < spent[3]  # stopped before round 4
+    assert "privacy budget: round 4 would spend" in said
+    gaussian = [epsilon(1.0, math.sqrt(2 * mu) / l2, r, delta, "pld") for r in range(1, 4)]
+    assert all(r["epsilon"] >= g for r, g in zip(rows, gaussian))
 
 
 # -- what it cannot serve ---------------------------------------------------------------------------------------

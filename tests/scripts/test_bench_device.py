@@ -201,6 +201,38 @@ def test_the_cost_model_reads_the_floors_the_benchmark_writes():
     assert entry.floors["onnxruntime"].floor_mb == {16: 152.0}
 
 
+def secure_results(plain: int, secure: int, ratios: list[float] = [1.0]) -> list[dict]:
+    settings = dict(bound_mb=20.0)
+    return [dict(floor_result("portable", ratios, plain), secure=False, secure_settings=None),
+            dict(floor_result("portable", ratios, secure), secure=True, secure_settings=settings)]
+
+
+def test_a_secure_floor_run_sets_only_the_secure_floors_beside_the_plain_ones_and_the_cost_model_reads_them():
+    bench = load_script("bench_device")
+    raw = dict(model="cnn1", input_shape=[1, 28, 28], ratio=1.0, probe_gflops=50.0, peak_mb={"16": 150.0},
+               step_ms={"1": {"16": 20.0}})
+    document = bench.with_floors(dict(format_version=COST_MODEL_FORMAT, entries=[raw]),
+                                 [floor_result("portable", [1.0], 152)], "plain")
+    bench.with_floors(document, secure_results(148, 168), "secure")
+    record = document["entries"][0]["floors"]["onnxruntime"]
+    assert record["floor_mb"] == {"16": 152} and record["generated_by"] == {"16": "plain"}  # the published ones
+    assert record["secure_floor_mb"] == {"16": 168} and record["secure_generated_by"] == {"16": "secure"}
+    (entry,) = parse_cost_model(document).entries[("cnn1", (1, 28, 28))]
+    assert entry.floors["onnxruntime"].secure_floor_mb == {16: 168.0}
+
+
+def test_a_secure_floor_where_the_cost_model_has_no_plain_one_names_the_command_to_run_first():
+    bench = load_script("bench_device")
+    document = dict(entries=[dict(model="cnn1", input_shape=[1, 28, 28], ratio=1.0)])
+    with pytest.raises(KeyError, match="measure the plain floors first"):
+        bench.with_floors(document, secure_results(148, 168), "secure")
+
+
+def test_the_secure_floor_table_sets_the_measured_step_against_the_bound():
+    table = load_script("bench_device").secure_floor_table(secure_results(92, 104))
+    assert "| cnn1 | 1x28x28 | 1 | 16 | portable | 92 | 104 | 12 | 20.0 | 112.0 | 1.67 |" in table
+
+
 def test_floors_for_an_entry_the_cost_model_lacks_name_the_command_to_measure_it():
     bench = load_script("bench_device")
     with pytest.raises(KeyError, match="--config cnn1:1x28x28"):
