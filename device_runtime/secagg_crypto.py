@@ -7,20 +7,29 @@ run and the round (HKDF's info), so one agreement never serves two rounds or two
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 KEY_BYTES = 32
 NONCE_BYTES = 12
+
+
+@functools.cache
+def _lib() -> SimpleNamespace:
+    """``cryptography``'s primitives, imported at their first use: a device in a plain run never loads the library
+    (about 7 MiB of resident memory that its measured tier floors do not hold)."""
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+    return SimpleNamespace(**locals())
 
 
 class CryptoError(ValueError):
@@ -36,43 +45,48 @@ class KeyPair:
 
     @classmethod
     def generate(cls) -> KeyPair:
-        key = X25519PrivateKey.generate()
-        return cls.of_private(key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()))
+        c = _lib()
+        key = c.X25519PrivateKey.generate()
+        return cls.of_private(key.private_bytes(c.Encoding.Raw, c.PrivateFormat.Raw, c.NoEncryption()))
 
     @classmethod
     def of_private(cls, private: bytes) -> KeyPair:
         """The pair of a private key (a rebuilt one: the server recovers a dropped device's mask key)."""
+        c = _lib()
         try:
-            key = X25519PrivateKey.from_private_bytes(private)
+            key = c.X25519PrivateKey.from_private_bytes(private)
         except ValueError as exc:
             raise CryptoError(f"not an X25519 private key: {exc}") from None
-        return cls(private, key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
+        return cls(private, key.public_key().public_bytes(c.Encoding.Raw, c.PublicFormat.Raw))
 
 
 def agree(private: bytes, peer_public: bytes, purpose: str, context: bytes) -> bytes:
     """A 32-byte key both ends derive: HKDF-SHA256 over the X25519 shared secret, bound to ``purpose`` and
     ``context`` (the run and round)."""
+    c = _lib()
     try:
-        shared = X25519PrivateKey.from_private_bytes(private).exchange(X25519PublicKey.from_public_bytes(peer_public))
+        peer = c.X25519PublicKey.from_public_bytes(peer_public)
+        shared = c.X25519PrivateKey.from_private_bytes(private).exchange(peer)
     except ValueError as exc:
         raise CryptoError(f"key agreement failed: {exc}") from None
-    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,
-                info=b"fedara-secagg/" + purpose.encode() + b"/" + context).derive(shared)
+    return c.HKDF(algorithm=c.hashes.SHA256(), length=KEY_BYTES, salt=None,
+                  info=b"fedara-secagg/" + purpose.encode() + b"/" + context).derive(shared)
 
 
 def seal(key: bytes, plaintext: bytes, associated: bytes) -> bytes:
     """AES-256-GCM: a fresh random nonce, then the ciphertext and its tag; ``associated`` is authenticated."""
     nonce = os.urandom(NONCE_BYTES)
-    return nonce + AESGCM(key).encrypt(nonce, plaintext, associated)
+    return nonce + _lib().AESGCM(key).encrypt(nonce, plaintext, associated)
 
 
 def open_sealed(key: bytes, sealed: bytes, associated: bytes) -> bytes:
     """The plaintext of ``seal``; CryptoError when the key, the context or a byte differs."""
     if len(sealed) < NONCE_BYTES + 16:
         raise CryptoError(f"a sealed share is at least {NONCE_BYTES + 16} bytes, got {len(sealed)}")
+    c = _lib()
     try:
-        return AESGCM(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], associated)
-    except InvalidTag:
+        return c.AESGCM(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], associated)
+    except c.InvalidTag:
         raise CryptoError("the share does not open: another key, another context, or altered bytes") from None
 
 
@@ -85,7 +99,8 @@ class MaskStream:
             raise CryptoError(f"a mask seed is {KEY_BYTES} bytes, got {len(seed)}")
         if not 1 <= bits <= 64:
             raise CryptoError(f"masks live in Z_(2^b) with 1 <= b <= 64, got b = {bits}")
-        self._stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
+        c = _lib()
+        self._stream = c.Cipher(c.algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
         self._reduce = None if bits == 64 else np.uint64((1 << bits) - 1)
 
     def take(self, size: int) -> np.ndarray:

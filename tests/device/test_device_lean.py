@@ -46,3 +46,14 @@ def test_a_device_round_loads_neither_torch_nor_onnx(artifacts):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["forbidden"] == []
     assert (report["steps"], report["total"], report["tensors"]) == (2, 12, len(artifacts.fe_names))
+
+
+def test_a_plain_device_never_loads_the_crypto_library():
+    """``cryptography`` (about 7 MiB resident) is loaded at the first secure-aggregation key, never by a device that
+    only trains: the measured tier floors hold no such library."""
+    probe = ("import sys, device_runtime.__main__, device_runtime.agent, device_runtime.messages; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'cryptography'))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
+                          timeout=ROUND_TIMEOUT_S, env=child_env(repo_on_path=True))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
