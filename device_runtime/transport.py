@@ -3,7 +3,11 @@
 Every message goes out as protocol frames of at most `max_frame_bytes` (checked before paho
 sees them: paho re-sends a frame the broker rejected forever) and comes back whole through one
 Reassembler whose memory is bounded in total over all topics (a flood of frames on many topics
-evicts the oldest incomplete messages instead of growing). MQTT 3.1.1, so the embedded amqtt broker and mosquitto both serve it.
+evicts the oldest incomplete messages instead of growing). MQTT 3.1.1, so the embedded amqtt broker, NATS and
+mosquitto all serve it; with ``mqtt5`` (where ``speaks_mqtt5`` found the broker speaks it: mosquitto does) MQTT 5,
+announcing a Maximum Packet Size in CONNECT (the frame size and ``PACKET_HEADROOM_BYTES``), so the broker never sends
+this client a larger packet (MQTT 5 §3.1.2.11.4: it discards it): a 50 MB junk packet is never read here. Under 3.1.1
+paho reads any packet whole before this endpoint refuses it (docs/scale.md measures that cost).
 The paho network thread reconnects on its own and re-subscribes on every connect. Given a list of brokers (the nodes
 of one cluster, ``mqtt://h1:p1,mqtt://h2:p2``), each lost connection or failed attempt moves it to the next one,
 with paho's backoff between attempts; what the endpoint holds (inbox, pending chunks, queued QoS 1 frames) stays.
@@ -14,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -24,6 +29,8 @@ from urllib.parse import unquote, urlsplit
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from device_runtime.auth import new_nonce
 from device_runtime.framing import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Admit, Check, NotAdmitted,
@@ -55,6 +62,18 @@ STAT_KEYS = ("frames_in", "frames_rejected", "frames_repeated", "frames_unadmitt
 0): what was published to it while it was away is gone, where a kept session queued it. ``frames_unadmitted`` counts
 the frames admitted for no sender (``framing.NotAdmitted``), dropped at the frame, one log line per
 UNADMITTED_LOG_EVERY."""
+PACKET_HEADROOM_BYTES = 64 * 1024
+"""What an MQTT packet may carry beyond its frame (fixed header, topic, packet id, properties): the Maximum Packet Size
+an MQTT 5 endpoint announces is its frame size plus this (server/mqtt/mosquitto_config.py caps packets the same)."""
+SESSION_NEVER_EXPIRES = 0xFFFFFFFF
+"""MQTT 5's Session Expiry Interval for a persistent session: kept as long as 3.1.1's clean_session=False keeps it."""
+PUBACK = 0x40
+PUBACK_BYTES = 4
+"""An MQTT PUBACK without a reason code (3.1.1, and MQTT 5's success): its type, remaining length 2, packet id."""
+READ_BYTES = 64 * 1024
+"""An endpoint reads its socket this many bytes at a time (``_Client``)."""
+PROBE_TIMEOUT_S = 3.0
+"""How long ``speaks_mqtt5`` waits for the broker's CONNACK (a 3.1.1-only broker may never answer a v5 CONNECT)."""
 UNADMITTED_LOG_EVERY = 1000
 """A flood of frames from no sender is logged once per this many (the counter counts each)."""
 
@@ -137,6 +156,46 @@ def rotate_brokers(text: str, by: int) -> str:
     return ",".join(entries[by:] + entries[:by])
 
 
+class _Client(mqtt.Client):
+    """paho's client, reading its socket ``READ_BYTES`` at a time. paho reads a packet's fixed header byte by byte
+    and its body in a call of its own (five ``recv`` calls for a small frame); this hands those reads out of one
+    buffer filled by one ``recv``, and goes on reading packets while the buffer holds more (paho would otherwise
+    wait for the socket's next readiness, which never comes for bytes already read)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_ahead = memoryview(b"")
+        self._starved = False  # the last read found the buffer empty and the socket too
+
+    def _sock_recv(self, bufsize: int) -> bytes:
+        if not self._read_ahead:
+            try:
+                data = super()._sock_recv(READ_BYTES)
+            except BlockingIOError:
+                self._starved = True
+                raise
+            self._starved = False
+            if not data:
+                return data
+            self._read_ahead = memoryview(data)
+        taken, self._read_ahead = self._read_ahead[:bufsize], self._read_ahead[bufsize:]
+        return bytes(taken)
+
+    def _send_puback(self, mid: int) -> MQTTErrorCode:
+        """The PUBACK of a QoS 1 PUBLISH, queued (paho calls this on its network thread, handling the PUBLISH)
+        without paho's wake-up byte to that same thread's select, a ``send`` and a ``recv`` an acknowledgement:
+        the loop's next turn finds it queued and writes it."""
+        self._out_packet.append({"command": PUBACK, "mid": mid, "qos": 1, "pos": 0, "to_process": PUBACK_BYTES,
+                                 "packet": struct.pack("!BBH", PUBACK, PUBACK_BYTES - 2, mid), "info": None})
+        return MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def loop_read(self, max_packets: int = 1) -> MQTTErrorCode:
+        rc = super().loop_read(max_packets)
+        while rc == MQTTErrorCode.MQTT_ERR_SUCCESS and self._read_ahead and not self._starved:
+            rc = super().loop_read(max_packets)
+        return rc
+
+
 class MqttEndpoint:
     """One MQTT client: chunked publish with optional PUBACK wait, reassembled inbound queue.
 
@@ -170,7 +229,7 @@ class MqttEndpoint:
                  max_pending_per_sender: int | None = None, max_pending_bytes_per_sender: int | None = None,
                  clean_session: bool = False, qos: int = 1,
                  screen: Screen | None = None, max_queued_bytes: int | None = None, backpressure: bool = False,
-                 inbox: Inbox | None = None) -> None:
+                 inbox: Inbox | None = None, mqtt5: bool = False) -> None:
         if not client_id:
             raise ValueError("client_id must not be empty (persistent sessions are keyed by it)")
         if qos not in (0, 1):
@@ -186,6 +245,8 @@ class MqttEndpoint:
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
         self.client_id = client_id
+        self.mqtt5 = mqtt5
+        self._clean_session = clean_session
         self.subscriptions = tuple(subscriptions)
         self.unsubscriptions = tuple(f for f in unsubscriptions if f not in self.subscriptions)
         self.max_frame_bytes = max_frame_bytes
@@ -224,8 +285,11 @@ class MqttEndpoint:
 
     def _make_client(self, clean_session: bool, tls_ca: str | os.PathLike[str] | None,
                      tls_cert: str | os.PathLike[str] | None, tls_key: str | os.PathLike[str] | None) -> mqtt.Client:
-        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id,
-                             clean_session=clean_session, protocol=mqtt.MQTTv311)
+        if self.mqtt5:  # the session's lifetime goes in CONNECT (_connect_properties)
+            client = _Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
+        else:
+            client = _Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, clean_session=clean_session,
+                             protocol=mqtt.MQTTv311)
         self._set_credentials(client)
         if self.url.tls:
             client.tls_set(ca_certs=_path_or_none(tls_ca), certfile=_path_or_none(tls_cert),
@@ -240,6 +304,13 @@ class MqttEndpoint:
         client.on_message = self._on_message
         client.on_publish = self._on_publish
         return client
+
+    def _connect_properties(self) -> Properties:
+        """MQTT 5 CONNECT: the largest packet this endpoint takes, and a session kept as 3.1.1's would be."""
+        properties = Properties(PacketTypes.CONNECT)
+        properties.MaximumPacketSize = self.max_frame_bytes + PACKET_HEADROOM_BYTES
+        properties.SessionExpiryInterval = 0 if self._clean_session else SESSION_NEVER_EXPIRES
+        return properties
 
     def _set_credentials(self, client: mqtt.Client) -> None:
         """The arguments' credentials, else the current broker URL's."""
@@ -267,7 +338,11 @@ class MqttEndpoint:
         if self._started:
             raise RuntimeError(f"endpoint {self.client_id!r} already started")
         self._started = True
-        self._client.connect_async(self.url.host, self.url.port, keepalive=KEEPALIVE_S)
+        if self.mqtt5:  # paho re-sends these properties on every reconnect
+            self._client.connect_async(self.url.host, self.url.port, keepalive=KEEPALIVE_S,
+                                       clean_start=self._clean_session, properties=self._connect_properties())
+        else:
+            self._client.connect_async(self.url.host, self.url.port, keepalive=KEEPALIVE_S)
         self._client.loop_start()
 
     def stop(self) -> None:
@@ -606,3 +681,36 @@ def _set_tcp_nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
 
 def _path_or_none(path: str | os.PathLike[str] | None) -> str | None:
     return None if path is None else os.fspath(path)
+
+
+def speaks_mqtt5(broker_url: str, *, username: str | None = None, password: str | None = None,
+                 tls_ca: str | os.PathLike[str] | None = None, tls_cert: str | os.PathLike[str] | None = None,
+                 tls_key: str | os.PathLike[str] | None = None, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the (first) broker of ``broker_url`` accepts an MQTT 5 CONNECT: a throwaway clean session, answered
+    within ``timeout`` seconds. A 3.1.1-only broker refuses it (NATS: unacceptable protocol version) or never
+    answers (amqtt 0.12): False, and the endpoints speak 3.1.1 there."""
+    url = parse_brokers(broker_url)[0]
+    answered, accepted = threading.Event(), []
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fedara-probe-{uuid.uuid4().hex[:12]}",
+                         protocol=mqtt.MQTTv5)
+    username = username if username is not None else url.username
+    if username is not None:
+        client.username_pw_set(username, password if password is not None else url.password)
+    if url.tls:
+        client.tls_set(ca_certs=_path_or_none(tls_ca), certfile=_path_or_none(tls_cert), keyfile=_path_or_none(tls_key))
+
+    def on_connect(_client: mqtt.Client, _userdata: Any, _flags: Any, reason_code: Any, _properties: Any) -> None:
+        accepted.append(not reason_code.is_failure)
+        answered.set()
+
+    client.on_connect = on_connect
+    client.on_connect_fail = lambda *_: answered.set()
+    client.on_disconnect = lambda *_: answered.set()
+    try:
+        client.connect_async(url.host, url.port, keepalive=KEEPALIVE_S, clean_start=True)
+        client.loop_start()
+        answered.wait(timeout)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    return accepted == [True]

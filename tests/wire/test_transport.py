@@ -461,3 +461,16 @@ def test_with_backpressure_the_queue_never_holds_more_than_its_budget_and_loses_
     taken = [server.get(WAIT_S) for _ in sent]
     assert taken == [(DEV1.up, p) for p in sent]
     assert server.stats["inbox_peak_bytes"] == budget and server.stats["messages_dropped"] == 0
+
+
+@pytest.mark.parametrize("mqtt5", [False, True], ids=["mqtt311", "mqtt5"])
+def test_a_burst_of_small_qos1_frames_arrives_whole_and_in_order(mosquitto_broker, connect, mqtt5: bool) -> None:
+    """The endpoint reads its socket in blocks and acknowledges each PUBLISH on its own loop's next turn
+    (transport._Client): every frame of a burst far beyond the broker's in-flight window (20) arrives, in order, so
+    every acknowledgement went out."""
+    server = connect("server", mosquitto_broker.url, subscriptions=[DEV1.up], mqtt5=mqtt5)
+    device = connect("dev1", mosquitto_broker.url, mqtt5=mqtt5)
+    sent = [f"frame {i}".encode() for i in range(2000)]
+    for i, payload in enumerate(sent):
+        device.publish(DEV1.up, payload, f"up-{i}")
+    assert [server.get(WAIT_S) for _ in sent] == [(DEV1.up, p) for p in sent]
