@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from device_runtime.answer_receipt import AnswerReceipt, Reask
+from device_runtime.auth import counter_epoch
 from device_runtime.artifact_contract import ArtifactError, artifact_files, verify_artifacts
 from device_runtime.device_admission import DeviceAdmission
 from device_runtime.broker_wait import wait_for_broker
@@ -55,7 +56,7 @@ def inbound_screen(link: Link, device_id: str, down_topic: str, payloads: str | 
     holds no junk and at most one message per type. A payload (on a topic under ``payloads``, the prefix's payload
     level) is queued under its topic when ``admission`` says it is the awaited one (its size and SHA-256: junk that
     completes after the genuine payload cannot replace it); the agent checks it against its TASK again. A receipt
-(``ErrorCode.RECEIVED``) is queued under a kind of its own."""
+    (``ErrorCode.RECEIVED``) is queued under a kind of its own."""
     def screen(topic: str, payload: bytes) -> str | None:
         if payloads is not None and topic.startswith(payloads):
             if admission is None or admission.takes_payload(topic, payload):
@@ -122,6 +123,7 @@ class DeviceAgent:
         self.admission = admission  # the endpoint's: told which payload's frames to take (device_admission.py)
         self.secure: SecureTask | None = None  # the secure round under way (device_runtime/secagg_wire.py)
         self.answer: AnswerReceipt | None = None  # the last answer this process sent, and whether its receipt came
+        self.server_start: int | None = None  # the epoch of the last down message taken: the server process serving
         self.reask_via: str | None = None  # the aggregator of a re-ask held for that receipt
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -181,6 +183,7 @@ class DeviceAgent:
         except Refused as exc:
             LOG.warning("dropped a message: %s", exc)
             return
+        self.server_start = counter_epoch(msg.counter)
         handlers = {MessageType.PLAN: self._on_plan, MessageType.TASK: self._on_task,
                     MessageType.ERROR: self._on_error, MessageType.SECAGG: self._on_secagg}
         handler = handlers.get(msg.type)
@@ -325,15 +328,16 @@ class DeviceAgent:
             self.workdir.drop_previous_run()
         self._save_model(plan_hash, task, {**kept, **task.weights}, update.metrics)
         self.endpoint.publish(self.topics.update_via(task.aggregator), payload, new_msg_id(MessageType.UPDATE))
-        self.answer = AnswerReceipt(task.round, time.monotonic())
+        self.answer = AnswerReceipt(task.round, time.monotonic(), self.server_start)
 
     # -- a re-asked round and the receipt of its answer (device_runtime/answer_receipt.py) ------------------------
 
     def _reask(self, task: Task) -> None:
-        """The round it answered is asked again: the saved answer goes again, unless its receipt came (or may come:
-        the re-ask crossed the answer, then it waits for the receipt)."""
+        """The round it answered is asked again: the saved answer goes again, unless the server process that asks
+        sent its receipt (or may send it: the re-ask crossed the answer, then it waits for the receipt)."""
         answer = self.answer
-        verdict = Reask.SEND if answer is None or answer.round != task.round else answer.reask(time.monotonic())
+        verdict = (Reask.SEND if answer is None or answer.round != task.round
+                   else answer.reask(time.monotonic(), self.server_start))
         if verdict == Reask.RECEIVED:
             LOG.info("round %d asked again: its answer's receipt came, so it is not sent again", task.round)
         elif verdict == Reask.HOLD:
@@ -344,9 +348,12 @@ class DeviceAgent:
             self._resend_answer(task.round, task.aggregator)
 
     def _resend_answer(self, round_index: int, aggregator: str | None) -> None:
+        """The saved answer goes again, now the answer to the server process serving this device (whose receipt,
+        and only whose, will count)."""
         LOG.info("round %d asked again: re-sending the saved answer", round_index)
         self.endpoint.publish(self.topics.update_via(aggregator), self.link.reseal(self.workdir.load_answer()),
                               new_msg_id(MessageType.UPDATE))
+        self.answer = AnswerReceipt(round_index, time.monotonic(), self.server_start)
 
     def tend_answer(self, now: float) -> None:
         """Re-send the saved answer of a held re-ask whose receipt did not come in time."""
@@ -515,7 +522,7 @@ class DeviceAgent:
     def _on_error(self, msg: Message) -> None:
         report = parse_error(msg)
         if report.code == ErrorCode.RECEIVED:
-            if self.answer is not None and self.answer.receipt(msg.round):
+            if self.answer is not None and self.answer.receipt(msg.round, counter_epoch(msg.counter)):
                 LOG.info("round %d: the server counted its answer (receipt)", msg.round)
         elif report.code == ErrorCode.REJOIN:
             LOG.info("server asks to rejoin: %s", report.detail)

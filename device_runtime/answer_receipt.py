@@ -26,26 +26,29 @@ class Reask(str, Enum):
 
 @dataclass
 class AnswerReceipt:
-    """The answer to task ``round`` sent at ``sent_at``; ``received`` once its receipt came; ``held_until``: a re-ask
-    waiting for that receipt."""
+    """The answer to task ``round`` sent at ``sent_at`` to the server process start ``asker`` (its counters' epoch);
+    ``received`` once that process's receipt came; ``held_until``: a re-ask waiting for that receipt."""
 
     round: int
     sent_at: float
+    asker: int | None
     received: bool = False
     held_until: float | None = None
 
-    def reask(self, now: float) -> Reask:
-        """What to do with a re-ask of this answer's round handled at ``now`` (see the module docstring)."""
-        if now - self.sent_at >= RECEIPT_WAIT_S:
+    def reask(self, now: float, asker: int | None) -> Reask:
+        """What to do with a re-ask of this answer's round handled at ``now``, sealed by the server process start
+        ``asker`` (see the module docstring)."""
+        if asker != self.asker or now - self.sent_at >= RECEIPT_WAIT_S:
             return Reask.SEND
         if self.received:
             return Reask.RECEIVED
         self.held_until = self.sent_at + RECEIPT_WAIT_S
         return Reask.HOLD
 
-    def receipt(self, round_index: int) -> bool:
-        """A receipt for task ``round_index`` came: whether it is this answer's (then a held re-ask is dropped)."""
-        if round_index != self.round:
+    def receipt(self, round_index: int, sender: int | None) -> bool:
+        """A receipt for task ``round_index`` came from the server process start ``sender``: whether it is this
+        answer's (then a held re-ask is dropped)."""
+        if (round_index, sender) != (self.round, self.asker):
             return False
         self.received, self.held_until = True, None
         return True

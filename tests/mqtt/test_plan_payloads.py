@@ -22,7 +22,7 @@ from device_runtime.topics import frame_stream, payload_filter, payload_topic
 from device_runtime.transport import MqttEndpoint
 from server.engine.plan_payloads import REPUBLISH_MAX_S, REPUBLISH_MIN_S, PlanPayloads
 from tests.support.mqtt_peer import WAIT_S
-from tests.support.sealing import FRAME_LAYOUT, read
+from tests.support.sealing import FRAME_LAYOUT, read, resumed_server, seal_down
 from tests.support.waiting import wait_for
 from tests.support.device_agent import artifact_files, dense_task, deliver, make_agent, plan_for, tiny_shard
 
@@ -246,6 +246,30 @@ def test_a_reask_whose_receipt_never_comes_gets_the_saved_answer_once(world: Pay
     assert len(world.sent(MessageType.UPDATE)) == 1  # held for the receipt
     world.agent.tend_answer(world.agent.answer.sent_at + RECEIPT_WAIT_S)
     world.agent.tend_answer(world.agent.answer.sent_at + 2 * RECEIPT_WAIT_S)
+    assert [u.round for u in world.sent(MessageType.UPDATE)] == [1, 1]
+
+
+def reask_from_a_resumed_server(world: PayloadWorld, ref: PayloadRef) -> None:
+    """The round-1 task again, from the server killed and resumed at once (its next process start)."""
+    msg = task_message(dense_task(world.model, 1), plan_hash=world.artifacts.hash, device_id="dev_t", run_id="run1",
+                       payload=ref)
+    world.agent.handle(world.agent.topics.down, seal_down(msg, counters=resumed_server()))
+
+
+def test_a_resumed_server_asking_within_the_wait_gets_the_answer_its_killed_predecessor_counted(world: PayloadWorld):
+    """The killed process's receipt came; the resumed one asks within RECEIPT_WAIT_S: it counted nothing, so the saved
+    answer goes again at once (tests/mqtt/test_faults.py's server killed mid-round)."""
+    data, ref = world.task(1)
+    world.give(ref, data)
+    deliver(world.agent, receipt(1))
+    reask_from_a_resumed_server(world, ref)
+    assert [u.round for u in world.sent(MessageType.UPDATE)] == [1, 1]
+
+
+def test_a_resumed_server_asking_within_the_wait_is_not_held_for_a_receipt(world: PayloadWorld):
+    data, ref = world.task(1)
+    world.give(ref, data)
+    reask_from_a_resumed_server(world, ref)
     assert [u.round for u in world.sent(MessageType.UPDATE)] == [1, 1]
 
 
