@@ -138,8 +138,8 @@ def test_a_device_stopping_after_sharing_is_recovered_and_its_late_masked_input_
     secure.relay.tend(100.0)  # the round's deadline
     assert secure.server.phase == "unmask" and not secure.sent[late][-1].meta.get("survivors")
     msg, taken = secure.masked(late, xs[late])
-    assert not taken and f"refused a masked input from {late} (round 1): masked from {late}: that phase is closed" \
-        in caplog.text
+    assert not taken and (f"refused a masked input from {late} for secure aggregation (round 1): masked from {late}: "
+                          "that phase is closed") in caplog.text
     assert late not in secure.server.masked
     survivors = [d for d in IDS if d != late]
     secure.unmask(survivors)
