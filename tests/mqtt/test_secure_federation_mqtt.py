@@ -328,7 +328,8 @@ def test_replayed_misaddressed_and_forged_exchanges_are_refused_and_move_nothing
     server = federation.server_log()
     assert refused_again(server, f"{PREFIX}/dev/dev_000/up")  # the replayed share (and answer)
     assert f"refused keys from {INSIDER} for secure aggregation (round 1)" in server  # not a participant, or too late
-    assert f"refused unmask from {INSIDER} (round 1): unmasking shares for ['dev_000'], not this round" in server
+    assert (f"refused unmask from {INSIDER} for secure aggregation (round 1): unmasking shares for ['dev_000'], "
+            "not this round") in server
     assert f"dropped an update from {INSIDER} (round 1): unknown device" in server  # its masked input
     assert "a message of 'dev_001' on a topic of 'dev_002'" in federation.log_of("dev_002")  # sealed for dev_001
     assert "[stale_session]" in federation.log_of("dev_000")  # the forged request: sealed for no session of it
