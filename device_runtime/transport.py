@@ -46,6 +46,8 @@ KEEPALIVE_S = 30
 RECONNECT_MIN_DELAY_S = 0.2
 RECONNECT_MAX_DELAY_S = 5.0
 RESUBSCRIBE_MAX_DELAY_S = 5.0
+SUBSCRIBE_BATCH = 128
+"""Filters a SUBSCRIBE packet carries at most (~4 KB of them): far below any broker's packet cap."""
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 DEFAULT_REASSEMBLY_TIMEOUT_S = 120.0
 DEFAULT_MAX_PENDING_MESSAGES = 64
@@ -272,6 +274,7 @@ class MqttEndpoint:
         self._ever_connected = False
         self._subscribing: dict[int, tuple[tuple[str, ...], bool]] = {}  # SUBSCRIBE mid -> (filters, marks ready)
         self._granted: dict[str, float] = {}  # filter -> when this connection's broker granted it (monotonic)
+        self._awaited: set[str] = set()  # filters of this connection's first SUBSCRIBEs not granted yet
         self._subs = threading.RLock()  # the two above: the caller's thread (follow) and the network thread
         self._refused_subscriptions = 0  # SUBSCRIBEs refused in a row (a cluster node that lost a peer does that)
         self._connection = 0  # counts CONNACKs: a retry scheduled on an earlier connection is dropped
@@ -531,17 +534,22 @@ class MqttEndpoint:
         with self._subs:
             self._subscribing.clear()
             self._granted.clear()
+            self._awaited = set(self.subscriptions)
             if self.subscriptions:
                 self._subscribe(client, self.subscriptions, ready=True)
                 return
         self._mark_ready()
 
     def _subscribe(self, client: mqtt.Client, filters: tuple[str, ...] | list[str], ready: bool) -> None:
-        """SUBSCRIBE ``filters``; with ``ready``, its SUBACK marks the endpoint ready (the connect's own)."""
-        with self._subs:  # held until the mid is noted: its SUBACK waits for it on the network thread
-            code, mid = client.subscribe([(topic, self.qos) for topic in filters])
-            if code == MQTTErrorCode.MQTT_ERR_SUCCESS:
-                self._subscribing[mid] = (tuple(filters), ready)
+        """SUBSCRIBE ``filters``, at most SUBSCRIBE_BATCH a packet (a server of many enrolled devices subscribes to
+        each one's topics: one packet of them all could pass the broker's packet cap); with ``ready``, the SUBACK
+        that grants the last of the connect's own filters marks the endpoint ready."""
+        with self._subs:  # held until the mids are noted: their SUBACKs wait for them on the network thread
+            for start in range(0, len(filters), SUBSCRIBE_BATCH):
+                batch = tuple(filters[start:start + SUBSCRIBE_BATCH])
+                code, mid = client.subscribe([(topic, self.qos) for topic in batch])
+                if code == MQTTErrorCode.MQTT_ERR_SUCCESS:
+                    self._subscribing[mid] = (batch, ready)
 
     def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: list[Any],
                       properties: Any) -> None:
@@ -554,11 +562,13 @@ class MqttEndpoint:
             if not filters:
                 return
             denied = [topic for topic, code in zip(filters, reason_codes) if code.is_failure]
-            self._granted.update((topic, now) for topic, code in zip(filters, reason_codes)
-                                 if not code.is_failure and topic in self.subscriptions)
+            granted = [topic for topic, code in zip(filters, reason_codes) if not code.is_failure]
+            self._granted.update((topic, now) for topic in granted if topic in self.subscriptions)
+            self._awaited.difference_update(granted)
+            all_granted = self._all_granted()
         if not denied:
             self._refused_subscriptions = 0
-            if ready:
+            if ready and all_granted:
                 self._mark_ready()
             return
         self._refused_subscriptions += 1
@@ -575,7 +585,14 @@ class MqttEndpoint:
             if wanted:
                 self._subscribe(client, wanted, ready)
             elif ready:
-                self._mark_ready()
+                with self._subs:
+                    all_granted = self._all_granted()
+                if all_granted:
+                    self._mark_ready()
+
+    def _all_granted(self) -> bool:
+        """Whether every filter of the connect's SUBSCRIBEs still followed is granted (``_subs`` held)."""
+        return self._awaited.isdisjoint(self.subscriptions)
 
     def _mark_ready(self) -> None:
         """Connected and subscribed: say online (a peer that reacts to it reaches this endpoint) and wake waiters."""

@@ -91,7 +91,7 @@ from server.engine.run_config import FederationConfig, RunError
 from server.run_setup import Deployment, RunFolder, assemble
 from server.data.shards import DEVICE_SHARD_FILENAME
 from server.mqtt.aggregator_channel import AggregatorChannel
-from server.mqtt.admission import PENDING_PER_SENDER, server_admission
+from server.mqtt.admission import PENDING_PER_SENDER, server_admission, server_filters
 from server.mqtt.lost_updates import LostUpdates
 from server.mqtt.secagg_relay import SecureRelay
 from server.mqtt.local_processes import LocalDevices, aggregator_command, device_command
@@ -689,7 +689,7 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
     aggregators = tuple(f"agg-{i}" for i in range(args.aggregators))
     aggregator_link = (wire.engine_link(load_server_key(enrollment), auth_state / AGGREGATORS_DIR, max_inbound)
                        if aggregators else None)
-    subscriptions = server_subscriptions(args.prefix)  # with aggregators: the updates when no member is left
+    subscriptions = server_filters(args.prefix, keys)  # with aggregators: the updates when no member is left
     subscriptions += [wire.engine_filter(args.prefix)] if aggregators else []
     anything_a_server_held = [*server_subscriptions(args.prefix), wire.engine_filter(args.prefix)]
     admit, vouch = server_admission(args.prefix, keys, aggregators)  # frames of enrolled senders only, bounded each

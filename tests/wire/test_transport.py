@@ -192,6 +192,18 @@ def test_persistent_session_gets_messages_sent_while_it_was_offline(broker_url: 
     assert device.get(WAIT_S) == (DEV1.down, b"queued task")
 
 
+def test_a_server_of_many_enrolled_devices_is_ready_once_every_packet_of_their_filters_is_granted(broker_url: str,
+                                                                                                  connect) -> None:
+    """Three filters a device, SUBSCRIBE_BATCH a packet: ready only once the last packet's are granted (a frame on the
+    last filter arrives), and a frame under an id outside them is never forwarded."""
+    ids = [f"dev_{i:03d}" for i in range(transport.SUBSCRIBE_BATCH)]  # 384 filters: 3 packets
+    server = connect("server", broker_url, subscriptions=server_subscriptions(PREFIX, ids))
+    device = connect("dev1", broker_url)
+    device.publish(Topics(PREFIX, "dev_999").update, b"from an id not enrolled", "update-0", wait=True)
+    device.publish(Topics(PREFIX, ids[-1]).update, b"from the last one", "update-1", wait=True)
+    assert server.get(WAIT_S) == (Topics(PREFIX, ids[-1]).update, b"from the last one") and server.get(0) is None
+
+
 def test_a_filter_dropped_from_the_subscriptions_is_unsubscribed_from_the_persistent_session(broker_url: str,
                                                                                          connect) -> None:
     """A server restarted with other filters (say, with aggregators reading the updates) under the same client id
