@@ -47,6 +47,8 @@ RECONNECT_MIN_DELAY_S = 0.2
 RECONNECT_MAX_DELAY_S = 5.0
 RESUBSCRIBE_MAX_DELAY_S = 5.0
 SUBSCRIBE_BATCH = 128
+TEND_S = 1.0
+"""How often a read that the socket keeps busy stops to tend the keepalive (``_Client.loop_read``)."""
 """Filters a SUBSCRIBE packet carries at most (~4 KB of them): far below any broker's packet cap."""
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 DEFAULT_REASSEMBLY_TIMEOUT_S = 120.0
@@ -68,6 +70,16 @@ PACKET_HEADROOM_BYTES = 64 * 1024
 """What an MQTT packet may carry beyond its frame (fixed header, topic, packet id, properties): the Maximum Packet Size
 an MQTT 5 endpoint announces is its frame size plus this (server/mqtt/mosquitto_config.py caps packets the same)."""
 SESSION_NEVER_EXPIRES = 0xFFFFFFFF
+OUTBOUND_WINDOW = 1000
+"""QoS 1 frames an endpoint has unacknowledged at once (paho's default, 20, sends a 142-frame payload in 8 windows,
+each waiting for PUBACKs that the broker queues behind whatever it holds for this endpoint: a flood's backlog); an MQTT
+5 broker that announces a smaller Receive Maximum in CONNACK is held to it (server/mqtt/mosquitto_config.py's configs
+announce this one)."""
+RECEIVE_MAXIMUM = 0xFFFF
+"""The unacknowledged QoS 1 messages an MQTT 5 endpoint lets the broker send it (MQTT 5's largest Receive Maximum).
+Without it mosquitto sends an endpoint 20 at a time (its max_inflight_messages): behind a QoS 0 flood it may queue
+ahead of them, each window of 20 honest frames then waits for the whole backlog. What is in flight stays bounded by
+TCP's window and the endpoint's own budgets (an endpoint with ``backpressure`` stops reading)."""
 """MQTT 5's Session Expiry Interval for a persistent session: kept as long as 3.1.1's clean_session=False keeps it."""
 PUBACK = 0x40
 PUBACK_BYTES = 4
@@ -162,7 +174,11 @@ class _Client(mqtt.Client):
     """paho's client, reading its socket ``READ_BYTES`` at a time. paho reads a packet's fixed header byte by byte
     and its body in a call of its own (five ``recv`` calls for a small frame); this hands those reads out of one
     buffer filled by one ``recv``, and goes on reading packets while the buffer holds more (paho would otherwise
-    wait for the socket's next readiness, which never comes for bytes already read)."""
+    wait for the socket's next readiness, which never comes for bytes already read). Between those packets it writes
+    what is queued (the PUBACKs it owes, what was published meanwhile) and, every ``TEND_S``, tends the keepalive:
+    a flood that keeps the buffer full would otherwise hold all of it back, and the broker sends a client only so
+    many unacknowledged QoS 1 messages (mosquitto: 20), so every honest frame past them would wait until the
+    keepalive's silence ended the connection."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -193,7 +209,17 @@ class _Client(mqtt.Client):
 
     def loop_read(self, max_packets: int = 1) -> MQTTErrorCode:
         rc = super().loop_read(max_packets)
+        tended = time.monotonic()
         while rc == MQTTErrorCode.MQTT_ERR_SUCCESS and self._read_ahead and not self._starved:
+            if self.want_write():
+                rc = self.loop_write()
+                if rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                    return rc
+            if time.monotonic() - tended >= TEND_S:
+                tended = time.monotonic()
+                rc = self.loop_misc()
+                if rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                    return rc
             rc = super().loop_read(max_packets)
         return rc
 
@@ -298,6 +324,7 @@ class MqttEndpoint:
             client.tls_set(ca_certs=_path_or_none(tls_ca), certfile=_path_or_none(tls_cert),
                            keyfile=_path_or_none(tls_key))
         self._arm_will(client)
+        client.max_inflight_messages_set(OUTBOUND_WINDOW)
         client.reconnect_delay_set(RECONNECT_MIN_DELAY_S, RECONNECT_MAX_DELAY_S)
         client.on_socket_open = _set_tcp_nodelay
         client.on_connect = self._on_connect
@@ -309,9 +336,11 @@ class MqttEndpoint:
         return client
 
     def _connect_properties(self) -> Properties:
-        """MQTT 5 CONNECT: the largest packet this endpoint takes, and a session kept as 3.1.1's would be."""
+        """MQTT 5 CONNECT: the largest packet this endpoint takes, how many unacknowledged QoS 1 messages it takes at
+        once, and a session kept as 3.1.1's would be."""
         properties = Properties(PacketTypes.CONNECT)
         properties.MaximumPacketSize = self.max_frame_bytes + PACKET_HEADROOM_BYTES
+        properties.ReceiveMaximum = RECEIVE_MAXIMUM
         properties.SessionExpiryInterval = 0 if self._clean_session else SESSION_NEVER_EXPIRES
         return properties
 
@@ -526,6 +555,10 @@ class MqttEndpoint:
                 self._bump("sessions_lost")
         self._ever_connected = True
         self._connection += 1
+        # paho leaves its window as set; an MQTT 5 broker's Receive Maximum bounds it (paho-mqtt 2.x's attribute: its
+        # setter refuses on an open connection, and a lower bound only holds back the next sends)
+        window = min(OUTBOUND_WINDOW, getattr(properties, "ReceiveMaximum", None) or OUTBOUND_WINDOW)
+        client._max_inflight_messages = window  # noqa: SLF001
         self._nonce = self._armed_nonce
         self._arm_will(client)
         LOG.info("%s: connected to %s:%d", self.client_id, self.url.host, self.url.port)

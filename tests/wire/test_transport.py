@@ -8,11 +8,16 @@ import random
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import paho.mqtt.client as mqtt
 import paho.mqtt.publish
 import pytest
+
+from paho.mqtt.enums import CallbackAPIVersion
 
 from device_runtime import transport
 from device_runtime.framing import chunk
@@ -274,6 +279,40 @@ def test_a_followed_filter_is_granted_only_once_the_broker_acknowledged_it_on_th
     assert device.granted_at(DEV1.update) > first
     device.unfollow(DEV1.update)
     assert device.granted_at(DEV1.update) is None
+
+
+@pytest.mark.parametrize("mqtt5", [False, True])
+def test_a_qos0_flood_that_keeps_the_reader_busy_holds_back_no_acknowledgement(mosquitto_broker, connect,
+                                                                               mqtt5: bool) -> None:
+    """A flood faster than the endpoint reads keeps its read buffer full; the PUBACKs it owes (and anything it
+    publishes) still go out between reads: mosquitto sends a 3.1.1 client at most 20 unacknowledged QoS 1 frames, so a
+    message of 60 frames arrives only if they do (it waited for the keepalive's disconnect, 45 s, before). An MQTT 5
+    endpoint announces a Receive Maximum of 65,535 (transport.RECEIVE_MAXIMUM) instead of being held to those 20."""
+    server = connect("server", mosquitto_broker.url, subscriptions=[DEV1.up, DEV2.up], max_frame_bytes=SMALL_FRAME,
+                     mqtt5=mqtt5)
+    device = connect("dev1", mosquitto_broker.url, max_frame_bytes=SMALL_FRAME)
+    flooder = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="flooder", protocol=mqtt.MQTTv311)
+    flooder.connect("127.0.0.1", mosquitto_broker.port)
+    flooder.loop_start()
+    stop = threading.Event()
+
+    def flood() -> None:
+        while not stop.is_set():
+            for _ in range(100):
+                flooder.publish(DEV2.up, b"junk, not a frame", qos=0)
+            time.sleep(0.001)
+
+    worker = threading.Thread(target=flood, daemon=True)
+    worker.start()
+    try:
+        wait_for(lambda: server.stats["frames_rejected"] > 1000, WAIT_S, "the flood reaching the server")
+        payload = random.Random(2).randbytes(60 * (SMALL_FRAME - 512))
+        device.publish(DEV1.up, payload, "big-1", wait=True)
+        assert server.get(WAIT_S) == (DEV1.up, payload)
+    finally:
+        stop.set()
+        worker.join(WAIT_S)
+        flooder.loop_stop()
 
 
 def test_invalid_frame_is_dropped_logged_and_counted(mosquitto_broker, connect, caplog) -> None:
