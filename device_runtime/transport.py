@@ -47,9 +47,9 @@ RECONNECT_MIN_DELAY_S = 0.2
 RECONNECT_MAX_DELAY_S = 5.0
 RESUBSCRIBE_MAX_DELAY_S = 5.0
 SUBSCRIBE_BATCH = 128
+"""Filters a SUBSCRIBE packet carries at most (~4 KB of them): far below any broker's packet cap."""
 TEND_S = 1.0
 """How often a read that the socket keeps busy stops to tend the keepalive (``_Client.loop_read``)."""
-"""Filters a SUBSCRIBE packet carries at most (~4 KB of them): far below any broker's packet cap."""
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 DEFAULT_REASSEMBLY_TIMEOUT_S = 120.0
 DEFAULT_MAX_PENDING_MESSAGES = 64
@@ -70,6 +70,7 @@ PACKET_HEADROOM_BYTES = 64 * 1024
 """What an MQTT packet may carry beyond its frame (fixed header, topic, packet id, properties): the Maximum Packet Size
 an MQTT 5 endpoint announces is its frame size plus this (server/mqtt/mosquitto_config.py caps packets the same)."""
 SESSION_NEVER_EXPIRES = 0xFFFFFFFF
+"""MQTT 5's Session Expiry Interval for a persistent session: kept as long as 3.1.1's clean_session=False keeps it."""
 OUTBOUND_WINDOW = 1000
 """QoS 1 frames an endpoint has unacknowledged at once (paho's default, 20, sends a 142-frame payload in 8 windows,
 each waiting for PUBACKs that the broker queues behind whatever it holds for this endpoint: a flood's backlog); an MQTT
@@ -80,7 +81,6 @@ RECEIVE_MAXIMUM = 0xFFFF
 Without it mosquitto sends an endpoint 20 at a time (its max_inflight_messages): behind a QoS 0 flood it may queue
 ahead of them, each window of 20 honest frames then waits for the whole backlog. What is in flight stays bounded by
 TCP's window and the endpoint's own budgets (an endpoint with ``backpressure`` stops reading)."""
-"""MQTT 5's Session Expiry Interval for a persistent session: kept as long as 3.1.1's clean_session=False keeps it."""
 PUBACK = 0x40
 PUBACK_BYTES = 4
 """An MQTT PUBACK without a reason code (3.1.1, and MQTT 5's success): its type, remaining length 2, packet id."""
