@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from device_runtime.runtimes import RuntimeUnavailable, detect
     from device_runtime.shard import ShardError, load_shard
     from device_runtime.topics import Topics
-    from device_runtime.transport import BrokerRefusedError, MqttEndpoint, parse_brokers
+    from device_runtime.transport import BrokerRefusedError, MqttEndpoint, parse_brokers, speaks_mqtt5
 
     try:
         brokers = parse_brokers(args.broker)
@@ -147,14 +147,17 @@ def main(argv: list[str] | None = None) -> int:
         flag = "--broker"
         username = args.username or brokers[0].username or args.device_id
         admission = DeviceAdmission(topics.down, key)
+        password = args.password or os.environ.get(PASSWORD_ENV)
         endpoint = MqttEndpoint(args.device_id, args.broker, subscriptions=[topics.down],
                                 status=(topics.status, link.status_signer(args.device_id)), username=username,
-                                password=args.password or os.environ.get(PASSWORD_ENV), tls_ca=args.tls_ca,
+                                password=password, tls_ca=args.tls_ca,
                                 max_frame_bytes=args.max_message_bytes, max_message_bytes=max_inbound,
                                 admit=admission.admit, check=admission.check, vouch=admission.vouch,
                                 clean_session=False, screen=inbound_screen(link, args.device_id, topics.down,
                                                                       topics.payloads, admission),
-                                max_queued_bytes=max_inbound)
+                                max_queued_bytes=max_inbound,
+                                mqtt5=speaks_mqtt5(args.broker, username=username, password=password,
+                                                   tls_ca=args.tls_ca))
     except (ProtocolError, ShardError, ProfileError, RuntimeUnavailable, ValueError, OSError) as exc:
         print(f"error: {flag}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

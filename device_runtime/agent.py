@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from device_runtime.answer_receipt import AnswerReceipt, Reask
+from device_runtime.auth import counter_epoch
 from device_runtime.artifact_contract import ArtifactError, artifact_files, verify_artifacts
 from device_runtime.device_admission import DeviceAdmission
 from device_runtime.broker_wait import wait_for_broker
@@ -53,7 +55,8 @@ def inbound_screen(link: Link, device_id: str, down_topic: str, payloads: str | 
     its message type; the rest is dropped on arrival with the reason the agent would log, so a device that trains
     holds no junk and at most one message per type. A payload (on a topic under ``payloads``, the prefix's payload
     level) is queued under its topic when ``admission`` says it is the awaited one (its size and SHA-256: junk that
-    completes after the genuine payload cannot replace it); the agent checks it against its TASK again."""
+    completes after the genuine payload cannot replace it); the agent checks it against its TASK again. A receipt
+    (``ErrorCode.RECEIVED``) is queued under a kind of its own."""
     def screen(topic: str, payload: bytes) -> str | None:
         if payloads is not None and topic.startswith(payloads):
             if admission is None or admission.takes_payload(topic, payload):
@@ -70,7 +73,8 @@ def inbound_screen(link: Link, device_id: str, down_topic: str, payloads: str | 
             return None
         if msg.type == MessageType.SECAGG:  # one queued per exchange: a secure round's steps come one by one
             return f"{msg.type.value}.{msg.meta.get('phase') if msg.meta.get('phase') in secagg_wire.PHASES else ''}"
-        return msg.type.value
+        # a receipt is queued apart: it must not supersede a REJOIN or REFUSED (nor they it)
+        return ErrorCode.RECEIVED.value if msg.meta.get("code") == ErrorCode.RECEIVED.value else msg.type.value
     return screen
 
 
@@ -118,6 +122,9 @@ class DeviceAgent:
         self.waiting: PayloadWait | None = None  # a TASK whose payload is being fetched
         self.admission = admission  # the endpoint's: told which payload's frames to take (device_admission.py)
         self.secure: SecureTask | None = None  # the secure round under way (device_runtime/secagg_wire.py)
+        self.answer: AnswerReceipt | None = None  # the last answer this process sent, and whether its receipt came
+        self.server_start: int | None = None  # the epoch of the last down message taken: the server process serving
+        self.reask_via: str | None = None  # the aggregator of a re-ask held for that receipt
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -134,6 +141,7 @@ class DeviceAgent:
                 if item is not None:
                     self.handle(*item)
                 self.tend_payload(time.monotonic())
+                self.tend_answer(time.monotonic())
         finally:
             self._drop_trainer()
             self.endpoint.stop()
@@ -175,6 +183,7 @@ class DeviceAgent:
         except Refused as exc:
             LOG.warning("dropped a message: %s", exc)
             return
+        self.server_start = counter_epoch(msg.counter)
         handlers = {MessageType.PLAN: self._on_plan, MessageType.TASK: self._on_task,
                     MessageType.ERROR: self._on_error, MessageType.SECAGG: self._on_secagg}
         handler = handlers.get(msg.type)
@@ -264,10 +273,7 @@ class DeviceAgent:
             LOG.warning("ignored a task for round %d: round %d is answered", task.round, self.state.answered_round)
             return
         if action == TaskAction.RESEND:
-            LOG.info("round %d asked again: re-sending the saved answer", task.round)
-            self.endpoint.publish(self.topics.update_via(task.aggregator),
-                                  self.link.reseal(self.workdir.load_answer()),
-                                  new_msg_id(MessageType.UPDATE))
+            self._reask(task)
             return
         ref = task_payload(msg)
         if ref is not None:
@@ -322,6 +328,37 @@ class DeviceAgent:
             self.workdir.drop_previous_run()
         self._save_model(plan_hash, task, {**kept, **task.weights}, update.metrics)
         self.endpoint.publish(self.topics.update_via(task.aggregator), payload, new_msg_id(MessageType.UPDATE))
+        self.answer = AnswerReceipt(task.round, time.monotonic(), self.server_start)
+
+    # -- a re-asked round and the receipt of its answer (device_runtime/answer_receipt.py) ------------------------
+
+    def _reask(self, task: Task) -> None:
+        """The round it answered is asked again: the saved answer goes again, unless the server process that asks
+        sent its receipt (or may send it: the re-ask crossed the answer, then it waits for the receipt)."""
+        answer = self.answer
+        verdict = (Reask.SEND if answer is None or answer.round != task.round
+                   else answer.reask(time.monotonic(), self.server_start))
+        if verdict == Reask.RECEIVED:
+            LOG.info("round %d asked again: its answer's receipt came, so it is not sent again", task.round)
+        elif verdict == Reask.HOLD:
+            self.reask_via = task.aggregator
+            LOG.info("round %d asked again %.1f s after its answer: waiting for the answer's receipt", task.round,
+                     time.monotonic() - answer.sent_at)
+        else:
+            self._resend_answer(task.round, task.aggregator)
+
+    def _resend_answer(self, round_index: int, aggregator: str | None) -> None:
+        """The saved answer goes again, now the answer to the server process serving this device (whose receipt,
+        and only whose, will count)."""
+        LOG.info("round %d asked again: re-sending the saved answer", round_index)
+        self.endpoint.publish(self.topics.update_via(aggregator), self.link.reseal(self.workdir.load_answer()),
+                              new_msg_id(MessageType.UPDATE))
+        self.answer = AnswerReceipt(round_index, time.monotonic(), self.server_start)
+
+    def tend_answer(self, now: float) -> None:
+        """Re-send the saved answer of a held re-ask whose receipt did not come in time."""
+        if self.answer is not None and self.answer.due(now):
+            self._resend_answer(self.answer.round, self.reask_via)
 
     # -- secure aggregation (device_runtime/secagg_wire.py) ---------------------------------------------------
 
@@ -484,7 +521,10 @@ class DeviceAgent:
 
     def _on_error(self, msg: Message) -> None:
         report = parse_error(msg)
-        if report.code == ErrorCode.REJOIN:
+        if report.code == ErrorCode.RECEIVED:
+            if self.answer is not None and self.answer.receipt(msg.round, counter_epoch(msg.counter)):
+                LOG.info("round %d: the server counted its answer (receipt)", msg.round)
+        elif report.code == ErrorCode.REJOIN:
             LOG.info("server asks to rejoin: %s", report.detail)
             self.join()
         elif report.code == ErrorCode.REFUSED:

@@ -146,6 +146,11 @@ def is_counter(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_COUNTER
 
 
+def counter_epoch(counter: int) -> int:
+    """The epoch of ``counter``: which process start of its sender sealed it (see the module docstring)."""
+    return counter >> SEQ_BITS
+
+
 class CounterExhausted(RuntimeError):
     """2**31 - 1 messages were sent in one process start; restart for a new epoch rather than wrap."""
 

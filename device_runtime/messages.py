@@ -66,6 +66,7 @@ class ErrorCode(str, Enum):
     BAD_TASK = "bad_task"  # device: TASK tensors do not fit my plan's artifacts
     PAYLOAD_WANTED = "payload_wanted"  # device: publish the payload my TASK names again (it did not come, or not whole)
     NON_FINITE = "non_finite"  # device: my round gave a NaN or inf (the model diverged): no update this round
+    RECEIVED = "received"  # server: your answer to this round is counted: do not send it again (answer_receipt.py)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ process goes one level below its update topic (server/mqtt/aggregation_wire.py).
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum
 
@@ -87,11 +88,17 @@ def update_filter(prefix: str) -> str:
     return f"{prefix}/dev/+/{TopicKind.UPDATE.value}"
 
 
-def server_subscriptions(prefix: str) -> list[str]:
-    """Topic filters the server subscribes to: every device's up, status and update topics (with aggregators, an
-    update routed to one goes a level below, out of this filter)."""
+def server_subscriptions(prefix: str, device_ids: Collection[str] | None = None) -> list[str]:
+    """Topic filters the server subscribes to: the up, status and update topics of every device, or, given
+    ``device_ids`` (a closed enrollment's), of those devices only: the broker then forwards nothing published under
+    any other id, so a flood under an id nobody enrolled never reaches the server. With aggregators, an update routed
+    to one goes a level below, out of these filters."""
     check_topic_prefix(prefix)
-    return [f"{prefix}/dev/+/{TopicKind.UP.value}", f"{prefix}/dev/+/{TopicKind.STATUS.value}", update_filter(prefix)]
+    if device_ids is None:
+        return [f"{prefix}/dev/+/{TopicKind.UP.value}", f"{prefix}/dev/+/{TopicKind.STATUS.value}",
+                update_filter(prefix)]
+    return [topic for topics in (Topics(prefix, device_id) for device_id in device_ids)
+            for topic in (topics.up, topics.status, topics.update)]
 
 
 PAYLOAD_LEVEL = "payload"

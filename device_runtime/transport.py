@@ -3,7 +3,11 @@
 Every message goes out as protocol frames of at most `max_frame_bytes` (checked before paho
 sees them: paho re-sends a frame the broker rejected forever) and comes back whole through one
 Reassembler whose memory is bounded in total over all topics (a flood of frames on many topics
-evicts the oldest incomplete messages instead of growing). MQTT 3.1.1, so the embedded amqtt broker and mosquitto both serve it.
+evicts the oldest incomplete messages instead of growing). MQTT 3.1.1, so the embedded amqtt broker, NATS and
+mosquitto all serve it; with ``mqtt5`` (where ``speaks_mqtt5`` found the broker speaks it: mosquitto does) MQTT 5,
+announcing a Maximum Packet Size in CONNECT (the frame size and ``PACKET_HEADROOM_BYTES``), so the broker never sends
+this client a larger packet (MQTT 5 §3.1.2.11.4: it discards it): a 50 MB junk packet is never read here. Under 3.1.1
+paho reads any packet whole before this endpoint refuses it (docs/scale.md measures that cost).
 The paho network thread reconnects on its own and re-subscribes on every connect. Given a list of brokers (the nodes
 of one cluster, ``mqtt://h1:p1,mqtt://h2:p2``), each lost connection or failed attempt moves it to the next one,
 with paho's backoff between attempts; what the endpoint holds (inbox, pending chunks, queued QoS 1 frames) stays.
@@ -14,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -24,6 +29,8 @@ from urllib.parse import unquote, urlsplit
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from device_runtime.auth import new_nonce
 from device_runtime.framing import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Admit, Check, NotAdmitted,
@@ -39,6 +46,10 @@ KEEPALIVE_S = 30
 RECONNECT_MIN_DELAY_S = 0.2
 RECONNECT_MAX_DELAY_S = 5.0
 RESUBSCRIBE_MAX_DELAY_S = 5.0
+SUBSCRIBE_BATCH = 128
+"""Filters a SUBSCRIBE packet carries at most (~4 KB of them): far below any broker's packet cap."""
+TEND_S = 1.0
+"""How often a read that the socket keeps busy stops to tend the keepalive (``_Client.loop_read``)."""
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 DEFAULT_REASSEMBLY_TIMEOUT_S = 120.0
 DEFAULT_MAX_PENDING_MESSAGES = 64
@@ -55,6 +66,28 @@ STAT_KEYS = ("frames_in", "frames_rejected", "frames_repeated", "frames_unadmitt
 0): what was published to it while it was away is gone, where a kept session queued it. ``frames_unadmitted`` counts
 the frames admitted for no sender (``framing.NotAdmitted``), dropped at the frame, one log line per
 UNADMITTED_LOG_EVERY."""
+PACKET_HEADROOM_BYTES = 64 * 1024
+"""What an MQTT packet may carry beyond its frame (fixed header, topic, packet id, properties): the Maximum Packet Size
+an MQTT 5 endpoint announces is its frame size plus this (server/mqtt/mosquitto_config.py caps packets the same)."""
+SESSION_NEVER_EXPIRES = 0xFFFFFFFF
+"""MQTT 5's Session Expiry Interval for a persistent session: kept as long as 3.1.1's clean_session=False keeps it."""
+OUTBOUND_WINDOW = 1000
+"""QoS 1 frames an endpoint has unacknowledged at once (paho's default, 20, sends a 142-frame payload in 8 windows,
+each waiting for PUBACKs that the broker queues behind whatever it holds for this endpoint: a flood's backlog); an MQTT
+5 broker that announces a smaller Receive Maximum in CONNACK is held to it (server/mqtt/mosquitto_config.py's configs
+announce this one)."""
+RECEIVE_MAXIMUM = 0xFFFF
+"""The unacknowledged QoS 1 messages an MQTT 5 endpoint lets the broker send it (MQTT 5's largest Receive Maximum).
+Without it mosquitto sends an endpoint 20 at a time (its max_inflight_messages): behind a QoS 0 flood it may queue
+ahead of them, each window of 20 honest frames then waits for the whole backlog. What is in flight stays bounded by
+TCP's window and the endpoint's own budgets (an endpoint with ``backpressure`` stops reading)."""
+PUBACK = 0x40
+PUBACK_BYTES = 4
+"""An MQTT PUBACK without a reason code (3.1.1, and MQTT 5's success): its type, remaining length 2, packet id."""
+READ_BYTES = 64 * 1024
+"""An endpoint reads its socket this many bytes at a time (``_Client``)."""
+PROBE_TIMEOUT_S = 3.0
+"""How long ``speaks_mqtt5`` waits for the broker's CONNACK (a 3.1.1-only broker may never answer a v5 CONNECT)."""
 UNADMITTED_LOG_EVERY = 1000
 """A flood of frames from no sender is logged once per this many (the counter counts each)."""
 
@@ -137,6 +170,60 @@ def rotate_brokers(text: str, by: int) -> str:
     return ",".join(entries[by:] + entries[:by])
 
 
+class _Client(mqtt.Client):
+    """paho's client, reading its socket ``READ_BYTES`` at a time. paho reads a packet's fixed header byte by byte
+    and its body in a call of its own (five ``recv`` calls for a small frame); this hands those reads out of one
+    buffer filled by one ``recv``, and goes on reading packets while the buffer holds more (paho would otherwise
+    wait for the socket's next readiness, which never comes for bytes already read). Between those packets it writes
+    what is queued (the PUBACKs it owes, what was published meanwhile) and, every ``TEND_S``, tends the keepalive:
+    a flood that keeps the buffer full would otherwise hold all of it back, and the broker sends a client only so
+    many unacknowledged QoS 1 messages (mosquitto: 20), so every honest frame past them would wait until the
+    keepalive's silence ended the connection."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_ahead = memoryview(b"")
+        self._starved = False  # the last read found the buffer empty and the socket too
+
+    def _sock_recv(self, bufsize: int) -> bytes:
+        if not self._read_ahead:
+            try:
+                data = super()._sock_recv(READ_BYTES)
+            except BlockingIOError:
+                self._starved = True
+                raise
+            self._starved = False
+            if not data:
+                return data
+            self._read_ahead = memoryview(data)
+        taken, self._read_ahead = self._read_ahead[:bufsize], self._read_ahead[bufsize:]
+        return bytes(taken)
+
+    def _send_puback(self, mid: int) -> MQTTErrorCode:
+        """The PUBACK of a QoS 1 PUBLISH, queued (paho calls this on its network thread, handling the PUBLISH)
+        without paho's wake-up byte to that same thread's select, a ``send`` and a ``recv`` an acknowledgement:
+        the loop's next turn finds it queued and writes it."""
+        self._out_packet.append({"command": PUBACK, "mid": mid, "qos": 1, "pos": 0, "to_process": PUBACK_BYTES,
+                                 "packet": struct.pack("!BBH", PUBACK, PUBACK_BYTES - 2, mid), "info": None})
+        return MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def loop_read(self, max_packets: int = 1) -> MQTTErrorCode:
+        rc = super().loop_read(max_packets)
+        tended = time.monotonic()
+        while rc == MQTTErrorCode.MQTT_ERR_SUCCESS and self._read_ahead and not self._starved:
+            if self.want_write():
+                rc = self.loop_write()
+                if rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                    return rc
+            if time.monotonic() - tended >= TEND_S:
+                tended = time.monotonic()
+                rc = self.loop_misc()
+                if rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                    return rc
+            rc = super().loop_read(max_packets)
+        return rc
+
+
 class MqttEndpoint:
     """One MQTT client: chunked publish with optional PUBACK wait, reassembled inbound queue.
 
@@ -170,7 +257,7 @@ class MqttEndpoint:
                  max_pending_per_sender: int | None = None, max_pending_bytes_per_sender: int | None = None,
                  clean_session: bool = False, qos: int = 1,
                  screen: Screen | None = None, max_queued_bytes: int | None = None, backpressure: bool = False,
-                 inbox: Inbox | None = None) -> None:
+                 inbox: Inbox | None = None, mqtt5: bool = False) -> None:
         if not client_id:
             raise ValueError("client_id must not be empty (persistent sessions are keyed by it)")
         if qos not in (0, 1):
@@ -186,6 +273,8 @@ class MqttEndpoint:
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
         self.client_id = client_id
+        self.mqtt5 = mqtt5
+        self._clean_session = clean_session
         self.subscriptions = tuple(subscriptions)
         self.unsubscriptions = tuple(f for f in unsubscriptions if f not in self.subscriptions)
         self.max_frame_bytes = max_frame_bytes
@@ -211,6 +300,7 @@ class MqttEndpoint:
         self._ever_connected = False
         self._subscribing: dict[int, tuple[tuple[str, ...], bool]] = {}  # SUBSCRIBE mid -> (filters, marks ready)
         self._granted: dict[str, float] = {}  # filter -> when this connection's broker granted it (monotonic)
+        self._awaited: set[str] = set()  # filters of this connection's first SUBSCRIBEs not granted yet
         self._subs = threading.RLock()  # the two above: the caller's thread (follow) and the network thread
         self._refused_subscriptions = 0  # SUBSCRIBEs refused in a row (a cluster node that lost a peer does that)
         self._connection = 0  # counts CONNACKs: a retry scheduled on an earlier connection is dropped
@@ -224,13 +314,17 @@ class MqttEndpoint:
 
     def _make_client(self, clean_session: bool, tls_ca: str | os.PathLike[str] | None,
                      tls_cert: str | os.PathLike[str] | None, tls_key: str | os.PathLike[str] | None) -> mqtt.Client:
-        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id,
-                             clean_session=clean_session, protocol=mqtt.MQTTv311)
+        if self.mqtt5:  # the session's lifetime goes in CONNECT (_connect_properties)
+            client = _Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
+        else:
+            client = _Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, clean_session=clean_session,
+                             protocol=mqtt.MQTTv311)
         self._set_credentials(client)
         if self.url.tls:
             client.tls_set(ca_certs=_path_or_none(tls_ca), certfile=_path_or_none(tls_cert),
                            keyfile=_path_or_none(tls_key))
         self._arm_will(client)
+        client.max_inflight_messages_set(OUTBOUND_WINDOW)
         client.reconnect_delay_set(RECONNECT_MIN_DELAY_S, RECONNECT_MAX_DELAY_S)
         client.on_socket_open = _set_tcp_nodelay
         client.on_connect = self._on_connect
@@ -240,6 +334,15 @@ class MqttEndpoint:
         client.on_message = self._on_message
         client.on_publish = self._on_publish
         return client
+
+    def _connect_properties(self) -> Properties:
+        """MQTT 5 CONNECT: the largest packet this endpoint takes, how many unacknowledged QoS 1 messages it takes at
+        once, and a session kept as 3.1.1's would be."""
+        properties = Properties(PacketTypes.CONNECT)
+        properties.MaximumPacketSize = self.max_frame_bytes + PACKET_HEADROOM_BYTES
+        properties.ReceiveMaximum = RECEIVE_MAXIMUM
+        properties.SessionExpiryInterval = 0 if self._clean_session else SESSION_NEVER_EXPIRES
+        return properties
 
     def _set_credentials(self, client: mqtt.Client) -> None:
         """The arguments' credentials, else the current broker URL's."""
@@ -267,7 +370,11 @@ class MqttEndpoint:
         if self._started:
             raise RuntimeError(f"endpoint {self.client_id!r} already started")
         self._started = True
-        self._client.connect_async(self.url.host, self.url.port, keepalive=KEEPALIVE_S)
+        if self.mqtt5:  # paho re-sends these properties on every reconnect
+            self._client.connect_async(self.url.host, self.url.port, keepalive=KEEPALIVE_S,
+                                       clean_start=self._clean_session, properties=self._connect_properties())
+        else:
+            self._client.connect_async(self.url.host, self.url.port, keepalive=KEEPALIVE_S)
         self._client.loop_start()
 
     def stop(self) -> None:
@@ -448,6 +555,10 @@ class MqttEndpoint:
                 self._bump("sessions_lost")
         self._ever_connected = True
         self._connection += 1
+        # paho leaves its window as set; an MQTT 5 broker's Receive Maximum bounds it (paho-mqtt 2.x's attribute: its
+        # setter refuses on an open connection, and a lower bound only holds back the next sends)
+        window = min(OUTBOUND_WINDOW, getattr(properties, "ReceiveMaximum", None) or OUTBOUND_WINDOW)
+        client._max_inflight_messages = window  # noqa: SLF001
         self._nonce = self._armed_nonce
         self._arm_will(client)
         LOG.info("%s: connected to %s:%d", self.client_id, self.url.host, self.url.port)
@@ -456,17 +567,22 @@ class MqttEndpoint:
         with self._subs:
             self._subscribing.clear()
             self._granted.clear()
+            self._awaited = set(self.subscriptions)
             if self.subscriptions:
                 self._subscribe(client, self.subscriptions, ready=True)
                 return
         self._mark_ready()
 
     def _subscribe(self, client: mqtt.Client, filters: tuple[str, ...] | list[str], ready: bool) -> None:
-        """SUBSCRIBE ``filters``; with ``ready``, its SUBACK marks the endpoint ready (the connect's own)."""
-        with self._subs:  # held until the mid is noted: its SUBACK waits for it on the network thread
-            code, mid = client.subscribe([(topic, self.qos) for topic in filters])
-            if code == MQTTErrorCode.MQTT_ERR_SUCCESS:
-                self._subscribing[mid] = (tuple(filters), ready)
+        """SUBSCRIBE ``filters``, at most SUBSCRIBE_BATCH a packet (a server of many enrolled devices subscribes to
+        each one's topics: one packet of them all could pass the broker's packet cap); with ``ready``, the SUBACK
+        that grants the last of the connect's own filters marks the endpoint ready."""
+        with self._subs:  # held until the mids are noted: their SUBACKs wait for them on the network thread
+            for start in range(0, len(filters), SUBSCRIBE_BATCH):
+                batch = tuple(filters[start:start + SUBSCRIBE_BATCH])
+                code, mid = client.subscribe([(topic, self.qos) for topic in batch])
+                if code == MQTTErrorCode.MQTT_ERR_SUCCESS:
+                    self._subscribing[mid] = (batch, ready)
 
     def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: list[Any],
                       properties: Any) -> None:
@@ -479,11 +595,13 @@ class MqttEndpoint:
             if not filters:
                 return
             denied = [topic for topic, code in zip(filters, reason_codes) if code.is_failure]
-            self._granted.update((topic, now) for topic, code in zip(filters, reason_codes)
-                                 if not code.is_failure and topic in self.subscriptions)
+            granted = [topic for topic, code in zip(filters, reason_codes) if not code.is_failure]
+            self._granted.update((topic, now) for topic in granted if topic in self.subscriptions)
+            self._awaited.difference_update(granted)
+            all_granted = self._all_granted()
         if not denied:
             self._refused_subscriptions = 0
-            if ready:
+            if ready and all_granted:
                 self._mark_ready()
             return
         self._refused_subscriptions += 1
@@ -500,7 +618,14 @@ class MqttEndpoint:
             if wanted:
                 self._subscribe(client, wanted, ready)
             elif ready:
-                self._mark_ready()
+                with self._subs:
+                    all_granted = self._all_granted()
+                if all_granted:
+                    self._mark_ready()
+
+    def _all_granted(self) -> bool:
+        """Whether every filter of the connect's SUBSCRIBEs still followed is granted (``_subs`` held)."""
+        return self._awaited.isdisjoint(self.subscriptions)
 
     def _mark_ready(self) -> None:
         """Connected and subscribed: say online (a peer that reacts to it reaches this endpoint) and wake waiters."""
@@ -606,3 +731,36 @@ def _set_tcp_nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
 
 def _path_or_none(path: str | os.PathLike[str] | None) -> str | None:
     return None if path is None else os.fspath(path)
+
+
+def speaks_mqtt5(broker_url: str, *, username: str | None = None, password: str | None = None,
+                 tls_ca: str | os.PathLike[str] | None = None, tls_cert: str | os.PathLike[str] | None = None,
+                 tls_key: str | os.PathLike[str] | None = None, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the (first) broker of ``broker_url`` accepts an MQTT 5 CONNECT: a throwaway clean session, answered
+    within ``timeout`` seconds. A 3.1.1-only broker refuses it (NATS: unacceptable protocol version) or never
+    answers (amqtt 0.12): False, and the endpoints speak 3.1.1 there."""
+    url = parse_brokers(broker_url)[0]
+    answered, accepted = threading.Event(), []
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fedara-probe-{uuid.uuid4().hex[:12]}",
+                         protocol=mqtt.MQTTv5)
+    username = username if username is not None else url.username
+    if username is not None:
+        client.username_pw_set(username, password if password is not None else url.password)
+    if url.tls:
+        client.tls_set(ca_certs=_path_or_none(tls_ca), certfile=_path_or_none(tls_cert), keyfile=_path_or_none(tls_key))
+
+    def on_connect(_client: mqtt.Client, _userdata: Any, _flags: Any, reason_code: Any, _properties: Any) -> None:
+        accepted.append(not reason_code.is_failure)
+        answered.set()
+
+    client.on_connect = on_connect
+    client.on_connect_fail = lambda *_: answered.set()
+    client.on_disconnect = lambda *_: answered.set()
+    try:
+        client.connect_async(url.host, url.port, keepalive=KEEPALIVE_S, clean_start=True)
+        client.loop_start()
+        answered.wait(timeout)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    return accepted == [True]

@@ -1,4 +1,5 @@
-"""An incomplete-message flood at the server's wildcard during a run, against an undisturbed run (issue 44's goal).
+"""An incomplete-message flood on the update topic of an id not enrolled, then of an enrolled one, during a run,
+against an undisturbed run (issue 44's goal).
 
     .venv/bin/python scripts/bench_flood.py --rate 10000 --rounds 4 --out flood.json
 
@@ -7,7 +8,8 @@ Debian's mosquitto on a free loopback port; three runs of ``python -m server.bro
 flooded on the update topic of an id nobody enrolled (``dev_009``); flooded on the update topic of an enrolled device
 of the run (``dev_001``). The flood starts once round 1 is printed and lasts until the run ends: a paho client
 publishing, QoS 0, ``--rate`` frames a second of chunk 0 of a 2-chunk message, a fresh msg_id each (the project's
-framing code). Per run: each round's seconds, its participants, the flood's frames and achieved rate, and whether
+framing code). Per run: each round's seconds, its participants, the flood's frames and achieved rate, the server
+log's lines naming the flooded topic (0: no frame of it reached the server, or none was worth a line), and whether
 the final model is bit-identical to the undisturbed run's; a table, and the JSON with ``--out``. The machine's load
 shows in every figure: the flooder, the broker, the server and the devices share its cores.
 """
@@ -107,6 +109,7 @@ def run(name: str, folder: Path, url: str, port: int, enrollment: Path, args: ar
     return {"run": name, "round_seconds": [r["seconds"] for r in records],
             "participants": [r["participants"] for r in records], "bytes_down": [r["bytes_down"] for r in records],
             "asked_again": log.count("pushed out half-received"), "flood_frames": result.get("frames", 0),
+            "flood_lines_logged": log.count(TARGETS[name]) if name in TARGETS else 0,
             "flood_rate": result.get("frames", 0) / result["seconds"] if result.get("seconds") else 0.0,
             "folder": str(out)}
 
@@ -148,11 +151,12 @@ def main() -> None:
             broker.terminate()
             broker.wait()
     base = results[0]["round_seconds"]
-    print(f"{'run':<12} {'flood /s':>9} {'frames':>8} {'asked again':>11} {'model equal':>11}  "
+    print(f"{'run':<12} {'flood /s':>9} {'frames':>8} {'logged':>6} {'asked again':>11} {'model equal':>11}  "
           "round s (vs undisturbed)")
     for r in results:
         rounds = " ".join(f"{s:.2f}({s - b:+.2f})" for s, b in zip(r["round_seconds"], base))
-        print(f"{r['run']:<12} {r['flood_rate']:>9.0f} {r['flood_frames']:>8} {r['asked_again']:>11} "
+        print(f"{r['run']:<12} {r['flood_rate']:>9.0f} {r['flood_frames']:>8} {r['flood_lines_logged']:>6} "
+              f"{r['asked_again']:>11} "
               f"{str(r['model_equal']):>11}  {rounds}  participants {r['participants']}")
     if args.out:
         Path(args.out).write_text(json.dumps({"rate": args.rate, "rounds": args.rounds, "runs": results},

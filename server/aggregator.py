@@ -37,7 +37,7 @@ from device_runtime.protocol import ProtocolError
 from device_runtime.task import tensor_bytes
 from device_runtime.topics import check_topic_device
 from device_runtime.broker_wait import BrokerUnreachableError, wait_for_broker
-from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers
+from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers, speaks_mqtt5
 from server.engine import folding_records as folding
 from server.mqtt import aggregation_wire as wire
 from server.engine.aggregate import StreamingAverage
@@ -257,7 +257,9 @@ def run(args: argparse.Namespace) -> None:
                             username=args.username, password=args.password, tls_ca=args.tls_ca,
                             tls_cert=args.tls_cert, tls_key=args.tls_key, max_frame_bytes=args.max_message_bytes,
                             max_message_bytes=BRIEF_BYTES, admit=admit, vouch=vouch,
-                            max_pending_per_sender=PENDING_PER_SENDER, clean_session=True)
+                            max_pending_per_sender=PENDING_PER_SENDER, clean_session=True,
+                            mqtt5=speaks_mqtt5(args.broker, username=args.username, password=args.password,
+                                               tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key))
     endpoint.start()
     try:
         wait_for_broker(endpoint, threading.Event(), args.broker_connect_timeout, flag="--broker-connect-timeout",

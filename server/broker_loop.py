@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from device_runtime.broker_wait import BrokerUnreachableError, wait_for_broker
-from device_runtime.transport import MqttEndpoint, TransportError, rotate_brokers
+from device_runtime.transport import MqttEndpoint, TransportError, rotate_brokers, speaks_mqtt5
 from server.mqtt import cgroups
 from server.broker_flags import build_parser, check_broker_args, check_broker_reachable, local_budgets
 from server.cli import (PASSWORD_ENV, STATUS_HOST, check_args, check_before_loading, check_inputs,
@@ -91,7 +91,7 @@ from server.engine.run_config import FederationConfig, RunError
 from server.run_setup import Deployment, RunFolder, assemble
 from server.data.shards import DEVICE_SHARD_FILENAME
 from server.mqtt.aggregator_channel import AggregatorChannel
-from server.mqtt.admission import PENDING_PER_SENDER, server_admission
+from server.mqtt.admission import PENDING_PER_SENDER, server_admission, server_filters
 from server.mqtt.lost_updates import LostUpdates
 from server.mqtt.secagg_relay import SecureRelay
 from server.mqtt.local_processes import LocalDevices, aggregator_command, device_command
@@ -342,6 +342,14 @@ class Federation:
         if not verdict.accepted:
             LOG.warning("dropped an update from %s (round %d): %s", device_id, msg.round, verdict.reason)
             count_refusal(self.refusals, update_refusal(verdict.reason))
+            return
+        self._send_receipt(device_id, msg.round)
+
+    def _send_receipt(self, device_id: str, round_index: int) -> None:
+        """Tell the device its answer to ``round_index`` is counted: a re-ask that crossed that answer is not
+        answered with it again (device_runtime/answer_receipt.py)."""
+        self._send(device_id, error_message(ErrorCode.RECEIVED, f"your answer to {round_index} is counted",
+                                            device_id=device_id, run_id=self.engine.run_id, round_index=round_index))
 
     # -- outbound ---------------------------------------------------------------------------
 
@@ -352,7 +360,7 @@ class Federation:
         """The TASK, naming its plan's payload (published first, once per plan and round) instead of carrying it."""
         ref = None
         if task.weights and self.engine.shares_payloads:
-            ref, data = self.engine.payload(device_id, time.monotonic())
+            ref, data = self.engine.payload(device_id, task, time.monotonic())
             if data is not None:
                 self._publish_payload(ref, data)
         self._send(device_id, task_message(task, plan_hash=self.engine.plan_info(device_id).hash,
@@ -491,6 +499,15 @@ class AsyncFederation(Federation):
         engine = self.engine
         for device_id, task in engine.dispatch(self._ready(), now=self.clock()).items():
             self._send_built_task(device_id, task)
+        self._clear_unused_payloads()
+
+    def _clear_unused_payloads(self) -> None:
+        """Delete the retained payloads of versions no task in flight or evaluation asked uses any more."""
+        for ref in self.engine.unused_payloads():
+            topic = payload_topic(self.args.prefix, self.engine.run_id, ref.sha256)
+            frames = self.retained.pop(topic, None)
+            if frames is not None:
+                self.endpoint.clear_retained(topic, frames)
 
     def _resend(self, device_id: str) -> None:
         LOG.info("sending %s its task in flight again", device_id)
@@ -546,6 +563,8 @@ class AsyncFederation(Federation):
         if not verdict.accepted:
             LOG.warning("dropped an update from %s (task %d): %s", device_id, msg.round, verdict.reason)
             count_refusal(self.refusals, update_refusal(verdict.reason))
+        else:
+            self._send_receipt(device_id, msg.round)
         self._dispatch()
 
     def _follow(self) -> None:
@@ -596,6 +615,7 @@ class AsyncFederation(Federation):
                    time.monotonic() + (self.args.task_timeout or self.args.round_deadline))
         LOG.info("the run is over: %d task(s) in flight abandoned", len(engine.abandon()))
         engine.finish()
+        self.clear_payloads()
         self._follow()
         self.checkpoint(rounds, finished=True)
         self.publish_status(force=True, finished=True)
@@ -656,7 +676,7 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
     assembly = assemble(args, config, out, Deployment(
         devices=args.local_devices, min_devices=args.min_devices or args.local_devices or 1,
         round_deadline_s=args.round_deadline, remote=args.aggregators > 0,
-        shared_payloads=args.mode == "sync",  # an async task carries its version's weights (versions, not rounds)
+        shared_payloads=True,  # a task names its payload (sync: the round's, async: its version's) at each plan
         settings_keys=BROKER_SETTINGS),
         emit=print_and_log)
     engine, shards, settings, saved = assembly.engine, assembly.shards, assembly.settings, assembly.saved
@@ -669,7 +689,7 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
     aggregators = tuple(f"agg-{i}" for i in range(args.aggregators))
     aggregator_link = (wire.engine_link(load_server_key(enrollment), auth_state / AGGREGATORS_DIR, max_inbound)
                        if aggregators else None)
-    subscriptions = server_subscriptions(args.prefix)  # with aggregators: the updates when no member is left
+    subscriptions = server_filters(args.prefix, keys)  # with aggregators: the updates when no member is left
     subscriptions += [wire.engine_filter(args.prefix)] if aggregators else []
     anything_a_server_held = [*server_subscriptions(args.prefix), wire.engine_filter(args.prefix)]
     admit, vouch = server_admission(args.prefix, keys, aggregators)  # frames of enrolled senders only, bounded each
@@ -681,6 +701,10 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
             print(f"status: {status.url} (/metrics for Prometheus, /api/status), read-only, until the run ends"
                   + (f" and {args.status_linger:g} s after" if args.status_linger else ""), flush=True)
         with broker_url(args) as url, contextlib.ExitStack() as stack:
+            mqtt5 = speaks_mqtt5(url, username=args.username, password=args.password, tls_ca=args.tls_ca,
+                                 tls_cert=args.tls_cert, tls_key=args.tls_key)
+            LOG.info("the broker %s MQTT 5: connecting with MQTT %s", "speaks" if mqtt5 else "does not speak (or "
+                     "was not reachable yet)", "5 and a Maximum Packet Size" if mqtt5 else "3.1.1")
             endpoint = MqttEndpoint(f"fedara-server-{args.prefix.replace('/', '_')}", url,
                                     subscriptions=subscriptions, unsubscriptions=anything_a_server_held,
                                     username=args.username, password=args.password, tls_ca=args.tls_ca,
@@ -690,7 +714,7 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
                                     max_pending_messages=PENDING_MESSAGES, admit=admit, vouch=vouch,
                                     max_pending_per_sender=PENDING_PER_SENDER, max_pending_bytes_per_sender=max_inbound,
                                     max_queued_bytes=QUEUED_UPDATES_BUDGETED * max_inbound, backpressure=True,
-                                    clean_session=False)
+                                    clean_session=False, mqtt5=mqtt5)
             endpoint.start()
             stack.callback(endpoint.stop)
             wait_for_broker(endpoint, threading.Event(), args.broker_connect_timeout, flag="--broker-connect-timeout",

@@ -23,6 +23,7 @@ import numpy as np
 
 from device_runtime.envelope import Message
 from device_runtime.messages import MessageError
+from device_runtime.payload import PayloadRef
 from device_runtime.task import Task, Update, tensor_bytes
 from device_runtime.topics import check_topic_device
 from device_runtime.protocol import ProtocolError
@@ -170,10 +171,8 @@ class AsyncEngine(RoundEngine):
         weights = self._sent_weights(device_id, flight.base)
         config = self.config
         fit = self.algorithm.configure_fit(flight.base + 1, bool(plan.resolved.ranks))
-        if count:
-            nbytes = tensor_bytes(weights)
-            self._book.bytes_down += nbytes
-            self._book.count(tier_label(plan.ratio), "down", nbytes)
+        if count and self.payloads is None:  # else booked once per publish of its payload (``payload``)
+            self._book_sent(device_id, tensor_bytes(weights), training=True)
         return Task(round=flight.task, weights=weights, lam=fit.lam, mu=fit.mu, lr=config.lr, phases=fit.phases,
                     batch_size=config.batch_size, seed=batch_seed(config.seed, flight.task, device_id),
                     returns=fit.returns, version=flight.base)
@@ -187,12 +186,64 @@ class AsyncEngine(RoundEngine):
             number = self.buff.next_number()
             self._evaluating[device_id] = (number, self.version)
             weights = self._sent_weights(device_id, self.version)
-            nbytes = tensor_bytes(weights)
-            self._book.bytes_down_eval += nbytes
-            self._book.count(tier_label(self.plan_info(device_id).ratio), EVAL_DIRECTION, nbytes)
+            if self.payloads is None:  # else booked once per publish of its payload (``payload``)
+                self._book_sent(device_id, tensor_bytes(weights), training=False)
             tasks[device_id] = Task(round=number, weights=weights, lam=0.0, mu=0.0, lr=self.config.lr, phases=(),
                                     batch_size=self.config.batch_size, seed=0, returns="none", version=self.version)
         return tasks
+
+    def _book_sent(self, device_id: str, nbytes: int, *, training: bool) -> None:
+        if training:
+            self._book.bytes_down += nbytes
+        else:
+            self._book.bytes_down_eval += nbytes
+        self._book.count(tier_label(self.plan_info(device_id).ratio), "down" if training else EVAL_DIRECTION, nbytes)
+
+    # -- payloads (shared_payloads: a task names its version's payload, published once per version and plan) --------
+
+    def payload(self, device_id: str, task: Task, now: float) -> tuple[PayloadRef, bytes | None]:
+        """The payload of ``task`` (its version's model at the device's plan): the reference its TASK carries, and
+        the bytes to publish when they are not yet published (booked as sent down, once per version and plan, then
+        once per publish again). A task sent again names the same payload: it costs a TASK, not the model."""
+        ref, data = self.payloads.get(self._payload_key(device_id, task.version), task.weights, now)
+        if data is not None:
+            self._book_sent(device_id, len(data), training=not task.evaluate_only)
+        return ref, data
+
+    def payload_wanted(self, device_id: str, ref: PayloadRef, now: float) -> bytes | None:
+        """A device asks for payload ``ref`` again: the bytes to publish again (booked), or None: not the payload of
+        its task in flight or its evaluation asked, or published moments ago."""
+        if self.payloads is None:
+            return None
+        for version, training in self._versions_used(device_id):
+            if self.payloads.ref_of(self._payload_key(device_id, version)) == ref:
+                data = self.payloads.requested(ref, now)
+                if data is not None:
+                    self._book_sent(device_id, len(data), training=training)
+                return data
+        return None
+
+    def unused_payloads(self) -> list[PayloadRef]:
+        """Forget the payloads no task in flight or evaluation asked uses any more: returns those published, whose
+        retained copies the driver deletes."""
+        if self.payloads is None:
+            return []
+        devices = set(self.buff.in_flight) | set(self._evaluating)
+        return self.payloads.keep_only({self._payload_key(d, version) for d in devices
+                                        for version, _ in self._versions_used(d)})
+
+    def _versions_used(self, device_id: str) -> list[tuple[int, bool]]:
+        """(version, training) of the device's task in flight and of its evaluation asked, where it has them."""
+        uses = []
+        flight = self.buff.in_flight.get(device_id)
+        if flight is not None:
+            uses.append((flight.base, True))
+        if device_id in self._evaluating:
+            uses.append((self._evaluating[device_id][1], False))
+        return uses
+
+    def _payload_key(self, device_id: str, version: int | None) -> tuple[int | None, tuple]:
+        return version, plan_key(self.plan_info(device_id).resolved)
 
     # -- updates --------------------------------------------------------------------------------
 

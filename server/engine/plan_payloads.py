@@ -6,7 +6,8 @@ Devices of one plan get the same tensors in a round. So a TASK names its plan's 
 round of K devices at P plans sends P payloads and K small TASKs instead of K models. A device that did not get it
 whole, or got one that did not match, asks again; one publish serves every device subscribed, so however many ask, a
 payload is published again only while its round is open and with a back-off within the round: ``REPUBLISH_MIN_S``
-after its first publish, then twice as long after each publish again, at most ``REPUBLISH_MAX_S``. A device asks
+after its first publish, then twice as long after each publish again, at most ``REPUBLISH_MAX_S``. The async mode
+keys payloads by (version, plan) and keeps those of the versions its tasks in flight use (``keep_only``). A device asks
 only while its subscription is granted (device_runtime/payload_wait.py), so the asks that remain mean the broker
 lost its retained copy or someone overwrote it; a fleet asking at staggered times costs a few publishes, not one a
 second for as long as the asks come.
@@ -52,6 +53,18 @@ class PlanPayloads:
             return ref, None
         self._published_at[ref.sha256] = now
         return ref, self._data[ref.sha256]
+
+    def keep_only(self, keys: set[Hashable]) -> list[PayloadRef]:
+        """Forget every payload but those of ``keys`` (the async mode's versions still in use): returns the forgotten
+        ones that were published, whose retained copies the driver deletes."""
+        kept = {key: ref for key, ref in self._refs.items() if key in keys}
+        held = {ref.sha256 for ref in kept.values()}  # two keys may name one payload (equal tensors)
+        dropped = list({ref.sha256: ref for ref in self._refs.values() if ref.sha256 not in held}.values())
+        self._refs = kept
+        for ref in dropped:
+            self._data.pop(ref.sha256, None)
+            self._republished.pop(ref.sha256, None)
+        return [ref for ref in dropped if self._published_at.pop(ref.sha256, None) is not None]
 
     def ref_of(self, key: Hashable) -> PayloadRef | None:
         """The reference of plan ``key``'s payload this round, None before its first task."""

@@ -410,12 +410,12 @@ class RoundEngine:
         """Whether a task names its plan's payload (published once per plan) instead of carrying the tensors."""
         return self.payloads is not None
 
-    def payload(self, device_id: str, now: float) -> tuple[PayloadRef, bytes | None]:
-        """The open round's payload of the device's plan (its task's weights, plan_payloads.py): the reference
+    def payload(self, device_id: str, task: Task, now: float) -> tuple[PayloadRef, bytes | None]:
+        """The open round's payload of the device's plan (``task``'s weights, plan_payloads.py): the reference
         its TASK carries, and the bytes to publish when they are not yet published this round (booked as sent down,
         once per plan)."""
         plan = self.plan_info(device_id)
-        ref, data = self.payloads.get(plan_key(plan.resolved), self._weights(device_id), now)
+        ref, data = self.payloads.get(plan_key(plan.resolved), task.weights, now)
         if data is not None:
             self._book_down(plan, device_id in self.coordinator.open.train, len(data))
         return ref, data

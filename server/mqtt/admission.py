@@ -9,6 +9,13 @@ pushes out only that id's messages, and of those the unauthenticated first: chun
 its envelope's tagged header, so the device's own update (tag valid, newest counter) outranks junk and replays
 under its id (``envelope.tagged_counter``). An aggregator process (server/aggregator.py) admits the same way the
 updates routed to it (``aggregator_admission``) and the engine's messages on its down topic.
+
+Before all that, the broker itself admits: a server whose enrollment is closed (each device enrolled with its own
+key, at most SUBSCRIBED_IDS_MAX of them) subscribes to those devices' topics only (``server_filters``), so nothing
+published under another id reaches it at all, at any rate: a flood under an id nobody enrolled costs the server
+nothing (where it subscribed to the wildcard, it read every such frame before dropping it, and a flood faster than
+it drains queued the honest frames behind it at the broker). An open enrollment (``--enroll open``: any id's key
+derives from the run key) keeps the wildcard filters.
 """
 from __future__ import annotations
 
@@ -18,11 +25,14 @@ from device_runtime.auth import KeyRing
 from device_runtime.envelope import tagged_counter
 from device_runtime.framing import Admit, Vouch
 from device_runtime.protocol import ProtocolError
-from device_runtime.topics import device_id_from_topic
+from device_runtime.topics import device_id_from_topic, server_subscriptions
 from server.mqtt.aggregation_wire import aggregator_from_topic, device_from_member_topic, down_topic
 
 PENDING_PER_SENDER = 4
 """Incomplete messages one sender may hold at once: a device's update, a re-send of it and a small message or two."""
+SUBSCRIBED_IDS_MAX = 1024
+"""Enrolled devices a server subscribes to one by one (3 filters each); beyond, the wildcard filters (a broker's
+subscriptions cost it memory and, on NATS, a JetStream consumer each)."""
 STREAMS_REMEMBERED = 8192
 """Streams whose admission the server remembers (a flood on one topic costs a dict lookup a frame); past it, forgotten
 all at once (a flood over fresh topics costs the topic's parse a frame)."""
@@ -42,6 +52,13 @@ def _remembered(sender_of: Admit) -> Admit:
             return sender
 
     return admit
+
+
+def server_filters(prefix: str, keys: KeyRing) -> list[str]:
+    """The device topics the server subscribes to: each enrolled device's where the enrollment is closed and at most
+    SUBSCRIBED_IDS_MAX ids, else every device's (see the module docstring)."""
+    closed = keys.shared_key is None and len(keys.device_ids) <= SUBSCRIBED_IDS_MAX
+    return server_subscriptions(prefix, keys.device_ids if closed else None)
 
 
 def aggregator_admission(prefix: str, name: str, keys: KeyRing, server_key: bytes) -> tuple[Admit, Vouch]:

@@ -121,6 +121,8 @@ class EmbeddedBroker:
         try:
             await self._broker.external_connected(StreamReaderAdapter(reader), StreamWriterAdapter(writer),
                                                   _LISTENER)
+        except ConnectionResetError:  # the client hung up first (an MQTT 5 probe amqtt refused: speaks_mqtt5)
+            LOG.debug("embedded broker: a client closed its connection before amqtt answered it")
         finally:
             self._writers.discard(writer)
 

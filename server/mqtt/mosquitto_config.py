@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from device_runtime.topics import PAYLOAD_LEVEL, Topics, server_subscriptions, update_filter
+from device_runtime.transport import OUTBOUND_WINDOW
 
 PBKDF2_ITERATIONS = 1000
 PBKDF2_SALT_BYTES = 12
@@ -134,6 +135,7 @@ def mosquitto_conf_text(port: int, max_frame_bytes: int, *, persistence_dir: Pat
              f"allow_anonymous {'false' if password_file else 'true'}",
              f"max_packet_size {max_frame_bytes + PACKET_HEADROOM_BYTES}",
              f"max_queued_messages {MAX_QUEUED_MESSAGES}",
+             f"max_inflight_messages {OUTBOUND_WINDOW}",  # each way; MQTT 5 clients are told it (Receive Maximum)
              "set_tcp_nodelay true",
              "log_dest stderr",
              "log_type error",

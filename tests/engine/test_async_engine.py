@@ -38,10 +38,11 @@ def parts(algo: str, tiers: tuple[float, ...]):
 
 def make_async(algo: str = "fedara", *, tiers=(1.0, 0.5), buffer_size: int = 2, max_staleness: int = 3,
                concurrency: int = 4, exponent: float = 0.5, joined: bool = True,
-               timeout: float | None = None) -> AsyncEngine:
+               timeout: float | None = None, shared_payloads: bool = False) -> AsyncEngine:
     args, kwargs = parts(algo, tiers)
     engine = AsyncEngine(*args, **kwargs, rule=BufferRule(buffer_size, max_staleness, exponent,
-                                                          concurrency=concurrency, task_timeout=timeout))
+                                                          concurrency=concurrency, task_timeout=timeout),
+                         shared_payloads=shared_payloads)
     if joined:
         join_all(engine)
     return engine
@@ -233,3 +234,31 @@ def test_a_versions_row_waits_for_the_evaluations_asked_of_it_until_the_version_
     engine.receive(trainer, reply(engine, trainer, task), now=3.0)  # version 3: rows 1 and 2 are written
     # version 1: the evaluator and the trainer's task of version 1 (every task evaluates what it carries first)
     assert [(r["round"], r["evaluated"]) for r in engine.records] == [(1, 2), (2, 1)]
+
+
+def test_with_shared_payloads_a_task_sent_again_names_its_payload_and_costs_no_model_bytes():
+    engine = make_async(buffer_size=4, shared_payloads=True)
+    tasks = engine.dispatch(DEVICES, now=0.0)
+    published = {}
+    for device_id, task in tasks.items():
+        ref, data = engine.payload(device_id, task, now=0.0)
+        if data is not None:
+            published[ref.sha256] = len(data)
+    assert len(published) == 2  # one per plan (two tiers), however many devices
+    booked = engine._book.bytes_down
+    assert booked == sum(published.values())
+    again = engine.resend("dev_001")
+    assert engine.payload("dev_001", again, now=1.0) == (engine.payload("dev_001", tasks["dev_001"], now=1.0)[0], None)
+    assert engine._book.bytes_down == booked
+    assert engine.payload_wanted("dev_001", engine.payload("dev_001", again, now=1.0)[0], now=5.0) is not None
+    assert engine._book.bytes_down > booked  # a publish again is booked
+
+
+def test_with_shared_payloads_a_versions_payload_is_forgotten_once_no_task_uses_it():
+    engine = make_async(buffer_size=2, concurrency=2, shared_payloads=True)
+    tasks = engine.dispatch(DEVICES, now=0.0)
+    refs = {d: engine.payload(d, t, now=0.0)[0] for d, t in tasks.items()}
+    assert engine.unused_payloads() == []
+    for device_id, task in tasks.items():
+        assert engine.receive(device_id, reply(engine, device_id, task), now=1.0).accepted
+    assert sorted(r.sha256 for r in engine.unused_payloads()) == sorted({r.sha256 for r in refs.values()})

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from device_runtime.answer_receipt import RECEIPT_WAIT_S
 from device_runtime.__main__ import PASSWORD_ENV
 from device_runtime.envelope import MessageType
 from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES, chunk
@@ -413,6 +414,7 @@ def test_device_answers_a_repeated_task_with_its_saved_answer(dense_artifacts, t
     task = task_message(dense_task(model), plan_hash=artifacts.hash, device_id="dev_t", run_id="run1")
     deliver(agent, task)
     deliver(agent, task)
+    agent.tend_answer(agent.answer.sent_at + RECEIPT_WAIT_S)  # asked again at once: no receipt came in its wait
     ack, first, second = endpoint.messages()
     assert ack.type == MessageType.ACK and first.type == second.type == MessageType.UPDATE
     assert first.meta == second.meta and second.counter > first.counter  # the same answer, sealed afresh

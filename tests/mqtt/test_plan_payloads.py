@@ -9,19 +9,20 @@ import numpy as np
 import paho.mqtt.publish
 import pytest
 
+from device_runtime.answer_receipt import RECEIPT_WAIT_S
 from device_runtime.device_admission import DeviceAdmission
 from device_runtime.envelope import MessageType
 from device_runtime.framing import FRAME_HEADER_BYTES, chunk
 from device_runtime.protocol import PROTOCOL_VERSION
-from device_runtime.messages import (ErrorCode, parse_error, parse_payload_request, plan_message, task_message,
-                                     task_payload)
+from device_runtime.messages import (ErrorCode, error_message, parse_error, parse_payload_request, plan_message,
+                                     task_message, task_payload)
 from device_runtime.payload import PayloadMismatch, PayloadRef, decode_payload, encode_payload, payload_ref
 from device_runtime.payload_wait import ASK_AGAIN_S, MIN_ASK_S, PayloadWait
 from device_runtime.topics import frame_stream, payload_filter, payload_topic
 from device_runtime.transport import MqttEndpoint
 from server.engine.plan_payloads import REPUBLISH_MAX_S, REPUBLISH_MIN_S, PlanPayloads
 from tests.support.mqtt_peer import WAIT_S
-from tests.support.sealing import FRAME_LAYOUT, read
+from tests.support.sealing import FRAME_LAYOUT, read, resumed_server, seal_down
 from tests.support.waiting import wait_for
 from tests.support.device_agent import artifact_files, dense_task, deliver, make_agent, plan_for, tiny_shard
 
@@ -125,6 +126,23 @@ def test_a_payload_of_a_closed_round_is_not_published_again():
     assert payloads.requested(PayloadRef("cd" * 32, 10), now=10.0) is None  # never one of ours
 
 
+def test_payloads_no_version_in_use_names_are_forgotten_and_handed_back_to_delete():
+    payloads = PlanPayloads()
+    old, _ = payloads.get((1, "p"), tensors(1), now=0.0)
+    kept, _ = payloads.get((2, "p"), tensors(2), now=0.0)
+    assert payloads.keep_only({(2, "p")}) == [old]
+    assert payloads.requested(old, now=10.0) is None  # no longer published again
+    assert payloads.get((2, "p"), tensors(2), now=10.0) == (kept, None)  # still published: nothing to send
+
+
+def test_a_payload_two_versions_share_is_kept_while_either_is_in_use():
+    payloads = PlanPayloads()
+    ref, _ = payloads.get((1, "p"), tensors(1), now=0.0)
+    assert payloads.get((2, "p"), tensors(1), now=0.0) == (ref, None)  # an unchanged model: the same payload
+    assert payloads.keep_only({(2, "p")}) == []
+    assert payloads.requested(ref, now=10.0) is not None
+
+
 # -- the device: fetch, check, refuse, ask again -------------------------------------------------
 
 
@@ -208,12 +226,60 @@ def test_a_replayed_payload_of_the_last_round_is_refused_by_its_hash(world: Payl
     assert [u.round for u in world.sent(MessageType.UPDATE)] == [1, 2]
 
 
+def receipt(round_index: int):
+    return error_message(ErrorCode.RECEIVED, "counted", device_id="dev_t", run_id="run1", round_index=round_index)
+
+
+def test_a_reask_that_crossed_the_answer_sends_nothing_once_the_receipt_comes(world: PayloadWorld):
+    data, ref = world.task(1)
+    world.give(ref, data)
+    world.task(1)  # asked again before the server had the answer (a client-id takeover)
+    deliver(world.agent, receipt(1))
+    world.agent.tend_answer(world.agent.answer.sent_at + RECEIPT_WAIT_S)
+    assert len(world.sent(MessageType.UPDATE)) == 1
+
+
+def test_a_reask_whose_receipt_never_comes_gets_the_saved_answer_once(world: PayloadWorld):
+    data, ref = world.task(1)
+    world.give(ref, data)
+    world.task(1)
+    assert len(world.sent(MessageType.UPDATE)) == 1  # held for the receipt
+    world.agent.tend_answer(world.agent.answer.sent_at + RECEIPT_WAIT_S)
+    world.agent.tend_answer(world.agent.answer.sent_at + 2 * RECEIPT_WAIT_S)
+    assert [u.round for u in world.sent(MessageType.UPDATE)] == [1, 1]
+
+
+def reask_from_a_resumed_server(world: PayloadWorld, ref: PayloadRef) -> None:
+    """The round-1 task again, from the server killed and resumed at once (its next process start)."""
+    msg = task_message(dense_task(world.model, 1), plan_hash=world.artifacts.hash, device_id="dev_t", run_id="run1",
+                       payload=ref)
+    world.agent.handle(world.agent.topics.down, seal_down(msg, counters=resumed_server()))
+
+
+def test_a_resumed_server_asking_within_the_wait_gets_the_answer_its_killed_predecessor_counted(world: PayloadWorld):
+    """The killed process's receipt came; the resumed one asks within RECEIPT_WAIT_S: it counted nothing, so the saved
+    answer goes again at once (tests/mqtt/test_faults.py's server killed mid-round)."""
+    data, ref = world.task(1)
+    world.give(ref, data)
+    deliver(world.agent, receipt(1))
+    reask_from_a_resumed_server(world, ref)
+    assert [u.round for u in world.sent(MessageType.UPDATE)] == [1, 1]
+
+
+def test_a_resumed_server_asking_within_the_wait_is_not_held_for_a_receipt(world: PayloadWorld):
+    data, ref = world.task(1)
+    world.give(ref, data)
+    reask_from_a_resumed_server(world, ref)
+    assert [u.round for u in world.sent(MessageType.UPDATE)] == [1, 1]
+
+
 def test_a_task_sent_again_costs_no_payload(world: PayloadWorld):
     data, ref = world.task(1)
     world.give(ref, data)
     task = dense_task(world.model, 1)
     deliver(world.agent, task_message(task, plan_hash=world.artifacts.hash, device_id="dev_t", run_id="run1",
                                       payload=ref))
+    world.agent.tend_answer(world.agent.answer.sent_at + RECEIPT_WAIT_S)  # no receipt came
     assert len(world.sent(MessageType.UPDATE)) == 2 and world.endpoint.followed == []  # the saved answer again
 
 

@@ -26,11 +26,19 @@ def encode(msg: Message) -> bytes:
     return encode_with_key(msg, key=KEY)
 
 
-def seal_down(msg: Message, key: bytes = KEY, session: str | None = SESSION) -> bytes:
-    """``msg`` as the server would send it to a device of ``session`` (None: bound to none)."""
+def seal_down(msg: Message, key: bytes = KEY, session: str | None = SESSION,
+              counters: CounterSource = _COUNTERS) -> bytes:
+    """``msg`` as the server would send it to a device of ``session`` (None: bound to none); ``counters``: those of
+    the server process start that sends it (default: the one these tests stand for)."""
     if session is not None:
         msg = replace(msg, meta={**msg.meta, SESSION_KEY: session})
-    return seal(msg, key, Direction.DOWN, _COUNTERS.next())
+    return seal(msg, key, Direction.DOWN, counters.next())
+
+
+def resumed_server() -> CounterSource:
+    """The counters of the server process started after the one seal_down stands for (killed and resumed): its next
+    epoch. A device that took a message from it refuses the earlier process's later ones as replays."""
+    return CounterSource(_COUNTERS.epoch + 1)
 
 
 def seal_up(msg: Message, key: bytes = KEY) -> bytes:

@@ -465,6 +465,12 @@ def test_server_subscribes_to_every_devices_up_status_and_update():
     assert server_subscriptions("fedara") == ["fedara/dev/+/up", "fedara/dev/+/status", "fedara/dev/+/update"]
 
 
+def test_server_given_its_devices_subscribes_to_their_topics_only():
+    assert server_subscriptions("fedara", ["dev_001", "dev_002"]) == [
+        "fedara/dev/dev_001/up", "fedara/dev/dev_001/status", "fedara/dev/dev_001/update",
+        "fedara/dev/dev_002/up", "fedara/dev/dev_002/status", "fedara/dev/dev_002/update"]
+
+
 def test_an_update_routed_to_an_aggregator_goes_one_level_below_the_update_topic():
     topics = Topics("fedara", "dev_001")
     assert (topics.update_via(None), topics.update_via("agg-1")) == ("fedara/dev/dev_001/update",

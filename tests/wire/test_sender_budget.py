@@ -11,8 +11,8 @@ import pytest
 from device_runtime.auth import KeyRing
 from device_runtime.envelope import Message, MessageType, tagged_counter
 from device_runtime.framing import FRAME_HEADER_BYTES, NotAdmitted, Reassembler, chunk
-from device_runtime.topics import Topics
-from server.mqtt.admission import aggregator_admission, server_admission
+from device_runtime.topics import Topics, server_subscriptions
+from server.mqtt.admission import SUBSCRIBED_IDS_MAX, aggregator_admission, server_admission, server_filters
 from tests.support.sealing import KEY, seal_up
 
 FRAME_1K = FRAME_HEADER_BYTES + 1000
@@ -137,6 +137,18 @@ def test_the_server_admits_enrolled_devices_and_the_runs_aggregators_only():
     assert admit("fedara/agg/agg-0/up") == ("aggregator", "agg-0")
     assert admit("fedara/agg/agg-9/up") is None
     assert admit("elsewhere/dev/dev_001/up") is None
+
+
+def test_a_server_of_a_closed_enrollment_subscribes_to_its_devices_topics_only():
+    """The broker then forwards no frame published under another id: an unenrolled flood never reaches the server."""
+    assert server_filters("fedara", KeyRing({"dev_001": KEY, "dev_002": KEY})) == server_subscriptions(
+        "fedara", ["dev_001", "dev_002"])
+
+
+def test_a_server_of_an_open_enrollment_or_of_too_many_devices_subscribes_to_every_devices_topics():
+    many = KeyRing({f"dev_{i:05d}": KEY for i in range(SUBSCRIBED_IDS_MAX + 1)})
+    for keys in (KeyRing({"dev_001": KEY}, shared_key=KEY), many):
+        assert server_filters("fedara", keys) == server_subscriptions("fedara")
 
 
 def test_the_server_vouches_for_a_message_sealed_under_the_devices_key_only():

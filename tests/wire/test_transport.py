@@ -8,11 +8,16 @@ import random
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import paho.mqtt.client as mqtt
 import paho.mqtt.publish
 import pytest
+
+from paho.mqtt.enums import CallbackAPIVersion
 
 from device_runtime import transport
 from device_runtime.framing import chunk
@@ -192,6 +197,18 @@ def test_persistent_session_gets_messages_sent_while_it_was_offline(broker_url: 
     assert device.get(WAIT_S) == (DEV1.down, b"queued task")
 
 
+def test_a_server_of_many_enrolled_devices_is_ready_once_every_packet_of_their_filters_is_granted(broker_url: str,
+                                                                                                  connect) -> None:
+    """Three filters a device, SUBSCRIBE_BATCH a packet: ready only once the last packet's are granted (a frame on the
+    last filter arrives), and a frame under an id outside them is never forwarded."""
+    ids = [f"dev_{i:03d}" for i in range(transport.SUBSCRIBE_BATCH)]  # 384 filters: 3 packets
+    server = connect("server", broker_url, subscriptions=server_subscriptions(PREFIX, ids))
+    device = connect("dev1", broker_url)
+    device.publish(Topics(PREFIX, "dev_999").update, b"from an id not enrolled", "update-0", wait=True)
+    device.publish(Topics(PREFIX, ids[-1]).update, b"from the last one", "update-1", wait=True)
+    assert server.get(WAIT_S) == (Topics(PREFIX, ids[-1]).update, b"from the last one") and server.get(0) is None
+
+
 def test_a_filter_dropped_from_the_subscriptions_is_unsubscribed_from_the_persistent_session(broker_url: str,
                                                                                          connect) -> None:
     """A server restarted with other filters (say, with aggregators reading the updates) under the same client id
@@ -262,6 +279,40 @@ def test_a_followed_filter_is_granted_only_once_the_broker_acknowledged_it_on_th
     assert device.granted_at(DEV1.update) > first
     device.unfollow(DEV1.update)
     assert device.granted_at(DEV1.update) is None
+
+
+@pytest.mark.parametrize("mqtt5", [False, True])
+def test_a_qos0_flood_that_keeps_the_reader_busy_holds_back_no_acknowledgement(mosquitto_broker, connect,
+                                                                               mqtt5: bool) -> None:
+    """A flood faster than the endpoint reads keeps its read buffer full; the PUBACKs it owes (and anything it
+    publishes) still go out between reads: mosquitto sends a 3.1.1 client at most 20 unacknowledged QoS 1 frames, so a
+    message of 60 frames arrives only if they do (it waited for the keepalive's disconnect, 45 s, before). An MQTT 5
+    endpoint announces a Receive Maximum of 65,535 (transport.RECEIVE_MAXIMUM) instead of being held to those 20."""
+    server = connect("server", mosquitto_broker.url, subscriptions=[DEV1.up, DEV2.up], max_frame_bytes=SMALL_FRAME,
+                     mqtt5=mqtt5)
+    device = connect("dev1", mosquitto_broker.url, max_frame_bytes=SMALL_FRAME)
+    flooder = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="flooder", protocol=mqtt.MQTTv311)
+    flooder.connect("127.0.0.1", mosquitto_broker.port)
+    flooder.loop_start()
+    stop = threading.Event()
+
+    def flood() -> None:
+        while not stop.is_set():
+            for _ in range(100):
+                flooder.publish(DEV2.up, b"junk, not a frame", qos=0)
+            time.sleep(0.001)
+
+    worker = threading.Thread(target=flood, daemon=True)
+    worker.start()
+    try:
+        wait_for(lambda: server.stats["frames_rejected"] > 1000, WAIT_S, "the flood reaching the server")
+        payload = random.Random(2).randbytes(60 * (SMALL_FRAME - 512))
+        device.publish(DEV1.up, payload, "big-1", wait=True)
+        assert server.get(WAIT_S) == (DEV1.up, payload)
+    finally:
+        stop.set()
+        worker.join(WAIT_S)
+        flooder.loop_stop()
 
 
 def test_invalid_frame_is_dropped_logged_and_counted(mosquitto_broker, connect, caplog) -> None:
@@ -461,3 +512,16 @@ def test_with_backpressure_the_queue_never_holds_more_than_its_budget_and_loses_
     taken = [server.get(WAIT_S) for _ in sent]
     assert taken == [(DEV1.up, p) for p in sent]
     assert server.stats["inbox_peak_bytes"] == budget and server.stats["messages_dropped"] == 0
+
+
+@pytest.mark.parametrize("mqtt5", [False, True], ids=["mqtt311", "mqtt5"])
+def test_a_burst_of_small_qos1_frames_arrives_whole_and_in_order(mosquitto_broker, connect, mqtt5: bool) -> None:
+    """The endpoint reads its socket in blocks and acknowledges each PUBLISH on its own loop's next turn
+    (transport._Client): every frame of a burst far beyond the broker's in-flight window (20) arrives, in order, so
+    every acknowledgement went out."""
+    server = connect("server", mosquitto_broker.url, subscriptions=[DEV1.up], mqtt5=mqtt5)
+    device = connect("dev1", mosquitto_broker.url, mqtt5=mqtt5)
+    sent = [f"frame {i}".encode() for i in range(2000)]
+    for i, payload in enumerate(sent):
+        device.publish(DEV1.up, payload, f"up-{i}")
+    assert [server.get(WAIT_S) for _ in sent] == [(DEV1.up, p) for p in sent]
