@@ -34,20 +34,27 @@ def token_dataset(path: Path) -> str:
     return f"npz:{path}"
 
 
-@pytest.mark.slow
-def test_an_example_model_federates_over_mqtt_on_three_tiers_measured_on_its_first_run(tmp_path, monkeypatch):
+def federate(tmp_path: Path, monkeypatch, example: str, dataset: str, *flags: str) -> tuple[int, Path]:
+    """``python -m server.broker_loop`` on examples/EXAMPLE.py with three local devices on TIERS, its tiers measured
+    into a fresh user cache: the exit status and the run's folder."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
     cost_model._shipped.cache_clear()
     overrides = tmp_path / "tiers.json"
     overrides.write_text(json.dumps(TIERS))
     out = tmp_path / "run"
     status = broker_loop.main([
-        "--model", str(REPO_ROOT / "examples" / "tiny_transformer.py") + ":build", "--dataset", "digits",
+        "--model", str(REPO_ROOT / "examples" / f"{example}.py") + ":build", "--dataset", dataset,
         "--max-samples", "600", "--local-devices", "3", "--rounds", str(ROUNDS), "--local-epochs", "1",
-        "--rank-tiers", "1,0.5,0.25", "--rank-overrides", str(overrides), "--local-memory-mb", "512",
-        "--join-timeout", "600", "--round-deadline", "300", "--cache-dir", str(tmp_path / "artifacts"),
-        "--out", str(out)])
+        "--rank-tiers", "1,0.5,0.25", "--rank-overrides", str(overrides), "--round-deadline", "300",
+        "--cache-dir", str(tmp_path / "artifacts"), "--out", str(out), *flags])
     cost_model._shipped.cache_clear()
+    return status, out
+
+
+@pytest.mark.slow
+def test_an_example_model_federates_over_mqtt_on_three_tiers_measured_on_its_first_run(tmp_path, monkeypatch):
+    status, out = federate(tmp_path, monkeypatch, "tiny_transformer", "digits", "--local-memory-mb", "512",
+                           "--join-timeout", "600")
     assert status == 0
     records = [r for r in read_metrics(out / METRICS_FILE) if r.get("accuracy") is not None]
     assert len(records) == ROUNDS
@@ -66,19 +73,9 @@ def test_an_example_model_federates_over_mqtt_on_three_tiers_measured_on_its_fir
 @pytest.mark.parametrize("example", ["dscnn", "resnet8", "token_classifier"])
 def test_an_example_models_devices_in_memory_cgroups_are_charged_less_than_the_need_of_their_tier(
         example, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
-    cost_model._shipped.cache_clear()
-    overrides = tmp_path / "tiers.json"
-    overrides.write_text(json.dumps(TIERS))
     dataset = token_dataset(tmp_path / "tokens.npz") if example == "token_classifier" else "digits"
-    out = tmp_path / "run"
-    status = broker_loop.main([
-        "--model", str(REPO_ROOT / "examples" / f"{example}.py") + ":build", "--dataset", dataset,
-        "--max-samples", "600", "--local-devices", "3", "--rounds", str(ROUNDS), "--local-epochs", "1",
-        "--rank-tiers", "1,0.5,0.25", "--rank-overrides", str(overrides), "--local-memory-limit-mb", "400",
-        "--join-timeout", "900", "--round-deadline", "300", "--cache-dir", str(tmp_path / "artifacts"),
-        "--out", str(out)])
-    cost_model._shipped.cache_clear()
+    status, out = federate(tmp_path, monkeypatch, example, dataset, "--local-memory-limit-mb", "400",
+                           "--join-timeout", "900")
     assert status == 0
     assert len([r for r in read_metrics(out / METRICS_FILE) if r.get("accuracy") is not None]) == ROUNDS
     log = (out / "server.log").read_text()
