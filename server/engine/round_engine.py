@@ -709,7 +709,7 @@ class RoundEngine:
         """JSON-able state (the global model is saved beside it as tensors; an open round is not kept)."""
         return {"registry": self.coordinator.to_state(), "records": self.records,
                 "pending": None if self._pending is None else self._pending.to_state(), "demoted": self.demoted,
-                "privacy": None if self.dp is None else self.dp.to_state()}
+                "privacy": None if self.dp is None else self.dp.to_state(), "kinds": self.kinds}
 
     def state_tensors(self) -> dict[str, np.ndarray]:
         """Tensors of the engine's state saved beside the global model (none in sync mode: an open round is not
@@ -722,6 +722,7 @@ class RoundEngine:
         self.records = state["records"]
         self._pending = None if state["pending"] is None else TrainingRecord.from_state(state["pending"])
         self.demoted = dict(state.get("demoted", {}))
+        self.kinds = dict(state.get("kinds", {}))  # a checkpoint of an earlier version: every device portable
         if self.dp is not None and state.get("privacy") is not None:  # the budget spent goes on being spent
             self.dp.restore(state["privacy"])
         if self.dense_shapes:

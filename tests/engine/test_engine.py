@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+from device_runtime.artifact_contract import TRAINING_KIND
 from device_runtime.messages import update_message
 from device_runtime.task import Phase, Update
 from server.engine.round_engine import MAX_PLAN_RESENDS
@@ -281,3 +282,23 @@ def test_the_new_model_is_bit_identical_whatever_order_the_updates_arrive_in():
 
     (a, loss_a), (b, loss_b) = run(["dev_000", "dev_001", "dev_002"]), run(["dev_002", "dev_000", "dev_001"])
     assert all(torch.equal(a[k], b[k]) for k in a) and loss_a == loss_b
+
+
+def test_a_resumed_engine_plans_a_device_for_the_runtime_it_joined_with():
+    """A checkpoint keeps each device's runtime: the resumed server's first task names a plan of the kind the device
+    runs (not the portable kind's, which a training-runtime device answers with 'unknown plan' and a new JOIN)."""
+    engine = make_engine()
+    join(engine, "dev_000", runtime=TRAINING_KIND)
+    resumed = make_engine()
+    resumed.restore(copy.deepcopy(engine.to_state()), {k: v.numpy() for k, v in engine.global_state.items()})
+    asked = []
+    book = resumed.plans
+
+    class Recording:
+        def get(self, ratio, kind, model):
+            asked.append(kind)
+            return book.get(ratio, kind, model)
+
+    resumed.plans = Recording()
+    resumed.plan_info("dev_000")
+    assert asked == [TRAINING_KIND]

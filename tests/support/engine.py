@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.messages import Join, ShardInfo, update_message
 from device_runtime.profile import ResourceProfile
 from device_runtime.task import Update
@@ -34,8 +35,9 @@ def make_engine(algo: str = "fedara", *, tiers=(1.0,), predictor=None, min_compl
                        predictor=predictor, remote=remote, privacy=privacy)
 
 
-def join(engine: RoundEngine, device_id: str, num_train: int = 50, budget: float | None = None):
-    profile = ResourceProfile(budget, 1, 1, "x86_64", "Linux", None, 1.0)
+def join(engine: RoundEngine, device_id: str, num_train: int = 50, budget: float | None = None,
+         runtime: str = PORTABLE_KIND):
+    profile = ResourceProfile(budget, 1, 1, "x86_64", "Linux", None, 1.0, runtime=runtime)
     admission = engine.join(device_id, Join(profile, ShardInfo(num_train, 10, SHAPE, CLASSES), ()))
     assert admission.refusal is None
     assert engine.acknowledge(device_id, admission.plan.plan_hash) is None
