@@ -121,8 +121,9 @@ class EmbeddedBroker:
         try:
             await self._broker.external_connected(StreamReaderAdapter(reader), StreamWriterAdapter(writer),
                                                   _LISTENER)
-        except ConnectionResetError:  # the client hung up first (an MQTT 5 probe amqtt refused: speaks_mqtt5)
-            LOG.debug("embedded broker: a client closed its connection before amqtt answered it")
+        except OSError as exc:  # the client hung up first (an MQTT 5 probe amqtt refused: speaks_mqtt5): reset, or
+            # not connected any more when amqtt shuts its side (errno 107), as the timing falls
+            LOG.debug("embedded broker: a client closed its connection before amqtt answered it (%s)", exc)
         finally:
             self._writers.discard(writer)
 
