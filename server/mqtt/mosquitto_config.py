@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from device_runtime.topics import PAYLOAD_LEVEL, Topics, server_subscriptions, update_filter
-from device_runtime.transport import OUTBOUND_WINDOW
+from device_runtime.transport import OUTBOUND_WINDOW, PACKET_HEADROOM_BYTES
 
 PBKDF2_ITERATIONS = 1000
 PBKDF2_SALT_BYTES = 12
 MOSQUITTO_HASH_ID = "7"
-PACKET_HEADROOM_BYTES = 64 * 1024
 MAX_QUEUED_MESSAGES = 10_000
 PASSWD_FILENAME = "passwd"
 ACL_FILENAME = "acl"

@@ -20,9 +20,9 @@ import paho.mqtt.publish
 import pytest
 
 from device_runtime.__main__ import PASSWORD_ENV
-from device_runtime.transport import BrokerRefusedError, MqttEndpoint
+from device_runtime.transport import PACKET_HEADROOM_BYTES, BrokerRefusedError, MqttEndpoint
 from server import broker_loop
-from server.mqtt.mosquitto_config import PACKET_HEADROOM_BYTES, parse_passwords
+from server.mqtt.mosquitto_config import parse_passwords
 from server.outputs.report import METRICS_FILE, read_metrics
 from tests.support.broker import MOSQUITTO_BIN, MosquittoProcess, free_loopback_port
 from tests.support.machine import missing_binary, missing_root, needs, require
