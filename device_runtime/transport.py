@@ -68,7 +68,8 @@ the frames admitted for no sender (``framing.NotAdmitted``), dropped at the fram
 UNADMITTED_LOG_EVERY."""
 PACKET_HEADROOM_BYTES = 64 * 1024
 """What an MQTT packet may carry beyond its frame (fixed header, topic, packet id, properties): the Maximum Packet Size
-an MQTT 5 endpoint announces is its frame size plus this (server/mqtt/mosquitto_config.py caps packets the same)."""
+an MQTT 5 endpoint announces is its frame size plus this, and server/mqtt/mosquitto_config.py caps the broker's packets
+at the same."""
 SESSION_NEVER_EXPIRES = 0xFFFFFFFF
 """MQTT 5's Session Expiry Interval for a persistent session: kept as long as 3.1.1's clean_session=False keeps it."""
 OUTBOUND_WINDOW = 1000
@@ -319,7 +320,7 @@ class MqttEndpoint:
         else:
             client = _Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, clean_session=clean_session,
                              protocol=mqtt.MQTTv311)
-        self._set_credentials(client)
+        _set_credentials(client, self.url, *self._credentials)
         if self.url.tls:
             client.tls_set(ca_certs=_path_or_none(tls_ca), certfile=_path_or_none(tls_cert),
                            keyfile=_path_or_none(tls_key))
@@ -344,14 +345,6 @@ class MqttEndpoint:
         properties.SessionExpiryInterval = 0 if self._clean_session else SESSION_NEVER_EXPIRES
         return properties
 
-    def _set_credentials(self, client: mqtt.Client) -> None:
-        """The arguments' credentials, else the current broker URL's."""
-        username, password = self._credentials
-        username = username if username is not None else self.url.username
-        password = password if password is not None else self.url.password
-        if username is not None:
-            client.username_pw_set(username, password)
-
     def _next_broker(self, client: mqtt.Client) -> None:
         """Aim the next (re)connect attempt at the next broker of the list (the network thread's backoff stays)."""
         if len(self.brokers) == 1:
@@ -360,7 +353,7 @@ class MqttEndpoint:
         # paho's host/port setters refuse while its state is "connection lost"; its reconnect reads these two
         # (paho-mqtt 2.x; tests/wire/test_transport.py's failover tests would catch a rename)
         client._host, client._port = self.url.host, self.url.port  # noqa: SLF001
-        self._set_credentials(client)
+        _set_credentials(client, self.url, *self._credentials)
         LOG.info("%s: next attempt on %s", self.client_id, self.url)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -729,6 +722,14 @@ def _set_tcp_nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def _set_credentials(client: mqtt.Client, url: BrokerURL, username: str | None, password: str | None) -> None:
+    """The given credentials, else the broker URL's."""
+    username = username if username is not None else url.username
+    password = password if password is not None else url.password
+    if username is not None:
+        client.username_pw_set(username, password)
+
+
 def _path_or_none(path: str | os.PathLike[str] | None) -> str | None:
     return None if path is None else os.fspath(path)
 
@@ -743,9 +744,7 @@ def speaks_mqtt5(broker_url: str, *, username: str | None = None, password: str 
     answered, accepted = threading.Event(), []
     client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fedara-probe-{uuid.uuid4().hex[:12]}",
                          protocol=mqtt.MQTTv5)
-    username = username if username is not None else url.username
-    if username is not None:
-        client.username_pw_set(username, password if password is not None else url.password)
+    _set_credentials(client, url, username, password)
     if url.tls:
         client.tls_set(ca_certs=_path_or_none(tls_ca), certfile=_path_or_none(tls_cert), keyfile=_path_or_none(tls_key))
 
