@@ -35,7 +35,6 @@ from server.engine.round_engine import RoundEngine
 from server.engine.round_record import RoundBook, TrainingRecord, tier_label
 from server.engine.sampling import batch_seed, factorize_per_plan, plan_key, to_torch
 from server.engine.update_rule import Answer, Asked, body_problem
-from server.engine.evaluation import EVAL_DIRECTION
 
 LOG = logging.getLogger("fedara.async")
 BUFFER_FULL = "buffer full"
@@ -172,7 +171,7 @@ class AsyncEngine(RoundEngine):
         config = self.config
         fit = self.algorithm.configure_fit(flight.base + 1, bool(plan.resolved.ranks))
         if count and self.payloads is None:  # else booked once per publish of its payload (``payload``)
-            self._book_sent(device_id, tensor_bytes(weights), training=True)
+            self._book_down(plan, True, tensor_bytes(weights))
         return Task(round=flight.task, weights=weights, lam=fit.lam, mu=fit.mu, lr=config.lr, phases=fit.phases,
                     batch_size=config.batch_size, seed=batch_seed(config.seed, flight.task, device_id),
                     returns=fit.returns, version=flight.base)
@@ -187,17 +186,10 @@ class AsyncEngine(RoundEngine):
             self._evaluating[device_id] = (number, self.version)
             weights = self._sent_weights(device_id, self.version)
             if self.payloads is None:  # else booked once per publish of its payload (``payload``)
-                self._book_sent(device_id, tensor_bytes(weights), training=False)
+                self._book_down(self.plan_info(device_id), False, tensor_bytes(weights))
             tasks[device_id] = Task(round=number, weights=weights, lam=0.0, mu=0.0, lr=self.config.lr, phases=(),
                                     batch_size=self.config.batch_size, seed=0, returns="none", version=self.version)
         return tasks
-
-    def _book_sent(self, device_id: str, nbytes: int, *, training: bool) -> None:
-        if training:
-            self._book.bytes_down += nbytes
-        else:
-            self._book.bytes_down_eval += nbytes
-        self._book.count(tier_label(self.plan_info(device_id).ratio), "down" if training else EVAL_DIRECTION, nbytes)
 
     # -- payloads (shared_payloads: a task names its version's payload, published once per version and plan) --------
 
@@ -207,7 +199,7 @@ class AsyncEngine(RoundEngine):
         once per publish again). A task sent again names the same payload: it costs a TASK, not the model."""
         ref, data = self.payloads.get(self._payload_key(device_id, task.version), task.weights, now)
         if data is not None:
-            self._book_sent(device_id, len(data), training=not task.evaluate_only)
+            self._book_down(self.plan_info(device_id), not task.evaluate_only, len(data))
         return ref, data
 
     def payload_wanted(self, device_id: str, ref: PayloadRef, now: float) -> bytes | None:
@@ -219,7 +211,7 @@ class AsyncEngine(RoundEngine):
             if self.payloads.ref_of(self._payload_key(device_id, version)) == ref:
                 data = self.payloads.requested(ref, now)
                 if data is not None:
-                    self._book_sent(device_id, len(data), training=training)
+                    self._book_down(self.plan_info(device_id), training, len(data))
                 return data
         return None
 
