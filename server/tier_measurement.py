@@ -26,6 +26,7 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+import torch
 
 from device_runtime.artifact_contract import PORTABLE_KIND
 from device_runtime.shard import Shard, save_shard
@@ -34,7 +35,7 @@ from export.fingerprint import fingerprint
 from export.step_compiler import ParityError, compiler_versions
 from fedcore.lowrank import resolve_plan
 from fedcore.models import ARCHITECTURES, SplitModel, rank_plan
-from fedcore.tokens import token_vocabulary
+from fedcore.tokens import random_samples, token_vocabulary
 from server.engine.cost_model import MIB, add_measured, has_measurements
 from server.mqtt import cgroups
 
@@ -113,17 +114,14 @@ def measure_tier(model: SplitModel, ratio: float, input_shape: tuple[int, ...], 
     directory = _portable(model, ratio, input_shape, cache_dir)
     with tempfile.TemporaryDirectory(prefix="fedara-measure-") as folder:
         shard = Path(folder) / "shard.npz"
-        rng, vocabulary = np.random.default_rng(0), token_vocabulary(model)
+        generator, vocabulary = torch.Generator().manual_seed(0), token_vocabulary(model)
         classes = model.num_classes
 
-        def samples(n: int) -> np.ndarray:  # token ids for a model that embeds them (fedcore/tokens.py)
-            if vocabulary is None:
-                return rng.standard_normal((n, *input_shape), dtype=np.float32)
-            return rng.integers(0, vocabulary, (n, *input_shape)).astype(np.float32)
+        def split(n: int) -> tuple[np.ndarray, np.ndarray]:  # token ids for a model that embeds them
+            return (random_samples(tuple(input_shape), n, generator, vocabulary).numpy(),
+                    np.arange(n, dtype=np.int64) % classes)
 
-        labels = {n: np.arange(n, dtype=np.int64) % classes for n in (MEASURE_TRAIN_SAMPLES, MEASURE_TEST_SAMPLES)}
-        save_shard(shard, Shard(samples(MEASURE_TRAIN_SAMPLES), labels[MEASURE_TRAIN_SAMPLES],
-                                samples(MEASURE_TEST_SAMPLES), labels[MEASURE_TEST_SAMPLES], classes))
+        save_shard(shard, Shard(*split(MEASURE_TRAIN_SAMPLES), *split(MEASURE_TEST_SAMPLES), classes))
         try:
             result = bench.run_worker("ort-memory", dict(
                 label=f"{model.name} at {ratio:g}", portable=True, artifacts=str(directory),
