@@ -27,7 +27,7 @@ from device_runtime.messages import MessageError, new_msg_id
 from device_runtime.protocol import is_id
 from device_runtime.secagg_client import MASK_KEY, SELF_SEED, AdvertisedKeys
 from device_runtime.secagg_crypto import KEY_BYTES, NONCE_BYTES
-from device_runtime.secagg_shamir import SHARE_BYTES
+from device_runtime.secagg_shamir import SHARE_BYTES, share_to_bytes
 
 KEYS, SHARES, UNMASK = "keys", "shares", "unmask"
 PHASES = (KEYS, SHARES, UNMASK)
@@ -143,7 +143,7 @@ def unmasking_message(reveals: Mapping[str, tuple[str, int]], *, device_id: str,
                       round_index: int) -> Message:
     """A survivor's unmasking shares: per neighbour that shared, (what it opens, the share)."""
     return _message(UNMASK, device_id, run_id, round_index,
-                    {v: share.to_bytes(SHARE_BYTES, "big") for v, (_, share) in sorted(reveals.items())},
+                    {v: share_to_bytes(share) for v, (_, share) in sorted(reveals.items())},
                     kinds={v: kind for v, (kind, _) in sorted(reveals.items())})
 
 
