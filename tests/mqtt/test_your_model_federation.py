@@ -5,7 +5,6 @@ charged no more than the need their tier was chosen by. Slow: the measuring and 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +15,12 @@ from server.engine import cost_model
 from server.mqtt.cgroups import available
 from server.outputs.report import METRICS_FILE, read_metrics
 from tests.support.machine import needs
+from tests.support.scripts import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIERS = {"dev_000": 1.0, "dev_001": 0.5, "dev_002": 0.25}
 ROUNDS = 2
-TIER_NEED = re.compile(r"(dev_\d+): tier ([\d.]+), predicted to need ([\d.]+) MiB")
-CGROUP_PEAK = re.compile(r"local device (dev_\d+): cgroup peak ([\d.]+) MiB under")
+bench = load_script("bench_model_mqtt")  # its reading of a run's server.log
 
 
 def token_dataset(path: Path) -> str:
@@ -78,8 +77,6 @@ def test_an_example_models_devices_in_memory_cgroups_are_charged_less_than_the_n
                            "--join-timeout", "900")
     assert status == 0
     assert len([r for r in read_metrics(out / METRICS_FILE) if r.get("accuracy") is not None]) == ROUNDS
-    log = (out / "server.log").read_text()
-    needs_mb = {device: (float(tier), float(need)) for device, tier, need in TIER_NEED.findall(log)}
-    peaks = {device: float(peak) for device, peak in CGROUP_PEAK.findall(log)}
-    assert {device: tier for device, (tier, _) in needs_mb.items()} == TIERS
-    assert set(peaks) == set(TIERS) and all(0 < peaks[d] < needs_mb[d][1] for d in TIERS)
+    devices = bench.device_lines((out / "server.log").read_text())  # each device's tier, need and cgroup peak
+    assert {device: seen.get("tier") for device, seen in devices.items()} == TIERS
+    assert all(0 < devices[d].get("peak_mb", 0) < devices[d]["need_mb"] for d in TIERS)
