@@ -75,7 +75,8 @@ def rows(devices: dict[str, dict[str, float]], floors: dict[float, dict[str, Any
     return out
 
 
-def tier_parity(spec: str, dataset: str, tiers: list[float], cache_dir: Path, seed: int) -> dict[float, float]:
+def tier_parity(spec: str, shape: tuple[int, ...], classes: int, tiers: list[float], cache_dir: Path,
+                seed: int) -> dict[float, float]:
     """Ratio -> the largest |onnxruntime - PyTorch| of the tier's cached step and eval graphs (the parity gate's
     check, at its two batch sizes)."""
     import onnx
@@ -85,10 +86,7 @@ def tier_parity(spec: str, dataset: str, tiers: list[float], cache_dir: Path, se
     from export.step_compiler import check_parity
     from fedcore.lowrank import factorize_model, resolve_plan
     from fedcore.models import build_model, rank_plan
-    from server.data.datasets import load_dataset
 
-    data = load_dataset(dataset)
-    shape, classes = tuple(data.input_shape), data.num_classes
     files = ARTIFACT_FILES_BY_KIND[PORTABLE_KIND]
     worst = {}
     for ratio in tiers:
@@ -102,15 +100,12 @@ def tier_parity(spec: str, dataset: str, tiers: list[float], cache_dir: Path, se
     return worst
 
 
-def cost_key(spec: str, dataset: str, seed: int) -> tuple[str, tuple[int, ...]]:
-    """The cost model's name for ``spec`` on ``dataset``'s samples (``server.tier_measurement.measured_key``)."""
+def cost_key(spec: str, shape: tuple[int, ...], classes: int, seed: int) -> str:
+    """The cost model's name for ``spec`` on samples of ``shape`` (``server.tier_measurement.measured_key``)."""
     from fedcore.models import build_model
-    from server.data.datasets import load_dataset
     from server.tier_measurement import measured_key
 
-    data = load_dataset(dataset)
-    shape = tuple(data.input_shape)
-    return measured_key(build_model(spec, shape, data.num_classes, seed=seed), shape), shape
+    return measured_key(build_model(spec, shape, classes, seed=seed), shape)
 
 
 def _mib(value: float | None) -> str:
@@ -156,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     args.model = absolute_spec(args.model)  # as the flag reads it: the artifacts' hash holds the spec
 
     from server.cli import DEFAULT_CACHE_DIR
+    from server.data.datasets import load_dataset
     from server.engine.cost_model import measured_path
     from server.outputs.report import METRICS_FILE, read_metrics
 
@@ -179,13 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         if (run_dir / METRICS_FILE).exists() else []
     devices = device_lines((run_dir / "server.log").read_text())
     tiers = sorted({d["tier"] for d in devices.values() if "tier" in d}, reverse=True)
-    key, shape = cost_key(args.model, args.dataset, args.seed)
-    parity = tier_parity(args.model, args.dataset, tiers, cache_dir, args.seed) if status == 0 else {}
+    data = load_dataset(args.dataset)
+    shape, classes = tuple(data.input_shape), data.num_classes
+    key = cost_key(args.model, shape, classes, args.seed)
+    parity = tier_parity(args.model, shape, classes, tiers, cache_dir, args.seed) if status == 0 else {}
+    measured = measured_floors(measured_path(), key, shape)
     result = dict(command=shlex.join(["python", *command[1:]]), status=status, wall_s=wall, rounds=args.rounds,
                   rounds_completed=len(records), accuracy=[r["accuracy"] for r in records],
                   final_accuracy=records[-1]["accuracy"] if records else None, cost_key=key, input_shape=shape,
-                  measured=measured_floors(measured_path(), key, shape), devices=rows(devices, measured_floors(
-                      measured_path(), key, shape), parity), load_average=os.getloadavg())
+                  measured=measured, devices=rows(devices, measured, parity), load_average=os.getloadavg())
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "mqtt_" + Path(args.model.split(":")[0]).stem + ("_overrides" if args.rank_overrides else "_limits")
