@@ -1,6 +1,7 @@
 """A client-id takeover in ``--mode async`` on Debian's mosquitto (issue 44): real device processes, the takeover by
-a plain ``mosquitto_sub -i dev_001`` while dev_001 computes (its process stopped with SIGSTOP meanwhile, so it cannot
-take its id back at once), as in tests/mqtt/test_freshness.py.
+a plain ``mosquitto_sub -i dev_001`` while dev_001 computes (every device process stopped with SIGSTOP meanwhile, so
+dev_001 cannot take its id back at once and the other two cannot end the run without it), as in
+tests/mqtt/test_freshness.py.
 
 The server sends dev_001 its task in flight again when it comes back: a TASK naming its version's payload, never the
 model again, and every payload published is booked in ``bytes_down``. That re-ask crosses dev_001's answer (it was
@@ -23,14 +24,14 @@ from device_runtime.framing import frame_msg_id
 from device_runtime.topics import Topics
 from server.mqtt.enrollment import enroll, save_enrollment
 from tests.support.broker import attack_broker
-from tests.support.broker_capture import PREFIX, Capture, finish, record, wait_for_line
+from tests.support.broker_capture import PREFIX, Capture, finish, record
 from tests.support.machine import missing_binary, require
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-RUN = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "8", "--batch-size", "32", "--lr", "0.05",
+RUN = ["--dataset", "digits", "--max-samples", "600", "--local-epochs", "30", "--batch-size", "32", "--lr", "0.05",
        "--threads", "1", "--join-timeout", "300", "--round-deadline", "300", "--prefix", PREFIX, "--mode", "async",
        "--buffer-size", "2", "--concurrency", "3", "--rounds", "4", "--local-devices", "3", "--seed", "0"]
 SMALL_TASK_BYTES = 4096
@@ -44,6 +45,22 @@ class TakenOver:
     device_log: str
     records: list[dict]
     down_frames: list[bytes]
+
+
+def computing(device_log: Path) -> str | None:
+    """The task dev_001 fetched the payload of and has not finished training, from its log (None: none)."""
+    if not device_log.exists():
+        return None
+    text = device_log.read_text()
+    fetched = re.findall(r"round (\d+): payload \w+ fetched", text)
+    return fetched[-1] if fetched and f"round {fetched[-1]}: trained" not in text else None
+
+
+def device_processes(server_pid: int) -> dict[str, psutil.Process] | None:
+    """The server's three local device processes by device id, once all three run."""
+    found = {d: p for p in psutil.Process(server_pid).children() for d in ("dev_000", "dev_001", "dev_002")
+             if d in " ".join(p.cmdline())}
+    return found if len(found) == 3 else None
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +77,26 @@ def taken_over(tmp_path_factory: pytest.TempPathFactory, shared_artifact_cache: 
                                  "--enroll", str(enrollment)],
                                 cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines: list[str] = []
-        wait_for_line(proc, "version 1/", lines)
         device_log, server_log = out / "devices" / "dev_001.log", out / "server.log"
-        # a device spends most of its time computing (8 epochs a task): dev_001 is stopped with a task in hand
-        (device,) = [p for p in psutil.Process(proc.pid).children() if "dev_001" in " ".join(p.cmdline())]
-        device.suspend()
+        # every device is stopped while dev_001 computes a task (30 epochs: seconds), so dev_001 has a task in hand
+        # and the other two cannot finish the run while it is away, however fast they train
+        devices = wait_for(lambda: device_processes(proc.pid), WAIT_S, "the three device processes")
+        while True:
+            task = wait_for(lambda: computing(device_log), WAIT_S, "dev_001 to compute a task")
+            for device in devices.values():
+                device.suspend()
+            if computing(device_log) == task:
+                break
+            for device in devices.values():  # it finished the task before it stopped: catch the next one
+                device.resume()
         subprocess.run(["mosquitto_sub", "-h", "127.0.0.1", "-p", str(broker.port), "-i", "dev_001", "-t",
                         f"{PREFIX}/takeover", "-W", "2"], capture_output=True)
         wait_for(lambda: "dev_001 is offline" in server_log.read_text(), WAIT_S, "the server to see dev_001 offline")
-        device.resume()
+        devices["dev_001"].resume()
+        wait_for(lambda: "dev_001 is online" in server_log.read_text().partition("dev_001 is offline")[2], WAIT_S,
+                 "dev_001 to come back")
+        for device in devices.values():
+            device.resume()
         finish(proc, lines)
         stop.set()
         recorder.join(10)
