@@ -351,14 +351,19 @@ def curves_plan(config: BenchConfig) -> BenchPlan:
 
 
 BN_PERSONAL, BN_SHARED = "FedARA BN personal", "FedARA BN shared"
+MODEL_TIERS = ("1.0", "0.5", "0.25")
+"""The models study's rank tiers, round-robin by device id: the three tiers its MQTT runs train at."""
+TIERED = f"FedARA tiers {'/'.join(MODEL_TIERS)}, BN personal"
 
 
 def model_algorithms(model: str, lam: float) -> list[tuple[str, list[str]]]:
     """(label, simulate arguments) of the models study for one model (``--model`` spec): dense FedARA with the
-    BatchNorm statistics personal (FedBN) and shared (FedAvg-BN), FedAvg of the same model (everything shared,
-    the global model evaluated) and local training."""
+    BatchNorm statistics personal (FedBN) and shared (FedAvg-BN), FedARA at three rank tiers (personal
+    statistics), FedAvg of the same model (everything shared, the global model evaluated) and local training."""
     fedara = ["--algo", "fedara", "--model", model, "--rank-ratio", "1.0", "--lam", f"{lam:g}"]
+    tiered = ["--algo", "fedara", "--model", model, "--rank-tiers", ",".join(MODEL_TIERS), "--lam", f"{lam:g}"]
     return [(BN_PERSONAL, fedara + ["--bn-stats", "personal"]), (BN_SHARED, fedara + ["--bn-stats", "shared"]),
+            (TIERED, tiered + ["--bn-stats", "personal"]),
             ("FedAvg", ["--algo", "fedavg", "--model", model, "--bn-stats", "shared"]),
             ("Local", ["--algo", "local", "--model", model])]
 
@@ -370,8 +375,9 @@ def model_setting(model: str, partition: Partition) -> str:
 
 
 def models_plan(config: BenchConfig) -> BenchPlan:
-    """Per ``--model``: FedARA with BatchNorm statistics personal and shared against FedAvg and local training of
-    the same model, Dirichlet(α), the headline seeds; personal − shared decides ``--bn-stats``'s default."""
+    """Per ``--model``: FedARA with BatchNorm statistics personal and shared, and at three rank tiers, against
+    FedAvg and local training of the same model, Dirichlet(α), the headline seeds; personal − shared decides
+    ``--bn-stats``'s default, tiers − dense says what the tiers cost."""
     partition = Partition("dirichlet", config.alpha)
     plan = BenchPlan()
     for model in config.models:
@@ -382,7 +388,8 @@ def models_plan(config: BenchConfig) -> BenchPlan:
                            for label, extra in model_algorithms(model, config.lam)]
         plan.pairs += [Pair("models", setting, BN_PERSONAL, BN_SHARED), Pair("models", setting, BN_PERSONAL, "FedAvg"),
                        Pair("models", setting, BN_PERSONAL, "Local"), Pair("models", setting, BN_SHARED, "FedAvg"),
-                       Pair("models", setting, BN_SHARED, "Local")]
+                       Pair("models", setting, BN_SHARED, "Local"), Pair("models", setting, TIERED, BN_PERSONAL),
+                       Pair("models", setting, TIERED, "FedAvg"), Pair("models", setting, TIERED, "Local")]
     return plan
 
 

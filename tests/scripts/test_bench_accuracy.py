@@ -304,15 +304,17 @@ def test_device_cuda_without_a_gpu_is_an_error_naming_the_flag(bench, capsys, mo
     assert "--device cuda" in capsys.readouterr().err
 
 
-def test_the_models_study_pairs_bn_personal_shared_fedavg_and_local_of_each_model_by_seed(bench):
+def test_the_models_study_pairs_bn_personal_shared_tiers_fedavg_and_local_of_each_model_by_seed(bench):
     config = bench.BenchConfig(studies=("models",), seeds=(0, 1), models=("examples/dscnn.py:build",
                                                                           "examples/resnet8.py:build"))
     plan = bench.bench_plan(config)
     args = [parsed(s) for s in plan.specs]
-    assert {(Path(a["model"]).name, a["algo"], a["bn_stats"] if a["algo"] != "local" else None, a["seed"])
-            for a in args} == {
-        (m, algo, bn, seed) for m in ("dscnn.py:build", "resnet8.py:build") for seed in (0, 1)
-        for algo, bn in (("fedara", "personal"), ("fedara", "shared"), ("fedavg", "shared"), ("local", None))}
+    assert {(Path(a["model"]).name, a["algo"], a["bn_stats"] if a["algo"] != "local" else None,
+             a["rank_tiers"] if a["algo"] == "fedara" else None, a["seed"]) for a in args} == {
+        (m, algo, bn, tiers, seed) for m in ("dscnn.py:build", "resnet8.py:build") for seed in (0, 1)
+        for algo, bn, tiers in (("fedara", "personal", None), ("fedara", "shared", None),
+                                ("fedara", "personal", "1.0,0.5,0.25"), ("fedavg", "shared", None),
+                                ("local", None, None))}
     assert len({p.setting for p in plan.pairs}) == 2
     assert all(p.first.startswith("FedARA") for p in plan.pairs)
 
