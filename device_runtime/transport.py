@@ -552,6 +552,9 @@ class MqttEndpoint:
         # setter refuses on an open connection, and a lower bound only holds back the next sends)
         window = min(OUTBOUND_WINDOW, getattr(properties, "ReceiveMaximum", None) or OUTBOUND_WINDOW)
         client._max_inflight_messages = window  # noqa: SLF001
+        if window < OUTBOUND_WINDOW:
+            LOG.info("%s: the broker's Receive Maximum bounds this endpoint to %d unacknowledged messages (not %d)",
+                     self.client_id, window, OUTBOUND_WINDOW)
         self._nonce = self._armed_nonce
         self._arm_will(client)
         LOG.info("%s: connected to %s:%d", self.client_id, self.url.host, self.url.port)

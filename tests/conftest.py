@@ -20,7 +20,7 @@ import pytest
 from device_runtime.artifact_contract import KINDS
 from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES
 from device_runtime.log_budget import lift_flood_budget
-from device_runtime.transport import MqttEndpoint
+from device_runtime.transport import OUTBOUND_WINDOW, MqttEndpoint
 from server.mqtt.mosquitto_config import TlsFiles, write_mosquitto_conf
 from tests.support.artifact_cache import ARTIFACT_CLASSES, ARTIFACT_SHAPE, session_cache
 from tests.support.broker import MOSQUITTO_BIN, MosquittoProcess, free_loopback_port
@@ -109,7 +109,8 @@ def artifacts(request: pytest.FixtureRequest, shared_artifact_cache: Path) -> ob
 
 @pytest.fixture
 def start_mosquitto(tmp_path: Path) -> Iterator[Callable[..., MosquittoProcess]]:
-    """Factory: start_mosquitto(password_file=, acl_file=, tls=, persistence_dir=, max_frame_bytes=) -> broker.
+    """Factory: start_mosquitto(password_file=, acl_file=, tls=, persistence_dir=, max_frame_bytes=, max_inflight=)
+    -> broker.
 
     Needs mosquitto (``require``: a skip here, a failure under CI=true).
     """
@@ -119,11 +120,12 @@ def start_mosquitto(tmp_path: Path) -> Iterator[Callable[..., MosquittoProcess]]
 
     def start(*, password_file: Path | None = None, acl_file: Path | None = None, tls: TlsFiles | None = None,
               persistence_dir: Path | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-              ) -> MosquittoProcess:
+              max_inflight: int = OUTBOUND_WINDOW) -> MosquittoProcess:
         port = free_loopback_port()
         conf = write_mosquitto_conf(tmp_path / f"mosquitto-{port}.conf", port, max_frame_bytes,
                                     password_file=password_file, acl_file=acl_file, tls=tls,
-                                    persistence_dir=persistence_dir, run_as_user=run_as_user)
+                                    persistence_dir=persistence_dir, run_as_user=run_as_user,
+                                    max_inflight=max_inflight)
         broker = MosquittoProcess(conf, port, tmp_path / f"mosquitto-{port}.log",
                                   scheme="mqtts" if tls else "mqtt")
         brokers.append(broker)

@@ -113,7 +113,7 @@ def write_mosquitto_auth(directory: str | os.PathLike[str], server_user: str, se
 def mosquitto_conf_text(port: int, max_frame_bytes: int, *, persistence_dir: Path | None = None,
                         password_file: Path | None = None, acl_file: Path | None = None,
                         tls: TlsFiles | None = None, run_as_user: str | None = None,
-                        bind: str = "127.0.0.1") -> str:
+                        bind: str = "127.0.0.1", max_inflight: int = OUTBOUND_WINDOW) -> str:
     """mosquitto.conf for one listener on `bind`:`port` (0.0.0.0: every interface).
 
     The size limit is `max_packet_size` (mosquitto 2.0 notes that `message_size_limit` should be
@@ -122,7 +122,8 @@ def mosquitto_conf_text(port: int, max_frame_bytes: int, *, persistence_dir: Pat
     authentication), so at most 64 KiB more per frame gets through. Our clients never send
     such a packet: they check every frame before publishing (a rejected QoS 1 message would be
     re-sent by paho for ever). Anonymous access is allowed only when no password file is given.
-    Without `persistence_dir`, sessions live in memory and vanish when the broker stops.
+    Without `persistence_dir`, sessions live in memory and vanish when the broker stops. `max_inflight`: the
+    unacknowledged QoS 1 messages each way, announced to MQTT 5 clients as the broker's Receive Maximum.
     """
     if not 0 < port < 65536:
         raise ValueError(f"port must be in 1..65535, got {port}")
@@ -134,7 +135,7 @@ def mosquitto_conf_text(port: int, max_frame_bytes: int, *, persistence_dir: Pat
              f"allow_anonymous {'false' if password_file else 'true'}",
              f"max_packet_size {max_frame_bytes + PACKET_HEADROOM_BYTES}",
              f"max_queued_messages {MAX_QUEUED_MESSAGES}",
-             f"max_inflight_messages {OUTBOUND_WINDOW}",  # each way; MQTT 5 clients are told it (Receive Maximum)
+             f"max_inflight_messages {max_inflight}",
              "set_tcp_nodelay true",
              "log_dest stderr",
              "log_type error",
@@ -159,11 +160,12 @@ def mosquitto_conf_text(port: int, max_frame_bytes: int, *, persistence_dir: Pat
 def write_mosquitto_conf(path: str | os.PathLike[str], port: int, max_frame_bytes: int, *,
                          persistence_dir: Path | None = None, password_file: Path | None = None,
                          acl_file: Path | None = None, tls: TlsFiles | None = None,
-                         run_as_user: str | None = None, bind: str = "127.0.0.1") -> Path:
+                         run_as_user: str | None = None, bind: str = "127.0.0.1",
+                         max_inflight: int = OUTBOUND_WINDOW) -> Path:
     """Write `mosquitto_conf_text(...)` to `path` and return it."""
     text = mosquitto_conf_text(port, max_frame_bytes, persistence_dir=persistence_dir,
                                password_file=password_file, acl_file=acl_file, tls=tls,
-                               run_as_user=run_as_user, bind=bind)
+                               run_as_user=run_as_user, bind=bind, max_inflight=max_inflight)
     return _write_private(Path(path), text)
 
 

@@ -122,6 +122,20 @@ def test_a_lost_broker_moves_the_endpoint_to_the_next_of_the_list(start_mosquitt
     assert server.stats["reconnects"] == device.stats["reconnects"] == 1
 
 
+def test_an_mqtt5_broker_announcing_a_small_receive_maximum_holds_the_sender_to_it(start_mosquitto, connect,
+                                                                                   caplog) -> None:
+    """mosquitto tells MQTT 5 clients its max_inflight_messages as its Receive Maximum: an endpoint sends at most
+    that many unacknowledged messages (not its window of 1,000), says so, and a 40-frame message goes through."""
+    broker = start_mosquitto(max_inflight=4)
+    server = connect("server", broker.url, subscriptions=[DEV1.up], max_frame_bytes=SMALL_FRAME, mqtt5=True)
+    with caplog.at_level(logging.INFO, logger="fedara.transport"):
+        device = connect("dev1", broker.url, max_frame_bytes=SMALL_FRAME, mqtt5=True)
+    assert "dev1: the broker's Receive Maximum bounds this endpoint to 4 unacknowledged messages" in caplog.text
+    payload = random.Random(2).randbytes(40 * SMALL_FRAME)
+    device.publish(DEV1.up, payload, "up-through-a-small-window", wait=True)
+    assert server.get(WAIT_S) == (DEV1.up, payload)
+
+
 def test_an_unreachable_first_broker_is_skipped(start_mosquitto, connect) -> None:
     with socket_bound_but_not_listening() as dead_port:
         broker = start_mosquitto()
