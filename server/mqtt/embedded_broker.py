@@ -57,6 +57,25 @@ def broker_config() -> dict[str, Any]:
     }
 
 
+class Mqtt5ProbeRefusal(logging.Filter):
+    """amqtt 0.12 speaks MQTT 3.1.1 only, and warns twice about each MQTT 5 CONNECT it refuses ("Invalid connection
+    from ...", then "Failed to initialize client session: Invalid protocol from ...: 5"). Every endpoint's
+    ``speaks_mqtt5`` probe sends one, so those two are expected: logged at DEBUG. The reason line of any other
+    refused connection stays a warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("Invalid connection from") or (
+                message.startswith("Failed to initialize client session: Invalid protocol") and message.endswith(": 5")):
+            record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return True
+
+
+AMQTT_LOG = logging.getLogger("amqtt.broker")
+if not any(isinstance(f, Mqtt5ProbeRefusal) for f in AMQTT_LOG.filters):
+    AMQTT_LOG.addFilter(Mqtt5ProbeRefusal())
+
+
 class SubscriptionTable(dict):
     """amqtt's table of topic filter -> subscribers, iterated over a snapshot of its filters. amqtt 0.12 loops over
     the table with an ``await`` inside (sending a connecting session its retained messages, which may be a plan's
