@@ -6,7 +6,8 @@ One process. paho's network thread fills the endpoint's inbox; the main loop tak
 them, hands them to the round engine (``server.engine.round_engine``: every decision of the run lives there) and
 publishes what the engine answers: plans (artifact files only to devices that lack them), tasks, refusals.
 After every round it writes OUT/metrics.jsonl, metrics.csv and OUT/checkpoint.npz (``--resume`` continues
-from the last completed round); at the end OUT/report.md with its plots. Without ``--broker`` an embedded
+from the last completed round); at the end OUT/report.md with its plots. While it runs, OUT/spill holds the
+authenticated updates half-received past its reassembly memory budget (``SPILL_DIR``). Without ``--broker`` an embedded
 broker serves 127.0.0.1 on a free port. ``--local-devices N`` writes N shards of the dataset to OUT/shards
 and runs ``python -m device_runtime`` on each (workdirs and logs in OUT/devices), ended with SIGTERM at the
 end. ``--broker`` may list several nodes of a clustered broker (``mqtt://h1:1883,mqtt://h2:1883``): every process
