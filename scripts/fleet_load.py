@@ -492,7 +492,7 @@ def held_and_asked(log: Path) -> dict[int, dict[str, int]]:
             continue
         if words[-2:] == ["device(s)", "asked"] and words[-4] == "opened:":
             current = int(words[-5])
-        elif words[4] == "round" and "spill" in words and words[-2:] == ["pushed", "out"]:
+        elif words[4:5] == ["round"] and "spill" in words and words[-2:] == ["pushed", "out"]:
             record = rounds.setdefault(int(words[5].rstrip(":")), {"tasks_sent_again": 0})
             record.update(spilled=int(words[6]), pushed_out=int(words[-3]))
         elif current and ("sending its task again" in line or "re-sending the open round's task" in line):
