@@ -260,7 +260,8 @@ class Reassembler:
             raise ValueError(f"max_pending_bytes_per_sender must be an int in {max_message_bytes}..{budget}, got "
                              f"{sender_budget!r}: a message of the largest size must be able to complete")
         if not is_int(max_spill_bytes) or max_spill_bytes < 0 or (max_spill_bytes and spill is None):
-            raise ValueError(f"max_spill_bytes must be a non-negative int, and 0 without a spill, got {max_spill_bytes!r}")
+            raise ValueError(f"max_spill_bytes must be a non-negative int, and 0 without a spill, got "
+                             f"{max_spill_bytes!r}")
         self.max_message_bytes = max_message_bytes
         self.timeout_s = timeout_s
         self._spill, self.max_spill_bytes = spill, max_spill_bytes

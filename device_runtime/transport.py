@@ -63,10 +63,10 @@ StatusFrames = Callable[[bool, str], bytes]
 STAT_KEYS = ("frames_in", "frames_rejected", "frames_repeated", "frames_unadmitted", "messages_in", "messages_expired",
              "messages_evicted", "messages_spilled", "bytes_out", "bytes_in", "reconnects", "sessions_lost")
 """``sessions_lost`` counts the reconnects whose broker held no session of this client (CONNACK session present
-0): what was published to it while it was away is gone, where a kept session queued it. ``messages_spilled`` counts
-the incomplete messages moved to the reassembler's spill past its memory budget (``spill``). ``frames_unadmitted`` counts
-the frames admitted for no sender (``framing.NotAdmitted``), dropped at the frame, one log line per
-UNADMITTED_LOG_EVERY."""
+0): what was published to it while it was away is gone, where a kept session queued it. ``messages_spilled``
+counts the incomplete messages moved to the reassembler's spill past its memory budget (``spill``).
+``frames_unadmitted`` counts the frames admitted for no sender (``framing.NotAdmitted``), dropped at the frame, one
+log line per UNADMITTED_LOG_EVERY."""
 PACKET_HEADROOM_BYTES = 64 * 1024
 """What an MQTT packet may carry beyond its frame (fixed header, topic, packet id, properties): the Maximum Packet Size
 an MQTT 5 endpoint announces is its frame size plus this, and server/mqtt/mosquitto_config.py caps the broker's packets

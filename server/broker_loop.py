@@ -704,7 +704,7 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
     subscriptions += [wire.engine_filter(args.prefix)] if aggregators else []
     anything_a_server_held = [*server_subscriptions(args.prefix), wire.engine_filter(args.prefix)]
     admit, vouch = server_admission(args.prefix, keys, aggregators)  # frames of enrolled senders only, bounded each
-    spill = FileSpill(out.path / SPILL_DIR)  # authenticated updates half-received past the memory budget (removed after)
+    spill = FileSpill(out.path / SPILL_DIR)  # updates half-received past the memory budget (removed after the run)
     local, local_aggregators = LocalDevices(on_oom=engine.demote), LocalDevices("aggregator")
     with contextlib.ExitStack() as status_stack:  # the page outlives the broker and the devices by --status-linger
         status = None
