@@ -17,6 +17,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from device_runtime.protocol import MAX_ID_LEN, PROTOCOL_VERSION, ProtocolError, Reason, check_id, is_int
 
@@ -160,6 +161,16 @@ Vouch = Callable[[Hashable, memoryview], "int | None"]
 (its envelope's tag verifies under the sender's key), else None."""
 
 
+class Spill(Protocol):
+    """Where a reassembler keeps the chunks of incomplete messages past its memory budget (``spill.FileSpill``)."""
+
+    def write(self, key: tuple[str, str], offset: int, data: memoryview | bytes) -> None: ...
+
+    def take(self, key: tuple[str, str], size: int) -> bytearray: ...
+
+    def drop(self, key: tuple[str, str]) -> None: ...
+
+
 @dataclass
 class _Pending:
     first_seen: float
@@ -170,8 +181,9 @@ class _Pending:
     sender: Hashable
     seq: int  # order of admission
     rank: int | None = None  # the sender's counter once chunk 0 vouched for the message (Vouch), else None
-    pieces: dict[int, memoryview] = field(default_factory=dict)
-    held: int = 0  # bytes in pieces
+    pieces: dict[int, memoryview | None] = field(default_factory=dict)  # None: the chunk is in the spill
+    held: int = 0  # bytes of its chunks received (in memory, or in the spill once ``spilled``)
+    spilled: bool = False  # its chunks are in the spill, not in memory
 
     def keeps_over(self, other: _Pending) -> bool:
         """Whether, of two incomplete messages of one sender, this one stays when one must go: a vouched one over an
@@ -200,7 +212,12 @@ class Reassembler:
     counter (``vouch``: chunk 0 carries the envelope's tagged header, so a flood of junk under an enrolled id cannot
     push out that device's own update, nor can replays of its older messages); where the newcomer ranks lowest, the
     newcomer is the one dropped. The total bound is the last guard: beyond it the oldest unvouched messages of any
-    sender go first, then the newest vouched (the least received: the others complete). A pushed-out message is lost
+    sender go first, then the newest vouched (the least received: the others complete). With a ``spill``
+    (``spill.FileSpill``) a vouched message that the total bound would push out goes to the spill instead while it has
+    room (``max_spill_bytes``, reserved at each message's total): its chunks, those held and those still to come, are
+    written there and read back whole once it completes, so a burst of many senders' interleaved messages costs disk
+    and page cache, not memory, and loses nothing; an unvouched one (junk, or anything where nothing vouches) never
+    goes there. Spilled messages count for their senders' bounds, not for the total's. A pushed-out message is lost
     like any message on a lossy link; its frames still to come are dropped (it cannot complete), so they push out
     nothing more; that msg_id stays refused for ``timeout_s`` even if re-delivered whole (a QoS 1 re-delivery, a
     retained copy fetched again): every re-send of this protocol (a saved answer resealed, a payload published again)
@@ -219,7 +236,8 @@ class Reassembler:
     def __init__(self, max_message_bytes: int, timeout_s: float, max_pending: int,
                  max_pending_bytes: int | None = None, *, admit: Admit | None = None, check: Check | None = None,
                  vouch: Vouch | None = None,
-                 max_pending_per_sender: int | None = None, max_pending_bytes_per_sender: int | None = None) -> None:
+                 max_pending_per_sender: int | None = None, max_pending_bytes_per_sender: int | None = None,
+                 spill: Spill | None = None, max_spill_bytes: int = 0) -> None:
         if not is_int(max_message_bytes) or max_message_bytes < 0:
             raise ValueError(
                 f"max_message_bytes must be a non-negative int, got {max_message_bytes!r}"
@@ -241,8 +259,14 @@ class Reassembler:
         if not is_int(sender_budget) or not max_message_bytes <= sender_budget <= budget:
             raise ValueError(f"max_pending_bytes_per_sender must be an int in {max_message_bytes}..{budget}, got "
                              f"{sender_budget!r}: a message of the largest size must be able to complete")
+        if not is_int(max_spill_bytes) or max_spill_bytes < 0 or (max_spill_bytes and spill is None):
+            raise ValueError(f"max_spill_bytes must be a non-negative int, and 0 without a spill, got "
+                             f"{max_spill_bytes!r}")
         self.max_message_bytes = max_message_bytes
         self.timeout_s = timeout_s
+        self._spill, self.max_spill_bytes = spill, max_spill_bytes
+        self._spilled = 0  # bytes reserved in the spill: the totals of the spilled messages
+        self._spilled_count = 0  # incomplete messages in the spill
         self.max_pending = max_pending
         self.max_pending_bytes = budget
         self.max_pending_per_sender = per_sender
@@ -260,6 +284,7 @@ class Reassembler:
         self.evicted: list[tuple[str, str]] = []  # (stream, msg_id) of incomplete messages pushed out for room that
         # the owner may want back (see the class docstring), until the caller takes them
         self.expired_lost: list[tuple[str, str]] = []  # (stream, msg_id) of those expired that the owner may want back
+        self.spills = 0  # messages moved to the spill since the caller last took the count
 
     @property
     def pending_ids(self) -> tuple[str, ...]:
@@ -268,8 +293,13 @@ class Reassembler:
 
     @property
     def pending_bytes(self) -> int:
-        """Bytes of chunks held for incomplete messages, over all streams."""
+        """Bytes of chunks held in memory for incomplete messages, over all streams."""
         return self._held
+
+    @property
+    def spilled_bytes(self) -> int:
+        """Bytes reserved in the spill for incomplete messages (their totals)."""
+        return self._spilled
 
     def set_max_message_bytes(self, max_message_bytes: int) -> None:
         """Change the largest message accepted from now on (up to ``max_pending_bytes_per_sender``); a
@@ -316,24 +346,39 @@ class Reassembler:
             )
         elif f.index == 0 and pending.rank is None and self._vouch is not None and 0 not in pending.pieces:
             pending.rank = self._vouch(sender, f.data)  # chunk 0 came after others: vouched from now on
-        known = pending.pieces.get(f.index)
-        if known is not None:
-            if known != f.data:
-                raise ProtocolError(
+        if f.index in pending.pieces:
+            known = pending.pieces[f.index]
+            if known is not None and known != f.data:  # a spilled chunk is not read back to compare: the body
+                raise ProtocolError(  # digest the envelope's tagged header binds refuses a changed one
                     Reason.INCONSISTENT_CHUNK,
                     f"message {f.msg_id!r}: chunk {f.index} re-sent with other bytes",
                 )
             return None
         if not self._make_room(len(f.data), key, now):
             return None
-        pending.pieces[f.index] = f.data
+        if pending.spilled:
+            try:
+                self._spill.write(key, f.index * pending.step, f.data)
+            except OSError:
+                self._evict(key, now)
+                return None
+            pending.pieces[f.index] = None
+        else:
+            pending.pieces[f.index] = f.data
+            self._held += len(f.data)
         pending.held += len(f.data)
         self._senders[sender].held += len(f.data)
-        self._held += len(f.data)
         if len(pending.pieces) < pending.count:
             return None
+        if pending.spilled:
+            try:
+                payload = self._spill.take(key, pending.total)
+            except OSError:
+                self._evict(key, now)
+                return None
+        else:
+            payload = bytearray().join(pending.pieces[i] for i in range(pending.count))
         self._drop(key)
-        payload = bytearray().join(pending.pieces[i] for i in range(pending.count))
         self._remember_delivered(key, now)
         return payload
 
@@ -352,15 +397,20 @@ class Reassembler:
                 self._remember_pushed_out(key, now)
                 return None
             self._evict(victim, now)
-        while len(self._pending) >= self.max_pending:
+        while len(self._pending) - self._spilled_count >= self.max_pending:
             victim = self._total_victim(keep=None)
-            if victim is None:  # every message held is vouched: the newcomer is the newest, the one to go
+            if victim is None:  # every message in memory is vouched: the newcomer is the newest, the one to go
+                if self._spill_room(pending):
+                    break  # to the spill, once it is held
                 self._note_evicted(key, pending)
                 self._remember_pushed_out(key, now)
                 return None
             self._evict(victim, now)
         self._pending[key] = pending
         self._senders.setdefault(sender, _Sender()).keys[key] = None
+        if len(self._pending) - self._spilled_count > self.max_pending and not self._to_spill(key):
+            self._evict(key, now)
+            return None
         return pending
 
     def _lowest(self, keys: dict[tuple[str, str], None]) -> tuple[str, str]:
@@ -379,6 +429,8 @@ class Reassembler:
         ``keep`` is the one to go."""
         newest = None
         for key, pending in self._pending.items():
+            if pending.spilled:
+                continue  # it holds no memory
             if pending.rank is None:
                 if key != keep:
                     return key
@@ -399,12 +451,43 @@ class Reassembler:
                 self._evict(keep, now)
                 return False
             self._evict(victim, now)
+        if pending.spilled:
+            return True
         while self._held + size > self.max_pending_bytes:
             victim = self._total_victim(keep)
+            target = keep if victim is None else victim
+            if self._spill_room(self._pending[target]) and self._to_spill(target):
+                if target == keep:
+                    return True
+                continue
             if victim is None:
                 self._evict(keep, now)
                 return False
             self._evict(victim, now)
+        return True
+
+    def _spill_room(self, pending: _Pending) -> bool:
+        """Whether ``pending`` may go to the spill: a vouched message (authenticated by its sender: junk never goes)
+        whose whole size fits in what the spill has left."""
+        return self._spill is not None and pending.rank is not None and \
+            self._spilled + pending.total <= self.max_spill_bytes
+
+    def _to_spill(self, key: tuple[str, str]) -> bool:
+        """Move incomplete message ``key`` to the spill (its chunks written, its memory freed); False where the spill
+        refused a write (then nothing changed in memory, and what was written is dropped)."""
+        pending = self._pending[key]
+        try:
+            for index, data in pending.pieces.items():
+                self._spill.write(key, index * pending.step, data)
+        except OSError:
+            self._spill.drop(key)
+            return False
+        self._held -= pending.held
+        pending.pieces = dict.fromkeys(pending.pieces)
+        pending.spilled = True
+        self._spilled += pending.total
+        self._spilled_count += 1
+        self.spills += 1
         return True
 
     def _evict(self, key: tuple[str, str], now: float) -> None:
@@ -426,7 +509,12 @@ class Reassembler:
 
     def _drop(self, key: tuple[str, str]) -> None:
         pending = self._pending.pop(key)
-        self._held -= pending.held
+        if pending.spilled:
+            self._spill.drop(key)
+            self._spilled -= pending.total
+            self._spilled_count -= 1
+        else:
+            self._held -= pending.held
         own = self._senders[pending.sender]
         own.held -= pending.held
         del own.keys[key]

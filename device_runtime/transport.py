@@ -34,7 +34,7 @@ from paho.mqtt.properties import Properties
 
 from device_runtime.auth import new_nonce
 from device_runtime.framing import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Admit, Check, NotAdmitted,
-                                   Reassembler, RepeatedFrame, Vouch, chunk)
+                                   Reassembler, RepeatedFrame, Spill, Vouch, chunk)
 from device_runtime.inbox import Inbox, Screen
 from device_runtime.protocol import ProtocolError
 from device_runtime.topics import frame_stream
@@ -61,11 +61,12 @@ MAX_LOST_TOPICS = 4096
 StatusFrames = Callable[[bool, str], bytes]
 """(online, connection nonce) -> the sealed status payload (status.StatusSigner)."""
 STAT_KEYS = ("frames_in", "frames_rejected", "frames_repeated", "frames_unadmitted", "messages_in", "messages_expired",
-             "messages_evicted", "bytes_out", "bytes_in", "reconnects", "sessions_lost")
+             "messages_evicted", "messages_spilled", "bytes_out", "bytes_in", "reconnects", "sessions_lost")
 """``sessions_lost`` counts the reconnects whose broker held no session of this client (CONNACK session present
-0): what was published to it while it was away is gone, where a kept session queued it. ``frames_unadmitted`` counts
-the frames admitted for no sender (``framing.NotAdmitted``), dropped at the frame, one log line per
-UNADMITTED_LOG_EVERY."""
+0): what was published to it while it was away is gone, where a kept session queued it. ``messages_spilled``
+counts the incomplete messages moved to the reassembler's spill past its memory budget (``spill``).
+``frames_unadmitted`` counts the frames admitted for no sender (``framing.NotAdmitted``), dropped at the frame, one
+log line per UNADMITTED_LOG_EVERY."""
 PACKET_HEADROOM_BYTES = 64 * 1024
 """What an MQTT packet may carry beyond its frame (fixed header, topic, packet id, properties): the Maximum Packet Size
 an MQTT 5 endpoint announces is its frame size plus this, and server/mqtt/mosquitto_config.py caps the broker's packets
@@ -233,7 +234,9 @@ class MqttEndpoint:
     answers the status reaches this endpoint (and the offline frame on a clean stop()). `max_pending_bytes` bounds the
     chunks held for incomplete messages over all topics together (default: `max_message_bytes`); `admit`, `check` and
     `vouch` name each frame's sender, check its header's claims and rank a sender's messages, and
-    `max_pending_per_sender`, `max_pending_bytes_per_sender` bound what one sender holds (framing.Reassembler).
+    `max_pending_per_sender`, `max_pending_bytes_per_sender` bound what one sender holds (framing.Reassembler); with
+    `spill` (spill.FileSpill) an authenticated incomplete message past `max_pending_bytes` is kept in a file, up to
+    `max_spill_bytes`, instead of being pushed out.
     Complete messages wait in an Inbox (device_runtime/inbox.py): with `screen`, what it drops never queues and the
     queue keeps the newest message per kind, within `max_queued_bytes` (None: no bound). With `backpressure` the queue
     drops nothing: past `max_queued_bytes` the network thread waits for the reader, so the broker holds what this
@@ -256,7 +259,7 @@ class MqttEndpoint:
                  max_pending_bytes: int | None = None, admit: Admit | None = None, check: Check | None = None,
                  vouch: Vouch | None = None,
                  max_pending_per_sender: int | None = None, max_pending_bytes_per_sender: int | None = None,
-                 clean_session: bool = False, qos: int = 1,
+                 spill: Spill | None = None, max_spill_bytes: int = 0, clean_session: bool = False, qos: int = 1,
                  screen: Screen | None = None, max_queued_bytes: int | None = None, backpressure: bool = False,
                  inbox: Inbox | None = None, mqtt5: bool = False) -> None:
         if not client_id:
@@ -287,7 +290,8 @@ class MqttEndpoint:
         self._reassembler = Reassembler(max_message_bytes, reassembly_timeout_s, max_pending_messages,
                                         max_pending_bytes, admit=admit, check=check, vouch=vouch,
                                         max_pending_per_sender=max_pending_per_sender,
-                                        max_pending_bytes_per_sender=max_pending_bytes_per_sender)
+                                        max_pending_bytes_per_sender=max_pending_bytes_per_sender,
+                                        spill=spill, max_spill_bytes=max_spill_bytes)
         self._next_expiry = 0.0
         self._inbox = inbox if inbox is not None else Inbox(max_queued_bytes, screen, wait=backpressure)
         self._lost: dict[str, None] = {}  # topics of incomplete messages pushed out, until the owner takes them
@@ -687,6 +691,9 @@ class MqttEndpoint:
                         self._reassembler.max_pending_bytes, ", ".join(msg_id for _, msg_id in evicted[:3]))
             self._bump("messages_evicted", len(evicted))
             self._note_lost(evicted)
+        if self._reassembler.spills:
+            spills, self._reassembler.spills = self._reassembler.spills, 0
+            self._bump("messages_spilled", spills)
         if payload is not None:
             self._bump("messages_in")
             self._inbox.put(topic, payload)

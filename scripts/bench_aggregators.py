@@ -45,6 +45,7 @@ from device_runtime.envelope import seal  # noqa: E402
 from device_runtime.link import Link  # noqa: E402
 from device_runtime.messages import Join, ShardInfo, update_message  # noqa: E402
 from device_runtime.profile import ResourceProfile  # noqa: E402
+from device_runtime.spill import FileSpill  # noqa: E402
 from device_runtime.task import Update  # noqa: E402
 from device_runtime.topics import Topics, server_subscriptions, update_filter  # noqa: E402
 from device_runtime.transport import MqttEndpoint, rotate_brokers  # noqa: E402
@@ -53,7 +54,9 @@ from server.engine import folding_records as folding  # noqa: E402
 from server.outputs.machine import cpu_name  # noqa: E402
 from server.mqtt import aggregation_wire as wire  # noqa: E402
 from server.broker_loop import (AGGREGATORS_DIR, PENDING_MESSAGES, PENDING_UPDATES_BUDGETED,  # noqa: E402
-                                QUEUED_UPDATES_BUDGETED, Federation, inbound_limit)
+                                QUEUED_UPDATES_BUDGETED, SPILL_DIR, Federation, inbound_limit)
+from server.broker_flags import DEFAULT_SECAGG_PHASE_TIMEOUT_S  # noqa: E402
+from server.mqtt.admission import PENDING_PER_SENDER, server_admission  # noqa: E402
 from server.mqtt.local_processes import LocalDevices, aggregator_command  # noqa: E402
 from server.engine.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
 from server.engine.round_engine import RoundEngine, algorithm_for  # noqa: E402
@@ -230,12 +233,16 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
     enrollment = save_enrollment(folder / "enrollment.json", keys)
     names = tuple(f"agg-{i}" for i in range(aggregators))
     args = SimpleNamespace(prefix=PREFIX, join_timeout=120.0, aggregator_timeout=TIMEOUT_S, username=None,
-                           tls_ca=None, tls_cert=None, tls_key=None, max_message_bytes=FRAME_BYTES)
+                           tls_ca=None, tls_cert=None, tls_key=None, max_message_bytes=FRAME_BYTES,
+                           secagg_phase_timeout=DEFAULT_SECAGG_PHASE_TIMEOUT_S)
     subscriptions = server_subscriptions(PREFIX) + ([wire.engine_filter(PREFIX)] if names else [])
+    admit, vouch = server_admission(PREFIX, KeyRing(keys), names)
     endpoint = MqttEndpoint(f"bench-engine-{aggregators}", url, subscriptions=subscriptions,  # broker_loop's limits
                             max_frame_bytes=FRAME_BYTES, max_message_bytes=max_inbound,
                             max_pending_bytes=PENDING_UPDATES_BUDGETED * max_inbound,
-                            max_pending_messages=PENDING_MESSAGES,
+                            max_pending_messages=PENDING_MESSAGES, admit=admit, vouch=vouch,
+                            max_pending_per_sender=PENDING_PER_SENDER, max_pending_bytes_per_sender=max_inbound,
+                            spill=FileSpill(folder / SPILL_DIR), max_spill_bytes=len(keys) * max_inbound,
                             max_queued_bytes=QUEUED_UPDATES_BUDGETED * max_inbound, backpressure=True,
                             clean_session=True)
     link = Link.server(KeyRing(keys), folder / "server-state", max_inbound)

@@ -39,7 +39,8 @@ Writes ``{"rounds": [...], ...}``: per round ``round``, ``devices`` (that answer
 ``plan_payload_bytes`` (Σ over the round's plans of one payload), ``payload_publishes`` (the server's payload
 publishes in the round, once per plan and again on request: from its log), ``update_mb_per_s`` (update tensor bytes
 over the round's seconds), ``broker_only_mb_per_s``, ``server_peak_rss_mb`` and ``server_cpu_s`` (from /proc,
-sampled as the server prints each round).
+sampled as the server prints each round), ``spilled``, ``pushed_out`` and ``tasks_sent_again`` (the server's updates
+kept in its reassembly spill past its memory budget, pushed out half-received, and tasks sent again: from its log).
 """
 from __future__ import annotations
 
@@ -480,6 +481,25 @@ def payload_publishes(log: Path) -> dict[int, list[tuple[str, int]]]:
     return rounds
 
 
+def held_and_asked(log: Path) -> dict[int, dict[str, int]]:
+    """Per round, from the server's log: updates kept in its reassembly spill, pushed out half-received, and tasks sent
+    again (to a device whose update was pushed out, that came online again, or after the server's reconnect)."""
+    rounds: dict[int, dict[str, int]] = {}
+    current = 0
+    for line in log.read_text(errors="replace").splitlines():
+        words = line.split()
+        if "fedara.server" not in words:
+            continue
+        if words[-2:] == ["device(s)", "asked"] and words[-4] == "opened:":
+            current = int(words[-5])
+        elif words[4:5] == ["round"] and "spill" in words and words[-2:] == ["pushed", "out"]:
+            record = rounds.setdefault(int(words[5].rstrip(":")), {"tasks_sent_again": 0})
+            record.update(spilled=int(words[6]), pushed_out=int(words[-3]))
+        elif current and ("sending its task again" in line or "re-sending the open round's task" in line):
+            rounds.setdefault(current, {"tasks_sent_again": 0})["tasks_sent_again"] += 1
+    return rounds
+
+
 def server_command(args: argparse.Namespace, url: str, enrollment: Path, data: Path, overrides: Path,
                    out: Path) -> list[str]:
     profile = ["-m", "cProfile", "-o", str(Path(args.profile_server).resolve())] if args.profile_server else []
@@ -574,6 +594,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
         for r, t in result["released"].items():  # the round's release: the first process's
             released[int(r)] = min(t, released.get(int(r), t))
     published = payload_publishes(out / "server.log")
+    held = held_and_asked(out / "server.log")
     rounds = []
     for record, broker in zip(records, ceiling["rounds"]):
         r = record["round"]
@@ -587,7 +608,8 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             "payload_publishes": len(published.get(r, [])),
             "update_mb_per_s": update_bytes / MB / record["seconds"],
             "broker_only_mb_per_s": broker["mb_per_s"],
-            "server_peak_rss_mb": peak, "server_cpu_s": cpu - opened.get(r, float("nan"))})
+            "server_peak_rss_mb": peak, "server_cpu_s": cpu - opened.get(r, float("nan")),
+            **held.get(r, {})})
         if args.together:
             read = closed_at.get(r, float("nan")) - released.get(r, float("nan"))
             rounds[-1].update(read_seconds=read, read_mb_per_s=update_bytes / MB / read,

@@ -6,7 +6,8 @@ One process. paho's network thread fills the endpoint's inbox; the main loop tak
 them, hands them to the round engine (``server.engine.round_engine``: every decision of the run lives there) and
 publishes what the engine answers: plans (artifact files only to devices that lack them), tasks, refusals.
 After every round it writes OUT/metrics.jsonl, metrics.csv and OUT/checkpoint.npz (``--resume`` continues
-from the last completed round); at the end OUT/report.md with its plots. Without ``--broker`` an embedded
+from the last completed round); at the end OUT/report.md with its plots. While it runs, OUT/spill holds the
+authenticated updates half-received past its reassembly memory budget (``SPILL_DIR``). Without ``--broker`` an embedded
 broker serves 127.0.0.1 on a free port. ``--local-devices N`` writes N shards of the dataset to OUT/shards
 and runs ``python -m device_runtime`` on each (workdirs and logs in OUT/devices), ended with SIGTERM at the
 end. ``--broker`` may list several nodes of a clustered broker (``mqtt://h1:1883,mqtt://h2:1883``): every process
@@ -23,6 +24,7 @@ import argparse
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from device_runtime.broker_wait import BrokerUnreachableError, wait_for_broker
+from device_runtime.spill import FileSpill
 from device_runtime.transport import MqttEndpoint, TransportError, rotate_brokers, speaks_mqtt5
 from server.mqtt import cgroups
 from server.broker_flags import build_parser, check_broker_args, check_broker_reachable, local_budgets
@@ -44,10 +47,15 @@ POLL_S = 0.2
 AGGREGATORS_DIR = "aggregators"
 INBOUND_SLACK_BYTES = 1 << 20
 """Room for headers, metadata and the small messages (JOIN, ACK, ERROR) above the largest update."""
-PENDING_UPDATES_BUDGETED = 16
-"""Total reassembly budget of the server, in largest inbound messages (over all topics together). Hundreds of devices
-answering at once have that many updates half-received (the broker interleaves their frames): one pushed out is
-asked for again (``Federation._ask_again_lost``), so the budget trades memory for re-sends, never for updates."""
+PENDING_UPDATES_BUDGETED = 8
+"""Total reassembly budget of the server in memory, in largest inbound messages (over all topics together). Hundreds
+of devices answering at once have that many updates half-received (the broker interleaves their frames, one frame of
+each publisher in turn): past this budget the authenticated ones go to the spill (below) instead of being pushed out
+and asked for again (``Federation._ask_again_lost``: each such update was sent twice, ~270 of 1,000 in a round at
+K = 1,000), so the budget trades memory for page cache, never for updates or re-sends."""
+SPILL_DIR = "spill"
+"""Folder of the run folder where incomplete updates past the memory budget wait (device_runtime/spill.py): at most
+one largest inbound message per enrolled device, what every device's answer half-received at once needs."""
 PENDING_MESSAGES = 512
 """Incomplete inbound messages the server holds at once, at most (within the budget above)."""
 QUEUED_UPDATES_BUDGETED = 2
@@ -394,6 +402,7 @@ class Federation:
         returns the record the round's evaluations completed."""
         stats = self.endpoint.stats
         wire_before = (stats["bytes_out"], stats["bytes_in"])
+        held_before = (stats["messages_spilled"], stats["messages_evicted"])
         tasks = self.engine.open_round(round_index, time.monotonic(), train=train, wall=time.time())
         LOG.info("round %d opened: %d device(s) asked", round_index, len(tasks))
         if self.channel.names:
@@ -404,6 +413,8 @@ class Federation:
         self.relay.open(round_index, time.monotonic())
         self.gather(round_index)
         stats = self.endpoint.stats  # a snapshot: read it again
+        LOG.info("round %d: %d incomplete message(s) kept in the spill past the memory budget, %d pushed out",
+                 round_index, stats["messages_spilled"] - held_before[0], stats["messages_evicted"] - held_before[1])
         now = time.monotonic()
         _, completed = self.engine.close_round(now, wire=(stats["bytes_out"] - wire_before[0],
                                                           stats["bytes_in"] - wire_before[1]),
@@ -693,6 +704,7 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
     subscriptions += [wire.engine_filter(args.prefix)] if aggregators else []
     anything_a_server_held = [*server_subscriptions(args.prefix), wire.engine_filter(args.prefix)]
     admit, vouch = server_admission(args.prefix, keys, aggregators)  # frames of enrolled senders only, bounded each
+    spill = FileSpill(out.path / SPILL_DIR)  # updates half-received past the memory budget (removed after the run)
     local, local_aggregators = LocalDevices(on_oom=engine.demote), LocalDevices("aggregator")
     with contextlib.ExitStack() as status_stack:  # the page outlives the broker and the devices by --status-linger
         status = None
@@ -701,6 +713,7 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
             print(f"status: {status.url} (/metrics for Prometheus, /api/status), read-only, until the run ends"
                   + (f" and {args.status_linger:g} s after" if args.status_linger else ""), flush=True)
         with broker_url(args) as url, contextlib.ExitStack() as stack:
+            stack.callback(shutil.rmtree, spill.folder, ignore_errors=True)  # after the endpoint stopped
             mqtt5 = speaks_mqtt5(url, username=args.username, password=args.password, tls_ca=args.tls_ca,
                                  tls_cert=args.tls_cert, tls_key=args.tls_key)
             LOG.info("the broker %s MQTT 5: connecting with MQTT %s", "speaks" if mqtt5 else "does not speak (or "
@@ -713,6 +726,7 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
                                     max_pending_bytes=PENDING_UPDATES_BUDGETED * max_inbound,
                                     max_pending_messages=PENDING_MESSAGES, admit=admit, vouch=vouch,
                                     max_pending_per_sender=PENDING_PER_SENDER, max_pending_bytes_per_sender=max_inbound,
+                                    spill=spill, max_spill_bytes=len(keys.device_ids) * max_inbound,
                                     max_queued_bytes=QUEUED_UPDATES_BUDGETED * max_inbound, backpressure=True,
                                     clean_session=False, mqtt5=mqtt5)
             endpoint.start()

@@ -21,6 +21,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from device_runtime import transport
 from device_runtime.framing import chunk
+from device_runtime.spill import FileSpill
 from device_runtime.topics import Topics, server_subscriptions
 from device_runtime.transport import (BrokerRefusedError, BrokerURL, ConnectTimeoutError, FrameTooLargeError,
                                       MqttEndpoint, PublishError, parse_brokers, rotate_brokers)
@@ -511,6 +512,24 @@ def test_an_update_pushed_out_half_received_is_named_for_asking_its_sender_again
     wait_for(lambda: server.stats["frames_in"] == 2, WAIT_S, "both first frames in")
     assert server.take_lost() == [DEV1.update] and server.take_lost() == []
     assert server.stats["messages_evicted"] == 1
+
+
+def test_with_a_spill_an_update_past_the_memory_budget_completes_instead_of_being_pushed_out(mosquitto_broker, connect,
+                                                                                             tmp_path: Path) -> None:
+    """The same two half-received messages with room for one in memory: the second waits in the spill's file (every
+    message vouched for here), both complete, nothing is named for asking again."""
+    server = connect("server", mosquitto_broker.url, subscriptions=server_subscriptions(PREFIX),
+                     max_frame_bytes=SMALL_FRAME, max_message_bytes=4 * SMALL_FRAME, max_pending_messages=1,
+                     vouch=lambda sender, chunk0: 1, spill=FileSpill(tmp_path), max_spill_bytes=8 * SMALL_FRAME)
+    payloads = {DEV1.update: bytes([1]) * 2 * SMALL_FRAME, DEV2.update: bytes([2]) * 2 * SMALL_FRAME}
+    frames = {topic: chunk(p, SMALL_FRAME, f"up-{i}") for i, (topic, p) in enumerate(payloads.items())}
+    for index in range(len(frames[DEV1.update])):  # interleaved, as the broker forwards a burst
+        for topic in frames:
+            paho.mqtt.publish.single(topic, frames[topic][index], qos=1, hostname="127.0.0.1",
+                                     port=mosquitto_broker.port)
+    got = dict(server.get(WAIT_S) for _ in payloads)
+    assert got == payloads and server.take_lost() == []
+    assert server.stats["messages_spilled"] == 1 and server.stats["messages_evicted"] == 0
 
 
 def test_with_backpressure_the_queue_never_holds_more_than_its_budget_and_loses_nothing(mosquitto_broker,
