@@ -615,12 +615,10 @@ WORKER_LAUNCH = ("import importlib.util, sys; "
 
 
 def worker_command(kind: str, spec: dict, python: str = sys.executable) -> list[str]:
-    """The command line of a ``kind`` worker in ``python``: this file imported as a module, so from the bytecode
-    its first import by that interpreter cached, as a device runs ``python -m device_runtime`` from its modules'
-    bytecode. Run as a script, the interpreter would compile this file's source at every start and the process
-    would keep about 4 MiB more to its end (in an open memory cgroup, the token classifier's floor worker: 39.0
-    against 35.0 MiB), which no device holds. (Each measurement runs a worker of the same interpreter before any
-    in a memory cgroup: ``runtime-probe`` or ``ort-memory``, which writes that bytecode.)"""
+    """The command line of a ``kind`` worker in ``python``: this file imported as a module, as a device runs
+    ``python -m device_runtime``. CPython frees an imported module's parse tree once it is compiled, but keeps a
+    script's until the script returns: run as a script, a worker held this file's, about 4 MiB, to its end (in an
+    open memory cgroup, the token classifier's floor worker: 39.0 against 35.0 MiB), which no device holds."""
     return [python, "-c", WORKER_LAUNCH, str(Path(__file__).resolve()), kind, json.dumps(spec)]
 
 

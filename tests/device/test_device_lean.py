@@ -10,7 +10,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+
+from device_runtime.shard import Shard, save_shard
 from tests.support.processes import child_env
+from tests.support.sealing import write_key
 
 REPO = Path(__file__).resolve().parents[2]
 ROUND_TIMEOUT_S = 60
@@ -57,3 +62,37 @@ def test_a_plain_device_never_loads_the_crypto_library():
                           timeout=ROUND_TIMEOUT_S, env=child_env(repo_on_path=True))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+PROBE_FIRST = """
+import json, sys
+import device_runtime.probe as probe
+loaded = []
+measure = probe.probe_gflops
+
+def spy(*args, **kwargs):
+    loaded.append(sorted(m for m in sys.modules if m == "device_runtime.agent" or "onnxruntime" in m))
+    return measure(*args, **kwargs)
+
+probe.probe_gflops = spy
+from device_runtime.__main__ import main
+print(json.dumps({"status": main(sys.argv[1:]), "loaded": loaded}))
+"""
+
+
+def test_the_device_runs_its_compute_probe_before_it_loads_its_agent_and_onnxruntime(tmp_path: Path):
+    """The probe's arrays (12 MiB, device_runtime.probe) come and go while the process holds little more than
+    numpy: beside the agent's modules and the onnxruntime bindings they set a small model's device peak. The device
+    here stops at its first bad flag after the profile (--max-inbound-mb 0), having run the probe once."""
+    shard = tmp_path / "dev_000.npz"
+    rng = np.random.default_rng(0)
+    save_shard(shard, Shard(rng.random((4, 3), dtype=np.float32), np.arange(4) % 2,
+                            rng.random((2, 3), dtype=np.float32), np.arange(2) % 2, 2))
+    args = ["--broker", "mqtt://127.0.0.1:1", "--device-id", "dev_000", "--data", str(shard),
+            "--workdir", str(tmp_path / "work"), "--key-file", str(write_key(tmp_path / "dev_000.key")),
+            "--max-inbound-mb", "0"]
+    done = subprocess.run([sys.executable, "-c", PROBE_FIRST, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=ROUND_TIMEOUT_S, env=child_env(repo_on_path=True))
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "--max-inbound-mb" in done.stderr
+    assert report == {"status": 2, "loaded": [[]]}
