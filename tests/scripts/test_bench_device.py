@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from server.engine.cost_model import COST_MODEL_FORMAT, MIB, load_cost_model, parse_cost_model, predict
+from tests.support.processes import child_env
 from tests.support.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_device.py"
@@ -295,7 +296,6 @@ def test_the_runtime_probe_names_this_environments_onnxruntime_build():
     assert probe["kinds"][0] == "onnxruntime" and probe["distributions"]
 
 
-
 CHILD_PEAK = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
 """Runs a command and prints its peak resident memory (KiB), so a test reads one worker's peak alone."""
@@ -309,7 +309,8 @@ def test_a_worker_holds_no_parse_tree_of_the_benchmark_as_a_script_run_would():
 
     def peak_kib(command: list[str]) -> int:
         done = subprocess.run([sys.executable, "-c", CHILD_PEAK, *command], capture_output=True, text=True,
-                              env=bench.worker_env(), timeout=120)
+                              env=child_env(drop=("PYTHONPATH",), **{name: "1" for name in bench.THREAD_ENV}),
+                              timeout=120)
         assert done.returncode == 0, done.stderr
         return int(done.stdout)
 
