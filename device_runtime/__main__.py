@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {args.device_id} %(name)s %(levelname)s %(message)s")
     hold_back_floods()
 
+    from device_runtime.malloc_arenas import share_one_arena
+    share_one_arena()  # before any thread starts: the network thread's frames stay charged otherwise
+    from device_runtime.probe import probe_gflops
+    probe_score = probe_gflops()  # first: its 12 MiB of arrays must not meet the modules below (device_runtime.probe)
     from device_runtime.agent import DeviceAgent, DeviceRefused, Interrupted, inbound_screen
     from device_runtime.device_admission import DeviceAdmission
     from device_runtime.workdir import Workdir
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         flag = "--runtime"
         runtime = detect(args.runtime)
         flag = "--memory-budget-mb"
-        profile = collect_profile(args.memory_budget_mb, args.threads, runtime=runtime)
+        profile = collect_profile(args.memory_budget_mb, args.threads, runtime=runtime, probe_score=probe_score)
         flag = "--max-inbound-mb"
         if args.max_inbound_mb <= 0:
             raise ValueError(f"must be positive, got {args.max_inbound_mb}")

@@ -4,6 +4,12 @@ The device reports it in its profile and the device benchmark records it for the
 server can scale a measured step time to a device by the ratio of the two scores (``server.engine.cost_model``).
 The work is a stack of 64×64 float32 matmuls: OpenBLAS runs a product that small on one thread whatever its
 thread setting, so the score measures one core, like a training step at ``threads=1``.
+
+Its three arrays (two operands and the product) are 4 MiB each: 12 MiB touched in full while it runs, freed when it
+returns, more than a small model's whole training step adds. A device therefore runs it first
+(``device_runtime.__main__``), while it holds little more than numpy; run beside its agent's modules and the
+onnxruntime bindings, it set the peak of a device training a small model (docs/your_model.md, "Each example over
+MQTT in memory cgroups").
 """
 from __future__ import annotations
 

@@ -101,10 +101,11 @@ def total_memory_mb() -> float | None:
 
 
 def collect_profile(memory_budget_mb: float | None, threads: int, limit: MemoryLimit | None = None,
-                    runtime: str = PORTABLE_KIND) -> ResourceProfile:
-    """This machine's profile with the given thread count and runtime kind (runs the probe). Its budget is
-    ``memory_budget_mb`` (the --memory-budget-mb flag) where given, else the memory ``limit`` (None: read it from
-    the OS now)."""
+                    runtime: str = PORTABLE_KIND, probe_score: float | None = None) -> ResourceProfile:
+    """This machine's profile with the given thread count and runtime kind. Its budget is ``memory_budget_mb``
+    (the --memory-budget-mb flag) where given, else the memory ``limit`` (None: read it from the OS now); its probe
+    score is ``probe_score`` where the caller measured it already (the device's main does, first: see
+    ``device_runtime.probe``), else the probe runs now."""
     if memory_budget_mb is not None and not memory_budget_mb > 0:
         raise ProfileError(f"memory budget must be positive, got {memory_budget_mb}")
     if threads < 1:
@@ -116,6 +117,7 @@ def collect_profile(memory_budget_mb: float | None, threads: int, limit: MemoryL
     return ResourceProfile(memory_budget_mb=budget, threads=threads, cpu_count=os.cpu_count() or 1,
                            machine=platform.machine()[:MAX_FIELD_CHARS] or "unknown",
                            system=platform.system()[:MAX_FIELD_CHARS] or "unknown",
-                           total_memory_mb=total_memory_mb(), probe_gflops=probe_gflops(),
+                           total_memory_mb=total_memory_mb(),
+                           probe_gflops=probe_gflops() if probe_score is None else probe_score,
                            memory_limit_mb=limit.mb, memory_limit_source=limit.source[:MAX_FIELD_CHARS],
                            runtime=runtime)

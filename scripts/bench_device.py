@@ -388,7 +388,7 @@ class StepProcess:
     def __init__(self, kind: str, spec: dict, python: str = sys.executable):
         self.kind = kind
         self._proc = subprocess.Popen(
-            [python, str(Path(__file__).resolve()), "--worker", kind, json.dumps(spec)],
+            worker_command(kind, spec, python),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env())
         self._read()
 
@@ -458,12 +458,15 @@ def measure_latency(spec: dict, steps: int) -> dict:
 
 def device_floor_worker(spec: dict, artifacts_key: str) -> dict:
     """What a device process does for ``spec["rounds"]`` rounds on the artifacts at ``spec[artifacts_key]`` (the
-    runtime follows their kind, as the agent's ``open_trainer`` picks it): import the modules the agent imports
-    (paho included); write the plan's artifact files into its workdir and load them from there (page cache a device
-    writes is charged to its cgroup); per round, take the task as MQTT frames through the transport's reassembler
-    and decode it, run the local round with the received-model evaluation (``run_task``), save the head and the
-    encoded answer, and split the answer into the frames the transport publishes (kept until the next round, as
-    paho keeps unacknowledged frames)."""
+    runtime follows their kind, as the agent's ``open_trainer`` picks it): run the compute probe first, as the
+    device's main does (its arrays, 12 MiB, come and go before the modules load: ``device_runtime.probe``); import
+    the modules the agent imports (paho included); write the plan's artifact files into its workdir and load them
+    from there (page cache a device writes is charged to its cgroup); per round, take the task as MQTT frames
+    through the transport's reassembler and decode it, run the local round with the received-model evaluation
+    (``run_task``), save the head and the encoded answer, and split the answer into the frames the transport
+    publishes (kept until the next round, as paho keeps unacknowledged frames)."""
+    from device_runtime.probe import probe_gflops
+    probe_gflops()
     import device_runtime.agent  # noqa: F401 -- the modules a device process holds
     from device_runtime.auth import Direction
     from device_runtime.envelope import Message, MessageType, decode, seal
@@ -605,10 +608,23 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+WORKER_LAUNCH = ("import importlib.util, sys; "
+                 "spec = importlib.util.spec_from_file_location('fedara_bench_device', sys.argv[1]); "
+                 "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+                 "sys.exit(module.main(['--worker', *sys.argv[2:]]))")
+
+
+def worker_command(kind: str, spec: dict, python: str = sys.executable) -> list[str]:
+    """The command line of a ``kind`` worker in ``python``: this file imported as a module, as a device runs
+    ``python -m device_runtime``. CPython frees an imported module's parse tree once it is compiled, but keeps a
+    script's until the script returns: run as a script, a worker held this file's, about 4 MiB, to its end (in an
+    open memory cgroup, the token classifier's floor worker: 39.0 against 35.0 MiB), which no device holds."""
+    return [python, "-c", WORKER_LAUNCH, str(Path(__file__).resolve()), kind, json.dumps(spec)]
+
+
 def run_worker(kind: str, spec: dict, python: str = sys.executable) -> dict:
     """``WORKERS[kind](spec)`` in a fresh interpreter (``python``)."""
-    done = subprocess.run([python, str(Path(__file__).resolve()), "--worker", kind, json.dumps(spec)],
-                          capture_output=True, text=True, env=worker_env())
+    done = subprocess.run(worker_command(kind, spec, python), capture_output=True, text=True, env=worker_env())
     if done.returncode != 0:
         raise RuntimeError(f"{kind} worker for {spec.get('label')} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -766,9 +782,8 @@ def run_in_group(kind: str, spec: dict, limit_mb: int, timeout_s: float, python:
     group = create_group(f"floor-{limit_mb}", limit_mb)
     try:
         start = time.perf_counter()
-        proc = popen_in_group(group, [python, str(Path(__file__).resolve()), "--worker", kind,
-                                      json.dumps(spec)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=worker_env())
+        proc = popen_in_group(group, worker_command(kind, spec, python), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=worker_env())
         try:
             out, err = proc.communicate(timeout=timeout_s)
             timed_out = False

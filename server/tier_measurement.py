@@ -49,6 +49,10 @@ MEASURED_BY = "server.tier_measurement (scripts/bench_device.py ort-memory worke
 CHARGED_PEAK_BOUND = ("the charged peak of an open memory cgroup (scripts/bench_device.py floor-portable worker): an "
                       "upper bound of the bisected floor")
 OPEN_GROUP_TIMEOUT_S = 600
+MEASUREMENT_VERSION = 2
+"""How the device worker measures, in the measured key: a tier measured by an older worker is measured again.
+2: the worker imports the benchmark as a module and runs the compute probe first, as a device does (4 MiB less
+than version 1's workers held, which no device holds: ``scripts/bench_device.py`` ``worker_command``)."""
 
 
 class MeasurementError(ValueError):
@@ -83,11 +87,12 @@ def cost_key(model: SplitModel, input_shape: tuple[int, ...], cache_dir: Path, t
 
 
 def measured_key(model: SplitModel, input_shape: tuple[int, ...]) -> str:
-    """``graphs-`` and a hash of the model's fingerprint (its traced forward graphs, so its code) and of the step
-    compiler's versions for it (``export.step_compiler.compiler_versions``): a change of how the compiler emits the
-    model's step (a new form of one of its ops) is a new key, so its tiers are measured again on the graphs the
-    devices will run, as the artifacts are compiled again."""
-    versions = json.dumps(compiler_versions(model), sort_keys=True)
+    """``graphs-`` and a hash of the model's fingerprint (its traced forward graphs, so its code), of the step
+    compiler's versions for it (``export.step_compiler.compiler_versions``) and of :data:`MEASUREMENT_VERSION`: a
+    change of how the compiler emits the model's step (a new form of one of its ops) is a new key, so its tiers are
+    measured again on the graphs the devices will run, as the artifacts are compiled again; so is a change of how
+    the worker measures."""
+    versions = json.dumps(dict(compiler_versions(model), measurement=MEASUREMENT_VERSION), sort_keys=True)
     return KEY_PREFIX + hashlib.sha256(f"{fingerprint(model, tuple(input_shape))} {versions}".encode()).hexdigest()[:20]
 
 

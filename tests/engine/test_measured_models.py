@@ -88,3 +88,14 @@ def test_a_new_step_form_for_a_models_ops_is_a_new_measured_key_and_other_models
     monkeypatch.setattr(step_compiler, "DEPTHWISE_FORM_VERSION", step_compiler.DEPTHWISE_FORM_VERSION + 1)
     assert measured_key(depthwise, (1, 12, 10)) != before[0] and measured_key(plain, (1, 8, 8)) == before[1]
     assert before[0].startswith("graphs-")
+
+
+def test_a_new_way_of_measuring_is_a_new_measured_key(monkeypatch):
+    """Tiers measured by an older device worker (one that held memory no device holds) are measured again."""
+    from server import tier_measurement
+    from tests.support.edge_models import resnet8
+
+    model = resnet8((1, 8, 8))
+    before = tier_measurement.measured_key(model, (1, 8, 8))
+    monkeypatch.setattr(tier_measurement, "MEASUREMENT_VERSION", tier_measurement.MEASUREMENT_VERSION + 1)
+    assert tier_measurement.measured_key(model, (1, 8, 8)) != before

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from server.engine.cost_model import COST_MODEL_FORMAT, MIB, load_cost_model, parse_cost_model, predict
+from tests.support.processes import child_env
 from tests.support.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_device.py"
@@ -293,3 +294,25 @@ def test_portable_floors_for_a_cost_model_are_refused_from_a_training_build_befo
 def test_the_runtime_probe_names_this_environments_onnxruntime_build():
     probe = load_script("bench_device").runtime_probe_worker({})
     assert probe["kinds"][0] == "onnxruntime" and probe["distributions"]
+
+
+CHILD_PEAK = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
+              "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+"""Runs a command and prints its peak resident memory (KiB), so a test reads one worker's peak alone."""
+
+
+def test_a_worker_holds_no_parse_tree_of_the_benchmark_as_a_script_run_would():
+    """CPython keeps a script's parse tree until the script returns (about 4 MiB for this file), where an imported
+    module's is freed before it runs: a worker imports the benchmark, as a device runs ``python -m device_runtime``,
+    so a measured floor holds nothing a device does not."""
+    bench = load_script("bench_device")
+
+    def peak_kib(command: list[str]) -> int:
+        done = subprocess.run([sys.executable, "-c", CHILD_PEAK, *command], capture_output=True, text=True,
+                              env=child_env(drop=("PYTHONPATH",), **{name: "1" for name in bench.THREAD_ENV}),
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout)
+
+    as_script = [sys.executable, str(SCRIPT), "--worker", "runtime-probe", "{}"]
+    assert peak_kib(bench.worker_command("runtime-probe", {})) < peak_kib(as_script) - 2048
