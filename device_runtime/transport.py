@@ -174,6 +174,14 @@ def rotate_brokers(text: str, by: int) -> str:
     return ",".join(entries[by:] + entries[:by])
 
 
+class _Adopt:
+    """paho's packet buffer while a body read whole (``_Client._read_body``) is handed over: paho's
+    ``packet += body`` then takes ``body`` itself (a copy of every byte less)."""
+
+    def __iadd__(self, data: bytearray) -> bytearray:
+        return data
+
+
 class _Client(mqtt.Client):
     """paho's client, reading its socket ``READ_BYTES`` at a time. paho reads a packet's fixed header byte by byte
     and its body in a call of its own (five ``recv`` calls for a small frame); this hands those reads out of one
@@ -185,7 +193,7 @@ class _Client(mqtt.Client):
     keepalive's silence ended the connection.
 
     A body longer than ``READ_BYTES`` (a frame of an update: up to the frame size) is read into one buffer of its
-    size (``recv_into``) and handed to paho whole, and a PUBLISH is decoded in place (``_handle_publish``): its
+    size (``recv_into``) and handed to paho whole (adopted as the packet: ``_Adopt``), and a PUBLISH is decoded in place (``_handle_publish``): its
     payload is the packet's own buffer past its header. paho appended each 64 KiB read to the packet, then cut the
     payload out with three copies more (``_packet.decode_publish``): ~5 copies of every byte, ~0.5 CPU s per 442 MB
     here (docs/scale.md)."""
@@ -240,6 +248,8 @@ class _Client(mqtt.Client):
                 self._last_bytes_received = time.monotonic()
         view.release()
         self._body, self._starved = None, False
+        if not self._in_packet["packet"]:  # paho appends what this returns to the packet: it takes the body instead
+            self._in_packet["packet"] = _Adopt()
         return body
 
     def _sock_recv_into(self, view: memoryview) -> int:
