@@ -133,8 +133,8 @@ def run(clients: int, rounds: int, profile: bool, folder: Path) -> dict:
                "messages_cpu_s": tasks_cpu + receipts_cpu, "tasks_cpu_s": tasks_cpu, "receipts_cpu_s": receipts_cpu,
                "load_average_1min": os.getloadavg()[0]}
         results.append(row)
-        print(f"round {r}: {nbytes / MB:.0f} MB, join {join_cpu:.3f} CPU s, open {open_cpu:.3f}, receive (checks, fold) "
-              f"{row['receive_cpu_s']:.3f}, close {row['close_cpu_s']:.3f}; {row['cpu_s']:.3f} CPU s in "
+        print(f"round {r}: {nbytes / MB:.0f} MB, join {join_cpu:.3f} CPU s, open {open_cpu:.3f}, receive (checks, "
+              f"fold) {row['receive_cpu_s']:.3f}, close {row['close_cpu_s']:.3f}; {row['cpu_s']:.3f} CPU s in "
               f"{row['seconds']:.3f} s: {row['mb_per_cpu_s']:.0f} MB per CPU s; apart, the round's messages "
               f"{tasks_cpu + receipts_cpu:.3f} (tasks {tasks_cpu:.3f}, receipts {receipts_cpu:.3f}); "
               f"load {row['load_average_1min']:.1f}",

@@ -36,12 +36,12 @@ over it and ``read_to_broker`` its ratio to ``broker_only_mb_per_s``.
 
 Writes ``{"rounds": [...], ...}``: per round ``round``, ``devices`` (that answered), ``updates_folded``, ``lost``,
 ``seconds`` (the server's round, open to close), ``server_bytes_out``/``in`` (the server's MQTT bytes in the round),
-``plan_payload_bytes`` (Σ over the round's plans of one payload), ``payload_publishes`` (the server's payload
-publishes in the round, once per plan and again on request: from its log), ``update_mb_per_s`` (update tensor bytes
-over the round's seconds), ``broker_only_mb_per_s``, ``server_peak_rss_mb``, ``server_cpu_s`` and
-``server_main_thread_cpu_s`` (its main loop's share; the rest is its other threads', paho's network thread above all)
-(from /proc, sampled as the server prints each round), ``spilled``, ``pushed_out`` and ``tasks_sent_again`` (the server's updates
-kept in its reassembly spill past its memory budget, pushed out half-received, and tasks sent again: from its log).
+``plan_payload_bytes`` (Σ over the round's plans of one payload), ``payload_publishes`` (the server's payload publishes
+in the round, once per plan and again on request: from its log), ``update_mb_per_s`` (update tensor bytes over the
+round's seconds), ``broker_only_mb_per_s``, ``server_peak_rss_mb``, ``server_cpu_s`` and ``server_main_thread_cpu_s``
+(its main loop's share; the rest is its other threads', paho's network thread above all) (from /proc, sampled as the
+server prints each round), ``spilled``, ``pushed_out`` and ``tasks_sent_again`` (the server's updates kept in its
+reassembly spill past its memory budget, pushed out half-received, and tasks sent again: from its log).
 """
 from __future__ import annotations
 
