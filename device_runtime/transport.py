@@ -223,7 +223,9 @@ class _Client(mqtt.Client):
 
     def _read_body(self, size: int) -> bytearray:
         """The ``size`` bytes paho asks for (the rest of a packet: it asks again with the same size until it gets
-        some), read into one buffer; BlockingIOError until all are in, so paho appends them once."""
+        some), read into one buffer; BlockingIOError until all are in, so paho takes them at once. The buffer is
+        allocated at the size the packet's header declares, as paho would have held it once read: a broker forwards a
+        packet only once it holds it whole, and an MQTT 5 broker none over this endpoint's Maximum Packet Size."""
         body = self._body
         if body is None:
             body = self._body = bytearray(size)
