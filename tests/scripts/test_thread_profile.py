@@ -29,9 +29,8 @@ spin_in_main()
 def test_each_thread_gets_its_own_profile_and_cpu_seconds(tmp_path: Path):
     (tmp_path / "two_threads.py").write_text(TWO_THREADS)
     out = tmp_path / "run.prof"
-    env = dict(child_env(), PYTHONPATH=str(tmp_path))
     done = subprocess.run([sys.executable, str(SCRIPTS / "thread_profile.py"), str(out), "-m", "two_threads"],
-                          capture_output=True, text=True, timeout=120, env=env)
+                          capture_output=True, text=True, timeout=120, env=child_env(PYTHONPATH=str(tmp_path)))
     assert done.returncode == 0, done.stderr[-3000:]
     main = {name for _, _, name in pstats.Stats(str(out)).stats}
     worker = {name for _, _, name in pstats.Stats(str(tmp_path / "run.worker.prof")).stats}
