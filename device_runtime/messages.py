@@ -402,6 +402,13 @@ def error_message(code: ErrorCode, detail: str, *, device_id: str, run_id: str =
     return Message(MessageType.ERROR, run_id, round_index, device_id, new_msg_id(MessageType.ERROR), meta)
 
 
+def receipt_message(*, device_id: str, run_id: str, round_index: int) -> Message:
+    """The server's RECEIVED: ``device_id``'s answer to ``round_index`` is counted, so a re-ask that crossed it is not
+    answered with it again (device_runtime/answer_receipt.py)."""
+    return error_message(ErrorCode.RECEIVED, f"your answer to {round_index} is counted", device_id=device_id,
+                         run_id=run_id, round_index=round_index)
+
+
 def payload_request_message(ref: PayloadRef, detail: str, *, device_id: str, run_id: str, round_index: int
                             ) -> Message:
     """An ERROR asking the server to publish the payload ``ref`` again (``detail``: why, for its log)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -30,7 +31,8 @@ from urllib.parse import unquote, urlsplit
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
+from paho.mqtt.exception import MalformedPacket
+from paho.mqtt.properties import Properties, VariableByteIntegers
 
 from device_runtime.auth import new_nonce
 from device_runtime.framing import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Admit, Check, NotAdmitted,
@@ -172,6 +174,14 @@ def rotate_brokers(text: str, by: int) -> str:
     return ",".join(entries[by:] + entries[:by])
 
 
+class _Adopt:
+    """paho's packet buffer while a body read whole (``_Client._read_body``) is handed over: paho's
+    ``packet += body`` then takes ``body`` itself (a copy of every byte less)."""
+
+    def __iadd__(self, data: bytearray) -> bytearray:
+        return data
+
+
 class _Client(mqtt.Client):
     """paho's client, reading its socket ``READ_BYTES`` at a time. paho reads a packet's fixed header byte by byte
     and its body in a call of its own (five ``recv`` calls for a small frame); this hands those reads out of one
@@ -180,14 +190,24 @@ class _Client(mqtt.Client):
     what is queued (the PUBACKs it owes, what was published meanwhile) and, every ``TEND_S``, tends the keepalive:
     a flood that keeps the buffer full would otherwise hold all of it back, and the broker sends a client only so
     many unacknowledged QoS 1 messages (mosquitto: 20), so every honest frame past them would wait until the
-    keepalive's silence ended the connection."""
+    keepalive's silence ended the connection.
+
+    A body longer than ``READ_BYTES`` (a frame of an update: up to the frame size) is read into one buffer of its
+    size (``recv_into``) and handed to paho whole (adopted as the packet: ``_Adopt``), and a PUBLISH is decoded in
+    place (``_handle_publish``): its payload is the packet's own buffer past its header. paho appended each 64 KiB
+    read to the packet, then cut the payload out with three copies more (``_packet.decode_publish``): reading a 2.2 MB
+    update's frames cost 3.9–4.1 CPU ms, now 0.42–0.52 (scripts/bench_packet_reads.py, docs/scale.md)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._read_ahead = memoryview(b"")
         self._starved = False  # the last read found the buffer empty and the socket too
+        self._body: bytearray | None = None  # the packet body being read (``_read_body``)
+        self._body_filled = 0
 
     def _sock_recv(self, bufsize: int) -> bytes:
+        if bufsize > READ_BYTES and bufsize > len(self._read_ahead):
+            return self._read_body(bufsize)
         if not self._read_ahead:
             try:
                 data = super()._sock_recv(READ_BYTES)
@@ -200,6 +220,105 @@ class _Client(mqtt.Client):
             self._read_ahead = memoryview(data)
         taken, self._read_ahead = self._read_ahead[:bufsize], self._read_ahead[bufsize:]
         return bytes(taken)
+
+    def _read_body(self, size: int) -> bytearray:
+        """The ``size`` bytes paho asks for (the rest of a packet: it asks again with the same size until it gets
+        some), read into one buffer; BlockingIOError until all are in, so paho takes them at once. The buffer is
+        allocated at the size the packet's header declares, as paho would have held it once read: a broker forwards a
+        packet only once it holds it whole, and an MQTT 5 broker none over this endpoint's Maximum Packet Size."""
+        body = self._body
+        if body is None:
+            body = self._body = bytearray(size)
+            ahead = len(self._read_ahead)
+            body[:ahead] = self._read_ahead
+            self._read_ahead, self._body_filled = memoryview(b""), ahead
+        view = memoryview(body)
+        while self._body_filled < size:
+            try:
+                received = self._sock_recv_into(view[self._body_filled:])
+            except BlockingIOError:
+                self._starved = True
+                raise
+            except OSError:
+                self._body = None
+                raise
+            if received == 0:  # the connection closed: paho reads it as lost
+                self._body = None
+                return bytearray()
+            self._body_filled += received
+            with self._msgtime_mutex:  # paho's keepalive counts bytes received, not packets
+                self._last_bytes_received = time.monotonic()
+        view.release()
+        self._body, self._starved = None, False
+        if not self._in_packet["packet"]:  # paho appends what this returns to the packet: it takes the body instead
+            self._in_packet["packet"] = _Adopt()
+        return body
+
+    def _sock_recv_into(self, view: memoryview) -> int:
+        """paho's ``_sock_recv`` into ``view`` (TLS's want-read and want-write as BlockingIOError, as paho has them)."""
+        if self._sock is None:
+            raise ConnectionError("self._sock is None")
+        try:
+            return self._sock.recv_into(view)
+        except ssl.SSLWantReadError as err:
+            raise BlockingIOError() from err
+        except ssl.SSLWantWriteError as err:
+            self._call_socket_register_write()
+            raise BlockingIOError() from err
+
+    def _sock_close(self) -> None:
+        """paho's, and what was read of the closed connection's stream is dropped (the next one starts afresh)."""
+        self._read_ahead, self._body, self._starved = memoryview(b""), None, False
+        super()._sock_close()
+
+    def _handle_publish(self) -> MQTTErrorCode:
+        """paho's PUBLISH handling, the packet decoded in place: topic, packet id and (MQTT 5) properties read from
+        the header, the payload the packet's buffer past it (no copy; paho copies the rest of the packet once for
+        each of them). Properties are parsed only where the packet has some (``None`` otherwise)."""
+        packet = self._in_packet["packet"]
+        header = self._in_packet["command"]
+        qos = (header & 0x06) >> 1
+        view = memoryview(packet)
+        try:
+            if len(view) < 2:
+                raise MalformedPacket("PUBLISH shorter than its topic length")
+            end = 2 + int.from_bytes(view[:2], "big")
+            topic = bytes(view[2:end])
+            if len(topic) != end - 2 or (self._protocol != mqtt.MQTTv5 and not topic):
+                raise MalformedPacket("PUBLISH topic truncated, or empty under MQTT 3.1.1")
+            mid = 0
+            if qos > 0:
+                if len(view) < end + 2:
+                    raise MalformedPacket("PUBLISH truncated before its packet id")
+                mid, end = int.from_bytes(view[end:end + 2], "big"), end + 2
+            properties = None
+            if self._protocol == mqtt.MQTTv5:
+                length, length_bytes = VariableByteIntegers.decode(view[end:end + 4])
+                if length:
+                    properties = Properties(PacketTypes.PUBLISH)
+                    properties.unpack(bytes(view[end:end + length_bytes + length]))
+                end += length_bytes + length
+                if end > len(view):
+                    raise MalformedPacket("PUBLISH properties run past the packet")
+        finally:
+            view.release()
+        del packet[:end]  # a bytearray drops its head without moving the rest
+        message = mqtt.MQTTMessage(mid=mid, topic=topic)
+        message.dup, message.qos, message.retain = bool(header & 0x08), qos, bool(header & 0x01)
+        message.properties, message.payload, message.timestamp = properties, packet, time.monotonic()
+        if qos == 0:
+            self._handle_on_message(message)
+            return MQTTErrorCode.MQTT_ERR_SUCCESS
+        if qos == 1:
+            self._handle_on_message(message)
+            return MQTTErrorCode.MQTT_ERR_SUCCESS if self._manual_ack else self._send_puback(mid)
+        if qos == 2:
+            rc = self._send_pubrec(mid)
+            message.state = mqtt.mqtt_ms_wait_for_pubrel
+            with self._in_message_mutex:
+                self._in_messages[mid] = message
+            return rc
+        return MQTTErrorCode.MQTT_ERR_PROTOCOL
 
     def _send_puback(self, mid: int) -> MQTTErrorCode:
         """The PUBACK of a QoS 1 PUBLISH, queued (paho calls this on its network thread, handling the PUBLISH)

@@ -121,15 +121,17 @@ def broker_of(kind: str, folder: Path) -> Iterator[str]:
 
 
 
-def make_engine(devices: list[str], remote: bool, rounds: int) -> RoundEngine:
-    """A FedARA round engine with ``devices`` joined and ready, at the five tiers round-robin."""
+def make_engine(devices: list[str], remote: bool, rounds: int, shared_payloads: bool = False) -> RoundEngine:
+    """A FedARA round engine with ``devices`` joined and ready, at the five tiers round-robin; with
+    ``shared_payloads`` its tasks name their plan's payload, as ``server.broker_loop``'s do."""
     model = build_model(MODEL, SHAPE, CLASSES, seed=0)
     algorithm = algorithm_for(FederationConfig(rounds=rounds))
     coordinator = Coordinator(CoordinatorConfig(SHAPE, CLASSES, round_deadline_s=TIMEOUT_S), "bench-run")
     engine = RoundEngine(algorithm, FederationConfig(rounds=rounds), coordinator,
                          PlanBook(model, SHAPE, None, onnx=False), global_state(model, algorithm),
                          initial_personal([model], algorithm), tiers=TIERS,
-                         overrides={d: TIERS[i % len(TIERS)] for i, d in enumerate(devices)}, remote=remote)
+                         overrides={d: TIERS[i % len(TIERS)] for i, d in enumerate(devices)}, remote=remote,
+                         shared_payloads=shared_payloads)
     profile = ResourceProfile(None, 1, 1, "x86_64", "Linux", None, 1.0)
     for device_id in devices:
         plan = engine.join(device_id, Join(profile, ShardInfo(SAMPLES, 10, SHAPE, CLASSES), ())).plan

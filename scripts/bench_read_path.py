@@ -11,6 +11,12 @@ fold in device-id order), then the round closes (the new model). Per round: wall
 loaded machine cannot stretch) of opening, receiving and closing, and MB/s of update tensor bytes over the round's
 CPU seconds. ``--profile`` adds a cProfile of the last round, on CPU time, to the JSON's ``profile`` (the top
 functions by cumulative CPU). Only paho's socket reads and MQTT parsing (the server's network thread) are not in it.
+
+Apart, the round's own messages, which the server over MQTT sends and this read path does not
+(``messages_cpu_s``): every asked device's TASK (built as ``server.broker_loop`` builds it, naming its plan's payload,
+each plan's payload framed once), sealed and framed, and a RECEIVED receipt for every update taken, sealed and framed
+(the sealing makes the verifier's accepts durable first: one fsync each, as the server does); not their publishes.
+``scripts/fleet_load.py``'s server CPU per update compares with ``cpu_s + messages_cpu_s``.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ sys.path.insert(0, str(REPO / "scripts"))  # bench_aggregators
 from device_runtime.auth import CounterSource, KeyRing, new_key  # noqa: E402
 from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES, Reassembler, chunk  # noqa: E402
 from device_runtime.link import Link  # noqa: E402
+from device_runtime.messages import receipt_message, task_message  # noqa: E402
 from device_runtime.topics import TopicKind  # noqa: E402
 from server.broker_loop import PENDING_MESSAGES, PENDING_UPDATES_BUDGETED, inbound_limit  # noqa: E402
 from server.compute_threads import use_server_threads  # noqa: E402
@@ -50,19 +57,42 @@ def sealed_updates(engine, keys: dict[str, bytes], max_inbound: int, round_index
             bench_aggregators.sealed_updates(engine.brief(max_inbound), keys, counters)]
 
 
+def send_tasks(engine, link: Link, tasks: dict, now: float) -> None:
+    """Every task of the opened round as the server sends it (``Federation._send_built_task``), but not published: its
+    plan's payload framed (once per plan), the TASK naming it sealed and framed."""
+    for device_id, task in tasks.items():
+        ref = None
+        if task.weights and engine.shares_payloads:
+            ref, data = engine.payload(device_id, task, now)
+            if data is not None:
+                chunk(data, DEFAULT_MAX_FRAME_BYTES, f"payload-{ref.sha256[:16]}")
+        msg = task_message(task, plan_hash=engine.plan_info(device_id).hash, device_id=device_id,
+                           run_id=engine.run_id, payload=ref)
+        chunk(link.seal(msg), DEFAULT_MAX_FRAME_BYTES, msg.msg_id)
+
+
+def send_receipt(link: Link, device_id: str, run_id: str, round_index: int) -> None:
+    """The RECEIVED of a taken update as the server sends it (``Federation._send_receipt``), sealed and framed."""
+    msg = receipt_message(device_id=device_id, run_id=run_id, round_index=round_index)
+    chunk(link.seal(msg), DEFAULT_MAX_FRAME_BYTES, msg.msg_id)
+
+
 def run(clients: int, rounds: int, profile: bool, folder: Path) -> dict:
     use_server_threads(1)
     logging.getLogger("fedara.engine").setLevel(logging.ERROR)
     devices = [f"dev_{i:05d}" for i in range(clients)]
     keys = {d: new_key() for d in devices}
-    engine = bench_aggregators.make_engine(devices, False, rounds)
+    engine = bench_aggregators.make_engine(devices, False, rounds, shared_payloads=True)
     max_inbound = inbound_limit(engine.global_state, {})
     link = Link.server(KeyRing(keys), folder / "server-state", max_inbound)
     reassembler = Reassembler(max_inbound, timeout_s=600.0, max_pending=PENDING_MESSAGES,
                               max_pending_bytes=PENDING_UPDATES_BUDGETED * max_inbound)
     results, profiler = [], None
     for r in range(1, rounds + 1):
-        engine.open_round(r, time.monotonic())
+        tasks = engine.open_round(r, time.monotonic())
+        tasks_cpu = time.process_time()
+        send_tasks(engine, link, tasks, time.monotonic())
+        tasks_cpu = time.process_time() - tasks_cpu
         payloads = sealed_updates(engine, keys, max_inbound, r)
         framed = [(device_id, chunk(payload, DEFAULT_MAX_FRAME_BYTES, f"r{r}-{device_id}"))
                   for device_id, payload in payloads]
@@ -70,7 +100,7 @@ def run(clients: int, rounds: int, profile: bool, folder: Path) -> dict:
             profiler = cProfile.Profile(time.process_time)
             profiler.enable()
         wall, cpu = time.perf_counter(), time.process_time()
-        join_wall = join_cpu = open_wall = open_cpu = 0.0
+        join_wall = join_cpu = open_wall = open_cpu = receipts_cpu = 0.0
         for device_id, frames in framed:
             w, c = time.perf_counter(), time.process_time()
             for frame in frames:
@@ -84,6 +114,9 @@ def run(clients: int, rounds: int, profile: bool, folder: Path) -> dict:
             verdict = engine.receive(device_id, msg, time.monotonic())
             if not verdict.accepted:
                 raise SystemExit(f"error: {device_id}'s update was refused: {verdict.reason}")
+            c = time.process_time()
+            send_receipt(link, device_id, engine.run_id, r)
+            receipts_cpu += time.process_time() - c
         received_wall, received_cpu = time.perf_counter(), time.process_time()
         engine.close_round(time.monotonic())
         end_wall, end_cpu = time.perf_counter(), time.process_time()
@@ -93,14 +126,18 @@ def run(clients: int, rounds: int, profile: bool, folder: Path) -> dict:
         row = {"round": r, "update_bytes": nbytes, "envelope_bytes": sum(len(p) for _, p in payloads),
                "join_s": join_wall, "join_cpu_s": join_cpu, "open_s": open_wall, "open_cpu_s": open_cpu,
                "receive_s": received_wall - wall - join_wall - open_wall,
-               "receive_cpu_s": received_cpu - cpu - join_cpu - open_cpu,
+               "receive_cpu_s": received_cpu - cpu - join_cpu - open_cpu - receipts_cpu,
                "close_s": end_wall - received_wall, "close_cpu_s": end_cpu - received_cpu,
-               "seconds": end_wall - wall, "cpu_s": end_cpu - cpu, "mb_per_cpu_s": nbytes / MB / (end_cpu - cpu),
+               "seconds": end_wall - wall, "cpu_s": end_cpu - cpu - receipts_cpu,
+               "mb_per_cpu_s": nbytes / MB / (end_cpu - cpu - receipts_cpu),
+               "messages_cpu_s": tasks_cpu + receipts_cpu, "tasks_cpu_s": tasks_cpu, "receipts_cpu_s": receipts_cpu,
                "load_average_1min": os.getloadavg()[0]}
         results.append(row)
-        print(f"round {r}: {nbytes / MB:.0f} MB, join {join_cpu:.3f} CPU s, open {open_cpu:.3f}, receive (checks, fold) "
-              f"{row['receive_cpu_s']:.3f}, close {row['close_cpu_s']:.3f}; {row['cpu_s']:.3f} CPU s in "
-              f"{row['seconds']:.3f} s: {row['mb_per_cpu_s']:.0f} MB per CPU s; load {row['load_average_1min']:.1f}",
+        print(f"round {r}: {nbytes / MB:.0f} MB, join {join_cpu:.3f} CPU s, open {open_cpu:.3f}, receive (checks, "
+              f"fold) {row['receive_cpu_s']:.3f}, close {row['close_cpu_s']:.3f}; {row['cpu_s']:.3f} CPU s in "
+              f"{row['seconds']:.3f} s: {row['mb_per_cpu_s']:.0f} MB per CPU s; apart, the round's messages "
+              f"{tasks_cpu + receipts_cpu:.3f} (tasks {tasks_cpu:.3f}, receipts {receipts_cpu:.3f}); "
+              f"load {row['load_average_1min']:.1f}",
               flush=True)
     out = {"clients": clients, "cpu": cpu_name(), "rounds": results}
     if profiler is not None:

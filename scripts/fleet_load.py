@@ -36,11 +36,12 @@ over it and ``read_to_broker`` its ratio to ``broker_only_mb_per_s``.
 
 Writes ``{"rounds": [...], ...}``: per round ``round``, ``devices`` (that answered), ``updates_folded``, ``lost``,
 ``seconds`` (the server's round, open to close), ``server_bytes_out``/``in`` (the server's MQTT bytes in the round),
-``plan_payload_bytes`` (Σ over the round's plans of one payload), ``payload_publishes`` (the server's payload
-publishes in the round, once per plan and again on request: from its log), ``update_mb_per_s`` (update tensor bytes
-over the round's seconds), ``broker_only_mb_per_s``, ``server_peak_rss_mb`` and ``server_cpu_s`` (from /proc,
-sampled as the server prints each round), ``spilled``, ``pushed_out`` and ``tasks_sent_again`` (the server's updates
-kept in its reassembly spill past its memory budget, pushed out half-received, and tasks sent again: from its log).
+``plan_payload_bytes`` (Σ over the round's plans of one payload), ``payload_publishes`` (the server's payload publishes
+in the round, once per plan and again on request: from its log), ``update_mb_per_s`` (update tensor bytes over the
+round's seconds), ``broker_only_mb_per_s``, ``server_peak_rss_mb``, ``server_cpu_s`` and ``server_main_thread_cpu_s``
+(its main loop's share; the rest is its other threads', paho's network thread above all) (from /proc, sampled as the
+server prints each round), ``spilled``, ``pushed_out`` and ``tasks_sent_again`` (the server's updates kept in its
+reassembly spill past its memory budget, pushed out half-received, and tasks sent again: from its log).
 """
 from __future__ import annotations
 
@@ -124,7 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"with --broker nats: SIGKILL node {KILLED_NODE} of the cluster {KILL_AFTER_S:g} s after round R "
                         "opened (0: never)")
     p.add_argument("--profile-server", default=None, metavar="FILE.prof",
-                   help="run the server under cProfile and write its profile here (read it with pstats)")
+                   help="run the server under cProfile in every thread (scripts/thread_profile.py) and write its "
+                        "main thread's profile here, each other thread's beside it (read them with pstats)")
     args = p.parse_args(argv)
     for flag, value in (("--devices", args.devices), ("--rounds", args.rounds)):
         if value < 1:
@@ -432,6 +434,13 @@ def proc_sample(pid: int) -> tuple[float, float]:
     return cpu, peak
 
 
+def main_thread_cpu(pid: int) -> float:
+    """CPU seconds so far of process ``pid``'s main thread (the server's main loop; the rest of its CPU is its other
+    threads': paho's network thread, above all)."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def log_time(words: list[str]) -> float:
     """The wall time of a server log line (its first two words, ``2026-12-02 14:28:42,334``, local time)."""
     whole, millis = words[1].split(",")
@@ -439,9 +448,10 @@ def log_time(words: list[str]) -> float:
 
 
 def watch(server: subprocess.Popen, log: Path, opened: dict[int, float], closed: dict[int, tuple[float, float]],
-          closed_at: dict[int, float]) -> None:
-    """Sample the server's CPU seconds as each round opens and (with its peak RSS) as it closes, from its log; keep
-    the wall time of each round's close (its log line's time)."""
+          closed_at: dict[int, float], main_cpu: dict[int, list[float]]) -> None:
+    """Sample the server's CPU seconds as each round opens and (with its peak RSS) as it closes, from its log, and its
+    main thread's in ``main_cpu`` (round -> [at the open, at the close]); keep the wall time of each round's close (its
+    log line's time)."""
     offset, rest = 0, b""
     while server.poll() is None:
         time.sleep(0.1)
@@ -458,8 +468,10 @@ def watch(server: subprocess.Popen, log: Path, opened: dict[int, float], closed:
             try:
                 if "fedara.server" in words and words[-2:] == ["device(s)", "asked"] and words[-4] == "opened:":
                     opened[int(words[-5])] = proc_sample(server.pid)[0]
+                    main_cpu[int(words[-5])] = [main_thread_cpu(server.pid)]
                 elif "fedara.progress" in words and words[4] == "round" and "/" in words[5]:
                     closed[int(words[5].split("/")[0])] = proc_sample(server.pid)
+                    main_cpu.setdefault(int(words[5].split("/")[0]), []).append(main_thread_cpu(server.pid))
                     closed_at[int(words[5].split("/")[0])] = log_time(words)
             except (IndexError, ValueError, OSError):
                 continue
@@ -502,7 +514,8 @@ def held_and_asked(log: Path) -> dict[int, dict[str, int]]:
 
 def server_command(args: argparse.Namespace, url: str, enrollment: Path, data: Path, overrides: Path,
                    out: Path) -> list[str]:
-    profile = ["-m", "cProfile", "-o", str(Path(args.profile_server).resolve())] if args.profile_server else []
+    profile = ([str(REPO / "scripts" / "thread_profile.py"), str(Path(args.profile_server).resolve())]
+               if args.profile_server else [])
     return [sys.executable, *profile, "-m", "server.broker_loop", "--broker", url, "--prefix", PREFIX, "--enroll",
             str(enrollment), "--dataset", "cifar10", "--data-dir", str(data), "--model", "fedavgcnn",
             "--rounds", str(args.rounds), "--min-devices", str(args.devices), "--rank-tiers",
@@ -556,7 +569,8 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
         opened: dict[int, float] = {}
         closed: dict[int, tuple[float, float]] = {}
         closed_at: dict[int, float] = {}
-        watcher = threading.Thread(target=watch, args=(server, out / "server.log", opened, closed, closed_at),
+        main_cpu: dict[int, list[float]] = {}
+        watcher = threading.Thread(target=watch, args=(server, out / "server.log", opened, closed, closed_at, main_cpu),
                                    daemon=True)
         watcher.start()
         killed: dict = {}
@@ -599,6 +613,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
     for record, broker in zip(records, ceiling["rounds"]):
         r = record["round"]
         cpu, peak = closed.get(r, (float("nan"), float("nan")))
+        main = main_cpu.get(r, [])
         update_bytes = record["bytes_up"]
         rounds.append({
             "round": r, "devices": record["participants"], "updates_folded": record["participants"],
@@ -609,6 +624,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             "update_mb_per_s": update_bytes / MB / record["seconds"],
             "broker_only_mb_per_s": broker["mb_per_s"],
             "server_peak_rss_mb": peak, "server_cpu_s": cpu - opened.get(r, float("nan")),
+            "server_main_thread_cpu_s": main[1] - main[0] if len(main) == 2 else float("nan"),
             **held.get(r, {})})
         if args.together:
             read = closed_at.get(r, float("nan")) - released.get(r, float("nan"))
@@ -626,12 +642,14 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
 
 def table(result: dict) -> str:
     head = ("| round | devices | folded | lost | s | server out MB | server in MB | plan payloads MB | payload "
-            "publishes | update MB/s | broker-only MB/s | server peak RSS MiB | server CPU s |\n|" + "---:|" * 13)
+            "publishes | update MB/s | broker-only MB/s | server peak RSS MiB | server CPU s | of it main thread |\n|" +
+            "---:|" * 14)
     rows = [f"| {r['round']} | {r['devices']} | {r['updates_folded']} | {r['lost']} | {r['seconds']:.1f} | "
             f"{(r['server_bytes_out'] or 0) / MB:.1f} | {(r['server_bytes_in'] or 0) / MB:.1f} | "
             f"{r['plan_payload_bytes'] / MB:.1f} | {r['payload_publishes']} | {r['update_mb_per_s']:.1f} | "
             f"{r['broker_only_mb_per_s']:.1f} | "
-            f"{r['server_peak_rss_mb']:.0f} | {r['server_cpu_s']:.1f} |" for r in result["rounds"]]
+            f"{r['server_peak_rss_mb']:.0f} | {r['server_cpu_s']:.1f} | {r['server_main_thread_cpu_s']:.1f} |"
+            for r in result["rounds"]]
     lines = [head, *rows]
     if "read_seconds" in result["rounds"][0]:
         lines += ["", "| round | read s (release to close) | read MB/s | broker-only MB/s | read / broker-only |",

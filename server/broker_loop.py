@@ -75,7 +75,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from device_runtime.messages import (ErrorCode, MessageError, error_message, new_msg_id, parse_ack, parse_error,
-                                     parse_join, parse_payload_request, plan_message, task_message)
+                                     parse_join, parse_payload_request, plan_message, receipt_message,
+                                     task_message)
 from device_runtime.payload import PayloadRef
 from device_runtime.link import Link, Refused
 from device_runtime.envelope import Message, MessageType
@@ -356,8 +357,7 @@ class Federation:
     def _send_receipt(self, device_id: str, round_index: int) -> None:
         """Tell the device its answer to ``round_index`` is counted: a re-ask that crossed that answer is not
         answered with it again (device_runtime/answer_receipt.py)."""
-        self._send(device_id, error_message(ErrorCode.RECEIVED, f"your answer to {round_index} is counted",
-                                            device_id=device_id, run_id=self.engine.run_id, round_index=round_index))
+        self._send(device_id, receipt_message(device_id=device_id, run_id=self.engine.run_id, round_index=round_index))
 
     # -- outbound ---------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ def test_twenty_devices_two_rounds_over_mosquitto_every_update_folded_payloads_o
     for r in rounds:
         assert r["devices"] == r["updates_folded"] == DEVICES and r["lost"] == 0, r
         assert r["plan_payload_bytes"] > 0 and r["server_peak_rss_mb"] > 0 and r["server_cpu_s"] > 0, r
+        assert 0 < r["server_main_thread_cpu_s"] <= r["server_cpu_s"], r
         assert r["server_bytes_out"] <= 1.1 * r["plan_payload_bytes"] + DEVICES * TASK_BYTES, r
     assert result["device_totals"]["updates"] >= DEVICES * ROUNDS
 
