@@ -22,9 +22,11 @@ grows with the step's accumulated reduction length and the output's magnitude) b
 Real edge models (issue 42), each form parity-checked at two batch sizes with the batch axis checked free:
 - BatchNorm 1-D/2-D trains with its running statistics as step STATE: graph inputs named by their state_dict key
   (``fe.bn1.running_mean``), ``.next`` outputs that the training-mode forward updates, never differentiated
-  (``fedcore.tensors``: the ``num_batches_tracked`` counter is dropped, ``momentum=None`` refused); through
-  torch's own decompositions (the exporter would emit an inference-mode BatchNormalization); the eval graph is
-  traced in eval mode, on the running statistics;
+  (``fedcore.tensors``: the ``num_batches_tracked`` counter is dropped, ``momentum=None`` refused); an affine one
+  by :class:`_BatchNormStatistics` (two reductions forward, x − μ kept for the backward: 18 % less time than
+  torch's decomposition for a BatchNorm2d(64) + ReLU at 64×14×14, docs/your_model.md), others through torch's own
+  decompositions (the exporter would emit an inference-mode BatchNormalization); the eval graph is traced in eval
+  mode, on the running statistics;
 - grouped and depthwise convolutions (forward: Conv; backward: :func:`_convolution_backward`), 1-D convolutions
   (as 2-D ones with a unit height axis), global average pools after any convolution form (:class:`_GlobalAvgPool`),
   ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` by the math attention path (:func:`_math_attention`),
@@ -412,8 +414,9 @@ def _decompositions(convolution_by_patches: bool) -> dict:
 
 _BATCH_NORM_OPS = (aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional,
                    aten.native_batch_norm_backward)
-"""Training-mode BatchNorm by torch's own decompositions (mean, variance, the running statistics' update): left
-to the exporter, it becomes an inference-mode BatchNormalization (parity: 0.29 off). The eval graph's
+"""Training-mode BatchNorm that :func:`_batch_norms_by_statistics` leaves (no affine parameters or no running
+statistics) by torch's own decompositions (mean, variance, the running statistics' update): left to the
+exporter, it becomes an inference-mode BatchNormalization (parity: 0.29 off). The eval graph's
 ``_native_batch_norm_legit_no_training`` is left to it: that one is an inference BatchNormalization."""
 
 _ACTIVATION_BACKWARDS = (aten.silu_backward, aten.hardswish_backward, aten.hardsigmoid_backward,

@@ -15,7 +15,9 @@ backward, parameter update), medians of ``--runs`` after one warm-up, interleave
 decomposition (what the compiler emitted before: the mean computed twice, x − μ three times), in isolation (a
 BatchNorm2d(64) + ReLU over 64×14×14, the DS-CNN example's layer size) and in the whole step of examples/dscnn.py
 and examples/resnet8.py (1×28×28): each graph compiled both ways, parity-checked, and the two step graphs timed at
-1 thread in interleaved blocks (thread-CPU and wall p50, ``BN_REPEATS`` rounds).
+1 thread in interleaved blocks (thread-CPU and wall p50, ``BN_REPEATS`` rounds). Before them, the alternatives for
+its channel reductions at that layer size as single ONNX graphs (:data:`REDUCTION_FORMS`: the variance, one channel
+sum, the backward's two sums Σg and Σg·(x − μ)), each checked against its group's first form, timed likewise.
 """
 from __future__ import annotations
 
@@ -81,6 +83,72 @@ BN_FORMS = ("torch decomposition (before)", "statistics form (shipped)")
 BN_REPEATS, BN_BLOCKS, BN_PER_BLOCK = 2, 8, 8
 
 
+def _reduction_forms(batch: int) -> dict[str, tuple[str, list]]:
+    """label -> (group, nodes) over inputs g and x of (batch, 64, 14, 14); output "o" (and "o2" for two sums)."""
+    from onnx import helper as h
+    ax, ax0 = "axes_023", "axes_0"
+
+    def dot(g, x, out):
+        return [h.make_node("Mul", [g, x], [out + "_p"]), h.make_node("ReduceSum", [out + "_p", ax], [out])]
+
+    def by_ones(t, out):
+        return [h.make_node("Reshape", [t, "rows"], [out + "_r"]), h.make_node("MatMul", [out + "_r", "ones"],
+                                                                              [out + "_m"]),
+                h.make_node("ReduceSum", [out + "_m", ax0], [out])]
+
+    return {
+        "variance: Mul + ReduceMean (shipped)": ("variance", [h.make_node("Mul", ["x", "x"], ["p"]),
+                                                              h.make_node("ReduceMean", ["p", ax], ["o"])]),
+        "variance: ReduceSumSquare · 1/n": ("variance", [h.make_node("ReduceSumSquare", ["x", ax], ["s"]),
+                                                         h.make_node("Mul", ["s", "inv_n"], ["o"])]),
+        "channel sum: ReduceSum axes 0,2,3 (shipped)": ("sum", [h.make_node("ReduceSum", ["g", ax], ["o"])]),
+        "channel sum: MatMul by ones, ReduceSum axis 0": ("sum", by_ones("g", "o")),
+        "two sums: two ReduceSum (shipped)": ("two", [h.make_node("ReduceSum", ["g", ax], ["o"]), *dot("g", "x", "o2")]),
+        "two sums: MatMul by ones": ("two", [*by_ones("g", "o"), h.make_node("Mul", ["g", "x"], ["p"]),
+                                             *by_ones("p", "o2")]),
+        "two sums: Concat, one ReduceSum": ("two", [
+            h.make_node("Mul", ["g", "x"], ["p"]), h.make_node("Concat", ["g", "p"], ["c"], axis=1),
+            h.make_node("Reshape", ["c", "pairs"], ["r"]), h.make_node("ReduceSum", ["r", "axes_03"], ["s"]),
+            h.make_node("Split", ["s"], ["o", "o2"], axis=1, num_outputs=2)]),
+        "two sums: ReduceSum and Einsum": ("two", [h.make_node("ReduceSum", ["g", ax], ["o"]),
+                                                   h.make_node("Einsum", ["g", "x"], ["o2"], equation="nchw,nchw->c")]),
+    }
+
+
+def bench_reduction_forms(batch: int) -> list[dict]:
+    """Each of :func:`_reduction_forms` at (batch, 64, 14, 14): thread-CPU and wall p50, max |Δ| to its group's first."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    c, hw = 64, 14 * 14
+    constants = dict(axes_023=np.array([0, 2, 3]), axes_0=np.array([0]), axes_03=np.array([0, 3]),
+                     rows=np.array([batch, c, hw]), pairs=np.array([batch, 2, c, hw]),
+                     ones=np.ones((hw, 1), np.float32), inv_n=np.array(1 / (batch * hw), np.float32))
+    rng = np.random.default_rng(0)
+    feeds = {name: rng.standard_normal((batch, c, 14, 14)).astype(np.float32) for name in ("g", "x")}
+    sessions, groups = {}, {}
+    for label, (group, nodes) in _reduction_forms(batch).items():
+        used = {i for node in nodes for i in node.input}
+        outputs = [o for o in ("o", "o2") if any(o in node.output for node in nodes)]
+        graph = helper.make_graph(
+            nodes, "form", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [batch, c, 14, 14]) for n in ("g", "x")],
+            [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+            [numpy_helper.from_array(v if v.dtype == np.float32 else v.astype(np.int64), k)
+             for k, v in constants.items() if k in used])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+        sessions[label] = _session(model.SerializeToString())
+        groups[label] = group
+    rows, first = [], {}
+    for label, session in sessions.items():
+        out = np.concatenate([o.ravel() for o in session.run(None, feeds)])
+        reference = first.setdefault(groups[label], out)
+        rows.append(dict(form=label, max_abs_diff=float(np.abs(out - reference).max()),
+                         reference_max=float(np.abs(reference).max())))
+    timed = interleaved_p50(sessions, feeds, BN_BLOCKS, BN_PER_BLOCK, time.thread_time)
+    for row in rows:
+        row |= {k: 1e3 * v for k, v in timed[row["form"]].items()}  # µs
+    return rows
+
+
 def bench_batch_norm_forms(name: str, batch: int) -> dict:
     """Both BatchNorm forms of one model: nodes, parity, thread-CPU and wall p50 per repeat of interleaved blocks."""
     factory, shape = BN_MODELS[name]
@@ -103,6 +171,12 @@ def bench_batch_norm_forms(name: str, batch: int) -> dict:
 
 
 def _batch_norm_main(args) -> int:
+    reductions = bench_reduction_forms(args.batch)
+    print(f"| channel reductions at {args.batch}x64x14x14 | thread-CPU p50 µs | wall p50 µs | max abs diff |")
+    print("|---|---:|---:|---:|")
+    for r in reductions:
+        print(f"| {r['form']} | {r['cpu_ms']:.0f} | {r['wall_ms']:.0f} | {r['max_abs_diff']:.1e} |", flush=True)
+    print()
     rows = []
     print("| model | form | nodes | parity | thread-CPU p50 ms (per repeat) | wall p50 ms | load |")
     print("|---|---|---:|---:|---|---|---:|")
@@ -115,7 +189,8 @@ def _batch_norm_main(args) -> int:
                   f"{os.getloadavg()[0]:.1f} |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"batch": args.batch, "threads": 1, "onnxruntime": onnxruntime.__version__,
-                                              "torch": torch.__version__, "rows": rows}, indent=1))
+                                              "torch": torch.__version__, "reductions_us": reductions, "rows": rows},
+                                             indent=1))
     return 0
 
 
