@@ -16,8 +16,10 @@ decomposition (what the compiler emitted before: the mean computed twice, x − 
 BatchNorm2d(64) + ReLU over 64×14×14, the DS-CNN example's layer size) and in the whole step of examples/dscnn.py
 and examples/resnet8.py (1×28×28): each graph compiled both ways, parity-checked, and the two step graphs timed at
 1 thread in interleaved blocks (thread-CPU and wall p50, ``BN_REPEATS`` rounds). Before them, the alternatives for
-its channel reductions at that layer size as single ONNX graphs (:data:`REDUCTION_FORMS`: the variance, one channel
-sum, the backward's two sums Σg and Σg·(x − μ)), each checked against its group's first form, timed likewise.
+its channel reductions at that layer size as single ONNX graphs (:func:`_reduction_forms`: the variance, one channel
+sum, the backward's two sums Σg and Σg·(x − μ), and the forward's output y against onnxruntime's own
+BatchNormalization in training mode, which gives y and the running statistics but not the batch's), each checked
+against its group's first form, timed likewise.
 """
 from __future__ import annotations
 
@@ -112,6 +114,15 @@ def _reduction_forms(batch: int) -> dict[str, tuple[str, list]]:
             h.make_node("Split", ["s"], ["o", "o2"], axis=1, num_outputs=2)]),
         "two sums: ReduceSum and Einsum": ("two", [h.make_node("ReduceSum", ["g", ax], ["o"]),
                                                    h.make_node("Einsum", ["g", "x"], ["o2"], equation="nchw,nchw->c")]),
+        "forward y: the statistics form's 6 ops (shipped)": ("forward", [
+            h.make_node("ReduceMean", ["x", ax], ["mu"]), h.make_node("Sub", ["x", "mu"], ["xc"]),
+            h.make_node("Mul", ["xc", "xc"], ["sq"]), h.make_node("ReduceMean", ["sq", ax], ["var"]),
+            h.make_node("Add", ["var", "eps"], ["ve"]), h.make_node("Sqrt", ["ve"], ["sd"]),
+            h.make_node("Div", ["scale", "sd"], ["sc"]), h.make_node("Mul", ["xc", "sc"], ["t"]),
+            h.make_node("Add", ["t", "shift"], ["o"])]),
+        "forward y: BatchNormalization training_mode=1": ("forward", [
+            h.make_node("BatchNormalization", ["x", "weight", "bias", "mean0", "var0"], ["o", "rm", "rv"],
+                        training_mode=1, epsilon=1e-5, momentum=0.9)]),
     }
 
 
@@ -122,7 +133,10 @@ def bench_reduction_forms(batch: int) -> list[dict]:
     c, hw = 64, 14 * 14
     constants = dict(axes_023=np.array([0, 2, 3]), axes_0=np.array([0]), axes_03=np.array([0, 3]),
                      rows=np.array([batch, c, hw]), pairs=np.array([batch, 2, c, hw]),
-                     ones=np.ones((hw, 1), np.float32), inv_n=np.array(1 / (batch * hw), np.float32))
+                     ones=np.ones((hw, 1), np.float32), inv_n=np.array(1 / (batch * hw), np.float32),
+                     eps=np.array(1e-5, np.float32), scale=np.full((1, c, 1, 1), 1.5, np.float32),
+                     shift=np.full((1, c, 1, 1), 0.25, np.float32), weight=np.full(c, 1.5, np.float32),
+                     bias=np.full(c, 0.25, np.float32), mean0=np.zeros(c, np.float32), var0=np.ones(c, np.float32))
     rng = np.random.default_rng(0)
     feeds = {name: rng.standard_normal((batch, c, 14, 14)).astype(np.float32) for name in ("g", "x")}
     sessions, groups = {}, {}
