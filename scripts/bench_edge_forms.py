@@ -1,6 +1,7 @@
 """Step time of the compiler's edge-model forms (issue 42) against PyTorch eager, both at 1 thread.
 
     .venv/bin/python scripts/bench_edge_forms.py [--out FILE.json] [--batch 16] [--runs 30]
+    .venv/bin/python scripts/bench_edge_forms.py --batch-norm-forms [--out FILE.json] [--batch 16]
 
 Models (tests/support/edge_models.py, at edge sizes): a DS-CNN with BatchNorm over 1×49×10 (keyword-spotting
 MFCCs), the same DS-CNN without BatchNorm (BatchNorm's decomposed form is the known risk: the pair isolates its
@@ -8,15 +9,28 @@ cost), a ResNet-8 with BatchNorm over 3×32×32, a Transformer encoder layer ove
 over 3×128 windows. Each is compiled (export.step_compiler, parity-checked) and one SGD step of CE + λ·L_FAC timed
 in onnxruntime (the installed build, an InferenceSession as the device runs it) and in PyTorch eager (forward,
 backward, parameter update), medians of ``--runs`` after one warm-up, interleaved. Prints a table, writes JSON.
+
+``--batch-norm-forms``: training-mode BatchNorm's two forms, the step compiler's statistics form
+(``_BatchNormStatistics``: mean and E[(x − μ)²] in two reductions, x − μ kept for the backward) against torch's
+decomposition (what the compiler emitted before: the mean computed twice, x − μ three times), in isolation (a
+BatchNorm2d(64) + ReLU over 64×14×14, the DS-CNN example's layer size) and in the whole step of examples/dscnn.py
+and examples/resnet8.py (1×28×28): each graph compiled both ways, parity-checked, and the two step graphs timed at
+1 thread in interleaved blocks (thread-CPU and wall p50, ``BN_REPEATS`` rounds). Before them, the alternatives for
+its channel reductions at that layer size as single ONNX graphs (:func:`_reduction_forms`: the variance, one channel
+sum, the backward's two sums Σg and Σg·(x − μ), and the forward's output y against onnxruntime's own
+BatchNormalization in training mode, which gives y and the running statistics but not the batch's), each checked
+against its group's first form, timed likewise.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import onnxruntime
@@ -27,9 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from device_runtime.artifact_contract import ANCHOR_MASK, ANCHORS, INPUT, LABELS, LAM, LR  # noqa: E402
 from export import step_compiler  # noqa: E402
 from export.artifacts import inference_session  # noqa: E402
+from fedcore.models import SplitModel, build_model  # noqa: E402
 from fedcore.objective import local_loss  # noqa: E402
 from fedcore.tensors import carried_tensors  # noqa: E402
 from tests.support.edge_models import conv1d_net, ds_cnn, resnet8, tiny_transformer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_thread_options import interleaved_p50  # noqa: E402
+from profile_step import synthetic_feeds  # noqa: E402
 
 
 def _no_batchnorm(model: nn.Module) -> nn.Module:
@@ -47,6 +66,146 @@ MODELS = {
     "transformer": (lambda: tiny_transformer((32, 16), 10, model_dim=32, heads=2), (32, 16)),
     "conv1d_bn": (lambda: conv1d_net((3, 128), 6, width=16), (3, 128)),
 }
+
+
+def _batch_norm_layer() -> SplitModel:
+    torch.manual_seed(0)
+    fe = nn.Sequential(nn.BatchNorm2d(64), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    return SplitModel("batch_norm_layer", fe, 64, 10)
+
+
+BN_MODELS = {
+    "BatchNorm2d(64) + ReLU, 64x14x14": (_batch_norm_layer, (64, 14, 14)),
+    "examples/dscnn.py:build, 1x28x28": (lambda: build_model("examples/dscnn.py:build", (1, 28, 28), 10, seed=0),
+                                         (1, 28, 28)),
+    "examples/resnet8.py:build, 1x28x28": (lambda: build_model("examples/resnet8.py:build", (1, 28, 28), 10, seed=0),
+                                           (1, 28, 28)),
+}
+BN_FORMS = ("torch decomposition (before)", "statistics form (shipped)")
+BN_REPEATS, BN_BLOCKS, BN_PER_BLOCK = 2, 8, 8
+
+
+def _reduction_forms(batch: int) -> dict[str, tuple[str, list]]:
+    """label -> (group, nodes) over inputs g and x of (batch, 64, 14, 14); output "o" (and "o2" for two sums)."""
+    from onnx import helper as h
+    ax, ax0 = "axes_023", "axes_0"
+
+    def dot(g, x, out):
+        return [h.make_node("Mul", [g, x], [out + "_p"]), h.make_node("ReduceSum", [out + "_p", ax], [out])]
+
+    def by_ones(t, out):
+        return [h.make_node("Reshape", [t, "rows"], [out + "_r"]), h.make_node("MatMul", [out + "_r", "ones"],
+                                                                              [out + "_m"]),
+                h.make_node("ReduceSum", [out + "_m", ax0], [out])]
+
+    return {
+        "variance: Mul + ReduceMean (shipped)": ("variance", [h.make_node("Mul", ["x", "x"], ["p"]),
+                                                              h.make_node("ReduceMean", ["p", ax], ["o"])]),
+        "variance: ReduceSumSquare · 1/n": ("variance", [h.make_node("ReduceSumSquare", ["x", ax], ["s"]),
+                                                         h.make_node("Mul", ["s", "inv_n"], ["o"])]),
+        "channel sum: ReduceSum axes 0,2,3 (shipped)": ("sum", [h.make_node("ReduceSum", ["g", ax], ["o"])]),
+        "channel sum: MatMul by ones, ReduceSum axis 0": ("sum", by_ones("g", "o")),
+        "two sums: two ReduceSum (shipped)": ("two", [h.make_node("ReduceSum", ["g", ax], ["o"]), *dot("g", "x", "o2")]),
+        "two sums: MatMul by ones": ("two", [*by_ones("g", "o"), h.make_node("Mul", ["g", "x"], ["p"]),
+                                             *by_ones("p", "o2")]),
+        "two sums: Concat, one ReduceSum": ("two", [
+            h.make_node("Mul", ["g", "x"], ["p"]), h.make_node("Concat", ["g", "p"], ["c"], axis=1),
+            h.make_node("Reshape", ["c", "pairs"], ["r"]), h.make_node("ReduceSum", ["r", "axes_03"], ["s"]),
+            h.make_node("Split", ["s"], ["o", "o2"], axis=1, num_outputs=2)]),
+        "two sums: ReduceSum and Einsum": ("two", [h.make_node("ReduceSum", ["g", ax], ["o"]),
+                                                   h.make_node("Einsum", ["g", "x"], ["o2"], equation="nchw,nchw->c")]),
+        "forward y: the statistics form's 6 ops (shipped)": ("forward", [
+            h.make_node("ReduceMean", ["x", ax], ["mu"]), h.make_node("Sub", ["x", "mu"], ["xc"]),
+            h.make_node("Mul", ["xc", "xc"], ["sq"]), h.make_node("ReduceMean", ["sq", ax], ["var"]),
+            h.make_node("Add", ["var", "eps"], ["ve"]), h.make_node("Sqrt", ["ve"], ["sd"]),
+            h.make_node("Div", ["scale", "sd"], ["sc"]), h.make_node("Mul", ["xc", "sc"], ["t"]),
+            h.make_node("Add", ["t", "shift"], ["o"])]),
+        "forward y: BatchNormalization training_mode=1": ("forward", [
+            h.make_node("BatchNormalization", ["x", "weight", "bias", "mean0", "var0"], ["o", "rm", "rv"],
+                        training_mode=1, epsilon=1e-5, momentum=0.9)]),
+    }
+
+
+def bench_reduction_forms(batch: int) -> list[dict]:
+    """Each of :func:`_reduction_forms` at (batch, 64, 14, 14): thread-CPU and wall p50, max |Δ| to its group's first."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    c, hw = 64, 14 * 14
+    constants = dict(axes_023=np.array([0, 2, 3]), axes_0=np.array([0]), axes_03=np.array([0, 3]),
+                     rows=np.array([batch, c, hw]), pairs=np.array([batch, 2, c, hw]),
+                     ones=np.ones((hw, 1), np.float32), inv_n=np.array(1 / (batch * hw), np.float32),
+                     eps=np.array(1e-5, np.float32), scale=np.full((1, c, 1, 1), 1.5, np.float32),
+                     shift=np.full((1, c, 1, 1), 0.25, np.float32), weight=np.full(c, 1.5, np.float32),
+                     bias=np.full(c, 0.25, np.float32), mean0=np.zeros(c, np.float32), var0=np.ones(c, np.float32))
+    rng = np.random.default_rng(0)
+    feeds = {name: rng.standard_normal((batch, c, 14, 14)).astype(np.float32) for name in ("g", "x")}
+    sessions, groups = {}, {}
+    for label, (group, nodes) in _reduction_forms(batch).items():
+        used = {i for node in nodes for i in node.input}
+        outputs = [o for o in ("o", "o2") if any(o in node.output for node in nodes)]
+        graph = helper.make_graph(
+            nodes, "form", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [batch, c, 14, 14]) for n in ("g", "x")],
+            [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+            [numpy_helper.from_array(v if v.dtype == np.float32 else v.astype(np.int64), k)
+             for k, v in constants.items() if k in used])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+        sessions[label] = _session(model.SerializeToString())
+        groups[label] = group
+    rows, first = [], {}
+    for label, session in sessions.items():
+        out = np.concatenate([o.ravel() for o in session.run(None, feeds)])
+        reference = first.setdefault(groups[label], out)
+        rows.append(dict(form=label, max_abs_diff=float(np.abs(out - reference).max()),
+                         reference_max=float(np.abs(reference).max())))
+    timed = interleaved_p50(sessions, feeds, BN_BLOCKS, BN_PER_BLOCK, time.thread_time)
+    for row in rows:
+        row |= {k: 1e3 * v for k, v in timed[row["form"]].items()}  # µs
+    return rows
+
+
+def bench_batch_norm_forms(name: str, batch: int) -> dict:
+    """Both BatchNorm forms of one model: nodes, parity, thread-CPU and wall p50 per repeat of interleaved blocks."""
+    factory, shape = BN_MODELS[name]
+    model = factory()
+    sessions, row = {}, dict(model=name, batch=batch, forms={})
+    for form in BN_FORMS:
+        with mock.patch.object(step_compiler, "_batch_norms_by_statistics",
+                               step_compiler._batch_norms_by_statistics if form == BN_FORMS[1] else lambda m: m):
+            step, evaluate = step_compiler.compile_step(model, shape, model.num_classes, model.feature_dim)
+        parity = step_compiler.check_parity(model, step, evaluate, shape, model.num_classes, model.feature_dim,
+                                            inference_session)
+        sessions[form] = _session(step.SerializeToString())
+        row["forms"][form] = dict(nodes=len(step.graph.node), parity=parity, cpu_ms=[], wall_ms=[])
+    feeds = synthetic_feeds(sessions[BN_FORMS[0]], batch)
+    for _ in range(BN_REPEATS):
+        for form, t in interleaved_p50(sessions, feeds, BN_BLOCKS, BN_PER_BLOCK, time.thread_time).items():
+            row["forms"][form]["cpu_ms"].append(t["cpu_ms"])
+            row["forms"][form]["wall_ms"].append(t["wall_ms"])
+    return row
+
+
+def _batch_norm_main(args) -> int:
+    reductions = bench_reduction_forms(args.batch)
+    print(f"| channel reductions at {args.batch}x64x14x14 | thread-CPU p50 µs | wall p50 µs | max abs diff |")
+    print("|---|---:|---:|---:|")
+    for r in reductions:
+        print(f"| {r['form']} | {r['cpu_ms']:.0f} | {r['wall_ms']:.0f} | {r['max_abs_diff']:.1e} |", flush=True)
+    print()
+    rows = []
+    print("| model | form | nodes | parity | thread-CPU p50 ms (per repeat) | wall p50 ms | load |")
+    print("|---|---|---:|---:|---|---|---:|")
+    for name in BN_MODELS:
+        row = bench_batch_norm_forms(name, args.batch)
+        rows.append(row)
+        for form, r in row["forms"].items():
+            print(f"| {name} | {form} | {r['nodes']} | {r['parity']:.1e} | "
+                  f"{', '.join(f'{v:.3f}' for v in r['cpu_ms'])} | {', '.join(f'{v:.2f}' for v in r['wall_ms'])} | "
+                  f"{os.getloadavg()[0]:.1f} |", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"batch": args.batch, "threads": 1, "onnxruntime": onnxruntime.__version__,
+                                              "torch": torch.__version__, "reductions_us": reductions, "rows": rows},
+                                             indent=1))
+    return 0
 
 
 def _session(model_bytes: bytes) -> onnxruntime.InferenceSession:
@@ -101,8 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--runs", type=int, default=30)
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of: " + ", ".join(MODELS))
+    p.add_argument("--batch-norm-forms", action="store_true",
+                   help="instead: BatchNorm's statistics form against torch's decomposition, alone and in the step")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.batch_norm_forms:
+        return _batch_norm_main(args)
     rows = []
     print(f"| model | onnxruntime {onnxruntime.__version__} step ms | PyTorch {torch.__version__} eager ms | "
           "ratio | parity | compile s |")

@@ -37,6 +37,10 @@ FORMS = {
     "adaptive_avg_pool_2x2": (lambda input_shape: _pooled(input_shape), (8, 6, 4), {}),
     # token ids (float32) through nn.Embedding: Cast and Gather forward, a scatter-add backward (repeated ids)
     "embedding_of_token_ids": (lambda input_shape: _tokens(input_shape), (9,), {}),
+    # BatchNorm1d over (batch, features): the statistics form reduces over the batch axis alone
+    "batchnorm1d_on_features": (lambda input_shape: _normed_features(input_shape), (6,), {}),
+    # a BatchNorm without affine parameters: torch's decomposition, not the statistics form
+    "batchnorm2d_without_affine": (lambda input_shape: _plain_normed(input_shape), (2, 6, 6), {}),
 }
 STATS_STEPS = 6
 STATS_ATOL = 1e-5
@@ -61,6 +65,19 @@ def _pooled(input_shape) -> SplitModel:
     torch.manual_seed(0)
     fe = nn.Sequential(nn.Conv2d(input_shape[0], 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten())
     return SplitModel("pooled", fe, 32, 3)
+
+
+def _normed_features(input_shape) -> SplitModel:
+    torch.manual_seed(0)
+    fe = nn.Sequential(nn.Linear(input_shape[0], 8), nn.BatchNorm1d(8), nn.ReLU())
+    return SplitModel("normed_features", fe, 8, 3)
+
+
+def _plain_normed(input_shape) -> SplitModel:
+    torch.manual_seed(0)
+    fe = nn.Sequential(nn.Conv2d(input_shape[0], 8, 3), nn.BatchNorm2d(8, affine=False), nn.ReLU(),
+                       nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    return SplitModel("plain_normed", fe, 8, 3)
 
 
 def _tokens(input_shape) -> SplitModel:
@@ -194,6 +211,21 @@ def test_two_models_differing_only_in_an_activation_get_different_artifact_hashe
     hashes = {config_hash(artifact_config(ds_cnn(act=act), {}, (1, 12, 10), 4, PORTABLE_KIND))
               for act in (nn.ReLU, nn.GELU)}
     assert len(hashes) == 2
+
+
+def test_a_new_batchnorm_form_changes_the_hash_of_models_with_batchnorm_only(monkeypatch):
+    models = {"bn": (ds_cnn(), (1, 12, 10)), "transformer": (tiny_transformer((6, 5)), (6, 5)),
+              "zoo": (build_model("cnn1", (1, 28, 28), 10, seed=0), (1, 28, 28))}
+
+    def hashes():
+        return {k: config_hash(artifact_config(m, {}, shape, m.num_classes, PORTABLE_KIND))
+                for k, (m, shape) in models.items()}
+
+    before = hashes()
+    monkeypatch.setattr(step_compiler, "BATCH_NORM_FORM_VERSION", step_compiler.BATCH_NORM_FORM_VERSION + 1)
+    after = hashes()
+    assert after["bn"] != before["bn"]
+    assert after["transformer"] == before["transformer"] and after["zoo"] == before["zoo"]
 
 
 def test_retrained_weights_keep_the_artifact_hash():
