@@ -135,7 +135,7 @@ def compile_graphs(configs, ratios, workdir: str) -> dict[str, str]:
             step, evaluate = compile_step(client, shape, NUM_CLASSES, client.feature_dim)
             check_parity(client, step, evaluate, shape, NUM_CLASSES, client.feature_dim, inference_session)
             label = f"{model_name} {shape_name(shape)} {ratio:g}"
-            graphs[label] = os.path.join(workdir, label.replace(" ", "_") + ".onnx")
+            graphs[label] = os.path.join(workdir, f"compiled_{len(graphs)}.onnx")  # in workdir whatever the label
             onnx.save(step, graphs[label])
             print(f"compiled {label}", flush=True)
     return graphs
