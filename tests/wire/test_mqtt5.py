@@ -74,9 +74,11 @@ def test_the_broker_never_sends_an_mqtt5_endpoint_a_packet_over_its_maximum(unca
 
 @pytest.mark.slow  # 150 MiB for a moment
 def test_an_mqtt311_endpoint_reads_the_oversized_packet_whole_before_refusing_it(uncapped_mosquitto, tmp_path: Path):
+    """Read whole, into one buffer of its size (device_runtime/transport.py's ``_Client._read_body``; paho's own
+    reads held it about three times): the cost MQTT 5 removes."""
     report = receive_after_junk(uncapped_mosquitto, "3.1.1", tmp_path)
     assert report["frames_rejected"] == 1
-    assert report["peak_rss_growth_mib"] >= JUNK_BYTES / 2**20  # read whole: the cost MQTT 5 removes
+    assert JUNK_BYTES / 2**20 - RSS_SLACK_MIB <= report["peak_rss_growth_mib"] <= JUNK_BYTES / 2**20 + RSS_SLACK_MIB
 
 
 def test_mosquitto_speaks_mqtt5_and_the_embedded_broker_does_not(mosquitto_broker, embedded_broker):
