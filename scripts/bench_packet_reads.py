@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO))
 
 import paho.mqtt.client as mqtt  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
+from paho.mqtt.properties import VariableByteIntegers  # noqa: E402
 
 from device_runtime import transport  # noqa: E402
 from device_runtime.framing import Reassembler, chunk  # noqa: E402
@@ -35,20 +36,11 @@ FRAME_BYTES = 1 << 20
 """scripts/fleet_load.py's --max-message-bytes."""
 
 
-def varint(value: int) -> bytes:
-    """An MQTT Variable Byte Integer."""
-    out = bytearray()
-    while True:
-        value, digit = divmod(value, 128)
-        out.append(digit | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
 
 def publish_packet(payload: bytes, mid: int, topic: str) -> bytes:
     """An MQTT 5 QoS 1 PUBLISH with no properties, as mosquitto forwards a device's frame."""
     body = len(topic).to_bytes(2, "big") + topic.encode() + mid.to_bytes(2, "big") + b"\x00" + payload
-    return b"\x32" + varint(len(body)) + body
+    return b"\x32" + VariableByteIntegers.encode(len(body)) + body
 
 
 def measure(updates: int) -> dict:

@@ -477,10 +477,9 @@ def watch(server: subprocess.Popen, log: Path, opened: dict[int, float], closed:
                 continue
 
 
-def payload_publishes(log: Path) -> dict[int, list[tuple[str, int]]]:
-    """Per round, every payload the server published (its SHA-256 prefix and bytes, once per publish), from its log:
-    a round's distinct payloads are its plans' (``plan_payload_bytes``), the rest were published again on request."""
-    rounds: dict[int, list[tuple[str, int]]] = {}
+def server_lines(log: Path) -> Iterator[tuple[int, list[str], str]]:
+    """The server's own lines of its log, each with the round open when it was written (0 before the first) and its
+    words."""
     current = 0
     for line in log.read_text(errors="replace").splitlines():
         words = line.split()
@@ -488,7 +487,15 @@ def payload_publishes(log: Path) -> dict[int, list[tuple[str, int]]]:
             continue
         if words[-2:] == ["device(s)", "asked"] and words[-4] == "opened:":
             current = int(words[-5])
-        elif words[4:6] == ["published", "payload"] and current:
+        yield current, words, line
+
+
+def payload_publishes(log: Path) -> dict[int, list[tuple[str, int]]]:
+    """Per round, every payload the server published (its SHA-256 prefix and bytes, once per publish), from its log:
+    a round's distinct payloads are its plans' (``plan_payload_bytes``), the rest were published again on request."""
+    rounds: dict[int, list[tuple[str, int]]] = {}
+    for current, words, _ in server_lines(log):
+        if words[4:6] == ["published", "payload"] and current:
             rounds.setdefault(current, []).append((words[6], int(words[7].lstrip("("))))
     return rounds
 
@@ -497,14 +504,8 @@ def held_and_asked(log: Path) -> dict[int, dict[str, int]]:
     """Per round, from the server's log: updates kept in its reassembly spill, pushed out half-received, and tasks sent
     again (to a device whose update was pushed out, that came online again, or after the server's reconnect)."""
     rounds: dict[int, dict[str, int]] = {}
-    current = 0
-    for line in log.read_text(errors="replace").splitlines():
-        words = line.split()
-        if "fedara.server" not in words:
-            continue
-        if words[-2:] == ["device(s)", "asked"] and words[-4] == "opened:":
-            current = int(words[-5])
-        elif words[4:5] == ["round"] and "spill" in words and words[-2:] == ["pushed", "out"]:
+    for current, words, line in server_lines(log):
+        if words[4:5] == ["round"] and "spill" in words and words[-2:] == ["pushed", "out"]:
             record = rounds.setdefault(int(words[5].rstrip(":")), {"tasks_sent_again": 0})
             record.update(spilled=int(words[6]), pushed_out=int(words[-3]))
         elif current and ("sending its task again" in line or "re-sending the open round's task" in line):

@@ -10,20 +10,12 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.exception import MalformedPacket
+from paho.mqtt.properties import VariableByteIntegers
 
 from device_runtime import transport
 
 TOPIC = "fedara/dev/dev_001/up"
 
-
-def varint(value: int) -> bytes:
-    """An MQTT Variable Byte Integer."""
-    out = bytearray()
-    while True:
-        value, digit = divmod(value, 128)
-        out.append(digit | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
 
 
 def publish_packet(payload: bytes, *, qos: int = 1, mid: int = 7, topic: str = TOPIC, retain: bool = False,
@@ -33,9 +25,9 @@ def publish_packet(payload: bytes, *, qos: int = 1, mid: int = 7, topic: str = T
     if qos:
         body += mid.to_bytes(2, "big")
     if properties is not None:
-        body += varint(len(properties)) + properties
+        body += VariableByteIntegers.encode(len(properties)) + properties
     body += payload
-    return bytes([0x30 | qos << 1 | int(retain)]) + varint(len(body)) + body
+    return bytes([0x30 | qos << 1 | int(retain)]) + VariableByteIntegers.encode(len(body)) + body
 
 
 @pytest.fixture(params=[mqtt.MQTTv311, mqtt.MQTTv5], ids=["mqtt311", "mqtt5"])
