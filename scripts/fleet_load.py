@@ -598,6 +598,8 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
         watcher.join(10)
         stop.set()
         for proc in procs:
+            if code != 0:
+                proc.terminate()  # a device still connecting would wait for the broker for minutes
             proc.join(120)
         if code != 0:
             raise SystemExit(fail(f"the server exited with {code}: see {folder / 'server.out'}"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import cProfile
 import json
+import os
 import pstats
 import re
 import runpy
@@ -80,6 +81,7 @@ def main(argv: list[str]) -> int:
     atexit.register(_write, out)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.argv = [module, *argv[3:]]
+    sys.path[0] = os.getcwd()  # as ``python -m`` does: the module is found from the working folder, not scripts/
     main_profile.enable()
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)

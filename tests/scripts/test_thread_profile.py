@@ -41,6 +41,14 @@ def test_each_thread_gets_its_own_profile_and_cpu_seconds(tmp_path: Path):
     assert 0 < summary["profiled_cpu_s"] <= summary["process_cpu_s"], summary
 
 
+def test_the_module_is_found_from_the_working_folder_as_python_m_finds_it(tmp_path: Path):
+    (tmp_path / "two_threads.py").write_text(TWO_THREADS)
+    done = subprocess.run([sys.executable, str(SCRIPTS / "thread_profile.py"), str(tmp_path / "run.prof"), "-m",
+                           "two_threads"], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=child_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "run.worker.prof").exists()
+
+
 def test_without_a_module_it_exits_2_with_its_usage(tmp_path: Path):
     done = subprocess.run([sys.executable, str(SCRIPTS / "thread_profile.py"), str(tmp_path / "x.prof")],
                           capture_output=True, text=True, timeout=60, env=child_env())
