@@ -135,3 +135,23 @@ def test_a_closed_connection_drops_what_was_read_ahead_of_it(client) -> None:
     assert [bytes(m.payload) for m in delivered] == [b"fresh"]
     ours.close()
     broker2.close()
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3], ids=["after-type", "inside-length", "after-length"])
+def test_a_fixed_header_cut_at_a_read_boundary_is_read_once_the_rest_arrives(client, cut: int) -> None:
+    reader, broker, delivered = client
+    payload = b"z" * 20_000  # remaining length in 2 bytes: the cut can fall between them
+    packet = publish_packet(payload, properties=mqtt5_properties(reader))
+    broker.sendall(packet[:cut])
+    assert read_all(reader) == MQTTErrorCode.MQTT_ERR_AGAIN
+    broker.sendall(packet[cut:])
+    read_all(reader)
+    assert [(m.mid, bytes(m.payload)) for m in delivered] == [(7, payload)]
+
+
+def test_a_remaining_length_longer_than_four_bytes_is_a_protocol_error(client) -> None:
+    reader, broker, delivered = client
+    broker.sendall(bytes([0x32, 0x80, 0x80, 0x80, 0x80, 0x01]) + b"x" * 64)
+    assert read_all(reader) == MQTTErrorCode.MQTT_ERR_PROTOCOL
+    assert delivered == []
+
