@@ -25,7 +25,9 @@ connections (~0.4 MiB each); ``--processes`` defaults to one per 250 devices.
 The broker-only ceiling is measured in the same run on the same broker, before the server starts: the same number
 of updates of the same plans published by one process as fast as the broker takes them, taken off by one plain
 subscriber that opens none of them (scripts/bench_aggregators.py's ``measure_broker``, at most 200 updates a round:
-a rate, not a round).
+a rate, not a round). So is the server's in-process read path (scripts/bench_read_path.py's ``run``, the same rounds
+and at most 200 updates a round: frames joined, opened, hashed, folded, the round closed, and apart the round's own
+TASKs and receipts sealed), the CPU per update the server over the broker is compared with.
 
 A round's ``seconds`` include the devices' answer delays, so ``update_mb_per_s`` is the fleet's rate, not the
 server's. ``--together`` measures the server's read path against that ceiling: every device seals its answer when
@@ -40,8 +42,10 @@ Writes ``{"rounds": [...], ...}``: per round ``round``, ``devices`` (that answer
 in the round, once per plan and again on request: from its log), ``update_mb_per_s`` (update tensor bytes over the
 round's seconds), ``broker_only_mb_per_s``, ``server_peak_rss_mb``, ``server_cpu_s`` and ``server_main_thread_cpu_s``
 (its main loop's share; the rest is its other threads', paho's network thread above all) (from /proc, sampled as the
-server prints each round), ``spilled``, ``pushed_out`` and ``tasks_sent_again`` (the server's updates kept in its
-reassembly spill past its memory budget, pushed out half-received, and tasks sent again: from its log).
+server prints each round), ``server_cpu_ms_per_update``, ``read_path_cpu_ms_per_update`` (the same round of the
+in-process read path: its CPU with the round's messages, per update) and ``server_to_read_path`` (their ratio),
+``spilled``, ``pushed_out`` and ``tasks_sent_again`` (the server's updates kept in its reassembly spill past its
+memory budget, pushed out half-received, and tasks sent again: from its log); ``read_path``: that measurement.
 """
 from __future__ import annotations
 
@@ -553,6 +557,7 @@ def kill_mid_round(kill: Callable[[int], None], round_index: int, opened: dict[i
 def run(args: argparse.Namespace, folder: Path) -> dict:
     from server.mqtt.enrollment import save_enrollment
     import bench_aggregators as bench
+    import bench_read_path
     devices = [f"dev_{i:05d}" for i in range(args.devices)]
     keys = {d: new_key() for d in devices}
     enrollment = save_enrollment(folder / "enrollment.json", keys)
@@ -563,6 +568,8 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
         print(f"broker {args.broker} at {url}; measuring the broker-only ceiling", flush=True)
         bench.FRAME_BYTES = args.max_message_bytes
         ceiling = bench.measure_broker(url, min(args.devices, CEILING_UPDATES), args.rounds)
+        print("measuring the server's in-process read path (scripts/bench_read_path.py)", flush=True)
+        read_path = bench_read_path.run(min(args.devices, CEILING_UPDATES), args.rounds, False, folder / "read_path")
         out = folder / "server"
         with open(folder / "server.out", "w") as log:
             server = subprocess.Popen(server_command(args, url, enrollment, data, overrides, out), cwd=REPO,
@@ -613,11 +620,13 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
     published = payload_publishes(out / "server.log")
     held = held_and_asked(out / "server.log")
     rounds = []
-    for record, broker in zip(records, ceiling["rounds"]):
+    for record, broker, bench_round in zip(records, ceiling["rounds"], read_path["rounds"]):
         r = record["round"]
         cpu, peak = closed.get(r, (float("nan"), float("nan")))
         main = main_cpu.get(r, [])
         update_bytes = record["bytes_up"]
+        server_ms = (cpu - opened.get(r, float("nan"))) / record["participants"] * 1000
+        read_path_ms = (bench_round["cpu_s"] + bench_round["messages_cpu_s"]) / read_path["clients"] * 1000
         rounds.append({
             "round": r, "devices": record["participants"], "updates_folded": record["participants"],
             "lost": record["selected"] - record["participants"], "seconds": record["seconds"],
@@ -628,7 +637,8 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             "broker_only_mb_per_s": broker["mb_per_s"],
             "server_peak_rss_mb": peak, "server_cpu_s": cpu - opened.get(r, float("nan")),
             "server_main_thread_cpu_s": main[1] - main[0] if len(main) == 2 else float("nan"),
-            **held.get(r, {})})
+            "server_cpu_ms_per_update": server_ms, "read_path_cpu_ms_per_update": read_path_ms,
+            "server_to_read_path": server_ms / read_path_ms, **held.get(r, {})})
         if args.together:
             read = closed_at.get(r, float("nan")) - released.get(r, float("nan"))
             rounds[-1].update(read_seconds=read, read_mb_per_s=update_bytes / MB / read,
@@ -636,7 +646,8 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
     return {"devices": args.devices, "broker": args.broker, "aggregators": args.aggregators, "churn": args.churn,
             "delay_mean_s": args.delay_mean, "together": args.together, "max_message_bytes": args.max_message_bytes,
             "processes": processes,
-            "cpu": bench.cpu_name(), "load_average": os.getloadavg(), "rounds": rounds, "killed": killed or None,
+            "cpu": bench.cpu_name(), "load_average": os.getloadavg(), "rounds": rounds, "read_path": read_path,
+            "killed": killed or None,
             "device_totals": {k: sum(s[k] for s in stats.values()) for k in
                               ("payload_bytes", "payloads_refused", "payload_asks", "updates", "tasks",
                                "reconnects")},
@@ -645,13 +656,15 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
 
 def table(result: dict) -> str:
     head = ("| round | devices | folded | lost | s | server out MB | server in MB | plan payloads MB | payload "
-            "publishes | update MB/s | broker-only MB/s | server peak RSS MiB | server CPU s | of it main thread |\n|" +
-            "---:|" * 14)
+            "publishes | update MB/s | broker-only MB/s | server peak RSS MiB | server CPU s | of it main thread | "
+            "CPU ms an update | read path's | server / read path |\n|" + "---:|" * 17)
     rows = [f"| {r['round']} | {r['devices']} | {r['updates_folded']} | {r['lost']} | {r['seconds']:.1f} | "
             f"{(r['server_bytes_out'] or 0) / MB:.1f} | {(r['server_bytes_in'] or 0) / MB:.1f} | "
             f"{r['plan_payload_bytes'] / MB:.1f} | {r['payload_publishes']} | {r['update_mb_per_s']:.1f} | "
             f"{r['broker_only_mb_per_s']:.1f} | "
-            f"{r['server_peak_rss_mb']:.0f} | {r['server_cpu_s']:.1f} | {r['server_main_thread_cpu_s']:.1f} |"
+            f"{r['server_peak_rss_mb']:.0f} | {r['server_cpu_s']:.1f} | {r['server_main_thread_cpu_s']:.1f} | "
+            f"{r['server_cpu_ms_per_update']:.1f} | {r['read_path_cpu_ms_per_update']:.1f} | "
+            f"{r['server_to_read_path']:.2f} |"
             for r in result["rounds"]]
     lines = [head, *rows]
     if "read_seconds" in result["rounds"][0]:

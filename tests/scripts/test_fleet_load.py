@@ -31,8 +31,11 @@ def test_twenty_devices_two_rounds_over_mosquitto_every_update_folded_payloads_o
         assert r["devices"] == r["updates_folded"] == DEVICES and r["lost"] == 0, r
         assert r["plan_payload_bytes"] > 0 and r["server_peak_rss_mb"] > 0 and r["server_cpu_s"] > 0, r
         assert 0 < r["server_main_thread_cpu_s"] <= r["server_cpu_s"], r
+        ratio = r["server_cpu_ms_per_update"] / r["read_path_cpu_ms_per_update"]
+        assert r["server_to_read_path"] == pytest.approx(ratio) and ratio > 0, r
         assert r["server_bytes_out"] <= 1.1 * r["plan_payload_bytes"] + DEVICES * TASK_BYTES, r
     assert result["device_totals"]["updates"] >= DEVICES * ROUNDS
+    assert [r["round"] for r in result["read_path"]["rounds"]] == list(range(1, ROUNDS + 1))  # measured in this run
 
 
 @pytest.mark.slow
