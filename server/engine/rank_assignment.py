@@ -115,11 +115,22 @@ def tier_predictor(model: nn.Module, input_shape: tuple[int, ...], batch_size: i
 def assign_tier(budget_mb: float | None, tiers: Sequence[float], predict: Callable[[float], float]) -> float:
     """The largest tier whose predicted peak fits ``budget_mb``; no budget: the largest tier.
 
-    When no tier fits, the smallest one (the closest the device can get); the caller says so."""
+    When no tier fits, the tier predicted to need the least (the closest the device can get; the larger of equals):
+    the smallest for the zoo, but a model whose factors hold more than its dense layers (a depthwise-separable net's
+    pointwise convolutions) can be leanest dense. The caller says so."""
     ordered = check_tiers(tiers)
     if budget_mb is None:
         return ordered[0]
-    return next((t for t in ordered if predict(t) <= budget_mb), ordered[-1])
+    return next((t for t in ordered if predict(t) <= budget_mb), None) or min(ordered, key=predict)
+
+
+def unchosen_tiers(tiers: Sequence[float], predict: Callable[[float], float]) -> list[tuple[float, float]]:
+    """Each tier that no memory budget selects, with the larger tier predicted to need no more (which ``assign_tier``
+    picks wherever the first fits): factorizing that model at that ratio saves no memory; only an override sends a
+    device there."""
+    ordered = check_tiers(tiers)
+    return [(t, larger) for i, t in enumerate(ordered)
+            for larger in [next((b for b in ordered[:i] if predict(b) <= predict(t)), None)] if larger is not None]
 
 
 def choose_ratio(device_id: str, budget_mb: float | None, tiers: Sequence[float],

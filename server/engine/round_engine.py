@@ -41,7 +41,7 @@ from server.engine.coordinator import NO_ANSWER, NON_FINITE, Coordinator, Device
 from server.engine.plan_payloads import PlanPayloads
 from server.engine.presence import Presence
 from server.engine.privacy import DpFedAvg, finite, noise_cause
-from server.engine.rank_assignment import choose_ratio
+from server.engine.rank_assignment import choose_ratio, unchosen_tiers
 from server.engine.remote_folding import RemoteFolding
 from server.engine.evaluation import EVAL_DIRECTION
 from server.engine.robust import bound_update, rejection_reason
@@ -143,6 +143,7 @@ class RoundEngine:
         self.kinds: dict[str, str] = {}  # device -> the artifact kind its runtime runs
         self.profiles: dict[str, ResourceProfile] = {}  # device -> the resources its last JOIN reported
         self.demoted: dict[str, float] = {}  # device -> the tier it is held below after it died in a round
+        self._unchosen_said: set[float] = set()  # tiers the log said no memory budget selects
         self._lost: dict[str, float] = {}  # device -> its tier when it went offline during the open round
         self._resends: dict[str, int] = {}
         self._files_sent: dict[str, str] = {}  # device -> plan hash whose files it was last sent
@@ -234,9 +235,15 @@ class RoundEngine:
         if self.predictor is None or len(tiers) == 1:
             return overrides.get(device_id, tiers[0])
         predict = self.predictor(profile, shard_samples)
+        for tier, larger in unchosen_tiers(tiers, predict):
+            if tier not in self._unchosen_said:
+                self._unchosen_said.add(tier)
+                LOG.warning("rank tier %g is predicted to need %.1f MiB, no less than tier %g's %.1f: no device is "
+                            "sent there by its memory (this model's factors save none at that ratio), only by "
+                            "--rank-overrides", tier, predict(tier), larger, predict(larger))
         ratio = choose_ratio(device_id, budget_mb, tiers, predict, overrides)
         if budget_mb is not None and predict(ratio) > budget_mb and device_id not in overrides:
-            LOG.warning("%s: no tier fits its %.0f MiB budget; smallest tier %g (predicted %.1f MiB)",
+            LOG.warning("%s: no tier fits its %.0f MiB budget; the leanest, tier %g (predicted %.1f MiB)",
                         device_id, budget_mb, ratio, predict(ratio))
         else:
             LOG.info("%s: tier %g, predicted to need %.1f MiB", device_id, ratio, predict(ratio))

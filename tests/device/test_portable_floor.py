@@ -140,4 +140,4 @@ def test_below_the_smallest_tiers_floor_the_server_says_in_one_line_that_no_tier
         ratio, _ = admit(engine(), device.profile(), shard)
     assert ratio == smallest
     (line,) = [r.getMessage() for r in caplog.records if "no tier fits" in r.getMessage()]
-    assert line.startswith(f"{DEVICE_ID}: no tier fits its {limit} MiB budget; smallest tier {smallest:g}")
+    assert line.startswith(f"{DEVICE_ID}: no tier fits its {limit} MiB budget; the leanest, tier {smallest:g}")

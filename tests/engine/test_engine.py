@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -302,3 +303,14 @@ def test_a_resumed_engine_plans_a_device_for_the_runtime_it_joined_with():
     resumed.plans = Recording()
     resumed.plan_info("dev_000")
     assert asked == [TRAINING_KIND]
+
+
+def test_a_tier_no_memory_budget_selects_is_named_once_in_the_log(caplog):
+    needs = {1.0: 74.0, 0.5: 74.0, 0.25: 82.0}  # a depthwise-separable model: its factors at 0.25 hold more
+    engine = make_engine("fedara", tiers=(1.0, 0.5, 0.25), predictor=lambda profile, samples: needs.__getitem__)
+    with caplog.at_level(logging.WARNING, logger="fedara.engine"):
+        join(engine, "dev_000", budget=80)
+        join(engine, "dev_001", budget=90)
+    lines = [r.getMessage() for r in caplog.records if "no device is sent there by its memory" in r.getMessage()]
+    assert [line.split(" is predicted")[0] for line in lines] == ["rank tier 0.5", "rank tier 0.25"]
+    assert "--rank-overrides" in lines[1] and "tier 1's 74.0" in lines[1]

@@ -9,7 +9,7 @@ from fedcore.lowrank import RankPlan, resolve_plan
 from fedcore.models import build_model
 from tests.support.edge_models import conv1d_net
 from server.engine.rank_assignment import (RUNTIME_BASE_MB, Footprint, OverrideError, assign_tier, check_tiers, choose_ratio,
-                                    load_overrides, plan_footprint, predict_peak_mb, tier_predictor)
+                                    load_overrides, plan_footprint, predict_peak_mb, tier_predictor, unchosen_tiers)
 
 TIERS = (1.0, 0.5, 0.25)
 MB_PER_TIER = {1.0: 100.0, 0.5: 80.0, 0.25: 60.0}.__getitem__
@@ -35,6 +35,23 @@ def test_device_without_a_budget_gets_the_largest_tier():
 
 def test_device_that_fits_no_tier_gets_the_smallest():
     assert assign_tier(10.0, TIERS, MB_PER_TIER) == 0.25
+
+
+FACTORS_COST_MORE = {1.0: 74.0, 0.5: 74.0, 0.25: 82.0}.__getitem__
+"""A depthwise-separable model's tiers, as measured: ratio 0.5 is its dense plan, its factors at 0.25 hold more."""
+
+
+def test_device_that_fits_no_tier_gets_the_leanest_even_where_that_is_dense():
+    assert assign_tier(70.0, TIERS, FACTORS_COST_MORE) == 1.0
+
+
+def test_a_tier_needing_no_less_than_a_larger_one_is_never_chosen_by_memory_and_named():
+    assert unchosen_tiers(TIERS, FACTORS_COST_MORE) == [(0.5, 1.0), (0.25, 1.0)]
+    assert all(assign_tier(budget, TIERS, FACTORS_COST_MORE) == 1.0 for budget in (74.0, 80.0, 82.0, 90.0))
+
+
+def test_tiers_that_each_save_memory_are_all_chosen_by_some_budget():
+    assert unchosen_tiers(TIERS, MB_PER_TIER) == []
 
 
 def test_override_takes_precedence_over_the_budget():
