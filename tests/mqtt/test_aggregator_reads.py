@@ -5,7 +5,6 @@ the spill folder goes when the process exits."""
 from __future__ import annotations
 
 import _thread
-import os
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from server.mqtt import aggregation_wire as wire
 from server.mqtt.admission import aggregator_admission
 from server.mqtt.enrollment import save_enrollment
 from server.mqtt.read_budgets import PENDING_UPDATES_BUDGETED, QUEUED_UPDATES_BUDGETED, SPILL_DIR
+from tests.support.processes import child_env
 from tests.support.sealing import KEY, OPEN_MAX, seal_up
 from tests.support.waiting import wait_for
 
@@ -183,7 +183,7 @@ def test_the_spill_folder_is_removed_when_the_member_is_ended_with_sigterm(mosqu
     with open(log, "w") as out:
         member = subprocess.Popen([sys.executable, "-m", "server.aggregator", "--broker", mosquitto_broker.url,
                                    "--name", NAME, "--prefix", PREFIX, "--enroll", str(enrollment), "--workdir",
-                                   str(workdir)], stderr=out, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                   str(workdir)], stderr=out, env=child_env(PYTHONUNBUFFERED="1"))
     try:
         wait_for(lambda: "aggregator on" in log.read_text(), 60.0, "the member connected")
         assert (workdir / SPILL_DIR).is_dir()
