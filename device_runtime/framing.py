@@ -199,6 +199,36 @@ class _Sender:
 
 
 
+def _checked_budgets(max_message_bytes: int, max_pending: int, max_pending_bytes: int | None,
+                     max_pending_per_sender: int | None, max_pending_bytes_per_sender: int | None, spill: Spill | None,
+                     max_spill_bytes: int) -> tuple[int, int, int, int, int, int]:
+    """A reassembler's budgets, checked and with their defaults (``Reassembler``): (max_message_bytes, max_pending,
+    max_pending_bytes, max_pending_per_sender, max_pending_bytes_per_sender, max_spill_bytes); raises ValueError."""
+    if not is_int(max_message_bytes) or max_message_bytes < 0:
+        raise ValueError(
+            f"max_message_bytes must be a non-negative int, got {max_message_bytes!r}"
+        )
+    if not is_int(max_pending) or max_pending < 1:
+        raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
+    budget = max_message_bytes if max_pending_bytes is None else max_pending_bytes
+    if not is_int(budget) or budget < max_message_bytes:
+        raise ValueError(
+            f"max_pending_bytes must be an int >= max_message_bytes ({max_message_bytes}), "
+            f"got {budget!r}: a message of the largest size must be able to complete"
+        )
+    per_sender = max_pending if max_pending_per_sender is None else max_pending_per_sender
+    if not is_int(per_sender) or not 1 <= per_sender <= max_pending:
+        raise ValueError(f"max_pending_per_sender must be an int in 1..{max_pending}, got {per_sender!r}")
+    sender_budget = budget if max_pending_bytes_per_sender is None else max_pending_bytes_per_sender
+    if not is_int(sender_budget) or not max_message_bytes <= sender_budget <= budget:
+        raise ValueError(f"max_pending_bytes_per_sender must be an int in {max_message_bytes}..{budget}, got "
+                         f"{sender_budget!r}: a message of the largest size must be able to complete")
+    if not is_int(max_spill_bytes) or max_spill_bytes < 0 or (max_spill_bytes and spill is None):
+        raise ValueError(f"max_spill_bytes must be a non-negative int, and 0 without a spill, got "
+                         f"{max_spill_bytes!r}")
+    return max_message_bytes, max_pending, budget, per_sender, sender_budget, max_spill_bytes
+
+
 class Reassembler:
     """Joins frames back into payloads, per stream (an MQTT topic), tolerating reordering and
     duplicates.
@@ -238,39 +268,16 @@ class Reassembler:
                  vouch: Vouch | None = None,
                  max_pending_per_sender: int | None = None, max_pending_bytes_per_sender: int | None = None,
                  spill: Spill | None = None, max_spill_bytes: int = 0) -> None:
-        if not is_int(max_message_bytes) or max_message_bytes < 0:
-            raise ValueError(
-                f"max_message_bytes must be a non-negative int, got {max_message_bytes!r}"
-            )
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        if not is_int(max_pending) or max_pending < 1:
-            raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
-        budget = max_message_bytes if max_pending_bytes is None else max_pending_bytes
-        if not is_int(budget) or budget < max_message_bytes:
-            raise ValueError(
-                f"max_pending_bytes must be an int >= max_message_bytes ({max_message_bytes}), "
-                f"got {budget!r}: a message of the largest size must be able to complete"
-            )
-        per_sender = max_pending if max_pending_per_sender is None else max_pending_per_sender
-        if not is_int(per_sender) or not 1 <= per_sender <= max_pending:
-            raise ValueError(f"max_pending_per_sender must be an int in 1..{max_pending}, got {per_sender!r}")
-        sender_budget = budget if max_pending_bytes_per_sender is None else max_pending_bytes_per_sender
-        if not is_int(sender_budget) or not max_message_bytes <= sender_budget <= budget:
-            raise ValueError(f"max_pending_bytes_per_sender must be an int in {max_message_bytes}..{budget}, got "
-                             f"{sender_budget!r}: a message of the largest size must be able to complete")
-        if not is_int(max_spill_bytes) or max_spill_bytes < 0 or (max_spill_bytes and spill is None):
-            raise ValueError(f"max_spill_bytes must be a non-negative int, and 0 without a spill, got "
-                             f"{max_spill_bytes!r}")
-        self.max_message_bytes = max_message_bytes
+        (self.max_message_bytes, self.max_pending, self.max_pending_bytes, self.max_pending_per_sender,
+         self.max_pending_bytes_per_sender, self.max_spill_bytes) = _checked_budgets(
+            max_message_bytes, max_pending, max_pending_bytes, max_pending_per_sender, max_pending_bytes_per_sender,
+            spill, max_spill_bytes)
         self.timeout_s = timeout_s
-        self._spill, self.max_spill_bytes = spill, max_spill_bytes
+        self._spill = spill
         self._spilled = 0  # bytes reserved in the spill: the totals of the spilled messages
         self._spilled_count = 0  # incomplete messages in the spill
-        self.max_pending = max_pending
-        self.max_pending_bytes = budget
-        self.max_pending_per_sender = per_sender
-        self.max_pending_bytes_per_sender = sender_budget
         self._admit_stream, self._check = admit, check
         self._vouch = vouch
         self._pending: dict[tuple[str, str], _Pending] = {}
@@ -310,6 +317,26 @@ class Reassembler:
                 f"{max_message_bytes!r}"
             )
         self.max_message_bytes = max_message_bytes
+
+    def set_budgets(self, max_message_bytes: int, max_pending: int, max_pending_bytes: int | None = None, *,
+                    max_pending_per_sender: int | None = None, max_pending_bytes_per_sender: int | None = None,
+                    max_spill_bytes: int = 0) -> None:
+        """New budgets from now on, checked and defaulted as the constructor's (an aggregator learns the largest
+        update at its round's brief). What is held stays; a lower bound pushes out (or spills) at the next frames
+        that need room. Safe between two frames of the network thread: the bounds move in an order that keeps
+        max_message_bytes <= max_pending_bytes_per_sender <= max_pending_bytes at every step."""
+        message, pending, budget, per_sender, sender_budget, spill_bytes = _checked_budgets(
+            max_message_bytes, max_pending, max_pending_bytes, max_pending_per_sender, max_pending_bytes_per_sender,
+            self._spill, max_spill_bytes)
+        self.max_pending_bytes = max(self.max_pending_bytes, budget)
+        self.max_pending_bytes_per_sender = max(self.max_pending_bytes_per_sender, sender_budget)
+        self.max_message_bytes = message
+        self.max_pending_bytes_per_sender = sender_budget
+        self.max_pending_bytes = budget
+        self.max_pending = max(self.max_pending, pending)  # and max_pending_per_sender <= max_pending likewise
+        self.max_pending_per_sender = per_sender
+        self.max_pending = pending
+        self.max_spill_bytes = spill_bytes
 
     def feed(self, frame: bytes, now: float, stream: str = "") -> bytearray | None:
         """Take one frame of ``stream`` received at time ``now``; return the payload once it is

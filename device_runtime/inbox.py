@@ -72,6 +72,12 @@ class Inbox:
             self._ready.notify_all()
         return True
 
+    def set_budget(self, budget_bytes: int | None) -> None:
+        """Hold at most ``budget_bytes`` from now on (what is queued stays; a waiting ``put`` that fits now goes on)."""
+        with self._ready:
+            self.budget_bytes = budget_bytes
+            self._ready.notify_all()
+
     def _fits(self, size: int) -> bool:
         """Whether a waiting ``put`` of ``size`` bytes may queue now."""
         return self._released or not self._queue or self.budget_bytes is None or self._held + size <= self.budget_bytes

@@ -844,6 +844,19 @@ class MqttEndpoint:
         lowers it to its model's size once its plan is known."""
         self._reassembler.set_max_message_bytes(max_message_bytes)
 
+    def set_budgets(self, *, max_message_bytes: int, max_pending_messages: int, max_pending_bytes: int | None = None,
+                    max_pending_per_sender: int | None = None, max_pending_bytes_per_sender: int | None = None,
+                    max_spill_bytes: int = 0, max_queued_bytes: int | None = None) -> None:
+        """New inbound budgets from now on, the constructor's arguments of those names (an aggregator learns the
+        largest update at its round's brief): the reassembler's (``Reassembler.set_budgets``) and, given
+        ``max_queued_bytes``, the inbox's."""
+        self._reassembler.set_budgets(max_message_bytes, max_pending_messages, max_pending_bytes,
+                                      max_pending_per_sender=max_pending_per_sender,
+                                      max_pending_bytes_per_sender=max_pending_bytes_per_sender,
+                                      max_spill_bytes=max_spill_bytes)
+        if max_queued_bytes is not None:
+            self._inbox.set_budget(max_queued_bytes)
+
 
 def _set_tcp_nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
     """Disable Nagle on the broker socket: with TLS, small messages otherwise stall ~40 ms."""

@@ -53,10 +53,10 @@ from fedcore.models import build_model  # noqa: E402
 from server.engine import folding_records as folding  # noqa: E402
 from server.outputs.machine import cpu_name  # noqa: E402
 from server.mqtt import aggregation_wire as wire  # noqa: E402
-from server.broker_loop import (AGGREGATORS_DIR, PENDING_MESSAGES, PENDING_UPDATES_BUDGETED,  # noqa: E402
-                                QUEUED_UPDATES_BUDGETED, SPILL_DIR, Federation, inbound_limit)
+from server.broker_loop import AGGREGATORS_DIR, Federation, inbound_limit  # noqa: E402
 from server.broker_flags import DEFAULT_SECAGG_PHASE_TIMEOUT_S  # noqa: E402
-from server.mqtt.admission import PENDING_PER_SENDER, server_admission  # noqa: E402
+from server.mqtt.admission import server_admission  # noqa: E402
+from server.mqtt.read_budgets import SPILL_DIR, reader_budgets  # noqa: E402
 from server.mqtt.local_processes import LocalDevices, aggregator_command  # noqa: E402
 from server.engine.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
 from server.engine.round_engine import RoundEngine, algorithm_for  # noqa: E402
@@ -240,13 +240,9 @@ def measure(url: str, clients: int, aggregators: int, rounds: int, folder: Path)
     subscriptions = server_subscriptions(PREFIX) + ([wire.engine_filter(PREFIX)] if names else [])
     admit, vouch = server_admission(PREFIX, KeyRing(keys), names)
     endpoint = MqttEndpoint(f"bench-engine-{aggregators}", url, subscriptions=subscriptions,  # broker_loop's limits
-                            max_frame_bytes=FRAME_BYTES, max_message_bytes=max_inbound,
-                            max_pending_bytes=PENDING_UPDATES_BUDGETED * max_inbound,
-                            max_pending_messages=PENDING_MESSAGES, admit=admit, vouch=vouch,
-                            max_pending_per_sender=PENDING_PER_SENDER, max_pending_bytes_per_sender=max_inbound,
-                            spill=FileSpill(folder / SPILL_DIR), max_spill_bytes=len(keys) * max_inbound,
-                            max_queued_bytes=QUEUED_UPDATES_BUDGETED * max_inbound, backpressure=True,
-                            clean_session=True)
+                            max_frame_bytes=FRAME_BYTES, admit=admit, vouch=vouch,
+                            **reader_budgets(max_inbound, len(keys)), spill=FileSpill(folder / SPILL_DIR),
+                            backpressure=True, clean_session=True)
     link = Link.server(KeyRing(keys), folder / "server-state", max_inbound)
     aggregator_link = wire.engine_link(load_server_key(enrollment), folder / "engine-state", max_inbound)
     federation = Federation(args, engine, endpoint, RunFolder(folder), LocalDevices(), {}, max_inbound, link, names,

@@ -41,7 +41,8 @@ from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES, Reassembler, chunk  
 from device_runtime.link import Link  # noqa: E402
 from device_runtime.messages import receipt_message, task_message  # noqa: E402
 from device_runtime.topics import TopicKind  # noqa: E402
-from server.broker_loop import PENDING_MESSAGES, PENDING_UPDATES_BUDGETED, inbound_limit  # noqa: E402
+from server.broker_loop import inbound_limit  # noqa: E402
+from server.mqtt.read_budgets import PENDING_MESSAGES, PENDING_UPDATES_BUDGETED  # noqa: E402
 from server.compute_threads import use_server_threads  # noqa: E402
 from server.outputs.machine import cpu_name  # noqa: E402
 import bench_aggregators  # noqa: E402  (scripts/, beside this one)

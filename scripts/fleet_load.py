@@ -45,7 +45,10 @@ round's seconds), ``broker_only_mb_per_s``, ``server_peak_rss_mb``, ``server_cpu
 server prints each round), ``server_cpu_ms_per_update``, ``read_path_cpu_ms_per_update`` (the same round of the
 in-process read path: its CPU with the round's messages, per update) and ``server_to_read_path`` (their ratio),
 ``spilled``, ``pushed_out`` and ``tasks_sent_again`` (the server's updates kept in its reassembly spill past its
-memory budget, pushed out half-received, and tasks sent again: from its log); ``read_path``: that measurement.
+memory budget, pushed out half-received, and tasks sent again: from its log); ``read_path``: that measurement. With
+``--aggregators``: ``aggregators_bytes_in``, ``aggregators_spilled`` (from each member's log line at the round's close;
+None where its log has none), ``aggregators_pushed_out`` (its transport's warnings, written in the round) and
+``aggregators_peak_rss_mb`` (the largest member's, sampled from /proc as the server prints each round).
 """
 from __future__ import annotations
 
@@ -451,11 +454,26 @@ def log_time(words: list[str]) -> float:
     return time.mktime(time.strptime(f"{words[0]} {whole}", "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
 
 
+def aggregators_peak_rss(server_pid: int) -> float:
+    """The largest peak RSS (MiB) of the server's aggregator processes (its children running server.aggregator)."""
+    peaks = [0.0]
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or b"server.aggregator" not in (proc / "cmdline").read_bytes():
+                continue
+            status = (proc / "status").read_text().splitlines()
+            if next(int(line.split()[1]) for line in status if line.startswith("PPid:")) == server_pid:
+                peaks.append(next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024)
+        except (OSError, StopIteration, ValueError):
+            continue
+    return max(peaks)
+
+
 def watch(server: subprocess.Popen, log: Path, opened: dict[int, float], closed: dict[int, tuple[float, float]],
-          closed_at: dict[int, float], main_cpu: dict[int, list[float]]) -> None:
-    """Sample the server's CPU seconds as each round opens and (with its peak RSS) as it closes, from its log, and its
-    main thread's in ``main_cpu`` (round -> [at the open, at the close]); keep the wall time of each round's close (its
-    log line's time)."""
+          closed_at: dict[int, float], main_cpu: dict[int, list[float]], members_rss: dict[int, float]) -> None:
+    """Sample the server's CPU seconds as each round opens and (with its peak RSS, and its aggregators' largest in
+    ``members_rss``) as it closes, from its log, and its main thread's in ``main_cpu`` (round -> [at the open, at the
+    close]); keep the wall time of each round's close (its log line's time)."""
     offset, rest = 0, b""
     while server.poll() is None:
         time.sleep(0.1)
@@ -475,6 +493,7 @@ def watch(server: subprocess.Popen, log: Path, opened: dict[int, float], closed:
                     main_cpu[int(words[-5])] = [main_thread_cpu(server.pid)]
                 elif "fedara.progress" in words and words[4] == "round" and "/" in words[5]:
                     closed[int(words[5].split("/")[0])] = proc_sample(server.pid)
+                    members_rss[int(words[5].split("/")[0])] = aggregators_peak_rss(server.pid)
                     main_cpu.setdefault(int(words[5].split("/")[0]), []).append(main_thread_cpu(server.pid))
                     closed_at[int(words[5].split("/")[0])] = log_time(words)
             except (IndexError, ValueError, OSError):
@@ -514,6 +533,29 @@ def held_and_asked(log: Path) -> dict[int, dict[str, int]]:
             record.update(spilled=int(words[6]), pushed_out=int(words[-3]))
         elif current and ("sending its task again" in line or "re-sending the open round's task" in line):
             rounds.setdefault(current, {"tasks_sent_again": 0})["tasks_sent_again"] += 1
+    return rounds
+
+
+def aggregator_reads(out: Path) -> dict[int, dict[str, int | None]]:
+    """Per round, summed over the aggregators' logs (OUT/aggregators/*.log): bytes in and updates kept in the spill
+    (each member's line at the round's close; None where no member logs it) and pushed out half-received (its
+    transport's warnings, counted in the round the server had open when they were written)."""
+    opens = sorted((log_time(words), current) for current, words, line in server_lines(out / "server.log")
+                   if words[-2:] == ["device(s)", "asked"])
+    rounds: dict[int, dict[str, int | None]] = {r: {"aggregators_bytes_in": None, "aggregators_spilled": None,
+                                                    "aggregators_pushed_out": 0} for _, r in opens}
+    for log in sorted((out / "aggregators").glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            words = line.split()
+            if "fedara.aggregator" in words and words[5:6] == ["round"] and words[-2:] == ["pushed", "out"]:
+                record = rounds.setdefault(int(words[6].rstrip(":")), {"aggregators_pushed_out": 0})
+                record["aggregators_bytes_in"] = (record.get("aggregators_bytes_in") or 0) + int(words[7])
+                record["aggregators_spilled"] = (record.get("aggregators_spilled") or 0) + int(words[10])
+            elif "fedara.transport" in words and "pushed out to make room" in line:
+                at = log_time(words)
+                current = max((r for t, r in opens if t <= at), default=0)
+                record = rounds.setdefault(current, {"aggregators_pushed_out": 0})
+                record["aggregators_pushed_out"] += int(words[5])
     return rounds
 
 
@@ -578,8 +620,9 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
         closed: dict[int, tuple[float, float]] = {}
         closed_at: dict[int, float] = {}
         main_cpu: dict[int, list[float]] = {}
-        watcher = threading.Thread(target=watch, args=(server, out / "server.log", opened, closed, closed_at, main_cpu),
-                                   daemon=True)
+        members_rss: dict[int, float] = {}
+        watcher = threading.Thread(target=watch, args=(server, out / "server.log", opened, closed, closed_at, main_cpu,
+                                                       members_rss), daemon=True)
         watcher.start()
         killed: dict = {}
         done_killing = threading.Event()
@@ -619,6 +662,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             released[int(r)] = min(t, released.get(int(r), t))
     published = payload_publishes(out / "server.log")
     held = held_and_asked(out / "server.log")
+    members = aggregator_reads(out) if args.aggregators else {}
     rounds = []
     for record, broker, bench_round in zip(records, ceiling["rounds"], read_path["rounds"]):
         r = record["round"]
@@ -638,7 +682,8 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             "server_peak_rss_mb": peak, "server_cpu_s": cpu - opened.get(r, float("nan")),
             "server_main_thread_cpu_s": main[1] - main[0] if len(main) == 2 else float("nan"),
             "server_cpu_ms_per_update": server_ms, "read_path_cpu_ms_per_update": read_path_ms,
-            "server_to_read_path": server_ms / read_path_ms, **held.get(r, {})})
+            "server_to_read_path": server_ms / read_path_ms, **held.get(r, {}), **members.get(r, {}),
+            **({"aggregators_peak_rss_mb": members_rss.get(r, float("nan"))} if args.aggregators else {})})
         if args.together:
             read = closed_at.get(r, float("nan")) - released.get(r, float("nan"))
             rounds[-1].update(read_seconds=read, read_mb_per_s=update_bytes / MB / read,
@@ -654,6 +699,10 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             "devices_reporting": len(stats)}
 
 
+def mb(count: int | None) -> str:
+    return "n/a" if count is None else f"{count / MB:.1f}"
+
+
 def table(result: dict) -> str:
     head = ("| round | devices | folded | lost | s | server out MB | server in MB | plan payloads MB | payload "
             "publishes | update MB/s | broker-only MB/s | server peak RSS MiB | server CPU s | of it main thread | "
@@ -667,6 +716,11 @@ def table(result: dict) -> str:
             f"{r['server_to_read_path']:.2f} |"
             for r in result["rounds"]]
     lines = [head, *rows]
+    if "aggregators_peak_rss_mb" in result["rounds"][0]:
+        lines += ["", "| round | aggregators in MB | spilled | pushed out | largest aggregator peak RSS MiB |",
+                  "|" + "---:|" * 5]
+        lines += [f"| {r['round']} | {mb(r.get('aggregators_bytes_in'))} | {r.get('aggregators_spilled')} | "
+                  f"{r.get('aggregators_pushed_out')} | {r['aggregators_peak_rss_mb']:.0f} |" for r in result["rounds"]]
     if "read_seconds" in result["rounds"][0]:
         lines += ["", "| round | read s (release to close) | read MB/s | broker-only MB/s | read / broker-only |",
                   "|" + "---:|" * 5]

@@ -13,6 +13,12 @@ The engine stays the one authority on what counts (one update per device and rou
 an update replayed to two members is folded once. At the round's close the member sends its partial sums and the
 devices behind them (``server.mqtt.aggregation_wire``).
 
+It reads the updates as the server does (``server.mqtt.read_budgets``, for the brief's largest update): a few largest
+updates half-received in memory, past that the authenticated ones in files of WORKDIR/spill (removed when it exits)
+instead of pushed out (an update pushed out here is lost: nothing asks its device again, and the round waits for its
+deadline), complete ones in a bounded queue with backpressure. At each round's close it logs what its endpoint took
+in, kept in the spill and pushed out since the last close.
+
 ``Aggregator`` is the pure core (no I/O, no clock: deadlines are the engine's); ``main`` is the thin shell.
 """
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -37,21 +44,32 @@ from device_runtime.protocol import ProtocolError
 from device_runtime.task import tensor_bytes
 from device_runtime.topics import check_topic_device
 from device_runtime.broker_wait import BrokerUnreachableError, wait_for_broker
+from device_runtime.spill import FileSpill
 from device_runtime.transport import MqttEndpoint, TransportError, parse_brokers, speaks_mqtt5
 from server.engine import folding_records as folding
 from server.mqtt import aggregation_wire as wire
 from server.engine.aggregate import StreamingAverage
 from server.engine.privacy import RoundChanges
 from server.cli import PASSWORD_ENV, add_broker_flags, check_broker_connect_timeout, fail
-from server.mqtt.admission import PENDING_PER_SENDER, aggregator_admission
+from server.mqtt.admission import aggregator_admission
 from server.mqtt.enrollment import EnrollmentError, load_enrollment, load_server_key
+from server.mqtt.read_budgets import SPILL_DIR, reader_budgets
 from server.engine.sampling import as_torch
 from server.engine.update_rule import Answer, body_problem, header_problem
 
 LOG = logging.getLogger("fedara.aggregator")
 BRIEF_BYTES = 16 << 20
-"""What an aggregator takes before its first brief says how large an update may be."""
+"""The largest message an aggregator takes (the engine's brief carries, with DP, each plan's sent weights); the
+updates are bounded by the brief's ``max_inbound``."""
 POLL_S = 0.2
+READ_COUNTERS = ("bytes_in", "messages_spilled", "messages_evicted")
+"""The endpoint's counters a member logs at each round's close (``Shell.log_reads``)."""
+
+
+def member_budgets(senders: int, brief: folding.Brief | None) -> dict[str, int]:
+    """The endpoint's budgets for ``senders`` enrolled devices: the server's rule (``read_budgets``) for the brief's
+    largest update, any message up to BRIEF_BYTES; before the first brief no update is awaited (none spills)."""
+    return reader_budgets(brief.max_inbound if brief is not None else 0, senders, largest=BRIEF_BYTES)
 
 
 class Aggregator:
@@ -192,8 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
 class Shell:
     """The member's loop over one MqttEndpoint: updates and engine messages in, receipts and partials out."""
 
-    def __init__(self, args: argparse.Namespace, core: Aggregator, endpoint: MqttEndpoint, link: Link):
-        self.args, self.core, self.endpoint, self.link = args, core, endpoint, link
+    def __init__(self, args: argparse.Namespace, core: Aggregator, endpoint: MqttEndpoint, link: Link, senders: int):
+        self.args, self.core, self.endpoint, self.link, self.senders = args, core, endpoint, link, senders
+        self.counted = dict.fromkeys(READ_COUNTERS, 0)  # the endpoint's counters at the last ``log_reads``
 
     def send(self, msg: Message) -> None:
         self.endpoint.publish(wire.up_topic(self.args.prefix, self.core.name), self.link.seal(msg), msg.msg_id)
@@ -220,6 +239,16 @@ class Shell:
         self.send(wire.message(wire.READY, self.core.name, run_id=brief.run_id if brief else wire.NO_RUN,
                                round_index=brief.round if brief else 0, reconnected=reconnected))
 
+    def log_reads(self, round_index: int) -> None:
+        """Log what the endpoint took in, kept in the spill and pushed out since the last call (the server logs the
+        same of its own at each round's end; scripts/fleet_load.py sums them)."""
+        stats = self.endpoint.stats
+        new = {key: stats[key] - self.counted[key] for key in READ_COUNTERS}
+        self.counted = {key: stats[key] for key in READ_COUNTERS}
+        LOG.info("%s: round %d: %d bytes in, %d incomplete message(s) kept in the spill past the memory budget, %d "
+                 "pushed out", self.core.name, round_index, new["bytes_in"], new["messages_spilled"],
+                 new["messages_evicted"])
+
     def _from_engine(self, payload: bytes) -> None:
         try:
             msg = self.link.open(payload, wire.NO_RUN, device_id=self.core.name)
@@ -227,11 +256,12 @@ class Shell:
             if kind == wire.ROUND:
                 brief = wire.parse_brief(msg)
                 self.core.on_brief(brief)
-                self.endpoint.set_max_message_bytes(max(brief.max_inbound, BRIEF_BYTES))
+                self.endpoint.set_budgets(**member_budgets(self.senders, brief))
                 self.ready()
             elif kind == wire.VERDICT:
                 self.core.on_verdict(msg.round, *wire.parse_verdict(msg))
             elif kind == wire.CLOSE:
+                self.log_reads(msg.round)
                 partial = self.core.on_close(msg.round, wire.parse_close(msg))
                 if isinstance(partial, str):
                     LOG.warning("%s: %s", self.core.name, partial)
@@ -251,20 +281,34 @@ def run(args: argparse.Namespace) -> None:
     link = wire.aggregator_link(server_key, workdir, BRIEF_BYTES)
     ring = KeyRing(keys)
     core = Aggregator(args.name, ring)
+    spill = FileSpill(workdir / SPILL_DIR)  # updates half-received past the memory budget (removed at exit)
+    try:
+        serve(args, core, link, len(ring.device_ids), member_endpoint(args, ring, server_key, spill))
+    finally:
+        shutil.rmtree(spill.folder, ignore_errors=True)  # after the endpoint stopped
+
+
+def member_endpoint(args: argparse.Namespace, ring: KeyRing, server_key: bytes, spill: FileSpill) -> MqttEndpoint:
+    """Member ``args.name``'s endpoint (not started): the updates routed to it and the engine's messages, read under
+    ``member_budgets`` (before the first brief) with ``spill`` and backpressure."""
     subscriptions = [wire.member_update_filter(args.prefix, args.name), wire.down_topic(args.prefix, args.name)]
     admit, vouch = aggregator_admission(args.prefix, args.name, ring, server_key)  # enrolled senders, bounded each
-    endpoint = MqttEndpoint(f"fedara-aggregator-{args.name}", args.broker, subscriptions=subscriptions,
-                            username=args.username, password=args.password, tls_ca=args.tls_ca,
-                            tls_cert=args.tls_cert, tls_key=args.tls_key, max_frame_bytes=args.max_message_bytes,
-                            max_message_bytes=BRIEF_BYTES, admit=admit, vouch=vouch,
-                            max_pending_per_sender=PENDING_PER_SENDER, clean_session=True,
-                            mqtt5=speaks_mqtt5(args.broker, username=args.username, password=args.password,
-                                               tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key))
+    return MqttEndpoint(f"fedara-aggregator-{args.name}", args.broker, subscriptions=subscriptions,
+                        username=args.username, password=args.password, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key, max_frame_bytes=args.max_message_bytes, admit=admit, vouch=vouch,
+                        **member_budgets(len(ring.device_ids), None), spill=spill, backpressure=True,
+                        clean_session=True,
+                        mqtt5=speaks_mqtt5(args.broker, username=args.username, password=args.password,
+                                           tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key))
+
+
+def serve(args: argparse.Namespace, core: Aggregator, link: Link, senders: int, endpoint: MqttEndpoint) -> None:
+    """The member's loop over ``endpoint`` until SIGTERM or Ctrl-C (KeyboardInterrupt); the endpoint stopped after."""
     endpoint.start()
     try:
         wait_for_broker(endpoint, threading.Event(), args.broker_connect_timeout, flag="--broker-connect-timeout",
                         log=LOG)
-        shell = Shell(args, core, endpoint, link)
+        shell = Shell(args, core, endpoint, link, senders)
         shell.ready()
         LOG.info("%s: aggregator on %s", args.name, endpoint.url)
         reconnects = 0

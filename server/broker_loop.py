@@ -47,20 +47,6 @@ POLL_S = 0.2
 AGGREGATORS_DIR = "aggregators"
 INBOUND_SLACK_BYTES = 1 << 20
 """Room for headers, metadata and the small messages (JOIN, ACK, ERROR) above the largest update."""
-PENDING_UPDATES_BUDGETED = 8
-"""Total reassembly budget of the server in memory, in largest inbound messages (over all topics together). Hundreds
-of devices answering at once have that many updates half-received (the broker interleaves their frames, one frame of
-each publisher in turn): past this budget the authenticated ones go to the spill (below) instead of being pushed out
-and asked for again (``Federation._ask_again_lost``: each such update was sent twice, ~270 of 1,000 in a round at
-K = 1,000), so the budget trades memory for page cache, never for updates or re-sends."""
-SPILL_DIR = "spill"
-"""Folder of the run folder where incomplete updates past the memory budget wait (device_runtime/spill.py): at most
-one largest inbound message per enrolled device, what every device's answer half-received at once needs."""
-PENDING_MESSAGES = 512
-"""Incomplete inbound messages the server holds at once, at most (within the budget above)."""
-QUEUED_UPDATES_BUDGETED = 2
-"""Complete messages waiting for the main loop, in largest inbound messages: past that the broker holds them
-(backpressure, ``inbox.Inbox(wait=True)``): the server's memory does not grow with the fleet."""
 SHARDS_DIR, DEVICES_DIR = "shards", "devices"
 SERVER_LOG = "server.log"
 STATUS_EVERY_S = 0.5
@@ -100,7 +86,8 @@ from server.engine.run_config import FederationConfig, RunError
 from server.run_setup import Deployment, RunFolder, assemble
 from server.data.shards import DEVICE_SHARD_FILENAME
 from server.mqtt.aggregator_channel import AggregatorChannel
-from server.mqtt.admission import PENDING_PER_SENDER, server_admission, server_filters
+from server.mqtt.admission import server_admission, server_filters
+from server.mqtt.read_budgets import SPILL_DIR, reader_budgets
 from server.mqtt.lost_updates import LostUpdates
 from server.mqtt.secagg_relay import SecureRelay
 from server.mqtt.local_processes import LocalDevices, aggregator_command, device_command
@@ -722,13 +709,9 @@ def run(args: argparse.Namespace, config: FederationConfig, out: RunFolder) -> N
                                     subscriptions=subscriptions, unsubscriptions=anything_a_server_held,
                                     username=args.username, password=args.password, tls_ca=args.tls_ca,
                                     tls_cert=args.tls_cert, tls_key=args.tls_key,
-                                    max_frame_bytes=args.max_message_bytes, max_message_bytes=max_inbound,
-                                    max_pending_bytes=PENDING_UPDATES_BUDGETED * max_inbound,
-                                    max_pending_messages=PENDING_MESSAGES, admit=admit, vouch=vouch,
-                                    max_pending_per_sender=PENDING_PER_SENDER, max_pending_bytes_per_sender=max_inbound,
-                                    spill=spill, max_spill_bytes=len(keys.device_ids) * max_inbound,
-                                    max_queued_bytes=QUEUED_UPDATES_BUDGETED * max_inbound, backpressure=True,
-                                    clean_session=False, mqtt5=mqtt5)
+                                    max_frame_bytes=args.max_message_bytes, admit=admit, vouch=vouch,
+                                    **reader_budgets(max_inbound, len(keys.device_ids)), spill=spill,
+                                    backpressure=True, clean_session=False, mqtt5=mqtt5)
             endpoint.start()
             stack.callback(endpoint.stop)
             wait_for_broker(endpoint, threading.Event(), args.broker_connect_timeout, flag="--broker-connect-timeout",

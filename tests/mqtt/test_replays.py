@@ -25,7 +25,7 @@ from device_runtime.envelope import Message, MessageType
 from device_runtime.framing import FRAME_HEADER_BYTES, chunk
 from device_runtime.messages import ErrorCode, error_message
 from device_runtime.topics import Topics
-from server.broker_loop import PENDING_UPDATES_BUDGETED
+from server.mqtt.read_budgets import PENDING_UPDATES_BUDGETED
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.mqtt.enrollment import enroll, save_enrollment
 from tests.support.broker import MOSQUITTO_PUB, MosquittoProcess, attack_broker, mosquitto_pub
