@@ -225,17 +225,18 @@ def _convolution_backward(grad_out, x, weight, bias_sizes, stride, padding, dila
     """(dX, dW, db) of a 1-D or 2-D convolution, grouped or not, from GEMMs and ops ONNX has (1-D: as 2-D with a
     unit height axis).
 
-    An ungrouped same-padded convolution (:func:`_same_padded`): dX is the Conv of grad_out by the flipped,
-    transposed kernel, same-padded (stock onnxruntime, 1 thread, batch 16: 1.02–1.08 against 1.34–1.43 ms for
-    MatMul + Col2Im at 16 channels on 28×28, 3×3; 0.30 against 0.34 ms for a 1×1 conv of 64 channels on 14×14;
-    0.94–0.95 against 0.97–0.99 at 32 on 14×14; 1.08 against 0.99 at 64 on 7×7).
-    Elsewhere, where :func:`_gemm_conv` holds: dX is Col2Im (``F.fold``) of Wᵀ × grad_out, dW is grad_outᵀ × the forward's
-    patches. Elsewhere dX is the transposed convolution of grad_out (same groups; its output_padding taken from
-    the input's size; a depthwise convolution of stride 1: the convolution of grad_out by the flipped kernel, 0.65
-    against 1.0 ms for ConvTranspose at DS-CNN's 64×14×14, batch 16, 1 thread) and dW, for a depthwise convolution,
-    its taps (:func:`_depthwise_weight_grad`), else a convolution over the batch: x as (C_in/G, G·N, H, W) by
-    grad_out as (C_out, N, oh, ow) in G groups, the forward stride acting as dilation, cropped to the kernel
-    (ungrouped: x with its batch and channel axes swapped). db: grad_out summed over batch and space.
+    dX: for an ungrouped same-padded convolution (:func:`_same_padded`), the Conv of grad_out by the flipped,
+    transposed kernel, same-padded (stock onnxruntime, 1 thread, batch 16, against MatMul + Col2Im: 1.02–1.08
+    against 1.34–1.43 ms at 16 channels on 28×28, 3×3; 0.94–0.95 against 0.97–0.99 at 32 on 14×14; 0.30 against
+    0.34 for a 1×1 of 64 channels on 14×14; 1.08 against 0.99 at 64 on 7×7; ResNet-8's step 3.5–4.8 % faster);
+    elsewhere where :func:`_gemm_conv` holds, Col2Im (``F.fold``) of Wᵀ × grad_out; elsewhere the transposed
+    convolution of grad_out (same groups; its output_padding taken from the input's size; a depthwise convolution
+    of stride 1: the convolution of grad_out by the flipped kernel, 0.65 against 1.0 ms for ConvTranspose at
+    DS-CNN's 64×14×14, batch 16, 1 thread).
+    dW: where :func:`_gemm_conv` holds, grad_outᵀ × the forward's patches; for a depthwise convolution, its taps
+    (:func:`_depthwise_weight_grad`); else a convolution over the batch: x as (C_in/G, G·N, H, W) by grad_out as
+    (C_out, N, oh, ow) in G groups, the forward stride acting as dilation, cropped to the kernel (ungrouped: x with
+    its batch and channel axes swapped). db: grad_out summed over batch and space.
     """
     if transposed:
         raise UnsupportedModel("a transposed convolution (ConvTranspose) is refused by the step compiler")

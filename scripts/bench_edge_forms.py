@@ -25,9 +25,10 @@ against its group's first form, timed likewise.
 ``--conv-forms``: the convolutions of examples/dscnn.py and examples/resnet8.py (1×28×28) one layer at a time, the
 forms the step compiler emits and the alternatives tried, each a single ONNX graph, beside PyTorch eager's own op for
 the same work (aten.convolution / convolution_backward), all timed at 1 thread in interleaved blocks (thread-CPU and
-wall p50, µs): the depthwise 3×3 over 64×14×14 (forward, also as block-diagonal groups of 2 and 4 channels; input gradient; weight gradient by taps, by taps over
-contiguous rows, by a grouped Conv over the batch), the weight gradient of a 3×3 16→16 over 28×28 (the GEMM of
-grad_out and the patches, both ways round, per sample), and the input gradient of the same-padded convolutions
+wall p50, µs): the depthwise 3×3 over 64×14×14 (forward, also as block-diagonal groups of 2 and 4 channels; input
+gradient; weight gradient by taps, by taps over contiguous rows, by a grouped Conv over the batch), the weight
+gradient of a 3×3 16→16 over 28×28 (the GEMM of grad_out and the patches, both ways round, per sample), and the
+input gradient of the same-padded convolutions
 (MatMul + Col2Im, Conv by the flipped kernel, ConvTranspose). Each form checked against its group's first.
 """
 from __future__ import annotations
@@ -322,19 +323,21 @@ def _conv_forms(batch: int) -> dict[str, dict[str, object]]:
     }
     c, s = 16, 28
     x, g, w = normal(batch, c, s, s), normal(batch, c, s, s), normal(c, c, 3, 3)
-    rows = np.ascontiguousarray(torch.nn.functional.unfold(torch.from_numpy(x), 3, padding=1)  # (n, y, x) × (ky, kx, c)
+    # the patches as the compiler lays them out: rows (n, y, x), columns (ky, kx, c)
+    rows = np.ascontiguousarray(torch.nn.functional.unfold(torch.from_numpy(x), 3, padding=1)
                                 .reshape(batch, c, 9, -1).permute(0, 3, 2, 1).reshape(-1, 9 * c).numpy())
     flat_g = np.ascontiguousarray(g.transpose(0, 2, 3, 1).reshape(-1, c))
+    operands = dict(g=flat_g, rows=rows)
     weight_gemm = {
         "grad_outᵀ × patches (shipped)": _graph([h.make_node("Transpose", ["g"], ["gt"], perm=[1, 0]),
-                                                 h.make_node("MatMul", ["gt", "rows"], ["y"])], dict(g=flat_g, rows=rows)),
+                                                 h.make_node("MatMul", ["gt", "rows"], ["y"])], operands),
         "(patchesᵀ × grad_out)ᵀ": _graph([h.make_node("Transpose", ["rows"], ["rt"], perm=[1, 0]),
                                           h.make_node("MatMul", ["rt", "g"], ["yt"]),
-                                          h.make_node("Transpose", ["yt"], ["y"], perm=[1, 0])], dict(g=flat_g, rows=rows)),
+                                          h.make_node("Transpose", ["yt"], ["y"], perm=[1, 0])], operands),
         "per sample, then ReduceSum over the batch": _graph([
             h.make_node("Reshape", ["g", "gs"], ["g3"]), h.make_node("Transpose", ["g3"], ["g3t"], perm=[0, 2, 1]),
             h.make_node("Reshape", ["rows", "rs"], ["r3"]), h.make_node("MatMul", ["g3t", "r3"], ["p"]),
-            h.make_node("ReduceSum", ["p", "batch_axis"], ["y"], keepdims=0)], dict(g=flat_g, rows=rows),
+            h.make_node("ReduceSum", ["p", "batch_axis"], ["y"], keepdims=0)], operands,
             {"gs": [batch, -1, c], "rs": [batch, -1, 9 * c], "batch_axis": [0]}),
         "PyTorch eager: convolution_backward, weight (direct)": _Eager(
             lambda dw=backward(g, x, w, [1, 1], 1, [False, True, False]), c=c: dw().permute(0, 2, 3, 1).reshape(c, -1)),

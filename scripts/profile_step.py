@@ -10,11 +10,13 @@ The graphs are profiled in turn, ``--repeats`` times, so they meet the same load
 ``--runs`` runs at 1 thread and batch 16 on synthetic feeds gives kernel time per run, shares by op type and the
 slowest nodes with their input shapes (the profiler inflates absolute times; shares and ratios are the point).
 With ``--sessions``, per graph: step time at each graph optimization level (BASIC, EXTENDED, ALL) in interleaved
-blocks at 1 and 2 threads (thread-CPU and wall p50), and load time from the graph at level ALL against loading
-onnxruntime's saved optimized graph with optimizations off (what a cache of optimized graphs on a device would
-save). With ``--torch``, each ``--config`` plan's PyTorch eager step (the one scripts/bench_device.py times: forward,
-backward, SGD) at 1 thread, in the same rounds: thread-CPU time per aten op (each timed around its own call), so
-both runtimes' op classes can be set side by side. Writes profile_step.json and profile_step.md into ``--out-dir``; prints the tables.
+blocks at 1 and 2 threads (thread-CPU and wall p50), all the graphs' steps at level ALL and 1 thread timed
+against each other in interleaved blocks (a before/after comparison under the same load), and load time from the
+graph at level ALL against loading onnxruntime's saved optimized graph with optimizations off (what a cache of
+optimized graphs on a device would save). With ``--torch``, each ``--config`` plan's PyTorch eager step (the one
+scripts/bench_device.py times: forward, backward, SGD) at 1 thread, in the same rounds: thread-CPU time per aten
+op (each timed around its own call), so both runtimes' op classes can be set side by side. Writes
+profile_step.json and profile_step.md into ``--out-dir``; prints the tables.
 """
 from __future__ import annotations
 
@@ -148,6 +150,26 @@ def torch_profile(model_name: str, shape: tuple[int, ...], ratio: float, runs: i
     return dict(step_cpu_us=float(np.median(plain) * 1e6), ops_cpu_us=sum(by_op.values()), by_op_us=by_op)
 
 
+def graphs_interleaved(ort, graphs: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Step wall and thread-CPU p50 ms of each graph at 1 thread and level ALL, the graphs timed against each other
+    in interleaved blocks (the order reversed every other block), so a before and an after meet the same load."""
+    sessions = {label: ort.InferenceSession(path, _options(ort, 1), providers=["CPUExecutionProvider"])
+                for label, path in graphs.items()}
+    feeds = {label: synthetic_feeds(session) for label, session in sessions.items()}
+    wall: dict[str, list[float]] = {label: [] for label in sessions}
+    cpu: dict[str, list[float]] = {label: [] for label in sessions}
+    for block in range(2 * BLOCKS):
+        for label in (list(sessions) if block % 2 else list(sessions)[::-1]):
+            sessions[label].run(None, feeds[label])
+            for _ in range(PER_BLOCK):
+                w, c = time.perf_counter(), time.thread_time()
+                sessions[label].run(None, feeds[label])
+                cpu[label].append(time.thread_time() - c)
+                wall[label].append(time.perf_counter() - w)
+    return {label: dict(wall_ms=1e3 * float(np.median(wall[label])), cpu_ms=1e3 * float(np.median(cpu[label])))
+            for label in sessions}
+
+
 def session_settings(ort, path: str) -> dict:
     """Step ms per optimization level (interleaved, 1 and 2 threads) and load ms with and without a saved graph."""
     levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -221,6 +243,10 @@ def markdown(results: dict) -> str:
                 cells = " | ".join(f"{s[threads][lv]['wall_ms']:.2f} / {s[threads][lv]['cpu_ms']:.2f}"
                                    for lv in ("basic", "extended", "all"))
                 lines.append(f"| {label} | {threads} | {cells} |")
+        lines += ["", "| graph | step at 1 thread, level ALL, the graphs interleaved: wall / thread-CPU p50 ms |",
+                  "|---|---:|"]
+        lines += [f"| {label} | {t['wall_ms']:.2f} / {t['cpu_ms']:.2f} |"
+                  for label, t in ((label, s["graphs_interleaved_1t"]) for label, s in with_sessions.items())]
         lines += ["", "| graph | load ms at level ALL | load ms of the saved optimized graph |", "|---|---:|---:|"]
         lines += [f"| {label} | {s['load_ms']['graph_at_all']:.1f} | {s['load_ms']['saved_optimized']:.1f} |"
                   for label, s in with_sessions.items()]
@@ -271,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.sessions:
             for label, path in graphs.items():
                 results[label]["sessions"] = session_settings(ort, path)
+            for label, timed in graphs_interleaved(ort, graphs).items():
+                results[label]["sessions"]["graphs_interleaved_1t"] = timed
     report = markdown(results)
     print(report)
     (args.out_dir / "profile_step.md").write_text(report)

@@ -27,6 +27,7 @@ def test_a_compiled_step_is_profiled_and_its_session_settings_timed(tmp_path):
     assert sum(profile["by_op_us"].values()) == pytest.approx(profile["kernel_us"])
     assert "Gather" in profile["by_op_us"]  # conv2 runs by patches in this compiler
     assert set(result["sessions"]["1t"]) == {"basic", "extended", "all"}
+    assert result["sessions"]["graphs_interleaved_1t"]["cpu_ms"] > 0
     assert set(result["sessions"]["load_ms"]) == {"graph_at_all", "saved_optimized"}
     assert "| fedavgcnn 1x28x28 0.25 |" in (tmp_path / "profile_step.md").read_text()
 
