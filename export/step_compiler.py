@@ -228,7 +228,7 @@ def _convolution_backward(grad_out, x, weight, bias_sizes, stride, padding, dila
     dX: for an ungrouped same-padded convolution (:func:`_same_padded`), the Conv of grad_out by the flipped,
     transposed kernel, same-padded (stock onnxruntime, 1 thread, batch 16, against MatMul + Col2Im: 1.02–1.08
     against 1.34–1.43 ms at 16 channels on 28×28, 3×3; 0.94–0.95 against 0.97–0.99 at 32 on 14×14; 0.30 against
-    0.34 for a 1×1 of 64 channels on 14×14; 1.08 against 0.99 at 64 on 7×7; ResNet-8's step 3.5–4.8 % faster);
+    0.34 for a 1×1 of 64 channels on 14×14; 1.08 against 0.99 at 64 on 7×7; ResNet-8's step 0.6–4.8 % faster);
     elsewhere where :func:`_gemm_conv` holds, Col2Im (``F.fold``) of Wᵀ × grad_out; elsewhere the transposed
     convolution of grad_out (same groups; its output_padding taken from the input's size; a depthwise convolution
     of stride 1: the convolution of grad_out by the flipped kernel, 0.65 against 1.0 ms for ConvTranspose at
