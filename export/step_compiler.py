@@ -127,17 +127,19 @@ def _same_padded(kernel, stride, padding, dilation) -> bool:
 
 
 def _same_padded_layer(module: nn.Module) -> bool:
-    """An ungrouped Conv1d/Conv2d, dense or factorized, that :func:`_same_padded` holds for (a factorized one's
-    two convolutions are then same-padded too): its input gradient is compiled as a Conv."""
-    if isinstance(module, nn.Conv1d | nn.Conv2d):
-        kernel = module.kernel_size
-        padding = {"same": tuple((k - 1) // 2 if k % 2 else -1 for k in kernel),
-                   "valid": (0,) * len(kernel)}.get(module.padding, module.padding)  # type: ignore[arg-type]
-        return module.groups == 1 and _same_padded(kernel, module.stride, padding, module.dilation)
-    if isinstance(module, FactorizedConv1d | FactorizedConv2d):
-        kernel = module.weight_shape[2:]
-        return _same_padded(kernel, module.stride, module.padding, (1,) * len(kernel))
-    return False
+    """Whether an ungrouped Conv1d/Conv2d, dense or factorized, may put a same-padded convolution into the step
+    graph: itself (:func:`_same_padded`) or a half that factorization makes of it — a Conv2d's 1×kw and kh×1
+    halves are same-padded where their axis is, a Conv1d's 1-wide half always is. A superset (a version in the
+    hash of a model whose graph it leaves as it was costs a compile), never a subset."""
+    if isinstance(module, nn.Conv1d | FactorizedConv1d):
+        return getattr(module, "groups", 1) == 1
+    if not isinstance(module, nn.Conv2d | FactorizedConv2d) or getattr(module, "groups", 1) != 1:
+        return False
+    kernel = module.kernel_size if isinstance(module, nn.Conv2d) else module.weight_shape[2:]
+    padding = {"same": tuple((k - 1) // 2 if k % 2 else -1 for k in kernel),
+               "valid": (0,) * len(kernel)}.get(module.padding, module.padding)  # type: ignore[arg-type]
+    dilation = getattr(module, "dilation", (1,) * len(kernel))
+    return any(_same_padded((k,), (st,), (p,), (d,)) for k, st, p, d in zip(kernel, module.stride, padding, dilation))
 
 
 def _gemm_conv(x: torch.Tensor, weight: torch.Tensor, dilation, transposed: bool, groups: int) -> bool:

@@ -241,7 +241,11 @@ def test_a_new_batchnorm_form_changes_the_hash_of_models_with_batchnorm_only(mon
 
 
 def test_a_new_same_padded_form_changes_the_hash_of_models_with_same_padded_convolutions_only(monkeypatch):
-    models = {"resnet8": (resnet8((1, 8, 8)), (1, 8, 8)), "transformer": (tiny_transformer((6, 5)), (6, 5)),
+    torch.manual_seed(0)
+    unpadded_conv1d = SplitModel("unpadded_conv1d", nn.Sequential(  # factorized: a 1-wide half, same-padded
+        nn.Conv1d(3, 8, 3), nn.ReLU(), nn.Conv1d(8, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool1d(1), nn.Flatten()), 8, 3)
+    models = {"resnet8": (resnet8((1, 8, 8)), (1, 8, 8)), "conv1d": (unpadded_conv1d, (3, 16)),
+              "transformer": (tiny_transformer((6, 5)), (6, 5)),
               **{name: (build_model(name, (1, 28, 28), 10, seed=0), (1, 28, 28)) for name in ("fedavgcnn", "cnn1")}}
 
     def hashes():
@@ -251,7 +255,7 @@ def test_a_new_same_padded_form_changes_the_hash_of_models_with_same_padded_conv
     before = hashes()
     monkeypatch.setattr(step_compiler, "SAME_PADDED_FORM_VERSION", step_compiler.SAME_PADDED_FORM_VERSION + 1)
     after = hashes()
-    assert after["resnet8"] != before["resnet8"]
+    assert after["resnet8"] != before["resnet8"] and after["conv1d"] != before["conv1d"]
     assert all(after[k] == before[k] for k in ("transformer", "fedavgcnn", "cnn1"))
 
 
