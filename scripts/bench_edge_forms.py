@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_edge_forms.py [--out FILE.json] [--batch 16] [--runs 30]
     .venv/bin/python scripts/bench_edge_forms.py --batch-norm-forms [--out FILE.json] [--batch 16]
+    .venv/bin/python scripts/bench_edge_forms.py --conv-forms [--out FILE.json] [--batch 16]
 
 Models (tests/support/edge_models.py, at edge sizes): a DS-CNN with BatchNorm over 1×49×10 (keyword-spotting
 MFCCs), the same DS-CNN without BatchNorm (BatchNorm's decomposed form is the known risk: the pair isolates its
@@ -20,6 +21,15 @@ its channel reductions at that layer size as single ONNX graphs (:func:`_reducti
 sum, the backward's two sums Σg and Σg·(x − μ), and the forward's output y against onnxruntime's own
 BatchNormalization in training mode, which gives y and the running statistics but not the batch's), each checked
 against its group's first form, timed likewise.
+
+``--conv-forms``: the convolutions of examples/dscnn.py and examples/resnet8.py (1×28×28) one layer at a time, the
+forms the step compiler emits and the alternatives tried, each a single ONNX graph, beside PyTorch eager's own op for
+the same work (aten.convolution / convolution_backward), all timed at 1 thread in interleaved blocks (thread-CPU and
+wall p50, µs): the depthwise 3×3 over 64×14×14 (forward, also as block-diagonal groups of 2 and 4 channels; input
+gradient; weight gradient by taps, by taps over contiguous rows, by a grouped Conv over the batch), the weight
+gradient of a 3×3 16→16 over 28×28 (the GEMM of grad_out and the patches, both ways round, per sample), and the
+input gradient of the same-padded convolutions
+(MatMul + Col2Im, Conv by the flipped kernel, ConvTranspose). Each form checked against its group's first.
 """
 from __future__ import annotations
 
@@ -83,6 +93,7 @@ BN_MODELS = {
 }
 BN_FORMS = ("torch decomposition (before)", "statistics form (shipped)")
 BN_REPEATS, BN_BLOCKS, BN_PER_BLOCK = 2, 8, 8
+CONV_BLOCKS, CONV_PER_BLOCK = 6, 6
 
 
 def _reduction_forms(batch: int) -> dict[str, tuple[str, list]]:
@@ -208,6 +219,181 @@ def _batch_norm_main(args) -> int:
     return 0
 
 
+class _Eager:
+    """A PyTorch eager op behind the ``run(outputs, feeds)`` of a session, for :func:`interleaved_p50`."""
+
+    def __init__(self, op):
+        self.op = op
+
+    def run(self, _outputs, _feeds):
+        return [t.numpy() for t in (self.op(),) if t is not None]
+
+
+class _Fed:
+    """An onnxruntime session with its own inputs (the forms of one group take different ones)."""
+
+    def __init__(self, session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray]):
+        self.session, self.feeds = session, feeds
+
+    def run(self, outputs, _feeds):
+        return self.session.run(outputs, self.feeds)
+
+
+def _graph(nodes, inputs: dict[str, np.ndarray], ints: dict[str, list[int]] | None = None) -> _Fed:
+    """A session over ``nodes`` (output "y", named inputs fed as given, int64 constants) and its feeds."""
+    from onnx import TensorProto, helper, numpy_helper
+    graph = helper.make_graph(
+        nodes, "form", [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(v.shape)) for n, v in inputs.items()],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in (ints or {}).items()])
+    return _Fed(_session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()),
+                inputs)
+
+
+def _conv_forms(batch: int) -> dict[str, dict[str, object]]:
+    """group -> label -> a session-like form; each group's first is the reference it is checked against."""
+    from onnx import helper as h
+    rng = np.random.default_rng(0)
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    def backward(g, x, w, padding, groups, mask):
+        tg, tx, tw = (torch.from_numpy(a) for a in (g, x, w))
+        return lambda: torch.ops.aten.convolution_backward(tg, tx, tw, None, [1, 1], padding, [1, 1], False, [0, 0],
+                                                            groups, mask)[mask.index(True)]
+
+    c, s = 64, 14
+    x, g, w = normal(batch, c, s, s), normal(batch, c, s, s), normal(c, 1, 3, 3)
+    taps_nodes, taps_ints, outs = [h.make_node("Pad", ["x", "pads"], ["xp"])], {"pads": [0, 0, 1, 1, 0, 0, 1, 1],
+                                                                                "sp": [2, 3], "red": [0, 2, 3]}, []
+    flat_nodes = [h.make_node("Pad", ["x", "pads"], ["xp"]), h.make_node("Reshape", ["xp", "rows"], ["xf"]),
+                  h.make_node("Pad", ["xf", "tail"], ["xe"]), h.make_node("Pad", ["g", "gpads"], ["gp"]),
+                  h.make_node("Reshape", ["gp", "rows"], ["gf"])]
+    flat_ints = {"pads": [0, 0, 1, 1, 0, 0, 1, 1], "rows": [0, 0, -1], "tail": [0, 0, 0, 0, 0, 2 * (s + 2) + 2],
+                 "gpads": [0, 0, 0, 0, 0, 0, 2, 2], "last": [2], "red": [0, 2]}
+    for ky in range(3):
+        for kx in range(3):
+            k, offset = f"{ky}{kx}", ky * (s + 2) + kx
+            taps_ints |= {"b" + k: [ky, kx], "e" + k: [ky + s, kx + s]}
+            taps_nodes += [h.make_node("Slice", ["xp", "b" + k, "e" + k, "sp"], ["w" + k]),
+                           h.make_node("Mul", ["w" + k, "g"], ["m" + k]),
+                           h.make_node("ReduceSum", ["m" + k, "red"], ["t" + k])]
+            flat_ints |= {"b" + k: [offset], "e" + k: [offset + (s + 2) ** 2]}
+            flat_nodes += [h.make_node("Slice", ["xe", "b" + k, "e" + k, "last"], ["w" + k]),
+                           h.make_node("Mul", ["w" + k, "gf"], ["m" + k]),
+                           h.make_node("ReduceSum", ["m" + k, "red"], ["t" + k])]
+            outs.append("t" + k)
+    by_tap = [h.make_node("Concat", outs, ["taps"], axis=0), h.make_node("Reshape", ["taps", "nine"], ["t9"]),
+              h.make_node("Transpose", ["t9"], ["y"], perm=[1, 0])]
+    taps_ints["nine"] = flat_ints["nine"] = [9, -1]
+    depthwise_dw = {
+        "taps: Slice, Mul, ReduceSum per offset (shipped)": _graph(taps_nodes + by_tap, dict(x=x, g=g), taps_ints),
+        "taps over contiguous rows (one Pad, last-axis Slices)": _graph(flat_nodes + by_tap, dict(x=x, g=g), flat_ints),
+        "grouped Conv, channel-major: C groups of N channels, grad_out as kernel": _graph([
+            h.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2, 3]), h.make_node("Reshape", ["xt", "one"], ["xr"]),
+            h.make_node("Transpose", ["g"], ["gt"], perm=[1, 0, 2, 3]),
+            h.make_node("Conv", ["xr", "gt"], ["o"], group=c, pads=[1, 1, 1, 1]),
+            h.make_node("Reshape", ["o", "out"], ["y"])], dict(x=x, g=g), {"one": [1, -1, s, s], "out": [c, 9]}),
+        "PyTorch eager: convolution_backward, weight": _Eager(backward(g, x, w, [1, 1], c, [False, True, False])),
+    }
+    tw, tx = torch.from_numpy(w), torch.from_numpy(x)
+
+    def block_diagonal(b: int) -> _Fed:
+        eye = np.eye(b, dtype=np.float32).reshape(1, b, b, 1)
+        return _graph([h.make_node("Reshape", ["w", "blocks"], ["w1"]), h.make_node("Mul", ["w1", "eye"], ["w2"]),
+                       h.make_node("Reshape", ["w2", "kernel"], ["w3"]),
+                       h.make_node("Conv", ["x", "w3"], ["y"], group=c // b, pads=[1, 1, 1, 1])],
+                      dict(x=x, w=w, eye=eye), {"blocks": [c // b, b, 1, 9], "kernel": [c, b, 3, 3]})
+
+    depthwise = {
+        "Conv, group=C (shipped)": _graph([h.make_node("Conv", ["x", "w"], ["y"], group=c, pads=[1, 1, 1, 1])],
+                                          dict(x=x, w=w)),
+        "Conv of block-diagonal 2-channel groups": block_diagonal(2),
+        "Conv of block-diagonal 4-channel groups": block_diagonal(4),
+        "PyTorch eager: convolution": _Eager(lambda tx=tx, tw=tw, c=c: torch.ops.aten.convolution(
+            tx, tw, None, [1, 1], [1, 1], [1, 1], False, [0, 0], c)),
+    }
+    depthwise_dx = {
+        "Conv of grad_out by the flipped kernel, group=C (shipped)": _graph(
+            [h.make_node("Slice", ["w", "start", "end", "axes", "steps"], ["wf"]),
+             h.make_node("Conv", ["g", "wf"], ["y"], group=c, pads=[1, 1, 1, 1])], dict(g=g, w=w),
+            {"start": [-1, -1], "end": [-2 ** 62, -2 ** 62], "axes": [2, 3], "steps": [-1, -1]}),
+        "PyTorch eager: convolution_backward, input": _Eager(backward(g, x, w, [1, 1], c, [True, False, False])),
+    }
+    c, s = 16, 28
+    x, g, w = normal(batch, c, s, s), normal(batch, c, s, s), normal(c, c, 3, 3)
+    # the patches as the compiler lays them out: rows (n, y, x), columns (ky, kx, c)
+    rows = np.ascontiguousarray(torch.nn.functional.unfold(torch.from_numpy(x), 3, padding=1)
+                                .reshape(batch, c, 9, -1).permute(0, 3, 2, 1).reshape(-1, 9 * c).numpy())
+    flat_g = np.ascontiguousarray(g.transpose(0, 2, 3, 1).reshape(-1, c))
+    operands = dict(g=flat_g, rows=rows)
+    weight_gemm = {
+        "grad_outᵀ × patches (shipped)": _graph([h.make_node("Transpose", ["g"], ["gt"], perm=[1, 0]),
+                                                 h.make_node("MatMul", ["gt", "rows"], ["y"])], operands),
+        "(patchesᵀ × grad_out)ᵀ": _graph([h.make_node("Transpose", ["rows"], ["rt"], perm=[1, 0]),
+                                          h.make_node("MatMul", ["rt", "g"], ["yt"]),
+                                          h.make_node("Transpose", ["yt"], ["y"], perm=[1, 0])], operands),
+        "per sample, then ReduceSum over the batch": _graph([
+            h.make_node("Reshape", ["g", "gs"], ["g3"]), h.make_node("Transpose", ["g3"], ["g3t"], perm=[0, 2, 1]),
+            h.make_node("Reshape", ["rows", "rs"], ["r3"]), h.make_node("MatMul", ["g3t", "r3"], ["p"]),
+            h.make_node("ReduceSum", ["p", "batch_axis"], ["y"], keepdims=0)], operands,
+            {"gs": [batch, -1, c], "rs": [batch, -1, 9 * c], "batch_axis": [0]}),
+        "PyTorch eager: convolution_backward, weight (direct)": _Eager(
+            lambda dw=backward(g, x, w, [1, 1], 1, [False, True, False]), c=c: dw().permute(0, 2, 3, 1).reshape(c, -1)),
+    }
+    groups = {"depthwise 3x3, 64x14x14: forward": depthwise, "depthwise 3x3, 64x14x14: input gradient": depthwise_dx,
+              "depthwise 3x3, 64x14x14: weight gradient": depthwise_dw,
+              "3x3 16->16, 28x28: weight gradient GEMM (M=16, K=N·28·28, N=144)": weight_gemm}
+    for c, s, k in ((16, 28, 3), (32, 14, 3), (64, 7, 3), (64, 14, 1)):
+        g, w = normal(batch, c, s, s), normal(c, c, k, k)
+        p = k // 2
+        groups[f"same-padded {k}x{k} {c}->{c}, {s}x{s}: input gradient"] = {
+            "MatMul + Col2Im (before)": _graph([
+                h.make_node("Reshape", ["w", "matrix"], ["w2"]), h.make_node("Transpose", ["w2"], ["wt"], perm=[1, 0]),
+                h.make_node("Reshape", ["g", "flat"], ["g3"]), h.make_node("MatMul", ["wt", "g3"], ["columns"]),
+                h.make_node("Col2Im", ["columns", "image", "block"], ["y"], pads=[p] * 4)], dict(g=g, w=w),
+                {"matrix": [c, -1], "flat": [0, c, -1], "image": [s, s], "block": [k, k]}),
+            "Conv by the flipped, transposed kernel (shipped)": _graph([
+                h.make_node("Transpose", ["w"], ["wt"], perm=[1, 0, 2, 3]),
+                h.make_node("Slice", ["wt", "start", "end", "axes", "steps"], ["wf"]),
+                h.make_node("Conv", ["g", "wf"], ["y"], pads=[p] * 4)], dict(g=g, w=w),
+                {"start": [-1, -1], "end": [-2 ** 62, -2 ** 62], "axes": [2, 3], "steps": [-1, -1]}),
+            "ConvTranspose": _graph([h.make_node("ConvTranspose", ["g", "w"], ["y"], pads=[p] * 4)], dict(g=g, w=w)),
+            "PyTorch eager: convolution_backward, input": _Eager(
+                backward(g, normal(batch, c, s, s), w, [p, p], 1, [True, False, False])),
+        }
+    return groups
+
+
+def bench_conv_forms(batch: int) -> list[dict]:
+    """Each of :func:`_conv_forms`: thread-CPU and wall p50 µs, max |Δ| to its group's first form."""
+    rows = []
+    for group, forms in _conv_forms(batch).items():
+        outputs = {label: np.asarray(form.run(None, {})[0]) for label, form in forms.items()}
+        reference = next(iter(outputs.values()))
+        timed = interleaved_p50(forms, {}, CONV_BLOCKS, CONV_PER_BLOCK, time.thread_time)
+        for label in forms:
+            rows.append(dict(group=group, form=label, cpu_us=1e3 * timed[label]["cpu_ms"],
+                             wall_us=1e3 * timed[label]["wall_ms"],
+                             max_abs_diff=float(np.abs(outputs[label].reshape(reference.shape) - reference).max()),
+                             reference_max=float(np.abs(reference).max())))
+    return rows
+
+
+def _conv_main(args) -> int:
+    rows = bench_conv_forms(args.batch)
+    print(f"| batch {args.batch}, 1 thread | form | thread-CPU p50 µs | wall p50 µs | max abs diff |")
+    print("|---|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['group']} | {r['form']} | {r['cpu_us']:.0f} | {r['wall_us']:.0f} | {r['max_abs_diff']:.1e} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"batch": args.batch, "threads": 1, "onnxruntime": onnxruntime.__version__,
+                                              "torch": torch.__version__, "loadavg": os.getloadavg(), "rows": rows},
+                                             indent=1))
+    return 0
+
+
 def _session(model_bytes: bytes) -> onnxruntime.InferenceSession:
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = 1
@@ -262,10 +448,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of: " + ", ".join(MODELS))
     p.add_argument("--batch-norm-forms", action="store_true",
                    help="instead: BatchNorm's statistics form against torch's decomposition, alone and in the step")
+    p.add_argument("--conv-forms", action="store_true",
+                   help="instead: the examples' convolutions one layer at a time, each form beside PyTorch's op")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.batch_norm_forms:
         return _batch_norm_main(args)
+    if args.conv_forms:
+        return _conv_main(args)
     rows = []
     print(f"| model | onnxruntime {onnxruntime.__version__} step ms | PyTorch {torch.__version__} eager ms | "
           "ratio | parity | compile s |")

@@ -10,9 +10,13 @@ The graphs are profiled in turn, ``--repeats`` times, so they meet the same load
 ``--runs`` runs at 1 thread and batch 16 on synthetic feeds gives kernel time per run, shares by op type and the
 slowest nodes with their input shapes (the profiler inflates absolute times; shares and ratios are the point).
 With ``--sessions``, per graph: step time at each graph optimization level (BASIC, EXTENDED, ALL) in interleaved
-blocks at 1 and 2 threads (thread-CPU and wall p50), and load time from the graph at level ALL against loading
-onnxruntime's saved optimized graph with optimizations off (what a cache of optimized graphs on a device would
-save). Writes profile_step.json and profile_step.md into ``--out-dir``; prints the tables.
+blocks at 1 and 2 threads (thread-CPU and wall p50), all the graphs' steps at level ALL and 1 thread timed
+against each other in interleaved blocks (a before/after comparison under the same load), and load time from the
+graph at level ALL against loading onnxruntime's saved optimized graph with optimizations off (what a cache of
+optimized graphs on a device would save). With ``--torch``, each ``--config`` plan's PyTorch eager step (the one
+scripts/bench_device.py times: forward, backward, SGD) at 1 thread, in the same rounds: thread-CPU time per aten
+op (each timed around its own call), so both runtimes' op classes can be set side by side. Writes
+profile_step.json and profile_step.md into ``--out-dir``; prints the tables.
 """
 from __future__ import annotations
 
@@ -93,6 +97,79 @@ def profile(ort, path: str, runs: int, workdir: str) -> dict:
                            for n, us in by_node.most_common(TOP_NODES)])
 
 
+def torch_profile(model_name: str, shape: tuple[int, ...], ratio: float, runs: int) -> dict:
+    """Thread-CPU µs per run by aten op of the PyTorch eager step of this plan (batch 16, 1 thread, synthetic
+    feeds), each op timed around its own call (a TorchDispatchMode; torch.profiler's per-op overhead would inflate
+    the small ones), and the plain step's thread-CPU p50 beside it."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from fedcore.lowrank import RankPlan, factorize_model, resolve_plan
+    from fedcore.models import build_model
+    from fedcore.objective import compute_anchors, local_loss
+
+    class OpTimes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ns = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            start = time.thread_time_ns()
+            out = func(*args, **(kwargs or {}))
+            self.ns[func.overloadpacket.__name__] += time.thread_time_ns() - start
+            return out
+
+    torch.set_num_threads(1)
+    model = build_model(model_name, shape, NUM_CLASSES, seed=0)
+    model = factorize_model(model, resolve_plan(model, RankPlan(ratio)).ranks)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH, *shape)).astype(np.float32)
+    y = rng.integers(0, NUM_CLASSES, BATCH).astype(np.int64)
+    anchors, mask = (torch.from_numpy(a) for a in compute_anchors(model.fe, x, y, NUM_CLASSES))
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    optimizer = torch.optim.SGD(model.parameters(), lr=5e-3)
+    model.train()
+
+    def step() -> None:
+        loss, _ = local_loss(model, x, y, anchors, mask, 10.0)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(3):
+        step()
+    plain = []
+    for _ in range(runs):
+        start = time.thread_time()
+        step()
+        plain.append(time.thread_time() - start)
+    timer = OpTimes()
+    with timer:
+        for _ in range(runs):
+            step()
+    by_op = {op: ns / runs / 1e3 for op, ns in timer.ns.most_common()}
+    return dict(step_cpu_us=float(np.median(plain) * 1e6), ops_cpu_us=sum(by_op.values()), by_op_us=by_op)
+
+
+def graphs_interleaved(ort, graphs: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Step wall and thread-CPU p50 ms of each graph at 1 thread and level ALL, the graphs timed against each other
+    in interleaved blocks (the order reversed every other block), so a before and an after meet the same load."""
+    sessions = {label: ort.InferenceSession(path, _options(ort, 1), providers=["CPUExecutionProvider"])
+                for label, path in graphs.items()}
+    feeds = {label: synthetic_feeds(session) for label, session in sessions.items()}
+    wall: dict[str, list[float]] = {label: [] for label in sessions}
+    cpu: dict[str, list[float]] = {label: [] for label in sessions}
+    for block in range(2 * BLOCKS):
+        for label in (list(sessions) if block % 2 else list(sessions)[::-1]):
+            sessions[label].run(None, feeds[label])
+            for _ in range(PER_BLOCK):
+                w, c = time.perf_counter(), time.thread_time()
+                sessions[label].run(None, feeds[label])
+                cpu[label].append(time.thread_time() - c)
+                wall[label].append(time.perf_counter() - w)
+    return {label: dict(wall_ms=1e3 * float(np.median(wall[label])), cpu_ms=1e3 * float(np.median(cpu[label])))
+            for label in sessions}
+
+
 def session_settings(ort, path: str) -> dict:
     """Step ms per optimization level (interleaved, 1 and 2 threads) and load ms with and without a saved graph."""
     levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -143,6 +220,8 @@ def compile_graphs(configs, ratios, workdir: str) -> dict[str, str]:
 
 def markdown(results: dict) -> str:
     lines = ["| graph | kernels | kernel ms/run (profiler) | shares of kernel time |", "|---|---:|---:|---|"]
+    torch_results = {label: r["torch"] for label, r in results.items() if "torch" in r}
+    results = {label: r for label, r in results.items() if "profile" in r}
     for label, r in results.items():
         total = r["profile"]["kernel_us"]
         shares = ", ".join(f"{op} {us / total * 100:.1f} %" for op, us in list(r["profile"]["by_op_us"].items())[:8])
@@ -151,6 +230,11 @@ def markdown(results: dict) -> str:
         lines += ["", f"Slowest nodes of {label}:", "", "| µs/run | op | node | input shapes |", "|---:|---|---|---|"]
         lines += [f"| {n['us']:.0f} | {n['op']} | {n['node'][:60]} | {n['input_shapes']} |"
                   for n in r["profile"]["top_nodes"]]
+    for label, r in torch_results.items():
+        lines += ["", f"{label}: thread-CPU µs/run by aten op, {r['ops_cpu_us'] / 1e3:.2f} ms in ops, the plain step "
+                      f"{r['step_cpu_us'] / 1e3:.2f} ms (p50):", "",
+                  "| µs/run | aten op |", "|---:|---|"]
+        lines += [f"| {us:.0f} | {op} |" for op, us in list(r["by_op_us"].items())[:TOP_NODES * 2]]
     with_sessions = {k: r["sessions"] for k, r in results.items() if "sessions" in r}
     if with_sessions:
         lines += ["", "| graph | threads | BASIC wall / CPU ms | EXTENDED | ALL |", "|---|---:|---:|---:|---:|"]
@@ -159,6 +243,10 @@ def markdown(results: dict) -> str:
                 cells = " | ".join(f"{s[threads][lv]['wall_ms']:.2f} / {s[threads][lv]['cpu_ms']:.2f}"
                                    for lv in ("basic", "extended", "all"))
                 lines.append(f"| {label} | {threads} | {cells} |")
+        lines += ["", "| graph | step at 1 thread, level ALL, the graphs interleaved: wall / thread-CPU p50 ms |",
+                  "|---|---:|"]
+        lines += [f"| {label} | {t['wall_ms']:.2f} / {t['cpu_ms']:.2f} |"
+                  for label, t in ((label, s["graphs_interleaved_1t"]) for label, s in with_sessions.items())]
         lines += ["", "| graph | load ms at level ALL | load ms of the saved optimized graph |", "|---|---:|---:|"]
         lines += [f"| {label} | {s['load_ms']['graph_at_all']:.1f} | {s['load_ms']['saved_optimized']:.1f} |"
                   for label, s in with_sessions.items()]
@@ -184,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=40, help="profiled runs per graph and repeat (default 40)")
     p.add_argument("--repeats", type=int, default=2, help="rounds over all graphs (default 2); the last is kept")
     p.add_argument("--sessions", action="store_true", help="also time optimization levels and load with a cache")
+    p.add_argument("--torch", action="store_true",
+                   help="also time each --config plan's PyTorch eager step per aten op (1 thread)")
     p.add_argument("--out-dir", type=Path, required=True)
     args = p.parse_args(argv)
     if not args.config and not args.graph:
@@ -199,9 +289,16 @@ def main(argv: list[str] | None = None) -> int:
             for label, path in graphs.items():
                 source = path if label in dict(args.graph) else "compiled by the current step compiler"
                 results[label] = dict(source=source, profile=profile(ort, path, args.runs, workdir))
+            if args.torch:
+                for model_name, shape in args.config:
+                    for ratio in args.ratios:
+                        label = f"PyTorch eager {model_name} {shape_name(shape)} {ratio:g}"
+                        results[label] = dict(torch=torch_profile(model_name, shape, ratio, args.runs))
         if args.sessions:
             for label, path in graphs.items():
                 results[label]["sessions"] = session_settings(ort, path)
+            for label, timed in graphs_interleaved(ort, graphs).items():
+                results[label]["sessions"]["graphs_interleaved_1t"] = timed
     report = markdown(results)
     print(report)
     (args.out_dir / "profile_step.md").write_text(report)

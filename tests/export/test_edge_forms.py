@@ -41,6 +41,10 @@ FORMS = {
     "batchnorm1d_on_features": (lambda input_shape: _normed_features(input_shape), (6,), {}),
     # a BatchNorm without affine parameters: torch's decomposition, not the statistics form
     "batchnorm2d_without_affine": (lambda input_shape: _plain_normed(input_shape), (2, 6, 6), {}),
+    # same-padded convolutions (input gradient by the flipped kernel): 5×5 behind 4 channels (not the GEMM form),
+    # a rectangular 3×5 and a 1×1 (the GEMM form), on an odd-sized input
+    "same_padded_convs": (lambda input_shape: _same_padded(input_shape), (2, 7, 6), {}),
+    "same_padded_convs_factorized": (lambda input_shape: _same_padded(input_shape), (2, 7, 6), {"fe.4": 3}),
 }
 STATS_STEPS = 6
 STATS_ATOL = 1e-5
@@ -78,6 +82,14 @@ def _plain_normed(input_shape) -> SplitModel:
     fe = nn.Sequential(nn.Conv2d(input_shape[0], 8, 3), nn.BatchNorm2d(8, affine=False), nn.ReLU(),
                        nn.AdaptiveAvgPool2d(1), nn.Flatten())
     return SplitModel("plain_normed", fe, 8, 3)
+
+
+def _same_padded(input_shape) -> SplitModel:
+    torch.manual_seed(0)
+    fe = nn.Sequential(nn.Conv2d(input_shape[0], 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 8, 5, padding=2),
+                       nn.ReLU(), nn.Conv2d(8, 8, (3, 5), padding=(1, 2)), nn.ReLU(), nn.Conv2d(8, 8, 1), nn.ReLU(),
+                       nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    return SplitModel("same_padded", fe, 8, 3)
 
 
 def _tokens(input_shape) -> SplitModel:
@@ -226,6 +238,32 @@ def test_a_new_batchnorm_form_changes_the_hash_of_models_with_batchnorm_only(mon
     after = hashes()
     assert after["bn"] != before["bn"]
     assert after["transformer"] == before["transformer"] and after["zoo"] == before["zoo"]
+
+
+def test_a_new_same_padded_form_changes_the_hash_of_models_with_same_padded_convolutions_only(monkeypatch):
+    torch.manual_seed(0)
+    unpadded_conv1d = SplitModel("unpadded_conv1d", nn.Sequential(  # factorized: a 1-wide half, same-padded
+        nn.Conv1d(3, 8, 3), nn.ReLU(), nn.Conv1d(8, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool1d(1), nn.Flatten()), 8, 3)
+    models = {"resnet8": (resnet8((1, 8, 8)), (1, 8, 8)), "conv1d": (unpadded_conv1d, (3, 16)),
+              "transformer": (tiny_transformer((6, 5)), (6, 5)),
+              **{name: (build_model(name, (1, 28, 28), 10, seed=0), (1, 28, 28)) for name in ("fedavgcnn", "cnn1")}}
+
+    def hashes():
+        return {k: config_hash(artifact_config(m, {}, shape, m.num_classes, PORTABLE_KIND))
+                for k, (m, shape) in models.items()}
+
+    before = hashes()
+    monkeypatch.setattr(step_compiler, "SAME_PADDED_FORM_VERSION", step_compiler.SAME_PADDED_FORM_VERSION + 1)
+    after = hashes()
+    assert after["resnet8"] != before["resnet8"] and after["conv1d"] != before["conv1d"]
+    assert all(after[k] == before[k] for k in ("transformer", "fedavgcnn", "cnn1"))
+
+
+@pytest.mark.slow
+def test_a_same_padded_convolutions_input_gradient_is_a_conv_not_col2im(cache):
+    _, _, _, built = _built("same_padded_convs", cache)
+    ops = [node.op_type for node in onnx.load(built.files["step_model"]).graph.node]
+    assert "Col2Im" not in ops and "ConvTranspose" not in ops  # before: the 3×5's and 1×1's, and the 5×5's
 
 
 def test_retrained_weights_keep_the_artifact_hash():
