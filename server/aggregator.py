@@ -82,7 +82,8 @@ class Aggregator:
     Each method returns what to send (or why nothing) and logs every refusal with its reason."""
 
     def __init__(self, name: str, device_keys: KeyRing, spill: FileSpill | None = None):
-        """``spill``: where awaiting updates past ``AWAITING_UPDATES_BUDGETED`` largest updates wait (None: in memory)."""
+        """``spill``: where the updates awaiting a verdict past ``AWAITING_UPDATES_BUDGETED`` largest updates wait
+        (None: all in memory)."""
         self.name, self.spill = name, spill
         self.verifier = Verifier(device_keys, {Direction.UP})
         self.brief: folding.Brief | None = None

@@ -108,8 +108,8 @@ class AwaitingUpdates:
         layout, offset = [], 0
         try:
             for name, array in weights.items():
-                array = np.ascontiguousarray(array)
-                self.spill.write(self._key(device_id), offset, memoryview(array.reshape(-1).view(np.uint8)))
+                flat = np.ascontiguousarray(array).reshape(-1)
+                self.spill.write(self._key(device_id), offset, memoryview(flat.view(np.uint8)))
                 layout.append((name, array.dtype, array.shape, offset))
                 offset += array.nbytes
         except OSError:
