@@ -47,7 +47,7 @@ in-process read path: its CPU with the round's messages, per update) and ``serve
 ``spilled``, ``pushed_out`` and ``tasks_sent_again`` (the server's updates kept in its reassembly spill past its
 memory budget, pushed out half-received, and tasks sent again: from its log); ``read_path``: that measurement. With
 ``--aggregators``: ``aggregators_bytes_in``, ``aggregators_spilled``, ``aggregators_awaiting_filed`` (updates awaiting
-the engine's verdict kept in files past a member's memory budget) and ``aggregators_awaiting_peak_mb`` (the most a
+the engine's verdict kept in files past a member's memory budget) and ``aggregators_awaiting_peak_bytes`` (the most a
 member held of them in memory) (from each member's log lines at the round's close; None where its log has none),
 ``aggregators_pushed_out`` (its transport's warnings, written in the round) and
 ``aggregators_peak_rss_mb`` (the largest member's, sampled from /proc as the server prints each round).
@@ -546,9 +546,9 @@ def aggregator_reads(out: Path) -> dict[int, dict[str, int | None]]:
                    if words[-2:] == ["device(s)", "asked"])
     rounds: dict[int, dict[str, int | None]] = {r: {"aggregators_bytes_in": None, "aggregators_spilled": None,
                                                     "aggregators_awaiting_filed": None,
-                                                    "aggregators_awaiting_peak_mb": None,
+                                                    "aggregators_awaiting_peak_bytes": None,
                                                     "aggregators_pushed_out": 0} for _, r in opens}
-    awaiting: dict[tuple[str, int], tuple[int, float]] = {}  # (member, round) -> its last line's (filed, peak MB)
+    awaiting: dict[tuple[str, int], tuple[int, int]] = {}  # (member, round) -> its last line's (filed, peak bytes)
     for log in sorted((out / "aggregators").glob("*.log")):
         for line in log.read_text(errors="replace").splitlines():
             words = line.split()
@@ -558,16 +558,16 @@ def aggregator_reads(out: Path) -> dict[int, dict[str, int | None]]:
                 record["aggregators_spilled"] = (record.get("aggregators_spilled") or 0) + int(words[10])
             elif "fedara.aggregator" in words and words[5:6] == ["round"] and words[7:11] == ["awaiting", "updates",
                                                                                             "at", "most"]:
-                awaiting[(log.name, int(words[6].rstrip(":")))] = (int(words[15]), int(words[11]) / 1e6)
+                awaiting[(log.name, int(words[6].rstrip(":")))] = (int(words[15]), int(words[11]))
             elif "fedara.transport" in words and "pushed out to make room" in line:
                 at = log_time(words)
                 current = max((r for t, r in opens if t <= at), default=0)
                 record = rounds.setdefault(current, {"aggregators_pushed_out": 0})
                 record["aggregators_pushed_out"] += int(words[5])
-    for (_, round_index), (filed, peak_mb) in awaiting.items():  # a close asked again logs the round's again
+    for (_, round_index), (filed, peak) in awaiting.items():  # a close asked again logs the round's again
         record = rounds.setdefault(round_index, {"aggregators_pushed_out": 0})
         record["aggregators_awaiting_filed"] = (record.get("aggregators_awaiting_filed") or 0) + filed
-        record["aggregators_awaiting_peak_mb"] = max(record.get("aggregators_awaiting_peak_mb") or 0.0, peak_mb)
+        record["aggregators_awaiting_peak_bytes"] = max(record.get("aggregators_awaiting_peak_bytes") or 0, peak)
     return rounds
 
 
@@ -733,7 +733,7 @@ def table(result: dict) -> str:
                   "(largest member) | largest aggregator peak RSS MiB |", "|" + "---:|" * 7]
         lines += [f"| {r['round']} | {mb(r.get('aggregators_bytes_in'))} | {r.get('aggregators_spilled')} | "
                   f"{r.get('aggregators_pushed_out')} | {r.get('aggregators_awaiting_filed')} | "
-                  f"{r.get('aggregators_awaiting_peak_mb')} | {r['aggregators_peak_rss_mb']:.0f} |"
+                  f"{mb(r.get('aggregators_awaiting_peak_bytes'))} | {r['aggregators_peak_rss_mb']:.0f} |"
                   for r in result["rounds"]]
     if "read_seconds" in result["rounds"][0]:
         lines += ["", "| round | read s (release to close) | read MB/s | broker-only MB/s | read / broker-only |",

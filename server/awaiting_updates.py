@@ -63,7 +63,7 @@ class AwaitingUpdates:
     def put(self, device_id: str, weights: dict[str, np.ndarray], num_samples: int) -> None:
         """Keep ``device_id``'s update (replacing any it held): in memory within the budget, else in a file (in
         memory, logged, where the file cannot be written: a full disk loses no update)."""
-        self.take(device_id)
+        self._discard(device_id)
         size = sum(a.nbytes for a in weights.values())
         if self.spill is not None and size and self.in_memory + size > self.memory_bytes:
             try:
@@ -79,9 +79,9 @@ class AwaitingUpdates:
     def take(self, device_id: str) -> tuple[dict[str, np.ndarray], int] | None:
         """``device_id``'s update, no longer held; None where none is (or its file could not be read: logged)."""
         if device_id in self.held:
-            weights, num_samples = self.held.pop(device_id)
-            self.in_memory -= sum(a.nbytes for a in weights.values())
-            return weights, num_samples
+            held = self.held[device_id]
+            self._discard(device_id)
+            return held
         filed = self.filed.pop(device_id, None)
         if filed is None:
             return None
@@ -99,6 +99,12 @@ class AwaitingUpdates:
         for device_id in self.filed:
             self.spill.drop(self._key(device_id))
         self.held, self.filed, self.in_memory = {}, {}, 0
+
+    def _discard(self, device_id: str) -> None:
+        if device_id in self.held:
+            self.in_memory -= sum(a.nbytes for a in self.held.pop(device_id)[0].values())
+        elif self.filed.pop(device_id, None) is not None:
+            self.spill.drop(self._key(device_id))
 
     @staticmethod
     def _key(device_id: str) -> tuple[str, str]:

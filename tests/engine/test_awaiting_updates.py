@@ -103,3 +103,12 @@ def test_a_burst_past_the_awaiting_budget_holds_the_budget_and_folds_every_updat
     assert partial.sum.count == held.sum.count == len(DEVICES)
     for name, tensor in held.sum.sums.items():
         assert torch.equal(partial.sum.sums[name], tensor), name
+
+
+def test_an_update_put_again_replaces_the_one_held_and_its_file(tmp_path: Path):
+    store = AwaitingUpdates(0, FileSpill(tmp_path))
+    store.put("dev_0", weights_of(0), 1)
+    store.put("dev_0", weights_of(1), 2)
+    assert len(store) == 1 and len(list(tmp_path.iterdir())) == 1
+    back, num_samples = store.take("dev_0")
+    assert num_samples == 2 and back["w"].tobytes() == weights_of(1)["w"].tobytes()
