@@ -36,7 +36,6 @@ import sys
 import threading
 from pathlib import Path
 
-
 from device_runtime.auth import Direction, KeyRing, Verifier
 from device_runtime.envelope import Message, MessageType, decode
 from device_runtime.help_format import CommandParser, DefaultsHelpFormatter
@@ -189,7 +188,7 @@ class Aggregator:
         if lacking:
             LOG.warning("%s: round %d's close names %s, whose update this member does not hold", self.name,
                         round_index, lacking)
-        if len(self.awaiting):
+        if self.awaiting:
             LOG.warning("%s: round %d closed without folding %s (the engine did not name them)", self.name,
                         round_index, sorted(self.awaiting))
         total = self.changes.total if self.changes is not None else self.average.partial()
