@@ -46,8 +46,10 @@ server prints each round), ``server_cpu_ms_per_update``, ``read_path_cpu_ms_per_
 in-process read path: its CPU with the round's messages, per update) and ``server_to_read_path`` (their ratio),
 ``spilled``, ``pushed_out`` and ``tasks_sent_again`` (the server's updates kept in its reassembly spill past its
 memory budget, pushed out half-received, and tasks sent again: from its log); ``read_path``: that measurement. With
-``--aggregators``: ``aggregators_bytes_in``, ``aggregators_spilled`` (from each member's log line at the round's close;
-None where its log has none), ``aggregators_pushed_out`` (its transport's warnings, written in the round) and
+``--aggregators``: ``aggregators_bytes_in``, ``aggregators_spilled``, ``aggregators_awaiting_filed`` (updates awaiting
+the engine's verdict kept in files past a member's memory budget) and ``aggregators_awaiting_peak_bytes`` (the most a
+member held of them in memory) (from each member's log lines at the round's close; None where its log has none),
+``aggregators_pushed_out`` (its transport's warnings, written in the round) and
 ``aggregators_peak_rss_mb`` (the largest member's, sampled from /proc as the server prints each round).
 """
 from __future__ import annotations
@@ -543,7 +545,10 @@ def aggregator_reads(out: Path) -> dict[int, dict[str, int | None]]:
     opens = sorted((log_time(words), current) for current, words, line in server_lines(out / "server.log")
                    if words[-2:] == ["device(s)", "asked"])
     rounds: dict[int, dict[str, int | None]] = {r: {"aggregators_bytes_in": None, "aggregators_spilled": None,
+                                                    "aggregators_awaiting_filed": None,
+                                                    "aggregators_awaiting_peak_bytes": None,
                                                     "aggregators_pushed_out": 0} for _, r in opens}
+    awaiting: dict[tuple[str, int], tuple[int, int]] = {}  # (member, round) -> its last line's (filed, peak bytes)
     for log in sorted((out / "aggregators").glob("*.log")):
         for line in log.read_text(errors="replace").splitlines():
             words = line.split()
@@ -551,11 +556,18 @@ def aggregator_reads(out: Path) -> dict[int, dict[str, int | None]]:
                 record = rounds.setdefault(int(words[6].rstrip(":")), {"aggregators_pushed_out": 0})
                 record["aggregators_bytes_in"] = (record.get("aggregators_bytes_in") or 0) + int(words[7])
                 record["aggregators_spilled"] = (record.get("aggregators_spilled") or 0) + int(words[10])
+            elif "fedara.aggregator" in words and words[5:6] == ["round"] and words[7:11] == ["awaiting", "updates",
+                                                                                            "at", "most"]:
+                awaiting[(log.name, int(words[6].rstrip(":")))] = (int(words[15]), int(words[11]))
             elif "fedara.transport" in words and "pushed out to make room" in line:
                 at = log_time(words)
                 current = max((r for t, r in opens if t <= at), default=0)
                 record = rounds.setdefault(current, {"aggregators_pushed_out": 0})
                 record["aggregators_pushed_out"] += int(words[5])
+    for (_, round_index), (filed, peak) in awaiting.items():  # a close asked again logs the round's again
+        record = rounds.setdefault(round_index, {"aggregators_pushed_out": 0})
+        record["aggregators_awaiting_filed"] = (record.get("aggregators_awaiting_filed") or 0) + filed
+        record["aggregators_awaiting_peak_bytes"] = max(record.get("aggregators_awaiting_peak_bytes") or 0, peak)
     return rounds
 
 
@@ -717,10 +729,12 @@ def table(result: dict) -> str:
             for r in result["rounds"]]
     lines = [head, *rows]
     if "aggregators_peak_rss_mb" in result["rounds"][0]:
-        lines += ["", "| round | aggregators in MB | spilled | pushed out | largest aggregator peak RSS MiB |",
-                  "|" + "---:|" * 5]
+        lines += ["", "| round | aggregators in MB | spilled | pushed out | awaiting in files | awaiting in memory MB "
+                  "(largest member) | largest aggregator peak RSS MiB |", "|" + "---:|" * 7]
         lines += [f"| {r['round']} | {mb(r.get('aggregators_bytes_in'))} | {r.get('aggregators_spilled')} | "
-                  f"{r.get('aggregators_pushed_out')} | {r['aggregators_peak_rss_mb']:.0f} |" for r in result["rounds"]]
+                  f"{r.get('aggregators_pushed_out')} | {r.get('aggregators_awaiting_filed')} | "
+                  f"{mb(r.get('aggregators_awaiting_peak_bytes'))} | {r['aggregators_peak_rss_mb']:.0f} |"
+                  for r in result["rounds"]]
     if "read_seconds" in result["rounds"][0]:
         lines += ["", "| round | read s (release to close) | read MB/s | broker-only MB/s | read / broker-only |",
                   "|" + "---:|" * 5]

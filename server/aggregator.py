@@ -16,10 +16,14 @@ devices behind them (``server.mqtt.aggregation_wire``).
 It reads the updates as the server does (``server.mqtt.read_budgets``, for the brief's largest update): a few largest
 updates half-received in memory, past that the authenticated ones in files of WORKDIR/spill (removed when it exits)
 instead of pushed out (an update pushed out here is lost: nothing asks its device again, and the round waits for its
-deadline), complete ones in a bounded queue with backpressure. At each round's close it logs what its endpoint took
-in, kept in the spill and pushed out since the last close.
+deadline), complete ones in a bounded queue with backpressure. The updates it verified await the engine's verdict
+(``server.awaiting_updates``): a few largest in memory (``AWAITING_UPDATES_BUDGETED``), past that each in a file of
+WORKDIR/spill/awaiting, read back on its verdict, so a member's memory does not grow with the fleet. At each round's
+close it logs what its endpoint took in, kept in the spill and pushed out since the last close, and how many awaiting
+updates went to files.
 
-``Aggregator`` is the pure core (no I/O, no clock: deadlines are the engine's); ``main`` is the thin shell.
+``Aggregator`` is the core (no network, no clock: deadlines are the engine's; its awaiting updates past the budget go
+to files); ``main`` is the thin shell.
 """
 from __future__ import annotations
 
@@ -31,8 +35,6 @@ import signal
 import sys
 import threading
 from pathlib import Path
-
-import numpy as np
 
 from device_runtime.auth import Direction, KeyRing, Verifier
 from device_runtime.envelope import Message, MessageType, decode
@@ -53,7 +55,8 @@ from server.engine.privacy import RoundChanges
 from server.cli import PASSWORD_ENV, add_broker_flags, check_broker_connect_timeout, fail
 from server.mqtt.admission import aggregator_admission
 from server.mqtt.enrollment import EnrollmentError, load_enrollment, load_server_key
-from server.mqtt.read_budgets import SPILL_DIR, reader_budgets
+from server.mqtt.read_budgets import AWAITING_UPDATES_BUDGETED, SPILL_DIR, reader_budgets
+from server.awaiting_updates import AWAITING_DIR, AwaitingUpdates
 from server.engine.sampling import as_torch
 from server.engine.update_rule import Answer, body_problem, header_problem
 
@@ -77,14 +80,16 @@ class Aggregator:
 
     Each method returns what to send (or why nothing) and logs every refusal with its reason."""
 
-    def __init__(self, name: str, device_keys: KeyRing):
-        self.name = name
+    def __init__(self, name: str, device_keys: KeyRing, spill: FileSpill | None = None):
+        """``spill``: where the updates awaiting a verdict past ``AWAITING_UPDATES_BUDGETED`` largest updates wait
+        (None: all in memory)."""
+        self.name, self.spill = name, spill
         self.verifier = Verifier(device_keys, {Direction.UP})
         self.brief: folding.Brief | None = None
         self.average: StreamingAverage | None = None
         self.changes: RoundChanges | None = None  # with DP: the round's Σ clip_C(Δ_i), instead of the average
         self.forwarded: set[str] = set()  # devices of this round whose update this member sent a receipt for
-        self.awaiting: dict[str, tuple[dict[str, np.ndarray], int]] = {}  # device -> training update, until verdict
+        self.awaiting = AwaitingUpdates(0, spill)  # device -> training update, until its verdict
         self.folded: list[str] = []
         self.last_partial: folding.Partial | None = None
 
@@ -98,7 +103,9 @@ class Aggregator:
         # with DP the engine's own per-device rule: each Δ against what its device was sent, clipped to the round's C
         self.average = None if brief.dp_clip is not None else StreamingAverage(brief.dense_shapes)
         self.changes = None if brief.dp_clip is None else RoundChanges(brief.dp_clip, brief.dense_shapes)
-        self.forwarded, self.awaiting, self.folded = set(), {}, []
+        self.awaiting.clear()
+        self.awaiting = AwaitingUpdates(AWAITING_UPDATES_BUDGETED * brief.max_inbound, self.spill)
+        self.forwarded, self.folded = set(), []
 
     def on_update(self, topic_device: str, msg: Message) -> folding.Receipt | str:
         """A receipt for the engine, or why this update is refused here (logged)."""
@@ -134,7 +141,7 @@ class Aggregator:
             return problem
         self.forwarded.add(topic_device)
         if asked.trains:
-            self.awaiting[topic_device] = (update.weights, update.num_samples)
+            self.awaiting.put(topic_device, update.weights, update.num_samples)
         return folding.Receipt(topic_device, msg.run_id, msg.round, msg.msg_id, msg.counter, dict(msg.meta),
                             tensor_bytes(msg.tensors))
 
@@ -144,7 +151,7 @@ class Aggregator:
             LOG.warning("%s ignored a verdict on %s for round %d, not the open round", self.name, device_id,
                         round_index)
             return
-        held = self.awaiting.pop(device_id, None)
+        held = self.awaiting.take(device_id)
         if not fold:
             LOG.warning("%s dropped %s's update of round %d: the engine refused it (%s)", self.name, device_id,
                         round_index, reason)
@@ -241,13 +248,17 @@ class Shell:
 
     def log_reads(self, round_index: int) -> None:
         """Log what the endpoint took in, kept in the spill and pushed out since the last call (the server logs the
-        same of its own at each round's end; scripts/fleet_load.py sums them)."""
+        same of its own at each round's end), and the round's awaiting updates: the most bytes held in memory, how many
+        went to files (scripts/fleet_load.py sums them)."""
         stats = self.endpoint.stats
         new = {key: stats[key] - self.counted[key] for key in READ_COUNTERS}
         self.counted = {key: stats[key] for key in READ_COUNTERS}
         LOG.info("%s: round %d: %d bytes in, %d incomplete message(s) kept in the spill past the memory budget, %d "
                  "pushed out", self.core.name, round_index, new["bytes_in"], new["messages_spilled"],
                  new["messages_evicted"])
+        awaiting = self.core.awaiting
+        LOG.info("%s: round %d: awaiting updates at most %d bytes in memory, %d kept in files past that budget",
+                 self.core.name, round_index, awaiting.peak_in_memory, awaiting.spilled)
 
     def _from_engine(self, payload: bytes) -> None:
         try:
@@ -280,8 +291,8 @@ def run(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     link = wire.aggregator_link(server_key, workdir, BRIEF_BYTES)
     ring = KeyRing(keys)
-    core = Aggregator(args.name, ring)
     spill = FileSpill(workdir / SPILL_DIR)  # updates half-received past the memory budget (removed at exit)
+    core = Aggregator(args.name, ring, FileSpill(spill.folder / AWAITING_DIR))  # awaiting ones past theirs
     try:
         serve(args, core, link, len(ring.device_ids), member_endpoint(args, ring, server_key, spill))
     finally:

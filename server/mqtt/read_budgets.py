@@ -26,6 +26,9 @@ PENDING_MESSAGES = 512
 QUEUED_UPDATES_BUDGETED = 2
 """Complete messages waiting for the reader's main loop, in largest inbound updates: past that the broker holds them
 (backpressure, ``inbox.Inbox(wait=True)``)."""
+AWAITING_UPDATES_BUDGETED = 4
+"""An aggregator member's verified updates awaiting the engine's verdict in memory, in largest inbound updates: past
+that they wait in files of its spill folder (``server.awaiting_updates``), at most one per device a round."""
 
 
 def reader_budgets(max_inbound: int, senders: int, largest: int | None = None) -> dict[str, int]:

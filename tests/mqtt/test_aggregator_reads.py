@@ -1,7 +1,8 @@
 """How an aggregator process reads the updates routed to it (server/aggregator.py, server/mqtt/read_budgets.py): as
 the server does. Past its memory budget a burst's authenticated half-received updates wait in files of its workdir
 instead of being pushed out (lost there: nothing asks their devices again), the budgets follow the round's brief, and
-the spill folder goes when the process exits."""
+the spill folder goes when the process exits. The updates it verified await the engine's verdict in memory up to a
+few largest updates, in files past that (server/awaiting_updates.py)."""
 from __future__ import annotations
 
 import _thread
@@ -15,22 +16,27 @@ from pathlib import Path
 import numpy as np
 import paho.mqtt.publish
 import pytest
+import torch
 
 from device_runtime.auth import KeyRing
 from device_runtime.envelope import Message, MessageType
 from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Reassembler, chunk
+from device_runtime.messages import update_message
 from device_runtime.spill import FileSpill
+from device_runtime.task import Update
 from device_runtime.topics import Topics
 from device_runtime.transport import BrokerURL
 from server import aggregator
 from server.aggregator import Aggregator, Shell, member_budgets, member_endpoint
+from server.awaiting_updates import AWAITING_DIR
 from server.engine import folding_records as folding
 from server.mqtt import aggregation_wire as wire
 from server.mqtt.admission import aggregator_admission
 from server.mqtt.enrollment import save_enrollment
 from server.mqtt.read_budgets import PENDING_UPDATES_BUDGETED, QUEUED_UPDATES_BUDGETED, SPILL_DIR
 from tests.support.processes import child_env
-from tests.support.sealing import KEY, OPEN_MAX, seal_up
+from tests.support.engine import RUN, join, make_engine
+from tests.support.sealing import KEY, OPEN_MAX, read, seal_up
 from tests.support.waiting import wait_for
 
 PREFIX, NAME = "fedara", "agg-0"
@@ -193,3 +199,71 @@ def test_the_spill_folder_is_removed_when_the_member_is_ended_with_sigterm(mosqu
     finally:
         if member.poll() is None:
             member.kill()
+
+
+def framed(topic: str, payload: bytes) -> list[tuple[str, bytes, int, bool]]:
+    """``payload``'s frames on ``topic``, as paho.mqtt.publish.multiple takes them."""
+    return [(topic, frame, 1, False) for frame in chunk(payload, DEFAULT_MAX_FRAME_BYTES, read(payload).msg_id)]
+
+
+def serve_until(shell: Shell, endpoint, condition, what: str) -> None:
+    """The member's loop (``aggregator.serve``'s) until ``condition`` holds."""
+    def step() -> bool:
+        item = endpoint.get(0.1)
+        if item is not None:
+            shell.handle(*item)
+        return condition()
+    wait_for(step, WAIT_S, what, poll_s=0.0)
+
+
+def test_a_members_burst_past_its_awaiting_budget_over_mosquitto_holds_the_budget_and_folds_every_update(
+        mosquitto_broker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Five 2.3 MB updates read before any verdict (the engine's verdicts queue behind a burst): two await in
+    memory, three in files; once the verdicts and the close come, all five are folded, bit for bit as a member
+    holding them all in memory folds them."""
+    monkeypatch.setattr(aggregator, "AWAITING_UPDATES_BUDGETED", 2)
+    devices, max_inbound = DEVICES[:5], 3 << 20
+    engine = make_engine(remote=True)
+    for device_id in devices:
+        join(engine, device_id)
+    tasks = engine.open_round(1, 0.0)
+    round_brief = engine.brief(max_inbound)
+    payloads = {d: seal_up(update_message(Update(1, {k: v * np.float32(1 + i / 7) for k, v in tasks[d].weights.items()},
+                                                 50, 1.0, 0.5, {}), plan_hash=engine.plan_info(d).hash,
+                                          device_id=d, run_id=RUN)) for i, d in enumerate(devices)}
+    ring = KeyRing(dict.fromkeys(DEVICES, KEY))
+    engine_side = wire.engine_link(SERVER_KEY, tmp_path / "engine", OPEN_MAX)
+    member_link = wire.aggregator_link(SERVER_KEY, tmp_path / "member", OPEN_MAX)
+    engine_side.open(member_link.seal(wire.message(wire.READY, NAME)), RUN, device_id=NAME)  # binds its session
+    args, spill = member_args(mosquitto_broker.url), tmp_path / "work" / SPILL_DIR
+    endpoint = member_endpoint(args, ring, SERVER_KEY, FileSpill(spill))
+    core = Aggregator(NAME, ring, FileSpill(spill / AWAITING_DIR))
+    shell, url = Shell(args, core, endpoint, member_link, len(DEVICES)), BrokerURL.parse(mosquitto_broker.url)
+    down = wire.down_topic(PREFIX, NAME)
+    endpoint.start()
+    try:
+        wait_for(endpoint.connected.is_set, WAIT_S, "the member connected")
+        paho.mqtt.publish.multiple(framed(down, engine_side.seal(wire.brief_message(round_brief, NAME))),
+                                   hostname=url.host, port=url.port)
+        serve_until(shell, endpoint, lambda: core.brief is not None, "the brief taken")
+        burst = [f for d, p in payloads.items() for f in framed(Topics(PREFIX, d).update_via(NAME), p)]
+        paho.mqtt.publish.multiple(burst, hostname=url.host, port=url.port)
+        serve_until(shell, endpoint, lambda: core.forwarded == set(devices), "a receipt for every update")
+        assert core.awaiting.peak_in_memory <= 2 * max_inbound and core.awaiting.spilled == 3
+        assert len(list((spill / AWAITING_DIR).iterdir())) == 3
+        said = [wire.verdict_message(NAME, 1, d, True, "") for d in devices] + [wire.close_message(NAME, 1, devices)]
+        paho.mqtt.publish.multiple([f for msg in said for f in framed(down, engine_side.seal(msg))],
+                                   hostname=url.host, port=url.port)
+        serve_until(shell, endpoint, lambda: core.last_partial is not None, "the partial")
+    finally:
+        endpoint.stop()
+    assert core.last_partial.devices == devices and list((spill / AWAITING_DIR).iterdir()) == []
+    holding = Aggregator("agg-1", ring)  # every update in memory, folded in the same order
+    holding.on_brief(round_brief)
+    for d, payload in payloads.items():
+        assert not isinstance(holding.on_update(d, read(payload)), str)
+    for d in devices:
+        holding.on_verdict(1, d, True, "")
+    held = holding.on_close(1, devices)
+    for name, tensor in held.sum.sums.items():
+        assert torch.equal(core.last_partial.sum.sums[name], tensor), name
