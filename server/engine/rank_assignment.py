@@ -129,8 +129,12 @@ def unchosen_tiers(tiers: Sequence[float], predict: Callable[[float], float]) ->
     picks wherever the first fits): factorizing that model at that ratio saves no memory; only an override sends a
     device there."""
     ordered = check_tiers(tiers)
-    return [(t, larger) for i, t in enumerate(ordered)
-            for larger in [next((b for b in ordered[:i] if predict(b) <= predict(t)), None)] if larger is not None]
+    unchosen = []
+    for i, tier in enumerate(ordered):
+        larger = next((b for b in ordered[:i] if predict(b) <= predict(tier)), None)
+        if larger is not None:
+            unchosen.append((tier, larger))
+    return unchosen
 
 
 def choose_ratio(device_id: str, budget_mb: float | None, tiers: Sequence[float],

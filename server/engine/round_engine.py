@@ -17,6 +17,7 @@ round an evaluate-only round completes it.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -234,7 +235,7 @@ class RoundEngine:
             overrides = {}
         if self.predictor is None or len(tiers) == 1:
             return overrides.get(device_id, tiers[0])
-        predict = self.predictor(profile, shard_samples)
+        predict = functools.cache(self.predictor(profile, shard_samples))  # each tier's need computed once a join
         for tier, larger in unchosen_tiers(tiers, predict):
             if tier not in self._unchosen_said:
                 self._unchosen_said.add(tier)
