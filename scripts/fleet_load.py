@@ -45,7 +45,8 @@ round's seconds), ``broker_only_mb_per_s``, ``server_peak_rss_mb``, ``server_cpu
 server prints each round), ``server_cpu_ms_per_update``, ``read_path_cpu_ms_per_update`` (the same round of the
 in-process read path: its CPU with the round's messages, per update) and ``server_to_read_path`` (their ratio),
 ``spilled``, ``pushed_out`` and ``tasks_sent_again`` (the server's updates kept in its reassembly spill past its
-memory budget, pushed out half-received, and tasks sent again: from its log); ``read_path``: that measurement. With
+memory budget, pushed out half-received, and tasks sent again: from its log); ``read_path``: that measurement (None,
+and the two per-round fields too, with ``--aggregators``: the server then reads no update, so it is not run). With
 ``--aggregators``: ``aggregators_bytes_in``, ``aggregators_spilled``, ``aggregators_awaiting_filed`` (updates awaiting
 the engine's verdict kept in files past a member's memory budget) and ``aggregators_awaiting_peak_bytes`` (the most a
 member held of them in memory) (from each member's log lines at the round's close; None where its log has none),
@@ -434,9 +435,14 @@ def fake_cifar(folder: Path) -> Path:
     return folder
 
 
+def stat_fields(path: str) -> list[str]:
+    """The fields of a /proc .../stat file after the command name: [0] state, [1] parent pid, [11] utime, [12] stime."""
+    return Path(path).read_text().rsplit(")", 1)[1].split()
+
+
 def proc_sample(pid: int) -> tuple[float, float]:
     """(CPU seconds so far, peak RSS MiB) of process ``pid``."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = stat_fields(f"/proc/{pid}/stat")
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     peak = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                 if line.startswith("VmHWM:")) / 1024
@@ -446,7 +452,7 @@ def proc_sample(pid: int) -> tuple[float, float]:
 def main_thread_cpu(pid: int) -> float:
     """CPU seconds so far of process ``pid``'s main thread (the server's main loop; the rest of its CPU is its other
     threads': paho's network thread, above all)."""
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = stat_fields(f"/proc/{pid}/task/{pid}/stat")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -461,11 +467,9 @@ def aggregators_peak_rss(server_pid: int) -> float:
     peaks = [0.0]
     for proc in Path("/proc").iterdir():
         try:
-            if not proc.name.isdigit() or b"server.aggregator" not in (proc / "cmdline").read_bytes():
-                continue
-            status = (proc / "status").read_text().splitlines()
-            if next(int(line.split()[1]) for line in status if line.startswith("PPid:")) == server_pid:
-                peaks.append(next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024)
+            if (proc.name.isdigit() and b"server.aggregator" in (proc / "cmdline").read_bytes()
+                    and int(stat_fields(f"{proc}/stat")[1]) == server_pid):
+                peaks.append(proc_sample(int(proc.name))[1])
         except (OSError, StopIteration, ValueError):
             continue
     return max(peaks)
@@ -622,8 +626,11 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
         print(f"broker {args.broker} at {url}; measuring the broker-only ceiling", flush=True)
         bench.FRAME_BYTES = args.max_message_bytes
         ceiling = bench.measure_broker(url, min(args.devices, CEILING_UPDATES), args.rounds)
-        print("measuring the server's in-process read path (scripts/bench_read_path.py)", flush=True)
-        read_path = bench_read_path.run(min(args.devices, CEILING_UPDATES), args.rounds, False, folder / "read_path")
+        read_path = None  # with aggregators the server reads receipts and partial sums, not the updates
+        if not args.aggregators:
+            print("measuring the server's in-process read path (scripts/bench_read_path.py)", flush=True)
+            read_path = bench_read_path.run(min(args.devices, CEILING_UPDATES), args.rounds, False,
+                                            folder / "read_path")
         out = folder / "server"
         with open(folder / "server.out", "w") as log:
             server = subprocess.Popen(server_command(args, url, enrollment, data, overrides, out), cwd=REPO,
@@ -676,13 +683,15 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
     held = held_and_asked(out / "server.log")
     members = aggregator_reads(out) if args.aggregators else {}
     rounds = []
-    for record, broker, bench_round in zip(records, ceiling["rounds"], read_path["rounds"]):
+    for record, broker, bench_round in zip(records, ceiling["rounds"],
+                                           read_path["rounds"] if read_path else [None] * len(records)):
         r = record["round"]
         cpu, peak = closed.get(r, (float("nan"), float("nan")))
         main = main_cpu.get(r, [])
         update_bytes = record["bytes_up"]
         server_ms = (cpu - opened.get(r, float("nan"))) / record["participants"] * 1000
-        read_path_ms = (bench_round["cpu_s"] + bench_round["messages_cpu_s"]) / read_path["clients"] * 1000
+        read_path_ms = (None if bench_round is None else
+                        (bench_round["cpu_s"] + bench_round["messages_cpu_s"]) / read_path["clients"] * 1000)
         rounds.append({
             "round": r, "devices": record["participants"], "updates_folded": record["participants"],
             "lost": record["selected"] - record["participants"], "seconds": record["seconds"],
@@ -694,7 +703,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             "server_peak_rss_mb": peak, "server_cpu_s": cpu - opened.get(r, float("nan")),
             "server_main_thread_cpu_s": main[1] - main[0] if len(main) == 2 else float("nan"),
             "server_cpu_ms_per_update": server_ms, "read_path_cpu_ms_per_update": read_path_ms,
-            "server_to_read_path": server_ms / read_path_ms, **held.get(r, {}), **members.get(r, {}),
+            "server_to_read_path": read_path_ms and server_ms / read_path_ms, **held.get(r, {}), **members.get(r, {}),
             **({"aggregators_peak_rss_mb": members_rss.get(r, float("nan"))} if args.aggregators else {})})
         if args.together:
             read = closed_at.get(r, float("nan")) - released.get(r, float("nan"))
@@ -711,8 +720,12 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
             "devices_reporting": len(stats)}
 
 
+def number(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 def mb(count: int | None) -> str:
-    return "n/a" if count is None else f"{count / MB:.1f}"
+    return number(None if count is None else count / MB, ".1f")
 
 
 def table(result: dict) -> str:
@@ -724,8 +737,8 @@ def table(result: dict) -> str:
             f"{r['plan_payload_bytes'] / MB:.1f} | {r['payload_publishes']} | {r['update_mb_per_s']:.1f} | "
             f"{r['broker_only_mb_per_s']:.1f} | "
             f"{r['server_peak_rss_mb']:.0f} | {r['server_cpu_s']:.1f} | {r['server_main_thread_cpu_s']:.1f} | "
-            f"{r['server_cpu_ms_per_update']:.1f} | {r['read_path_cpu_ms_per_update']:.1f} | "
-            f"{r['server_to_read_path']:.2f} |"
+            f"{r['server_cpu_ms_per_update']:.1f} | {number(r['read_path_cpu_ms_per_update'], '.1f')} | "
+            f"{number(r['server_to_read_path'], '.2f')} |"
             for r in result["rounds"]]
     lines = [head, *rows]
     if "aggregators_peak_rss_mb" in result["rounds"][0]:

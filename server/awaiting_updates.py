@@ -49,7 +49,7 @@ class AwaitingUpdates:
         self.filed: dict[str, Filed] = {}
         self.in_memory = 0  # bytes of tensors held now
         self.peak_in_memory = 0
-        self.spilled = 0  # updates written to files, ever
+        self.spilled = 0  # updates written to files by this store (a member makes one a round: Aggregator.on_brief)
 
     def __contains__(self, device_id: object) -> bool:
         return device_id in self.held or device_id in self.filed
