@@ -13,6 +13,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from device_runtime.buffers import unfilled
+
 
 class FileSpill:
     """One file per spilled message in ``folder`` (created; files left by an earlier process removed)."""
@@ -40,7 +42,7 @@ class FileSpill:
     def take(self, key: tuple[str, str], size: int) -> bytearray:
         """The ``size`` bytes of message ``key``, its file removed; raises OSError."""
         path = self._path(key)
-        out = bytearray(size)
+        out = unfilled(size)  # every byte read into it, or OSError
         with open(path, "rb", buffering=0) as f:
             got = f.readinto(out)
         path.unlink(missing_ok=True)
