@@ -17,11 +17,11 @@ It reads the updates as the server does (``server.mqtt.read_budgets``, for the b
 updates half-received in memory, past that the authenticated ones in files of WORKDIR/spill (removed when it exits)
 instead of pushed out, complete ones in a bounded queue with backpressure. An update lost half-received all the same
 (pushed out or expired where the spill could not take it: a full disk, its budget used up) is named to the engine
-(``Shell.report_lost``), which asks its device again as it does for its own: the device re-sends it here. The updates it verified await the engine's verdict
-(``server.awaiting_updates``): a few largest in memory (``AWAITING_UPDATES_BUDGETED``), past that each in a file of
-WORKDIR/spill/awaiting, read back on its verdict, so a member's memory does not grow with the fleet. At each round's
-close it logs what its endpoint took in, kept in the spill and pushed out since the last close, and how many awaiting
-updates went to files.
+(``Shell.report_lost``), which asks its device again as it does for its own: the device re-sends it here. The updates
+it verified await the engine's verdict (``server.awaiting_updates``): a few largest in memory
+(``AWAITING_UPDATES_BUDGETED``), past that each in a file of WORKDIR/spill/awaiting, read back on its verdict, so a
+member's memory does not grow with the fleet. At each round's close it logs what its endpoint took in, kept in the
+spill and pushed out since the last close, and how many awaiting updates went to files.
 
 ``Aggregator`` is the core (no network, no clock: deadlines are the engine's; its awaiting updates past the budget go
 to files); ``main`` is the thin shell.

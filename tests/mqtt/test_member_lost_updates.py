@@ -21,7 +21,7 @@ import numpy as np
 import paho.mqtt.publish
 import pytest
 
-from device_runtime.auth import KeyRing, Refusal
+from device_runtime.auth import KeyRing, Refusal, new_key
 from device_runtime.framing import chunk
 from device_runtime.link import Refused
 from device_runtime.topics import Topics
@@ -239,11 +239,13 @@ class BurstHost(FLEET.DeviceHost):
                                    hostname=self.host, port=self.port)
 
 
-def fleet_run(tmp_path: Path, cache: Path, url: str, name: str) -> Path:
-    """A 2-round run of six simulated devices at two tiers through one aggregator process; returns its run folder."""
+def fleet_run(tmp_path: Path, cache: Path, url: str, name: str, *, devices: int = 6, aggregators: int = 1,
+              deadline_s: float = DEADLINE_S) -> Path:
+    """A 2-round run of ``devices`` simulated devices at two tiers through ``aggregators`` aggregator processes; returns
+    its run folder."""
     folder = tmp_path / name
-    devices = [f"dev_{i:05d}" for i in range(6)]
-    keys = {d: bytes([i + 1]) * 32 for i, d in enumerate(devices)}
+    devices = [f"dev_{i:05d}" for i in range(devices)]
+    keys = {d: new_key() for d in devices}
     enrollment = save_enrollment(folder / "enrollment.json", keys)
     overrides = folder / "overrides.json"
     overrides.write_text(json.dumps({d: (1.0, 0.25)[i % 2] for i, d in enumerate(devices)}))
@@ -267,9 +269,9 @@ def fleet_run(tmp_path: Path, cache: Path, url: str, name: str) -> Path:
                                  "cifar10", "--data-dir", str(FLEET.fake_cifar(folder / "data")), "--model",
                                  "fedavgcnn", "--rounds", str(ROUNDS), "--min-devices", str(len(devices)),
                                  "--rank-tiers", "1.0,0.25", "--rank-overrides", str(overrides), "--round-deadline",
-                                 str(DEADLINE_S), "--join-timeout", str(DEADLINE_S), "--max-message-bytes",
-                                 str(FRAME_BYTES), "--aggregators", "1", "--threads", "1", "--cache-dir", str(cache),
-                                 "--out", str(out)]) == 0
+                                 str(deadline_s), "--join-timeout", str(deadline_s), "--max-message-bytes",
+                                 str(FRAME_BYTES), "--aggregators", str(aggregators), "--threads", "1", "--cache-dir",
+                                 str(cache), "--out", str(out)]) == 0
     finally:
         stop.set()
         threads[0].join(WAIT_S)
