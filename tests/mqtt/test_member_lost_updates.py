@@ -8,42 +8,34 @@ own lost-update machinery, so each device gets its task again and re-sends its s
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
-import sys
-import threading
 from argparse import Namespace
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import paho.mqtt.publish
 import pytest
 
-from device_runtime.auth import KeyRing, Refusal, new_key
-from device_runtime.framing import chunk
+from device_runtime.auth import KeyRing, Refusal
 from device_runtime.link import Refused
 from device_runtime.topics import Topics
-from device_runtime.transport import BrokerURL
 from server import broker_loop
 from server.aggregator import Aggregator, Shell
 from server.mqtt import aggregation_wire as wire
 from server.mqtt.aggregator_channel import AggregatorChannel
-from server.mqtt.enrollment import save_enrollment
 from server.mqtt.lost_updates import LostUpdates
 from server.outputs.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from server.outputs.report import METRICS_FILE, read_metrics
-from tests.support.engine import RUN, join, make_engine
 from tests.support import tight_member
-from tests.support.scripts import load_script
+from tests.support.burst_fleet import fleet_run
+from tests.support.engine import RUN, join, make_engine
 from tests.support.sealing import KEY, OPEN_MAX
 
 PREFIX, NAME = "fedara", "agg-0"
 DEVICES = tuple(f"dev_{i:03d}" for i in range(6))
 SERVER_KEY = bytes(range(100, 132))
 WRONG_KEY = bytes(32)
-WAIT_S = 300.0
 
 
 def links(tmp_path: Path):
@@ -202,82 +194,10 @@ def test_a_sealed_lost_message_sent_again_is_refused_as_a_replay(tmp_path: Path)
 # -- over mosquitto: a member with no spill and room for two updates, six answering at once ----------------------
 
 
-FLEET = load_script("fleet_load")
 ROUNDS, DEADLINE_S = 2, 300.0
-FRAME_BYTES = 256 << 10
-"""Each dense update (~3.5 MB) travels in ~14 frames."""
 FOLDED = re.compile(r"(agg-\d+) folded (dev_\d+)'s update of round (\d+)")
 PUSHED_OUT = re.compile(r"round (\d+): \d+ bytes in, \d+ incomplete message\(s\) kept in the spill past the memory "
                         r"budget, (\d+) pushed out")
-
-
-class BurstHost(FLEET.DeviceHost):
-    """scripts/fleet_load.py's simulated devices (the whole device protocol, each its own connection), whose training
-    answers of a round are all published at once once every device holds its own, their frames interleaved through one
-    connection in turn (as mosquitto forwards a burst): more updates half-received at once than the member has room
-    for, whatever the timing. A device asked again re-sends its saved answer at once, on its own connection. Each
-    plan's synthetic update is drawn from its tensors' shapes: two runs send the same updates."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(url, FRAME_BYTES, 64 << 20, 0.0, 0.0, 0, together=threading.Barrier(1))
-        self.host, self.port = BrokerURL.parse(url).host, BrokerURL.parse(url).port
-
-    def synthetic(self, ref, tensors):
-        self.decoded[ref] = tensors
-        rng = np.random.default_rng([int(n) for k in sorted(tensors) for n in tensors[k].shape])
-        return {k: rng.standard_normal(v.shape, dtype=np.float32) * np.float32(1e-2) for k, v in tensors.items()}
-
-    def hold(self, round_index: int, publish) -> None:
-        held = self.held.setdefault(round_index, [])
-        held.append(publish)
-        if len(held) < len(self.devices):
-            return
-        frames = [chunk(sealed, FRAME_BYTES, msg_id) for _, _, sealed, msg_id in held]
-        topics = [topic for _, topic, _, _ in self.held.pop(round_index)]
-        paho.mqtt.publish.multiple([(topic, fs[i], 1, False) for i in range(max(map(len, frames)))
-                                    for topic, fs in zip(topics, frames) if i < len(fs)],
-                                   hostname=self.host, port=self.port)
-
-
-def fleet_run(tmp_path: Path, cache: Path, url: str, name: str, *, devices: int = 6, aggregators: int = 1,
-              deadline_s: float = DEADLINE_S) -> Path:
-    """A 2-round run of ``devices`` simulated devices at two tiers through ``aggregators`` aggregator processes; returns
-    its run folder."""
-    folder = tmp_path / name
-    devices = [f"dev_{i:05d}" for i in range(devices)]
-    keys = {d: new_key() for d in devices}
-    enrollment = save_enrollment(folder / "enrollment.json", keys)
-    overrides = folder / "overrides.json"
-    overrides.write_text(json.dumps({d: (1.0, 0.25)[i % 2] for i, d in enumerate(devices)}))
-    host, stop = BurstHost(url), threading.Event()
-
-    def start_devices() -> None:
-        for device_id in devices:
-            device = host.devices[device_id] = FLEET.SimDevice(host, device_id, keys[device_id], folder / device_id)
-            device.start()
-            device.endpoint.wait_connected(WAIT_S)
-            device.join()
-            device.planned.wait(WAIT_S)
-
-    threads = [threading.Thread(target=host.serve, args=(stop,), daemon=True),
-               threading.Thread(target=start_devices, daemon=True)]
-    for thread in threads:
-        thread.start()
-    out = folder / "run"
-    try:
-        assert broker_loop.main(["--broker", url, "--prefix", FLEET.PREFIX, "--enroll", str(enrollment), "--dataset",
-                                 "cifar10", "--data-dir", str(FLEET.fake_cifar(folder / "data")), "--model",
-                                 "fedavgcnn", "--rounds", str(ROUNDS), "--min-devices", str(len(devices)),
-                                 "--rank-tiers", "1.0,0.25", "--rank-overrides", str(overrides), "--round-deadline",
-                                 str(deadline_s), "--join-timeout", str(deadline_s), "--max-message-bytes",
-                                 str(FRAME_BYTES), "--aggregators", str(aggregators), "--threads", "1", "--cache-dir",
-                                 str(cache), "--out", str(out)]) == 0
-    finally:
-        stop.set()
-        threads[0].join(WAIT_S)
-        for device in host.devices.values():
-            device.endpoint.stop()
-    return out
 
 
 def member_log(run: Path) -> str:
@@ -286,18 +206,14 @@ def member_log(run: Path) -> str:
 
 @pytest.mark.slow
 def test_updates_a_member_pushed_out_are_asked_again_and_the_model_is_the_one_without_push_outs(
-        mosquitto_broker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """Six dense and factorized updates arrive at a member at once; it holds two and has no spill, so the others are
-    pushed out, named to the engine and asked again (re-sent, maybe pushed out again) until every one is folded, once.
+        mosquitto_broker, tmp_path: Path):
+    """Six dense and factorized updates arrive at a member at once (tests/support/burst_fleet.py); it holds two and
+    has no spill, so the others are pushed out, named to the engine and asked again (re-sent, maybe pushed out again) until every one is folded, once.
     The rounds close with every update, before their deadline, and the model is the one a member with room for them
     all makes, to the rounding of its float64 sums in another order (a few float32 ULPs of each tensor's largest
     value)."""
-    cache = tmp_path / "cache"
-    roomy = fleet_run(tmp_path, cache, mosquitto_broker.url, "roomy")
-    member_command = broker_loop.aggregator_command
-    monkeypatch.setattr(broker_loop, "aggregator_command", lambda *a, **k: [
-        sys.executable, "-m", "tests.support.tight_member", *member_command(*a, **k)[3:]])
-    tight = fleet_run(tmp_path, cache, mosquitto_broker.url, "tight")
+    roomy, tight = (fleet_run(tmp_path / name, tmp_path / "cache", mosquitto_broker.url, devices=6, aggregators=1,
+                              rounds=ROUNDS, deadline_s=DEADLINE_S, tight=name == "tight") for name in ("roomy", "tight"))
 
     pushed_out = {run: {int(r): int(n) for r, n in PUSHED_OUT.findall(member_log(run))} for run in (roomy, tight)}
     assert pushed_out[roomy] == {1: 0, 2: 0} and pushed_out[tight][1] >= 6 - tight_member.PENDING_UPDATES, pushed_out
