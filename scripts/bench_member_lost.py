@@ -10,10 +10,10 @@ in memory, past that the spill), and ``tight``, each member with room for 2 inco
 named to the engine (aggregation_wire's ``lost``) and asked again. scripts/fleet_load.py cannot force a member's
 budgets (its server is a process of its own), hence this harness. Each run is a process of its own.
 
-Writes ``{"roomy": {...}, "tight": {...}}`` (and the load average at the end): per run ``wall_s`` and per round ``selected``, ``folded`` (updates
-folded), ``seconds`` (open to close), ``update_bytes`` (the updates' tensor bytes), ``server_bytes_in``,
-``tasks_sent_again`` (the server's log), ``aggregators_bytes_in``, ``aggregators_pushed_out`` (device updates and
-engine messages) and ``aggregators_spilled`` (the members' logs, summed: scripts/fleet_load.py's
+Writes ``{"roomy": {...}, "tight": {...}}`` (and the load average at the end): per run ``wall_s`` and per round
+``selected``, ``folded`` (updates folded), ``seconds`` (open to close), ``update_bytes`` (the updates' tensor bytes),
+``server_bytes_in``, ``tasks_sent_again`` (the server's log), ``aggregators_bytes_in``, ``aggregators_pushed_out``
+(device updates and engine messages) and ``aggregators_spilled`` (the members' logs, summed: scripts/fleet_load.py's
 ``aggregator_reads``); prints a table.
 """
 from __future__ import annotations

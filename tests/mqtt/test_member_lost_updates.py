@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from device_runtime.auth import KeyRing, Refusal
-from device_runtime.link import Refused
+from device_runtime.link import Link, Refused
+from device_runtime.messages import update_message
+from device_runtime.task import Update
 from device_runtime.topics import Topics
 from server import broker_loop
 from server.aggregator import Aggregator, Shell
@@ -30,7 +32,7 @@ from server.outputs.report import METRICS_FILE, read_metrics
 from tests.support import tight_member
 from tests.support.burst_fleet import fleet_run
 from tests.support.engine import RUN, join, make_engine
-from tests.support.sealing import KEY, OPEN_MAX
+from tests.support.sealing import KEY, OPEN_MAX, read
 
 PREFIX, NAME = "fedara", "agg-0"
 DEVICES = tuple(f"dev_{i:03d}" for i in range(6))
@@ -131,6 +133,31 @@ def test_a_member_without_a_brief_names_nothing():
     assert endpoint.sent == [] and endpoint.lost == []
 
 
+def test_a_re_sent_update_of_a_device_whose_first_was_lost_is_taken_once(tmp_path: Path):
+    """The first copy never reached the member's verifier (pushed out half-received); the saved answer resealed (a
+    fresh counter) is verified, judged and folded; a further re-send is a duplicate, and the device is no longer named
+    lost."""
+    engine = make_engine(remote=True)
+    for device_id in DEVICES:
+        join(engine, device_id)
+    tasks = engine.open_round(1, 0.0)
+    core = Aggregator(NAME, KeyRing(dict.fromkeys(DEVICES, KEY)))
+    core.on_brief(engine.brief(OPEN_MAX))
+    engine.set_members([NAME])
+    device = Link.device("dev_000", KEY, tmp_path / "dev_000", OPEN_MAX)
+    task = tasks["dev_000"]
+    first = device.seal(update_message(Update(1, task.weights, 50, 1.0, 0.5, {"eval_correct": 5, "eval_total": 10,
+                                                                            "eval_loss": 1.0}),
+                                       plan_hash=engine.plan_info("dev_000").hash, device_id="dev_000", run_id=RUN))
+    assert core.lost(["dev_000"]) == ["dev_000"]
+    receipt = core.on_update("dev_000", read(device.reseal(first)))
+    verdict = engine.receive_receipt(NAME, receipt, 1.0)
+    core.on_verdict(1, "dev_000", verdict.accepted, verdict.reason)
+    assert verdict.accepted and core.folded == ["dev_000"] and not engine.awaits("dev_000")
+    assert core.on_update("dev_000", read(device.reseal(first))) == "duplicate update for round 1"
+    assert core.lost(["dev_000"]) == [] and engine.fold_list(NAME) == ["dev_000"]
+
+
 # -- the engine's side -------------------------------------------------------------------------
 
 
@@ -208,12 +235,13 @@ def member_log(run: Path) -> str:
 def test_updates_a_member_pushed_out_are_asked_again_and_the_model_is_the_one_without_push_outs(
         mosquitto_broker, tmp_path: Path):
     """Six dense and factorized updates arrive at a member at once (tests/support/burst_fleet.py); it holds two and
-    has no spill, so the others are pushed out, named to the engine and asked again (re-sent, maybe pushed out again) until every one is folded, once.
-    The rounds close with every update, before their deadline, and the model is the one a member with room for them
-    all makes, to the rounding of its float64 sums in another order (a few float32 ULPs of each tensor's largest
-    value)."""
+    has no spill, so the others are pushed out, named to the engine and asked again (re-sent, maybe pushed out again)
+    until every one is folded, once. The rounds close with every update, before their deadline, and the model is the
+    one a member with room for them all makes, to the rounding of its float64 sums in another order (a few float32
+    ULPs of each tensor's largest value)."""
     roomy, tight = (fleet_run(tmp_path / name, tmp_path / "cache", mosquitto_broker.url, devices=6, aggregators=1,
-                              rounds=ROUNDS, deadline_s=DEADLINE_S, tight=name == "tight") for name in ("roomy", "tight"))
+                              rounds=ROUNDS, deadline_s=DEADLINE_S, tight=name == "tight")
+                    for name in ("roomy", "tight"))
 
     pushed_out = {run: {int(r): int(n) for r, n in PUSHED_OUT.findall(member_log(run))} for run in (roomy, tight)}
     assert pushed_out[roomy] == {1: 0, 2: 0} and pushed_out[tight][1] >= 6 - tight_member.PENDING_UPDATES, pushed_out
