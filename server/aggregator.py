@@ -15,12 +15,13 @@ devices behind them (``server.mqtt.aggregation_wire``).
 
 It reads the updates as the server does (``server.mqtt.read_budgets``, for the brief's largest update): a few largest
 updates half-received in memory, past that the authenticated ones in files of WORKDIR/spill (removed when it exits)
-instead of pushed out (an update pushed out here is lost: nothing asks its device again, and the round waits for its
-deadline), complete ones in a bounded queue with backpressure. The updates it verified await the engine's verdict
-(``server.awaiting_updates``): a few largest in memory (``AWAITING_UPDATES_BUDGETED``), past that each in a file of
-WORKDIR/spill/awaiting, read back on its verdict, so a member's memory does not grow with the fleet. At each round's
-close it logs what its endpoint took in, kept in the spill and pushed out since the last close, and how many awaiting
-updates went to files.
+instead of pushed out, complete ones in a bounded queue with backpressure. An update lost half-received all the same
+(pushed out or expired where the spill could not take it: a full disk, its budget used up) is named to the engine
+(``Shell.report_lost``), which asks its device again as it does for its own: the device re-sends it here. The updates
+it verified await the engine's verdict (``server.awaiting_updates``): a few largest in memory
+(``AWAITING_UPDATES_BUDGETED``), past that each in a file of WORKDIR/spill/awaiting, read back on its verdict, so a
+member's memory does not grow with the fleet. At each round's close it logs what its endpoint took in, kept in the
+spill and pushed out since the last close, and how many awaiting updates went to files.
 
 ``Aggregator`` is the core (no network, no clock: deadlines are the engine's; its awaiting updates past the budget go
 to files); ``main`` is the thin shell.
@@ -34,6 +35,7 @@ import shutil
 import signal
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from device_runtime.auth import Direction, KeyRing, Verifier
@@ -145,6 +147,14 @@ class Aggregator:
         return folding.Receipt(topic_device, msg.run_id, msg.round, msg.msg_id, msg.counter, dict(msg.meta),
                             tensor_bytes(msg.tensors))
 
+    def lost(self, device_ids: Iterable[str]) -> list[str]:
+        """Of the devices whose updates this member's endpoint lost half-received, those the engine should ask again
+        (sorted): the open round asks them and this member sent no receipt for their update (one it forwarded was a
+        copy); none before a brief."""
+        if self.brief is None:
+            return []
+        return sorted({d for d in device_ids if d in self.brief.devices and d not in self.forwarded})
+
     def on_verdict(self, round_index: int, device_id: str, fold: bool, reason: str) -> None:
         """Fold the update the engine accepted; drop one it refused (logged)."""
         if self.brief is None or round_index != self.brief.round:
@@ -239,6 +249,22 @@ class Shell:
         if not isinstance(receipt, str):
             self.send(wire.receipt_message(receipt, self.core.name))
 
+    def report_lost(self) -> None:
+        """Tell the engine which of the open round's updates the endpoint lost half-received since the last call
+        (``MqttEndpoint.take_lost``): it asks their devices again. A lost message of the engine's is not named: the
+        engine sends it again on its own clock."""
+        devices = []
+        for topic in self.endpoint.take_lost():
+            try:
+                devices.append(wire.device_from_member_topic(self.args.prefix, self.core.name, topic))
+            except ProtocolError:
+                continue
+        lost, brief = self.core.lost(devices), self.core.brief
+        if lost:
+            LOG.info("%s: round %d: lost %d update(s) half-received, asking the engine to ask again: %s",
+                     self.core.name, brief.round, len(lost), ", ".join(lost))
+            self.send(wire.lost_message(self.core.name, brief.run_id, brief.round, lost))
+
     def ready(self, *, reconnected: bool = False) -> None:
         """Tell the engine which round's brief this member holds (0: none yet); ``reconnected``: it connected again,
         so what was published to it meanwhile is lost."""
@@ -327,6 +353,7 @@ def serve(args: argparse.Namespace, core: Aggregator, link: Link, senders: int, 
             item = endpoint.get(POLL_S)
             if item is not None:
                 shell.handle(*item)
+            shell.report_lost()
             if endpoint.stats["reconnects"] != reconnects and endpoint.connected.is_set():
                 reconnects = endpoint.stats["reconnects"]
                 LOG.info("%s: connected again, to %s", args.name, endpoint.url)

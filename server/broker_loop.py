@@ -127,12 +127,13 @@ class Federation:
         self._wire = (0, 0)
         self.status, self._status_at = status, float("-inf")
         self.refusals: Counter[str] = Counter()  # refused inbound messages by kind (bounded: refusals.count_refusal)
+        self.lost_updates = LostUpdates()  # updates pushed out half-received (here or at a member): asked again
         self.channel = AggregatorChannel(engine, endpoint, aggregator_link, prefix=args.prefix, names=aggregators,
                                          timeout_s=args.aggregator_timeout, join_timeout_s=args.join_timeout,
                                          max_inbound=max_inbound, logs=out.path / AGGREGATORS_DIR, pump=self._pump,
-                                         send_task=self._send_task, refusals=self.refusals)
+                                         send_task=self._send_task, lost=self.lost_updates.lost,
+                                         refusals=self.refusals)
         self.retained: dict[str, int] = {}  # payload topic -> frames retained there, this round
-        self.lost_updates = LostUpdates()  # updates pushed out half-received: their devices are asked again
         self.relay = SecureRelay(engine, self._send, args.secagg_phase_timeout, self.refusals)  # secure rounds
 
     def publish_status(self, *, force: bool = False, finished: bool = False) -> None:
@@ -202,7 +203,8 @@ class Federation:
     def _ask_again_lost(self) -> None:
         """An update pushed out of the reassembly budget half-received is lost (nothing else brings it back): the
         device, while the round awaits it, gets its task again and re-sends its saved answer, a few at a time
-        (server/mqtt/lost_updates.py)."""
+        (server/mqtt/lost_updates.py). So are those an aggregator process lost (its channel hands them to
+        ``lost_updates``): the re-sent update goes to that member again (its route is the device's)."""
         lost = []
         for topic in self.endpoint.take_lost():
             try:

@@ -18,6 +18,9 @@ message is of type AGGREGATION with ``meta["kind"]`` one of:
 - ``round``   engine -> A: round r's brief: the run, the dense shapes, each asked device's plan, sample count and
               whether it trains, and the tensors a training update of each plan carries;
 - ``receipt`` A -> engine: A verified a device's update (the device's header fields, its counter, tensor bytes);
+- ``lost``    A -> engine: the devices of round r whose updates A lost half-received (pushed out of its reassembly
+              budget, or expired, where even its spill could not take them): the engine asks them again, as it does
+              for its own (``server.mqtt.lost_updates``); at most as many as the round asks;
 - ``verdict`` engine -> A: fold that update, or why not (the engine alone decides what counts);
 - ``close``   engine -> A: round r closed, send your partial over these updates (every one it was told to
               fold: a lost verdict is made good here);
@@ -45,7 +48,8 @@ from server.engine.privacy import ClippedSum
 from server.engine.update_rule import Asked
 
 READY, ROUND, RECEIPT, VERDICT, CLOSE, PARTIAL = "ready", "round", "receipt", "verdict", "close", "partial"
-KINDS = (READY, ROUND, RECEIPT, VERDICT, CLOSE, PARTIAL)
+LOST = "lost"
+KINDS = (READY, ROUND, RECEIPT, LOST, VERDICT, CLOSE, PARTIAL)
 NO_RUN = "none"
 
 
@@ -177,6 +181,25 @@ def parse_receipt(msg: Message) -> Receipt:
     if not (isinstance(receipt.counter, int) and isinstance(receipt.nbytes, int) and isinstance(receipt.meta, dict)):
         raise WireError("malformed receipt: counter and bytes must be integers, update an object")
     return receipt
+
+
+def lost_message(aggregator: str, run_id: str, round_index: int, devices: Iterable[str]) -> Message:
+    """The devices of round ``round_index`` whose updates ``aggregator`` lost half-received."""
+    return message(LOST, aggregator, run_id=run_id, round_index=round_index, devices=sorted(devices))
+
+
+def parse_lost(msg: Message, max_devices: int) -> tuple[str, ...]:
+    """The devices a LOST names (each once), at most ``max_devices`` (the round's asked devices: no member serves
+    more); raises WireError otherwise."""
+    devices = msg.meta.get("devices")
+    if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
+        raise WireError("malformed lost: needs devices, a list of device ids")
+    if len(devices) > max_devices:
+        raise WireError(f"malformed lost: {len(devices)} devices named, the round asks {max_devices}")
+    try:
+        return tuple(dict.fromkeys(check_id(d, "device id") for d in devices))
+    except ProtocolError as exc:
+        raise WireError(f"malformed lost: {exc}") from None
 
 
 def verdict_message(aggregator: str, round_index: int, device_id: str, fold: bool, reason: str) -> Message:

@@ -3,8 +3,9 @@
 The engine decides (who is a member, what to fold, whether a partial is taken); this channel carries it: it
 briefs the members at a round's open, passes their receipts to the engine and its verdicts back, asks for the
 partial sums at the close, and tends members that fall silent (a member silent for ``--aggregator-timeout`` is
-lost and its devices are asked again; one silent for a while is sent again what it should answer). The wire
-encoding is ``aggregation_wire``'s.
+lost and its devices are asked again; one silent for a while is sent again what it should answer), and hands on the
+devices whose updates a member lost half-received (``lost``: the server asks them again, ``server.mqtt.lost_updates``).
+The wire encoding is ``aggregation_wire``'s.
 """
 from __future__ import annotations
 
@@ -33,10 +34,12 @@ class AggregatorChannel:
 
     def __init__(self, engine: RoundEngine, endpoint: MqttEndpoint, link: Link | None, *, prefix: str,
                  names: tuple[str, ...], timeout_s: float, join_timeout_s: float, max_inbound: int, logs: Path,
-                 pump: Callable[..., bool], send_task: Callable[[str], None], refusals: Counter[str]) -> None:
+                 pump: Callable[..., bool], send_task: Callable[[str], None], lost: Callable[[list[str]], None],
+                 refusals: Counter[str]) -> None:
+        """``lost``: takes the devices whose updates a member lost half-received (to be asked again)."""
         self.engine, self.endpoint, self.link, self.prefix, self.names = engine, endpoint, link, prefix, names
         self.timeout_s, self.join_timeout_s, self.max_inbound, self.logs = timeout_s, join_timeout_s, max_inbound, logs
-        self.pump, self.send_task, self.refusals = pump, send_task, refusals
+        self.pump, self.send_task, self.lost, self.refusals = pump, send_task, lost, refusals
         self.at: dict[str, int] = {}  # aggregator -> the round whose brief it holds (0: started)
         self.heard: dict[str, float] = {}  # aggregator -> when it last said anything (monotonic)
         self.asked: dict[str, float] = {}  # aggregator -> when it was last sent its brief or asked for its partial
@@ -54,7 +57,8 @@ class AggregatorChannel:
         return wire.aggregator_from_topic(self.prefix, topic) if self.names else None
 
     def handle(self, aggregator: str, payload: bytes) -> None:
-        """A sealed message from an aggregator: started or briefed, a receipt to judge, or its partial sums."""
+        """A sealed message from an aggregator: started or briefed, a receipt to judge, updates it lost, or its partial
+        sums."""
         if aggregator not in self.names:
             LOG.warning("dropped a message from %s: not an aggregator of this run", aggregator)
             return
@@ -75,6 +79,8 @@ class AggregatorChannel:
                     count_refusal(self.refusals, update_refusal(verdict.reason))
                 self._to(aggregator, wire.verdict_message(aggregator, receipt.round, receipt.device_id,
                                                                      verdict.accepted, verdict.reason))
+            elif kind == wire.LOST:
+                self._lost_by(aggregator, msg)
             elif kind == wire.PARTIAL:
                 partial = wire.parse_partial(msg)
                 problem = self.engine.receive_partial(aggregator, partial)
@@ -91,6 +97,26 @@ class AggregatorChannel:
         except (Refused, wire.WireError) as exc:
             LOG.warning("dropped a message from aggregator %s: %s", aggregator, exc)
             count_refusal(self.refusals, "aggregator message")
+
+    def _lost_by(self, aggregator: str, msg: Message) -> None:
+        """``aggregator`` lost these devices' updates of the open round half-received: those the round awaits from it
+        go to ``lost``; any other (another member's, one whose answer came, another round's) is ignored, logged."""
+        brief, opened = self.brief, self.engine.opened
+        if brief is None or opened is None or not msg.round == brief.round == opened.round:
+            LOG.warning("ignored the updates %s lost in round %d: %s is open", aggregator, msg.round,
+                        f"round {opened.round}" if opened is not None else "no round")
+            return
+        devices = wire.parse_lost(msg, len(brief.devices))
+        routed = set(self.engine.routed_to(aggregator))
+        ignored = [d for d in devices if d not in routed]
+        if ignored:
+            LOG.warning("ignored %d update(s) %s says it lost in round %d (%s): the round awaits none of them from it",
+                        len(ignored), aggregator, msg.round, ", ".join(ignored[:8]))
+        asked = [d for d in devices if d in routed]
+        if asked:
+            LOG.info("round %d: %s lost %d update(s) half-received: %s", msg.round, aggregator, len(asked),
+                     ", ".join(asked))
+            self.lost(asked)
 
     def _to(self, aggregator: str, msg: Message) -> None:
         self.endpoint.publish(wire.down_topic(self.prefix, aggregator), self.link.seal(msg),

@@ -2,8 +2,8 @@
 
 Hundreds of devices answering at once reach a reader as that many updates half-received (mosquitto forwards one frame
 of each publisher in turn). The reader holds a few of them in memory; past that the authenticated ones wait in files
-(``device_runtime/spill.py``) instead of being pushed out, which loses them (the server asks their devices again:
-each such update is sent twice; an aggregator cannot, and its round waits for the deadline without them). Complete
+(``device_runtime/spill.py``) instead of being pushed out, which loses them (their devices are asked again: each
+such update is sent twice; an aggregator names its lost ones to the engine, which asks for them the same way). Complete
 updates wait for the reader's main loop in a bounded queue; past it the broker holds them (backpressure), so the
 reader's memory does not grow with the fleet. ``reader_budgets`` is that rule, in the ``MqttEndpoint`` arguments
 (and ``MqttEndpoint.set_budgets``'s, for an aggregator that learns the largest update at the round's brief).
