@@ -593,6 +593,7 @@ class MqttEndpoint:
                 LOG.warning("%s: offline status not acknowledged before stop: %s", self.client_id, exc)
         self._client.disconnect()
         self._client.loop_stop()
+        self._client._reset_sockets(sockpair_only=True)  # paho closes the wake-up pair only once collected
         self.connected.clear()
 
     def __enter__(self) -> MqttEndpoint:

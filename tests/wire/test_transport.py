@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import socket
 import subprocess
@@ -154,6 +155,17 @@ def test_message_round_trips_between_server_and_device(broker_url: str, connect)
     assert server.get(WAIT_S) == (DEV1.up, b"update")
     server.publish(DEV1.down, b"task", "down-1", wait=True)
     assert device.get(WAIT_S) == (DEV1.down, b"task")
+
+
+def test_a_stopped_endpoint_holds_no_socket(start_mosquitto) -> None:
+    broker = start_mosquitto()
+    before = len(os.listdir("/proc/self/fd"))
+    endpoints = [MqttEndpoint(f"dev{i}", broker.url) for i in range(3)]
+    for endpoint in endpoints:
+        endpoint.start()
+        endpoint.wait_connected(WAIT_S)
+        endpoint.stop()
+    assert len(os.listdir("/proc/self/fd")) == before  # the endpoints still referenced: nothing left to collect
 
 
 def test_payload_five_times_the_frame_size_arrives_whole(broker_url: str, connect) -> None:
