@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))  # bench_aggregators
 
 from device_runtime.auth import CounterSource, KeyRing, new_key  # noqa: E402
-from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES, Reassembler, chunk  # noqa: E402
+from device_runtime.framing import DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Reassembler, chunk  # noqa: E402
 from device_runtime.link import Link  # noqa: E402
 from device_runtime.messages import receipt_message, task_message  # noqa: E402
 from device_runtime.topics import TopicKind  # noqa: E402
@@ -58,7 +58,7 @@ def sealed_updates(engine, keys: dict[str, bytes], max_inbound: int, round_index
             bench_aggregators.sealed_updates(engine.brief(max_inbound), keys, counters)]
 
 
-def send_tasks(engine, link: Link, tasks: dict, now: float) -> None:
+def send_tasks(engine, link: Link, tasks: dict, now: float, frame_bytes: int) -> None:
     """Every task of the opened round as the server sends it (``Federation._send_built_task``), but not published: its
     plan's payload framed (once per plan), the TASK naming it sealed and framed."""
     for device_id, task in tasks.items():
@@ -66,19 +66,20 @@ def send_tasks(engine, link: Link, tasks: dict, now: float) -> None:
         if task.weights and engine.shares_payloads:
             ref, data = engine.payload(device_id, task, now)
             if data is not None:
-                chunk(data, DEFAULT_MAX_FRAME_BYTES, f"payload-{ref.sha256[:16]}")
+                chunk(data, frame_bytes, f"payload-{ref.sha256[:16]}")
         msg = task_message(task, plan_hash=engine.plan_info(device_id).hash, device_id=device_id,
                            run_id=engine.run_id, payload=ref)
-        chunk(link.seal(msg), DEFAULT_MAX_FRAME_BYTES, msg.msg_id)
+        chunk(link.seal(msg), frame_bytes, msg.msg_id)
 
 
-def send_receipt(link: Link, device_id: str, run_id: str, round_index: int) -> None:
+def send_receipt(link: Link, device_id: str, run_id: str, round_index: int, frame_bytes: int) -> None:
     """The RECEIVED of a taken update as the server sends it (``Federation._send_receipt``), sealed and framed."""
     msg = receipt_message(device_id=device_id, run_id=run_id, round_index=round_index)
-    chunk(link.seal(msg), DEFAULT_MAX_FRAME_BYTES, msg.msg_id)
+    chunk(link.seal(msg), frame_bytes, msg.msg_id)
 
 
-def run(clients: int, rounds: int, profile: bool, folder: Path) -> dict:
+def run(clients: int, rounds: int, profile: bool, folder: Path, frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> dict:
+    """The read path's rounds, every message in frames of ``frame_bytes`` (as the server's and its devices')."""
     use_server_threads(1)
     logging.getLogger("fedara.engine").setLevel(logging.ERROR)
     devices = [f"dev_{i:05d}" for i in range(clients)]
@@ -92,10 +93,10 @@ def run(clients: int, rounds: int, profile: bool, folder: Path) -> dict:
     for r in range(1, rounds + 1):
         tasks = engine.open_round(r, time.monotonic())
         tasks_cpu = time.process_time()
-        send_tasks(engine, link, tasks, time.monotonic())
+        send_tasks(engine, link, tasks, time.monotonic(), frame_bytes)
         tasks_cpu = time.process_time() - tasks_cpu
         payloads = sealed_updates(engine, keys, max_inbound, r)
-        framed = [(device_id, chunk(payload, DEFAULT_MAX_FRAME_BYTES, f"r{r}-{device_id}"))
+        framed = [(device_id, chunk(payload, frame_bytes, f"r{r}-{device_id}"))
                   for device_id, payload in payloads]
         if profile and r == rounds:
             profiler = cProfile.Profile(time.process_time)
@@ -116,7 +117,7 @@ def run(clients: int, rounds: int, profile: bool, folder: Path) -> dict:
             if not verdict.accepted:
                 raise SystemExit(f"error: {device_id}'s update was refused: {verdict.reason}")
             c = time.process_time()
-            send_receipt(link, device_id, engine.run_id, r)
+            send_receipt(link, device_id, engine.run_id, r, frame_bytes)
             receipts_cpu += time.process_time() - c
         received_wall, received_cpu = time.perf_counter(), time.process_time()
         engine.close_round(time.monotonic())
@@ -140,7 +141,7 @@ def run(clients: int, rounds: int, profile: bool, folder: Path) -> dict:
               f"{tasks_cpu + receipts_cpu:.3f} (tasks {tasks_cpu:.3f}, receipts {receipts_cpu:.3f}); "
               f"load {row['load_average_1min']:.1f}",
               flush=True)
-    out = {"clients": clients, "cpu": cpu_name(), "rounds": results}
+    out = {"clients": clients, "frame_bytes": frame_bytes, "cpu": cpu_name(), "rounds": results}
     if profiler is not None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(PROFILE_LINES)
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=100, help="sealed updates per round (K)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
+                   help="frame size of every message (the server's --max-message-bytes)")
     p.add_argument("--profile", action="store_true", help="cProfile the last round on CPU time")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -160,8 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         if value < 1:
             print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
             return 2
+    if args.frame_bytes <= FRAME_HEADER_BYTES:
+        print(f"error: --frame-bytes must exceed the {FRAME_HEADER_BYTES}-byte frame header, got {args.frame_bytes}",
+              file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="read-path-") as tmp:
-        result = run(args.clients, args.rounds, args.profile, Path(tmp))
+        result = run(args.clients, args.rounds, args.profile, Path(tmp), args.frame_bytes)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}")

@@ -26,8 +26,9 @@ The broker-only ceiling is measured in the same run on the same broker, before t
 of updates of the same plans published by one process as fast as the broker takes them, taken off by one plain
 subscriber that opens none of them (scripts/bench_aggregators.py's ``measure_broker``, at most 200 updates a round:
 a rate, not a round). So is the server's in-process read path (scripts/bench_read_path.py's ``run``, the same rounds
-and at most 200 updates a round: frames joined, opened, hashed, folded, the round closed, and apart the round's own
-TASKs and receipts sealed), the CPU per update the server over the broker is compared with.
+and at most 200 updates a round, every message in frames of ``--max-message-bytes``: frames joined, opened, hashed,
+folded, the round closed, and apart the round's own TASKs and receipts sealed), the CPU per update the server over the
+broker is compared with.
 
 A round's ``seconds`` include the devices' answer delays, so ``update_mb_per_s`` is the fleet's rate, not the
 server's. ``--together`` measures the server's read path against that ceiling: every device seals its answer when
@@ -636,7 +637,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
         if not args.aggregators:
             print("measuring the server's in-process read path (scripts/bench_read_path.py)", flush=True)
             read_path = bench_read_path.run(min(args.devices, CEILING_UPDATES), args.rounds, False,
-                                            folder / "read_path")
+                                            folder / "read_path", args.max_message_bytes)
         out = folder / "server"
         with open(folder / "server.out", "w") as log:
             server = subprocess.Popen(server_command(args, url, enrollment, data, overrides, out), cwd=REPO,

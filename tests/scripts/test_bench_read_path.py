@@ -37,6 +37,21 @@ def test_the_rounds_own_messages_are_timed_apart_from_the_read_path(tmp_path: Pa
         pytest.approx(row["cpu_s"], abs=1e-6), row  # the receipts are not in the read path's CPU
 
 
+def test_the_updates_come_in_frames_of_the_size_asked(tmp_path: Path):
+    out = tmp_path / "read_path.json"
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_read_path.py"), "--clients", "2", "--rounds", "1",
+                           "--frame-bytes", "1048576", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          env=child_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads(out.read_text())["frame_bytes"] == 1048576
+
+
+def test_a_frame_no_larger_than_its_header_exits_2_naming_the_flag(tmp_path: Path):
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_read_path.py"), "--frame-bytes", "10"],
+                          capture_output=True, text=True, timeout=120, env=child_env())
+    assert done.returncode == 2 and "--frame-bytes" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_zero_clients_exits_2_naming_the_flag(tmp_path: Path):
     done = subprocess.run([sys.executable, str(SCRIPTS / "bench_read_path.py"), "--clients", "0"],
                           capture_output=True, text=True, timeout=120, env=child_env())
