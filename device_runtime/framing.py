@@ -314,6 +314,7 @@ class Reassembler:
         # the owner may want back (see the class docstring), until the caller takes them
         self.expired_lost: list[tuple[str, str]] = []  # (stream, msg_id) of those expired that the owner may want back
         self.spills = 0  # messages moved to the spill since the caller last took the count
+        self._scratch = bytearray()  # where a chunk placed for a spilled message is received, then written (``place``)
 
     @property
     def pending_ids(self) -> tuple[str, ...]:
@@ -442,10 +443,11 @@ class Reassembler:
         """Where to receive the chunk of a frame still arriving: straight into its message. ``head`` is the frame's
         first bytes (its header, and what has come of its chunk), ``size`` its length. A ``Placement`` (the caller
         receives the whole chunk into it, then hands it to ``commit``, or to ``abort`` if it never comes) for a frame
-        that ``feed`` would hold in memory, of a message its sender authenticated (chunk 0 vouched, from the bytes of
-        it at hand) or of any where nothing vouches; None for any other frame, which the caller reads whole and
-        feeds: a frame is admitted, checked, ranked and counted as ``feed`` would. The message's buffer
-        (``buffers.unfilled``: pages taken as its bytes come) replaces the frames' buffers and their join."""
+        that ``feed`` would keep, of a message its sender authenticated (chunk 0 vouched, from the bytes of it at hand)
+        or of any where nothing vouches; None for any other frame, which the caller reads whole and feeds: a frame is
+        admitted, checked, ranked and counted as ``feed`` would. The message's buffer (``buffers.unfilled``: pages
+        taken as its bytes come) replaces the frames' buffers and their join; a spilled message's chunk is received
+        into one scratch buffer, reused frame after frame, and written to the spill at ``commit``."""
         try:
             f = _parse_head(head, size)
         except ProtocolError:
@@ -469,43 +471,60 @@ class Reassembler:
         elif (f.count, f.total, f.step, f.digest, sender) != (
                 pending.count, pending.total, pending.step, pending.digest, pending.sender):
             return None
-        if pending.spilled or f.index in pending.pieces or (pending.rank is None and self._vouch is not None):
+        if f.index in pending.pieces or (pending.rank is None and self._vouch is not None):
             return None
         length = size - FRAME_HEADER_BYTES
-        if not self._make_room(length, key, now) or pending.spilled:
-            return None  # pushed out (``feed`` drops the frame) or moved to the spill (``feed`` writes it there)
-        if pending.buffer is None:
-            pending.buffer = unfilled(pending.total)
-            for index, data in pending.pieces.items():
-                pending.region(index)[:] = data
-                pending.pieces[index] = None
+        if not self._make_room(length, key, now):
+            return None  # pushed out: ``feed`` drops the frame
         pending.pieces[f.index] = None
-        self._held += length
+        if pending.spilled:
+            if len(self._scratch) < length:
+                self._scratch = unfilled(length)
+            into = memoryview(self._scratch)[:length]
+        else:
+            if pending.buffer is None:
+                pending.buffer = unfilled(pending.total)
+                for index, data in pending.pieces.items():
+                    if data is not None:
+                        pending.region(index)[:] = data
+                        pending.pieces[index] = None
+            self._held += length
+            into = pending.region(f.index)
         pending.held += length
         self._senders[sender].held += length
-        return Placement(key, f.index, pending.region(f.index), size)
+        return Placement(key, f.index, into, size)
 
     def commit(self, placement: Placement, now: float) -> bytearray | None:
-        """The chunk of ``placement`` received whole: the message's payload once it is complete (as ``feed``)."""
-        pending = self._pending.get(placement.key)
-        if pending is None or pending.buffer is None or placement.index not in pending.pieces:
+        """The chunk of ``placement`` received whole: the message's payload once it is complete (as ``feed``). A
+        spilled message's chunk goes from the scratch buffer to the spill."""
+        key = placement.key
+        pending = self._pending.get(key)
+        if pending is None or placement.index not in pending.pieces:
             return None
-        if len(pending.pieces) < pending.count:
+        try:
+            if pending.spilled:
+                length = placement.frame_bytes - FRAME_HEADER_BYTES
+                self._spill.write(key, placement.index * pending.step, memoryview(self._scratch)[:length])
+            if len(pending.pieces) < pending.count:
+                return None
+            payload = self._spill.take(key, pending.total) if pending.spilled else pending.buffer
+        except OSError:
+            self._evict(key, now)
             return None
-        payload = pending.buffer
-        self._drop(placement.key)
-        self._remember_delivered(placement.key, now)
+        self._drop(key)
+        self._remember_delivered(key, now)
         return payload
 
     def abort(self, placement: Placement) -> None:
         """The chunk of ``placement`` will not come whole (the connection closed while it came): its place is given
         back, so the frame delivered again is taken."""
         pending = self._pending.get(placement.key)
-        if pending is None or pending.buffer is None or placement.index not in pending.pieces:
+        if pending is None or placement.index not in pending.pieces:
             return
         del pending.pieces[placement.index]
         length = placement.frame_bytes - FRAME_HEADER_BYTES
-        self._held -= length
+        if not pending.spilled:
+            self._held -= length
         pending.held -= length
         self._senders[pending.sender].held -= length
 

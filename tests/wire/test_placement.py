@@ -108,21 +108,54 @@ def test_a_frame_contradicting_its_message_is_left_to_feed():
     assert place(r, other[1]) is None
 
 
+def spilling(folder, **changes) -> Reassembler:
+    """Memory for 5,000 bytes of chunks; a spill for 20,000."""
+    return reassembler(**{"max_pending_bytes": 5_000, "max_message_bytes": 5_000, "spill": FileSpill(folder),
+                          "max_spill_bytes": 20_000, **changes})
+
+
 def test_a_placed_message_moved_to_the_spill_completes_from_it(tmp_path):
     first, second = sealed("update-1"), sealed("update-2")
-    r = reassembler(max_pending_bytes=5_000, max_message_bytes=5_000, spill=FileSpill(tmp_path),
-                    max_spill_bytes=20_000)
+    r = spilling(tmp_path)
     a, b = chunk(first, FRAME_1K, "update-1"), chunk(second, FRAME_1K, "update-2")
     for frame in a[:-1]:
         r.commit(place(r, frame, stream="dev/a/update"), 0.0)
     for frame in b[:2]:  # 5,000 bytes held: the budget
         r.commit(place(r, frame, stream="dev/b/update"), 0.0)
     assert r.spilled_bytes == 0
-    assert place(r, b[2], stream="dev/b/update") is None  # past the budget: b, the newest, goes to the spill
-    assert r.spilled_bytes == len(second)
-    out = [r.feed(frame, 0.0, stream="dev/b/update") for frame in b[2:]]
+    out = [r.commit(place(r, frame, stream="dev/b/update"), 0.0) for frame in b[2:]]  # past it: b, the newest, spills
+    assert r.spilled_bytes == 0 and r.spills == 1  # it went there, and came back whole
     assert bytes(out[-1]) == second
+    assert r.pending_bytes == sum(len(f) - FRAME_HEADER_BYTES for f in a[:-1])
     assert bytes(r.commit(place(r, a[-1], stream="dev/a/update"), 0.0)) == first
+
+
+def test_an_aborted_placement_of_a_spilled_message_gives_its_place_back(tmp_path):
+    second = sealed("update-2")
+    r = spilling(tmp_path, max_pending_bytes=10_000, max_message_bytes=5_000)
+    b = chunk(second, FRAME_1K, "update-2")
+    r.commit(place(r, b[0], stream="dev/b/update"), 0.0)
+    r._to_spill(("dev/b/update", "update-2"))  # noqa: SLF001  (as the total budget would)
+    r.abort(r.place(memoryview(b[1])[:FRAME_HEADER_BYTES], len(b[1]), 0.0, stream="dev/b/update"))
+    out = [r.commit(place(r, frame, stream="dev/b/update"), 0.0) for frame in b[1:]]
+    assert bytes(out[-1]) == second
+
+
+class FailingSpill(FileSpill):
+    def write(self, key, offset, data) -> None:
+        raise OSError("no space left on device")
+
+
+def test_a_spilled_chunk_that_cannot_be_written_pushes_its_message_out(tmp_path):
+    second = sealed("update-2")
+    r = reassembler(max_pending_bytes=10_000, max_message_bytes=5_000, spill=FailingSpill(tmp_path),
+                    max_spill_bytes=20_000)
+    b = chunk(second, FRAME_1K, "update-2")
+    key = ("dev/b/update", "update-2")
+    r.commit(place(r, b[0], stream="dev/b/update"), 0.0)
+    r._pending[key].pieces, r._pending[key].spilled = {0: None}, True  # noqa: SLF001  (already in the spill)
+    assert r.commit(place(r, b[1], stream="dev/b/update"), 0.0) is None
+    assert r.evicted == [key] and r.pending_ids == ()
 
 
 @pytest.mark.parametrize("vouch", [None, vouch_by_tag], ids=["nothing-vouches", "vouched"])
