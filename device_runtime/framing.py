@@ -19,7 +19,6 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from device_runtime.buffers import unfilled
 from device_runtime.protocol import MAX_ID_LEN, PROTOCOL_VERSION, ProtocolError, Reason, check_id, is_int
 
 FRAME_MAGIC = b"FACK"
@@ -116,16 +115,11 @@ def _parse_frame(frame: object) -> Frame:
     50 MB here)."""
     if not isinstance(frame, (bytes, bytearray)):
         raise ProtocolError(Reason.BAD_INPUT, f"expected bytes, got {type(frame).__name__}")
-    return _parse_head(frame, len(frame))
-
-
-def _parse_head(raw: bytes | bytearray | memoryview, size: int) -> Frame:
-    """Parse a frame of ``size`` bytes from its first bytes ``raw`` (its header and what has come of its chunk, that
-    prefix the parsed frame's ``data``) and check what it can say about itself alone."""
-    if size < FRAME_HEADER_BYTES or len(raw) < FRAME_HEADER_BYTES:
+    raw = frame
+    if len(raw) < FRAME_HEADER_BYTES:
         raise ProtocolError(
             Reason.TRUNCATED,
-            f"frame is {size} bytes, shorter than its {FRAME_HEADER_BYTES}-byte header",
+            f"frame is {len(raw)} bytes, shorter than its {FRAME_HEADER_BYTES}-byte header",
         )
     magic, version, id_len, id_field, index, count, total, digest = _FRAME_HEADER.unpack_from(raw)
     if magic != FRAME_MAGIC:
@@ -145,11 +139,11 @@ def _parse_head(raw: bytes | bytearray | memoryview, size: int) -> Frame:
     data = memoryview(raw)[FRAME_HEADER_BYTES:]
     if count == 0 or index >= count:
         raise ProtocolError(Reason.BAD_INDEX, f"frame index {index} outside count {count}")
-    step = _implied_step(index, count, total, size - FRAME_HEADER_BYTES)
+    step = _implied_step(index, count, total, len(data))
     if step is None:
         raise ProtocolError(
             Reason.BAD_FRAME,
-            f"chunk {index} of {size - FRAME_HEADER_BYTES} bytes cannot be part of {count} chunks totalling "
+            f"chunk {index} of {len(data)} bytes cannot be part of {count} chunks totalling "
             f"{total} bytes (equal chunks, the last one shorter or equal, none empty)",
         )
     return Frame(msg_id, index, count, total, digest, step, data)
@@ -187,31 +181,15 @@ class _Pending:
     sender: Hashable
     seq: int  # order of admission
     rank: int | None = None  # the sender's counter once chunk 0 vouched for the message (Vouch), else None
-    pieces: dict[int, memoryview | None] = field(default_factory=dict)  # None: the chunk is in the spill or buffer
+    pieces: dict[int, memoryview | None] = field(default_factory=dict)  # None: the chunk is in the spill
     held: int = 0  # bytes of its chunks received (in memory, or in the spill once ``spilled``)
     spilled: bool = False  # its chunks are in the spill, not in memory
-    buffer: bytearray | None = None  # the whole message, each chunk at its offset, once one was placed (``place``)
-
-    def region(self, index: int) -> memoryview:
-        """Chunk ``index``'s place in ``buffer``."""
-        start = index * self.step
-        return memoryview(self.buffer)[start:min(start + self.step, self.total)]
 
     def keeps_over(self, other: _Pending) -> bool:
         """Whether, of two incomplete messages of one sender, this one stays when one must go: a vouched one over an
         unvouched one, then the higher counter (the sender's newest message: a replay has an older one), then the
         newer admission."""
         return (self.rank is not None, self.rank or 0, self.seq) > (other.rank is not None, other.rank or 0, other.seq)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """A frame whose chunk is received straight into its message's buffer (``Reassembler.place``)."""
-
-    key: tuple[str, str]  # (stream, msg_id)
-    index: int
-    into: memoryview  # where the chunk's bytes go, all of them
-    frame_bytes: int  # the frame's length, its header included
 
 
 @dataclass
@@ -314,7 +292,6 @@ class Reassembler:
         # the owner may want back (see the class docstring), until the caller takes them
         self.expired_lost: list[tuple[str, str]] = []  # (stream, msg_id) of those expired that the owner may want back
         self.spills = 0  # messages moved to the spill since the caller last took the count
-        self._scratch = bytearray()  # where a chunk placed for a spilled message is received, then written (``place``)
 
     @property
     def pending_ids(self) -> tuple[str, ...]:
@@ -382,8 +359,7 @@ class Reassembler:
             return None  # the rest of a message pushed out for room: it cannot complete any more, so it takes none
         pending = self._pending.get(key)
         if pending is None:
-            rank = self._vouch(sender, f.data) if f.index == 0 and self._vouch is not None else None
-            pending = self._admit(key, f, sender, now, rank)
+            pending = self._admit(key, f, sender, now)
             if pending is None:
                 return None  # the sender's lowest-ranked message: dropped, its place kept for what ranks higher
         elif (f.count, f.total, f.step, f.digest, sender) != (
@@ -398,7 +374,7 @@ class Reassembler:
         elif f.index == 0 and pending.rank is None and self._vouch is not None and 0 not in pending.pieces:
             pending.rank = self._vouch(sender, f.data)  # chunk 0 came after others: vouched from now on
         if f.index in pending.pieces:
-            known = pending.pieces[f.index] if pending.buffer is None else pending.region(f.index)
+            known = pending.pieces[f.index]
             if known is not None and known != f.data:  # a spilled chunk is not read back to compare: the body
                 raise ProtocolError(  # digest the envelope's tagged header binds refuses a changed one
                     Reason.INCONSISTENT_CHUNK,
@@ -415,11 +391,7 @@ class Reassembler:
                 return None
             pending.pieces[f.index] = None
         else:
-            if pending.buffer is None:
-                pending.pieces[f.index] = f.data
-            else:
-                pending.region(f.index)[:] = f.data
-                pending.pieces[f.index] = None
+            pending.pieces[f.index] = f.data
             self._held += len(f.data)
         pending.held += len(f.data)
         self._senders[sender].held += len(f.data)
@@ -431,109 +403,19 @@ class Reassembler:
             except OSError:
                 self._evict(key, now)
                 return None
-        elif pending.buffer is not None:
-            payload = pending.buffer
         else:
             payload = bytearray().join(pending.pieces[i] for i in range(pending.count))
         self._drop(key)
         self._remember_delivered(key, now)
         return payload
 
-    def place(self, head: memoryview, size: int, now: float, stream: str = "") -> Placement | None:
-        """Where to receive the chunk of a frame still arriving: straight into its message. ``head`` is the frame's
-        first bytes (its header, and what has come of its chunk), ``size`` its length. A ``Placement`` (the caller
-        receives the whole chunk into it, then hands it to ``commit``, or to ``abort`` if it never comes) for a frame
-        that ``feed`` would keep, of a message its sender authenticated (chunk 0 vouched, from the bytes of it at hand)
-        or of any where nothing vouches; None for any other frame, which the caller reads whole and feeds: a frame is
-        admitted, checked, ranked and counted as ``feed`` would. The message's buffer (``buffers.unfilled``: pages
-        taken as its bytes come) replaces the frames' buffers and their join; a spilled message's chunk is received
-        into one scratch buffer, reused frame after frame, and written to the spill at ``commit``."""
-        try:
-            f = _parse_head(head, size)
-        except ProtocolError:
-            return None
-        sender = stream if self._admit_stream is None else self._admit_stream(stream)
-        if sender is None or (self._check is not None and not self._check(sender, f)):
-            return None
-        key = (stream, f.msg_id)
-        if f.total > self.max_message_bytes or key in self._delivered or key in self._pushed_out:
-            return None
-        pending = self._pending.get(key)
-        if pending is None:
-            rank = None
-            if self._vouch is not None:
-                rank = self._vouch(sender, f.data) if f.index == 0 else None
-                if rank is None:
-                    return None  # an unvouched message: read whole (a chunk 0 whose header did not all come yet too)
-            pending = self._admit(key, f, sender, now, rank)
-            if pending is None:
-                return None
-        elif (f.count, f.total, f.step, f.digest, sender) != (
-                pending.count, pending.total, pending.step, pending.digest, pending.sender):
-            return None
-        if f.index in pending.pieces or (pending.rank is None and self._vouch is not None):
-            return None
-        length = size - FRAME_HEADER_BYTES
-        if not self._make_room(length, key, now):
-            return None  # pushed out: ``feed`` drops the frame
-        pending.pieces[f.index] = None
-        if pending.spilled:
-            if len(self._scratch) < length:
-                self._scratch = unfilled(length)
-            into = memoryview(self._scratch)[:length]
-        else:
-            if pending.buffer is None:
-                pending.buffer = unfilled(pending.total)
-                for index, data in pending.pieces.items():
-                    if data is not None:
-                        pending.region(index)[:] = data
-                        pending.pieces[index] = None
-            self._held += length
-            into = pending.region(f.index)
-        pending.held += length
-        self._senders[sender].held += length
-        return Placement(key, f.index, into, size)
-
-    def commit(self, placement: Placement, now: float) -> bytearray | None:
-        """The chunk of ``placement`` received whole: the message's payload once it is complete (as ``feed``). A
-        spilled message's chunk goes from the scratch buffer to the spill."""
-        key = placement.key
-        pending = self._pending.get(key)
-        if pending is None or placement.index not in pending.pieces:
-            return None
-        try:
-            if pending.spilled:
-                length = placement.frame_bytes - FRAME_HEADER_BYTES
-                self._spill.write(key, placement.index * pending.step, memoryview(self._scratch)[:length])
-            if len(pending.pieces) < pending.count:
-                return None
-            payload = self._spill.take(key, pending.total) if pending.spilled else pending.buffer
-        except OSError:
-            self._evict(key, now)
-            return None
-        self._drop(key)
-        self._remember_delivered(key, now)
-        return payload
-
-    def abort(self, placement: Placement) -> None:
-        """The chunk of ``placement`` will not come whole (the connection closed while it came): its place is given
-        back, so the frame delivered again is taken."""
-        pending = self._pending.get(placement.key)
-        if pending is None or placement.index not in pending.pieces:
-            return
-        del pending.pieces[placement.index]
-        length = placement.frame_bytes - FRAME_HEADER_BYTES
-        if not pending.spilled:
-            self._held -= length
-        pending.held -= length
-        self._senders[pending.sender].held -= length
-
-    def _admit(self, key: tuple[str, str], f: Frame, sender: Hashable, now: float,
-               rank: int | None) -> _Pending | None:
-        """A new incomplete message of ``sender`` (``rank``: the counter its chunk 0 vouched for), room made for it
-        (its own messages first); None where it ranks lowest of the sender's (it is pushed out at once)."""
+    def _admit(self, key: tuple[str, str], f: Frame, sender: Hashable, now: float) -> _Pending | None:
+        """A new incomplete message of ``sender``, room made for it (its own messages first); None where it ranks
+        lowest of the sender's (it is pushed out at once)."""
         self._seq += 1
-        pending = _Pending(now, f.count, f.total, f.digest, f.step, sender, self._seq, rank)
+        pending = _Pending(now, f.count, f.total, f.digest, f.step, sender, self._seq)
+        if f.index == 0 and self._vouch is not None:
+            pending.rank = self._vouch(sender, f.data)
         own = self._senders.get(sender)
         if own is not None and len(own.keys) >= self.max_pending_per_sender:
             victim = self._lowest(own.keys)
@@ -623,13 +505,13 @@ class Reassembler:
         pending = self._pending[key]
         try:
             for index, data in pending.pieces.items():
-                self._spill.write(key, index * pending.step, data if pending.buffer is None else pending.region(index))
+                self._spill.write(key, index * pending.step, data)
         except OSError:
             self._spill.drop(key)
             return False
         self._held -= pending.held
         pending.pieces = dict.fromkeys(pending.pieces)
-        pending.spilled, pending.buffer = True, None
+        pending.spilled = True
         self._spilled += pending.total
         self._spilled_count += 1
         self.spills += 1

@@ -13,8 +13,6 @@ import hashlib
 import os
 from pathlib import Path
 
-from device_runtime.buffers import unfilled
-
 
 class FileSpill:
     """One file per spilled message in ``folder`` (created; files left by an earlier process removed)."""
@@ -42,7 +40,7 @@ class FileSpill:
     def take(self, key: tuple[str, str], size: int) -> bytearray:
         """The ``size`` bytes of message ``key``, its file removed; raises OSError."""
         path = self._path(key)
-        out = unfilled(size)  # every byte read into it, or OSError
+        out = bytearray(size)
         with open(path, "rb", buffering=0) as f:
             got = f.readinto(out)
         path.unlink(missing_ok=True)

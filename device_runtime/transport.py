@@ -35,8 +35,7 @@ from paho.mqtt.exception import MalformedPacket
 from paho.mqtt.properties import Properties, VariableByteIntegers
 
 from device_runtime.auth import new_nonce
-from device_runtime.buffers import unfilled
-from device_runtime.framing import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Admit, Check, NotAdmitted, Placement,
+from device_runtime.framing import (DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES, Admit, Check, NotAdmitted,
                                    Reassembler, RepeatedFrame, Spill, Vouch, chunk)
 from device_runtime.inbox import Inbox, Screen
 from device_runtime.protocol import ProtocolError
@@ -63,13 +62,11 @@ MAX_LOST_TOPICS = 4096
 """Topics of pushed-out messages an endpoint keeps for ``take_lost``, at most."""
 StatusFrames = Callable[[bool, str], bytes]
 """(online, connection nonce) -> the sealed status payload (status.StatusSigner)."""
-STAT_KEYS = ("frames_in", "frames_placed", "frames_rejected", "frames_repeated", "frames_unadmitted", "messages_in",
-             "messages_expired", "messages_evicted", "messages_spilled", "bytes_out", "bytes_in", "reconnects",
-             "sessions_lost")
+STAT_KEYS = ("frames_in", "frames_rejected", "frames_repeated", "frames_unadmitted", "messages_in", "messages_expired",
+             "messages_evicted", "messages_spilled", "bytes_out", "bytes_in", "reconnects", "sessions_lost")
 """``sessions_lost`` counts the reconnects whose broker held no session of this client (CONNACK session present
 0): what was published to it while it was away is gone, where a kept session queued it. ``messages_spilled``
 counts the incomplete messages moved to the reassembler's spill past its memory budget (``spill``).
-``frames_placed`` counts the frames whose chunk was received straight into its message (``_Client``'s placement).
 ``frames_unadmitted`` counts the frames admitted for no sender (``framing.NotAdmitted``), dropped at the frame, one
 log line per UNADMITTED_LOG_EVERY."""
 PACKET_HEADROOM_BYTES = 64 * 1024
@@ -88,7 +85,6 @@ RECEIVE_MAXIMUM = 0xFFFF
 Without it mosquitto sends an endpoint 20 at a time (its max_inflight_messages): behind a QoS 0 flood it may queue
 ahead of them, each window of 20 honest frames then waits for the whole backlog. What is in flight stays bounded by
 TCP's window and the endpoint's own budgets (an endpoint with ``backpressure`` stops reading)."""
-PUBLISH = 0x30
 PUBACK = 0x40
 PUBACK_BYTES = 4
 """An MQTT PUBACK without a reason code (3.1.1, and MQTT 5's success): its type, remaining length 2, packet id."""
@@ -178,13 +174,6 @@ def rotate_brokers(text: str, by: int) -> str:
     return ",".join(entries[by:] + entries[:by])
 
 
-class _PlacedMessage(mqtt.MQTTMessage):
-    """A PUBLISH whose frame's chunk was received into its message (``_Client.place``): its payload is the frame's
-    header alone."""
-
-    __slots__ = ("placement",)
-
-
 class _Adopt:
     """paho's packet buffer while a body read whole (``_Client._read_body``) is handed over: paho's
     ``packet += body`` then takes ``body`` itself (a copy of every byte less)."""
@@ -207,22 +196,14 @@ class _Client(mqtt.Client):
     size (``recv_into``) and handed to paho whole (adopted as the packet: ``_Adopt``), and a PUBLISH is decoded in
     place (``_handle_publish``): its payload is the packet's own buffer past its header. paho appended each 64 KiB
     read to the packet, then cut the payload out with three copies more (``_packet.decode_publish``): reading a 2.2 MB
-    update's frames cost 3.9–4.1 CPU ms, now 0.42–0.52 (scripts/bench_packet_reads.py, docs/scale.md). With ``place``
-    (the endpoint's reassembler, ``Reassembler.place``) such a PUBLISH's frame chunk goes straight into its message's
-    buffer where the reassembler takes it there: no buffer of the frame's own, no join of the frames once all came
-    (``unplace`` gives the place back where the connection closes before the chunk came whole)."""
+    update's frames cost 3.9–4.1 CPU ms, now 0.42–0.52 (scripts/bench_packet_reads.py, docs/scale.md)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._read_ahead = memoryview(b"")
         self._starved = False  # the last read found the buffer empty and the socket too
-        self._body: bytearray | None = None  # the packet body being read (``_read_body``), its placed chunk apart
-        self._into: memoryview | None = None  # where the rest of it goes: the body, or the placed chunk's place
-        self._filled = 0  # bytes of ``_into`` received
-        self._placement: Placement | None = None  # the placed chunk of the PUBLISH being read, until handled
-        self.place: Callable[[str, memoryview, int], Placement | None] | None = None
-        """(topic, a frame's first bytes, its length) -> where its chunk goes, or None: read whole."""
-        self.unplace: Callable[[Placement], None] = lambda placement: None
+        self._body: bytearray | None = None  # the packet body being read (``_read_body``)
+        self._body_filled = 0
 
     def _sock_recv(self, bufsize: int) -> bytes:
         if bufsize > READ_BYTES and bufsize > len(self._read_ahead):
@@ -244,85 +225,34 @@ class _Client(mqtt.Client):
         """The ``size`` bytes paho asks for (the rest of a packet: it asks again with the same size until it gets
         some), read into one buffer; BlockingIOError until all are in, so paho takes them at once. The buffer is
         allocated at the size the packet's header declares, as paho would have held it once read: a broker forwards a
-        packet only once it holds it whole, and an MQTT 5 broker none over this endpoint's Maximum Packet Size. Where
-        the packet's frame is placed (``_start_body``), the buffer holds its headers and the chunk goes to its place."""
-        if self._body is None:
-            self._start_body(size)
-        into = self._into
-        while self._filled < len(into):
+        packet only once it holds it whole, and an MQTT 5 broker none over this endpoint's Maximum Packet Size."""
+        body = self._body
+        if body is None:
+            body = self._body = bytearray(size)
+            ahead = len(self._read_ahead)
+            body[:ahead] = self._read_ahead
+            self._read_ahead, self._body_filled = memoryview(b""), ahead
+        view = memoryview(body)
+        while self._body_filled < size:
             try:
-                received = self._sock_recv_into(into[self._filled:])
+                received = self._sock_recv_into(view[self._body_filled:])
             except BlockingIOError:
                 self._starved = True
                 raise
             except OSError:
-                self._drop_body()
+                self._body = None
                 raise
             if received == 0:  # the connection closed: paho reads it as lost
-                self._drop_body()
+                self._body = None
                 return bytearray()
-            self._filled += received
+            self._body_filled += received
             with self._msgtime_mutex:  # paho's keepalive counts bytes received, not packets
                 self._last_bytes_received = time.monotonic()
-        body = self._body
-        into.release()  # the placed chunk's message is handed over whole later: nothing may hold a view of it
-        self._body, self._into, self._starved = None, None, False
+        view.release()
+        self._body, self._starved = None, False
         if not self._in_packet["packet"]:  # paho appends what this returns to the packet: it takes the body instead
             self._in_packet["packet"] = _Adopt()
-        if self._placement is not None:  # paho counts what this returns off the packet's rest: the chunk is there too
-            self._in_packet["to_process"] = len(body)
         return body
-
-    def _start_body(self, size: int) -> None:
-        """Where the ``size`` bytes of a packet's body go: the read-ahead (all of it this packet's) first, the rest
-        to its frame chunk's place where ``place`` gives one, else all into one buffer (every byte of it is then
-        received: ``unfilled``)."""
-        ahead, self._read_ahead = self._read_ahead, memoryview(b"")
-        placement = self._placement = self._place_frame(ahead, size)
-        if placement is None:
-            self._body = unfilled(size)
-            self._body[:len(ahead)] = ahead
-            self._into, self._filled = memoryview(self._body), len(ahead)
-            return
-        start = size - placement.frame_bytes + FRAME_HEADER_BYTES  # the chunk's first byte in the body
-        self._body = bytearray(ahead[:start])
-        given = ahead[start:]
-        placement.into[:len(given)] = given
-        self._into, self._filled = placement.into, len(given)
-
-    def _place_frame(self, ahead: memoryview, size: int) -> Placement | None:
-        """The place of the frame chunk of the QoS 0 or 1 PUBLISH whose body of ``size`` bytes begins with ``ahead``,
-        where its variable header and frame header are all in ``ahead`` and ``place`` gives one."""
-        header = self._in_packet["command"]
-        qos = (header & 0x06) >> 1
-        if self.place is None or header & 0xF0 != PUBLISH or qos > 1 or len(ahead) < 2:
-            return None
-        topic_end = 2 + int.from_bytes(ahead[:2], "big")
-        end = topic_end + 2 * qos
-        if self._protocol == mqtt.MQTTv5:
-            if len(ahead) < end + 4:
-                return None
-            try:
-                length, length_bytes = VariableByteIntegers.decode(ahead[end:end + 4])
-            except (MalformedPacket, IndexError):
-                return None
-            end += length_bytes + length
-        if len(ahead) < end + FRAME_HEADER_BYTES or end >= size:
-            return None
-        try:
-            topic = str(ahead[2:topic_end], "utf-8")
-        except UnicodeDecodeError:
-            return None
-        return self.place(topic, ahead[end:], size - end)
-
-    def _drop_body(self) -> None:
-        """The packet being read will not come whole: its placed chunk's place given back, its buffer dropped."""
-        placement, self._placement = self._placement, None
-        if placement is not None:
-            self.unplace(placement)
-        if self._into is not None:
-            self._into.release()
-        self._body, self._into = None, None
 
     def _sock_recv_into(self, view: memoryview) -> int:
         """paho's ``_sock_recv`` into ``view`` (TLS's want-read and want-write as BlockingIOError, as paho has them)."""
@@ -338,8 +268,7 @@ class _Client(mqtt.Client):
 
     def _sock_close(self) -> None:
         """paho's, and what was read of the closed connection's stream is dropped (the next one starts afresh)."""
-        self._drop_body()
-        self._read_ahead, self._starved = memoryview(b""), False
+        self._read_ahead, self._body, self._starved = memoryview(b""), None, False
         super()._sock_close()
 
     def _handle_publish(self) -> MQTTErrorCode:
@@ -350,7 +279,6 @@ class _Client(mqtt.Client):
         header = self._in_packet["command"]
         qos = (header & 0x06) >> 1
         view = memoryview(packet)
-        placement, self._placement = self._placement, None
         try:
             if len(view) < 2:
                 raise MalformedPacket("PUBLISH shorter than its topic length")
@@ -372,18 +300,10 @@ class _Client(mqtt.Client):
                 end += length_bytes + length
                 if end > len(view):
                     raise MalformedPacket("PUBLISH properties run past the packet")
-        except BaseException:
-            if placement is not None:
-                self.unplace(placement)
-            raise
         finally:
             view.release()
         del packet[:end]  # a bytearray drops its head without moving the rest
-        if placement is None:
-            message = mqtt.MQTTMessage(mid=mid, topic=topic)
-        else:
-            message = _PlacedMessage(mid=mid, topic=topic)
-            message.placement = placement
+        message = mqtt.MQTTMessage(mid=mid, topic=topic)
         message.dup, message.qos, message.retain = bool(header & 0x08), qos, bool(header & 0x01)
         message.properties, message.payload, message.timestamp = properties, packet, time.monotonic()
         if qos == 0:
@@ -537,12 +457,7 @@ class MqttEndpoint:
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
         client.on_publish = self._on_publish
-        client.place, client.unplace = self._place, self._reassembler.abort
         return client
-
-    def _place(self, topic: str, head: memoryview, size: int) -> Placement | None:
-        """Where the chunk of a frame still arriving goes (``Reassembler.place``); on paho's network thread."""
-        return self._reassembler.place(head, size, time.monotonic(), stream=frame_stream(topic))
 
     def _connect_properties(self) -> Properties:
         """MQTT 5 CONNECT: the largest packet this endpoint takes, how many unacknowledged QoS 1 messages it takes at
@@ -866,18 +781,13 @@ class MqttEndpoint:
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         now = time.monotonic()
         topic, frame = frame_stream(message.topic), message.payload
-        placement = message.placement if isinstance(message, _PlacedMessage) else None
         with self._stats_lock:  # one lock a frame, not two
             self._stats["frames_in"] += 1
-            self._stats["bytes_in"] += len(frame) if placement is None else placement.frame_bytes
-            self._stats["frames_placed"] += placement is not None
+            self._stats["bytes_in"] += len(frame)
         if not frame and topic != message.topic:
             return  # a payload's retained frame deleted by its publisher (clear_retained): nothing to read
         try:
-            if placement is not None:
-                payload = self._reassembler.commit(placement, now)
-            else:
-                payload = self._reassembler.feed(frame, now, stream=topic)
+            payload = self._reassembler.feed(frame, now, stream=topic)
         except NotAdmitted as exc:
             with self._stats_lock:
                 self._stats["frames_unadmitted"] += 1

@@ -5,11 +5,8 @@ thread and read at the other by ``transport._Client``, as its network thread rea
 
     .venv/bin/python scripts/bench_packet_reads.py --updates 200 --out packet_reads.json
 
-Per repeat, each way in turn: the frames' chunks placed straight into their messages as the endpoint places them
-(``Reassembler.place``/``commit``, the endpoint's ``_Client.place``), and each frame read whole into a buffer of its own
-and joined (``feed``, no placement): MB read, the reading thread's CPU seconds (``time.thread_time``), CPU ms per
-update, and placed over read whole. The reassembler is the bench_read_path's (no admission, no vouch); the PUBACKs the
-reader owes are dropped, not written.
+Per repeat: MB read, the reading thread's CPU seconds (``time.thread_time``) and CPU ms per update. The reassembler is
+the bench_read_path's (no admission, no vouch); the PUBACKs the reader owes are dropped, not written.
 """
 from __future__ import annotations
 
@@ -31,7 +28,6 @@ from paho.mqtt.properties import VariableByteIntegers  # noqa: E402
 
 from device_runtime import transport  # noqa: E402
 from device_runtime.framing import Reassembler, chunk  # noqa: E402
-from server.outputs.machine import cpu_name  # noqa: E402
 
 MB = 1e6
 UPDATE_BYTES = 2_210_000
@@ -47,9 +43,8 @@ def publish_packet(payload: bytes, mid: int, topic: str) -> bytes:
     return b"\x32" + VariableByteIntegers.encode(len(body)) + body
 
 
-def measure(updates: int, placed: bool) -> dict:
-    """Read ``updates`` updates' packets once, their chunks ``placed`` or each frame read whole; the reading thread's
-    CPU."""
+def measure(updates: int) -> dict:
+    """Read ``updates`` updates' packets once; the reading thread's CPU."""
     packets = []
     for i in range(updates):
         for frame in chunk(bytes(UPDATE_BYTES), FRAME_BYTES, f"update-{i}"):
@@ -60,16 +55,10 @@ def measure(updates: int, placed: bool) -> dict:
     client._sock = ours  # noqa: SLF001
     reassembler = Reassembler(64 << 20, 600.0, 512, 128 << 20)
     complete = [0]
-    if placed:
-        client.place = lambda topic, head, size: reassembler.place(head, size, time.monotonic(), stream=topic)
-        client.unplace = reassembler.abort
 
     def on_message(_client: object, _userdata: object, message: mqtt.MQTTMessage) -> None:
-        if isinstance(message, transport._PlacedMessage):  # noqa: SLF001
-            payload = reassembler.commit(message.placement, time.monotonic())
-        else:
-            payload = reassembler.feed(message.payload, time.monotonic(), stream=message.topic)
-        complete[0] += payload is not None
+        if reassembler.feed(message.payload, time.monotonic(), stream=message.topic) is not None:
+            complete[0] += 1
 
     client.on_message = on_message
     writer = threading.Thread(target=lambda: [theirs.sendall(p) for p in packets], daemon=True)
@@ -84,8 +73,7 @@ def measure(updates: int, placed: bool) -> dict:
     ours.close()
     theirs.close()
     nbytes = sum(map(len, packets))
-    return {"way": "placed" if placed else "read whole", "updates": updates, "mb": nbytes / MB, "reader_cpu_s": cpu,
-            "ms_per_update": cpu / updates * 1000}
+    return {"updates": updates, "mb": nbytes / MB, "reader_cpu_s": cpu, "ms_per_update": cpu / updates * 1000}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,18 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         if value < 1:
             print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
             return 2
-    rows = []
-    for repeat in range(1, args.repeats + 1):
-        pair = [dict(measure(args.updates, placed), repeat=repeat) for placed in (True, False)]
-        pair[0]["placed_to_read_whole"] = pair[0]["reader_cpu_s"] / pair[1]["reader_cpu_s"]
-        rows += pair
-    print("| repeat | way | MB | reader CPU s | CPU ms per update | placed / read whole |\n|---:|---|---:|---:|---:|---:|")
-    for row in rows:
-        ratio = f"{row['placed_to_read_whole']:.2f}" if "placed_to_read_whole" in row else ""
-        print(f"| {row['repeat']} | {row['way']} | {row['mb']:.0f} | {row['reader_cpu_s']:.3f} | "
-              f"{row['ms_per_update']:.2f} | {ratio} |")
+    rows = [measure(args.updates) for _ in range(args.repeats)]
+    print("| repeat | MB | reader CPU s | CPU ms per update |\n|---:|---:|---:|---:|")
+    for i, row in enumerate(rows, 1):
+        print(f"| {i} | {row['mb']:.0f} | {row['reader_cpu_s']:.3f} | {row['ms_per_update']:.2f} |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "rounds": rows}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"rounds": rows}, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0
 

@@ -1,5 +1,4 @@
-"""scripts/bench_packet_reads.py, its smallest run: every update's packets read both ways (placed, read whole and
-joined), the reader's CPU timed."""
+"""scripts/bench_packet_reads.py, its smallest run: every update's packets read and joined, the reader's CPU timed."""
 from __future__ import annotations
 
 import json
@@ -11,16 +10,13 @@ from tests.support.processes import child_env
 from tests.support.scripts import SCRIPTS
 
 
-def test_two_updates_are_read_placed_and_whole_and_timed(tmp_path: Path):
+def test_two_updates_are_read_whole_and_timed(tmp_path: Path):
     out = tmp_path / "packet_reads.json"
     done = subprocess.run([sys.executable, str(SCRIPTS / "bench_packet_reads.py"), "--updates", "2", "--repeats", "1",
                            "--out", str(out)], capture_output=True, text=True, timeout=120, env=child_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    placed, whole = json.loads(out.read_text())["rounds"]
-    assert (placed["way"], whole["way"]) == ("placed", "read whole")
-    for row in (placed, whole):
-        assert row["updates"] == 2 and row["mb"] > 4.4 and row["reader_cpu_s"] > 0, row
-    assert placed["placed_to_read_whole"] == placed["reader_cpu_s"] / whole["reader_cpu_s"]
+    (row,) = json.loads(out.read_text())["rounds"]
+    assert row["updates"] == 2 and row["mb"] > 4.4 and row["reader_cpu_s"] > 0, row
 
 
 def test_zero_updates_exits_2_naming_the_flag():

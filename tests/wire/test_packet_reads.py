@@ -1,10 +1,8 @@
 """The endpoint's paho client reads packets as paho would (transport._Client): a long body read into one buffer, a
-PUBLISH decoded in place, a long frame's chunk received into its message where the reassembler places it. No broker:
-packets written by hand into one end of a socket pair."""
+PUBLISH decoded in place. No broker: packets written by hand into one end of a socket pair."""
 
 from __future__ import annotations
 
-import random
 import socket
 from collections.abc import Iterator
 
@@ -15,7 +13,6 @@ from paho.mqtt.exception import MalformedPacket
 from paho.mqtt.properties import VariableByteIntegers
 
 from device_runtime import transport
-from device_runtime.framing import FRAME_HEADER_BYTES, Reassembler, chunk
 
 TOPIC = "fedara/dev/dev_001/up"
 
@@ -158,79 +155,3 @@ def test_a_remaining_length_longer_than_four_bytes_is_a_protocol_error(client) -
     assert read_all(reader) == MQTTErrorCode.MQTT_ERR_PROTOCOL
     assert delivered == []
 
-
-
-def placing(reader: transport._Client) -> tuple[Reassembler, list[tuple[str, bytearray | None]]]:
-    """A reassembler placing ``reader``'s long frames and taking each frame as it is handled, as the endpoint's does;
-    and what each frame gave: (how it came, the message once whole)."""
-    reassembler, taken = Reassembler(1 << 20, 600.0, 64), []
-    reader.place = lambda topic, head, size: reassembler.place(head, size, 0.0, stream=topic)
-    reader.unplace = reassembler.abort
-
-    def on_message(_client: object, _userdata: object, message: mqtt.MQTTMessage) -> None:
-        if isinstance(message, transport._PlacedMessage):  # noqa: SLF001
-            taken.append(("placed", reassembler.commit(message.placement, 0.0)))
-        else:
-            taken.append(("read whole", reassembler.feed(message.payload, 0.0, stream=message.topic)))
-
-    reader.on_message = on_message
-    return reassembler, taken
-
-
-def send_and_read(reader: transport._Client, broker: socket.socket, data: bytes) -> None:
-    """``data`` from the broker's side, in pieces a socket pair's buffer takes, each read as it comes."""
-    for start in range(0, len(data), 50_000):
-        broker.sendall(data[start:start + 50_000])
-        read_all(reader)
-
-
-def long_frames(msg_id: str = "m-1") -> tuple[bytes, list[bytes]]:
-    """A payload in two frames, each longer than one read."""
-    payload = random.Random(5).randbytes(300_000)
-    return payload, chunk(payload, 150_000 + FRAME_HEADER_BYTES, msg_id)
-
-
-def packets_of(reader: transport._Client, frames: list[bytes]) -> list[bytes]:
-    return [publish_packet(f, mid=i + 1, properties=mqtt5_properties(reader)) for i, f in enumerate(frames)]
-
-
-def test_a_long_frames_chunk_goes_into_its_message_and_the_message_is_whole(client) -> None:
-    reader, broker, _ = client
-    _, taken = placing(reader)
-    payload, frames = long_frames()
-    for packet in packets_of(reader, frames):
-        send_and_read(reader, broker, packet)
-    assert taken == [("placed", None), ("placed", payload)]
-    assert [p["packet"] for p in reader._out_packet] == [bytes([transport.PUBACK, 2, 0, i]) for i in (1, 2)]  # noqa
-
-
-def test_a_long_frame_whose_headers_are_not_all_in_the_first_read_is_read_whole(client) -> None:
-    reader, broker, _ = client
-    _, taken = placing(reader)
-    payload, frames = long_frames()
-    packets = packets_of(reader, frames)
-    send_and_read(reader, broker, packets[0] + packets[1][:40])  # the second's frame header cut by the read
-    send_and_read(reader, broker, packets[1][40:])
-    assert taken == [("placed", None), ("read whole", payload)]
-
-
-def test_a_connection_closed_inside_a_placed_chunk_gives_its_place_back(client) -> None:
-    reader, broker, _ = client
-    reassembler, taken = placing(reader)
-    payload, frames = long_frames()
-    packets = packets_of(reader, frames)
-    send_and_read(reader, broker, packets[0])
-    send_and_read(reader, broker, packets[1][:100_000])
-    chunks = [len(f) - FRAME_HEADER_BYTES for f in frames]
-    assert reassembler.pending_bytes == sum(chunks)  # the second placed, a part of it received
-    reader._sock_close()  # noqa: SLF001
-    assert reassembler.pending_bytes == chunks[0]
-    ours, broker2 = socket.socketpair()
-    ours.setblocking(False)
-    reader._sock = ours  # noqa: SLF001
-    reader._in_packet.update(command=0, have_remaining=0, remaining_count=[], remaining_mult=1,  # noqa: SLF001
-                             remaining_length=0, packet=bytearray(), to_process=0, pos=0)
-    send_and_read(reader, broker2, packets[1])  # the broker delivers it again on the next connection
-    assert taken == [("placed", None), ("placed", payload)]
-    ours.close()
-    broker2.close()
