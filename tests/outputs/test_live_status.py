@@ -393,37 +393,46 @@ def test_a_run_shows_its_fleet_on_metrics_and_in_a_browser_then_closes_its_port(
     held = server.device("dev_002")
     screenshot = tmp_path / "status_page.png"
     checked: list[int] = []
+    junk_sent = False
     held.suspend()
     try:
         while (snapshot := held_round(status, server, "dev_002")) is not None:
             code, body = get(url + "metrics")
             assert code == 200
             completed = check_against_metrics_file(samples(body.decode()), run)
-            assert [c["round"] for c in snapshot["completed"]] == list(range(1, completed + 1))
-            checked.append(completed)
-            print(f"held at round {snapshot['open_round']['round']}: /metrics matches the {completed} rounds of "
-                  f"metrics.jsonl", flush=True)
-            if CHROMIUM is not None and (len(checked) == 1 or (completed >= 2 and max(checked[:-1]) < 2)):
+            page = None
+            if CHROMIUM is not None and (not checked or (completed >= 2 and max(checked) < 2)):
                 # The device table, drawn by the page's script from /api/status; the screenshot shows the plot
                 # too once two rounds are complete.
                 page = chromium(url, tmp_path, "--dump-dom", f"--screenshot={screenshot}")
-                assert page.returncode == 0 and screenshot.stat().st_size > 10_000, page.stderr[-2000:]
-                rows = re.findall(r'<tr data-device="([^"]+)"', page.stdout)
-                assert rows == [f"dev_{i:03d}" for i in range(DEVICES)], page.stdout[-3000:]
-                assert "waiting for: dev_002" in page.stdout
-            if len(checked) == 1:  # junk on a device's topic is refused, and counted by reason
+            if not junk_sent:  # junk on a device's topic is refused, and counted by reason
                 broker = next(line.split(" on ")[1].split(",")[0] for line in server.lines if line.startswith("run "))
                 host, broker_port = broker.removeprefix("mqtt://").split(":")
                 publish.single(Topics(DEFAULT_TOPIC_PREFIX, "dev_000").up, b"junk", qos=1, hostname=host,
                                port=int(broker_port))
                 wait_for(lambda: samples(get(url + "metrics")[1].decode()).get(
                     ("fedara_refusals_total", (("reason", "frame rejected"),)), 0) >= 1, WAIT_S, "the junk refused")
-                snapshot = status()
+                junk_sent = True
             assert post(url + "api/status") == 405 and post(url + "metrics") == 405
-            after = status()  # the run still holds: the POSTs changed nothing
-            assert after["completed"] == snapshot["completed"]
+            after = status()
+            if (after.get("open_round") or {}).get("round") != snapshot["open_round"]["round"]:
+                # dev_002's answer was on its way when it was suspended: the round closed, so what was seen since
+                # was not of a held run; the next round, opened after that answer, is held (dev_002 stays suspended)
+                print(f"round {snapshot['open_round']['round']} was not held: dev_002 had answered it", flush=True)
+                continue
+            # The run held still throughout: the POSTs changed nothing, the page showed the held round.
             assert {k: v for k, v in after["open_round"].items() if k != "deadline_unix"} == {
                 k: v for k, v in snapshot["open_round"].items() if k != "deadline_unix"}
+            assert [c["round"] for c in snapshot["completed"]] == list(range(1, completed + 1))
+            checked.append(completed)
+            print(f"held at round {snapshot['open_round']['round']}: /metrics matches the {completed} rounds of "
+                  "metrics.jsonl", flush=True)
+            if page is not None:
+                assert page.returncode == 0 and screenshot.stat().st_size > 10_000, page.stderr[-2000:]
+                rows = re.findall(r'<tr data-device="([^"]+)"', page.stdout)
+                assert rows == [f"dev_{i:03d}" for i in range(DEVICES)], page.stdout[-3000:]
+                shown = re.search(r'<div id="round">.*?</div>', page.stdout, re.S)
+                assert "waiting for: dev_002" in page.stdout, shown and shown.group(0)
             held.resume()
             wait_for(lambda: server.proc.poll() is not None or status().get("finished")
                      or status().get("completed", [])[completed:], WAIT_S, "the next round")
