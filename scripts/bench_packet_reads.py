@@ -28,6 +28,7 @@ from paho.mqtt.properties import VariableByteIntegers  # noqa: E402
 
 from device_runtime import transport  # noqa: E402
 from device_runtime.framing import Reassembler, chunk  # noqa: E402
+from server.outputs.machine import cpu_name  # noqa: E402
 
 MB = 1e6
 UPDATE_BYTES = 2_210_000
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, row in enumerate(rows, 1):
         print(f"| {i} | {row['mb']:.0f} | {row['reader_cpu_s']:.3f} | {row['ms_per_update']:.2f} |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"rounds": rows}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "rounds": rows}, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0
 
